@@ -1,0 +1,30 @@
+"""Backends by name. A new backend adds a module and one line here."""
+from __future__ import annotations
+
+from glmc.backends.base import Backend, CompiledStep, lower_writeback
+from glmc.errors import ConfigError
+
+
+def _eager() -> Backend:
+    from glmc.backends.eager import EagerBackend
+    return EagerBackend()
+
+
+def _inductor() -> Backend:
+    from glmc.backends.inductor import InductorBackend
+    return InductorBackend()
+
+
+BACKENDS = {
+    "eager": _eager,
+    "inductor": _inductor,
+}
+
+
+def get_backend(name: str) -> Backend:
+    if name not in BACKENDS:
+        raise ConfigError(f"backend '{name}' is unknown; choose one of {', '.join(BACKENDS)}")
+    return BACKENDS[name]()
+
+
+__all__ = ["Backend", "CompiledStep", "lower_writeback", "get_backend", "BACKENDS"]

@@ -1,0 +1,29 @@
+"""The public entry point: glmc.optimize."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from glmc.passmanager import Pass
+from glmc.runtime import Trainer, make_trainer
+
+
+def optimize(model: nn.Module, example_inputs: Any, *, loss_fn: Any = None,
+             optimizer: torch.optim.Optimizer | None = None, backend: str = "inductor",
+             passes: str | list[Pass] | None = None, memory_budget: Any = None,
+             precision: str | None = None, target: Any = None, strict: bool = False,
+             disable: tuple[str, ...] = ()) -> Trainer:
+    """Capture, optimize and compile the training step of `model`.
+
+    `example_inputs` is a tuple of positional args or a dict of keyword args. With
+    `loss_fn=None` the model returns the loss (or an object with `.loss`); with `loss_fn`,
+    the last batch element (or "labels") is the target: `loss_fn(model(*batch[:-1]), batch[-1])`.
+    `optimizer` defaults to AdamW(lr=1e-3). `passes` is a pipeline string
+    ("cleanup,recompute{budget=0.5}") or a list of Pass objects; `disable` names passes to skip.
+    """
+    return make_trainer(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer,
+                        backend=backend, passes=passes, memory_budget=memory_budget,
+                        precision=precision, target=target, strict=strict,
+                        disable=frozenset(disable))

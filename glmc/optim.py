@@ -1,0 +1,158 @@
+"""Functional optimizer updates, traced into the step graph.
+
+Each rule reproduces the single-tensor update of its `torch.optim` class exactly (same ATen ops,
+same scalar rounding: bias corrections are computed in float64 as torch does in Python and
+rounded once to the parameter dtype), reads the hyperparameters of the user's param group, and
+uses the user's `optimizer.state` tensors so that `optimizer.state_dict()` stays the truth.
+The learning rate is a graph input so LR schedulers work without recompiling; the other
+hyperparameters are baked in and guarded (`OptimizerRule.guard`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from glmc.errors import ConfigError
+
+State = dict[str, Tensor]
+
+
+@dataclass(frozen=True)
+class OptimizerRule:
+    """How one torch.optim class updates a parameter."""
+
+    name: str
+    state_keys: Callable[[dict], list[str]]
+    init_state: Callable[[Tensor, dict], State]
+    update: Callable[[Tensor, Tensor, State, Tensor, dict], tuple[Tensor, State]]
+    guarded: tuple[str, ...]  #: group keys baked into the graph
+
+    def guard(self, group: dict) -> tuple:
+        return tuple((k, _freeze(group.get(k))) for k in self.guarded)
+
+
+def _freeze(v: Any) -> Any:
+    return tuple(v) if isinstance(v, (list, tuple)) else v
+
+
+def _scalar(x: Tensor, like: Tensor) -> Tensor:
+    """A float64 scalar rounded once to the parameter dtype, as Python floats are in eager."""
+    return x.to(like.dtype)
+
+
+# ---- SGD -------------------------------------------------------------------------------------
+
+def _sgd_keys(group: dict) -> list[str]:
+    return ["momentum_buffer"] if group["momentum"] != 0 else []
+
+
+def _sgd_init(p: Tensor, group: dict) -> State:
+    if group["momentum"] == 0:
+        return {}
+    if group["dampening"] != 0:
+        raise ConfigError("optimizer: SGD with dampening != 0 is not supported yet; "
+                          "use dampening=0 or backend='eager' without glmc")
+    # torch starts the buffer as a copy of the first gradient; with dampening 0 a zero buffer
+    # gives bit-identical results (0 * momentum + grad == grad).
+    return {"momentum_buffer": torch.zeros_like(p, memory_format=torch.preserve_format)}
+
+
+def _sgd_update(p: Tensor, g: Tensor, s: State, lr: Tensor, group: dict) -> tuple[Tensor, State]:
+    wd, momentum = group["weight_decay"], group["momentum"]
+    if group["maximize"]:
+        g = -g
+    if wd != 0:
+        g = g.add(p, alpha=wd)
+    new: State = {}
+    if momentum != 0:
+        buf = s["momentum_buffer"].mul(momentum).add(g, alpha=1 - group["dampening"])
+        new["momentum_buffer"] = buf
+        g = g.add(buf, alpha=momentum) if group["nesterov"] else buf
+    return p - _scalar(lr, p) * g, new
+
+
+# ---- Adam / AdamW ----------------------------------------------------------------------------
+
+def _adam_keys(group: dict) -> list[str]:
+    keys = ["step", "exp_avg", "exp_avg_sq"]
+    return keys + ["max_exp_avg_sq"] if group["amsgrad"] else keys
+
+
+def _adam_init(p: Tensor, group: dict) -> State:
+    z = lambda: torch.zeros_like(p, memory_format=torch.preserve_format)  # noqa: E731
+    state = {"step": torch.tensor(0.0, dtype=torch.float32), "exp_avg": z(), "exp_avg_sq": z()}
+    if group["amsgrad"]:
+        state["max_exp_avg_sq"] = z()
+    return state
+
+
+def _adam_update(p: Tensor, g: Tensor, s: State, lr: Tensor, group: dict,
+                 decoupled: bool) -> tuple[Tensor, State]:
+    beta1, beta2 = group["betas"]
+    wd, eps = group["weight_decay"], group["eps"]
+    if group["maximize"]:
+        g = -g
+    step = s["step"] + 1
+    if wd != 0:
+        if decoupled:
+            p = p * _scalar(1 - lr * wd, p)
+        else:
+            g = g.add(p, alpha=wd)
+    exp_avg = s["exp_avg"].lerp(g, 1 - beta1)
+    exp_avg_sq = s["exp_avg_sq"].mul(beta2).addcmul(g, g, value=1 - beta2)
+    step64 = step.to(torch.float64)
+    bc1 = 1 - torch.pow(beta1, step64)
+    bc2_sqrt = (1 - torch.pow(beta2, step64)).sqrt()
+    new = {"step": step, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    second = exp_avg_sq
+    if group["amsgrad"]:
+        second = torch.maximum(s["max_exp_avg_sq"], exp_avg_sq)
+        new["max_exp_avg_sq"] = second
+    denom = (second.sqrt() / _scalar(bc2_sqrt, p)).add(eps)
+    step_size = _scalar(lr / bc1, p)
+    return p + (-step_size) * (exp_avg / denom), new
+
+
+def _is_decoupled(group: dict, default: bool) -> bool:
+    return bool(group.get("decoupled_weight_decay", default))
+
+
+_ADAM_GUARD = ("betas", "eps", "weight_decay", "amsgrad", "maximize", "decoupled_weight_decay")
+
+RULES: dict[type, OptimizerRule] = {
+    torch.optim.SGD: OptimizerRule(
+        "sgd", _sgd_keys, _sgd_init, _sgd_update,
+        ("momentum", "dampening", "nesterov", "weight_decay", "maximize")),
+    torch.optim.Adam: OptimizerRule(
+        "adam", _adam_keys, _adam_init,
+        lambda p, g, s, lr, grp: _adam_update(p, g, s, lr, grp, _is_decoupled(grp, False)),
+        _ADAM_GUARD),
+    torch.optim.AdamW: OptimizerRule(
+        "adamw", _adam_keys, _adam_init,
+        lambda p, g, s, lr, grp: _adam_update(p, g, s, lr, grp, _is_decoupled(grp, True)),
+        _ADAM_GUARD),
+}
+
+
+def rule_for(optimizer: torch.optim.Optimizer) -> OptimizerRule:
+    rule = RULES.get(type(optimizer))
+    if rule is None:
+        known = ", ".join(sorted(c.__name__ for c in RULES))
+        raise ConfigError(f"optimizer: no glmc rule for {type(optimizer).__name__}; "
+                          f"known optimizers: {known}")
+    return rule
+
+
+def ensure_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create missing state the way torch's first step would, so the graph always reads it."""
+    rule = rule_for(optimizer)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state[p]
+            keys = rule.state_keys(group)
+            if keys and not all(k in state for k in keys):
+                state.update({k: v for k, v in rule.init_state(p, group).items()
+                              if k not in state})

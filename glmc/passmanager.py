@@ -1,0 +1,172 @@
+"""Pass base, pass manager and pipeline strings.
+
+The manager — not the passes — times, verifies, snapshots counts, records provenance
+(`NodeInfo.created_by`) and lets a pass be disabled by name for bisecting.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch.fx as fx
+
+from glmc.errors import PassError, PipelineError
+from glmc.ir import TrainGraph
+
+
+@dataclass(frozen=True)
+class PassContext:
+    """What a pass may know about the compile: the target backend and user options."""
+
+    backend: str = "eager"
+    memory_budget: Any = None
+    precision: str | None = None
+    target: Any = None
+
+
+@dataclass(frozen=True)
+class PassResult:
+    changed: bool
+    stats: Any = None  #: a small dataclass per pass, shown by the report
+
+
+@dataclass(frozen=True)
+class Pass:
+    """A rewrite of a TrainGraph. Subclasses are frozen dataclasses whose fields are options."""
+
+    name: ClassVar[str] = "abstract"
+
+    def run(self, graph: TrainGraph, ctx: PassContext) -> PassResult:
+        raise NotImplementedError
+
+    def options(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def spelling(self) -> str:
+        opts = ",".join(f"{k}={v}" for k, v in self.options().items())
+        return f"{self.name}{{{opts}}}" if opts else self.name
+
+
+@dataclass(frozen=True)
+class PassRecord:
+    """One entry of the pass history."""
+
+    name: str
+    options: dict[str, Any]
+    changed: bool
+    stats: Any
+    seconds: float
+    nodes_before: int
+    nodes_after: int
+    skipped: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        stats = dataclasses.asdict(self.stats) if dataclasses.is_dataclass(self.stats) else self.stats
+        return {"name": self.name, "options": self.options, "changed": self.changed,
+                "stats": stats, "seconds": round(self.seconds, 6),
+                "nodes_before": self.nodes_before, "nodes_after": self.nodes_after,
+                "skipped": self.skipped}
+
+
+@dataclass
+class PassManager:
+    passes: list[Pass]
+    disabled: frozenset[str] = frozenset()
+    verify: bool = True
+    history: list[PassRecord] = field(default_factory=list)
+
+    def run(self, graph: TrainGraph, ctx: PassContext | None = None) -> TrainGraph:
+        ctx = ctx or PassContext()
+        graph.verify()
+        for p in self.passes:
+            before = len(graph.graph.nodes)
+            if p.name in self.disabled:
+                self.history.append(PassRecord(p.name, p.options(), False, None, 0.0,
+                                               before, before, skipped=True))
+                continue
+            self.history.append(self._run_one(p, graph, ctx, before))
+        return graph
+
+    def _run_one(self, p: Pass, graph: TrainGraph, ctx: PassContext, before: int) -> PassRecord:
+        signature = graph.signature()
+        existing = set(graph.graph.nodes)
+        start = time.perf_counter()
+        try:
+            result = p.run(graph, ctx)
+        except PassError:
+            raise
+        except Exception as e:
+            raise PassError(f"{p.name}: failed: {e}") from e
+        seconds = time.perf_counter() - start
+        _stamp_provenance(graph.graph, existing, p.name)
+        if self.verify:
+            try:
+                graph.verify(signature)
+            except PassError as e:
+                raise PassError(f"{p.name}: left an invalid graph: {e}") from e
+        graph.gm.recompile()
+        return PassRecord(p.name, p.options(), result.changed, result.stats, seconds,
+                          before, len(graph.graph.nodes))
+
+
+def _stamp_provenance(g: fx.Graph, existing: set[fx.Node], pass_name: str) -> None:
+    for n in g.nodes:
+        if n not in existing and "glmc" in n.meta:
+            n.meta["glmc"] = n.meta["glmc"].replace(created_by=pass_name)
+
+
+# ---- pipeline strings ------------------------------------------------------------------------
+
+_ITEM = re.compile(r"\s*([A-Za-z_][\w-]*)\s*(?:\{([^}]*)\})?\s*")
+
+
+def split_pipeline(text: str) -> list[tuple[str, dict[str, str]]]:
+    """"cleanup,recompute{budget=0.5}" -> [("cleanup", {}), ("recompute", {"budget": "0.5"})]."""
+    items, pos = [], 0
+    text = text.strip()
+    while pos < len(text):
+        m = _ITEM.match(text, pos)
+        if not m or m.end() == pos:
+            raise PipelineError(f"pipeline: cannot parse '{text[pos:]}'; expected "
+                                "name or name{key=value,...} separated by commas")
+        opts = {}
+        for kv in filter(None, (s.strip() for s in (m.group(2) or "").split(","))):
+            key, eq, value = kv.partition("=")
+            if not eq:
+                raise PipelineError(f"pipeline: option '{kv}' of '{m.group(1)}' needs key=value")
+            opts[key.strip()] = value.strip()
+        items.append((m.group(1), opts))
+        pos = m.end()
+        if pos < len(text):
+            if text[pos] != ",":
+                raise PipelineError(f"pipeline: expected ',' at '{text[pos:]}'")
+            pos += 1
+    return items
+
+
+def build_pass(cls: type[Pass], raw: dict[str, str]) -> Pass:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(raw) - set(fields)
+    if unknown:
+        raise PipelineError(f"{cls.name}: unknown option(s) {sorted(unknown)}; "
+                            f"known: {sorted(fields) or 'none'}")
+    return cls(**{k: _coerce(cls.name, k, v, fields[k].type) for k, v in raw.items()})
+
+
+def _coerce(pass_name: str, key: str, value: str, annotation: Any) -> Any:
+    kind = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
+    try:
+        if kind == "bool":
+            if value.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(value)
+            return value.lower() in ("true", "1")
+        if kind == "int":
+            return int(value)
+        if kind == "float":
+            return float(value)
+    except ValueError:
+        raise PipelineError(f"{pass_name}: option {key}={value!r} is not a valid {kind}") from None
+    return value

@@ -1,0 +1,212 @@
+"""The Trainer: runs compiled training steps against the user's own module and optimizer.
+
+The user's `nn.Module` and `torch.optim` instance stay the source of truth: every step reads
+parameters, buffers, optimizer state and the current learning rate from them, and the compiled
+step updates those very tensors in place. A batch whose shapes, dtypes or devices differ from
+those seen before is captured and compiled again (one cache entry per signature).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from glmc.backends import CompiledStep, get_backend
+from glmc.capture import Batch, capture_step, split_batch
+from glmc.errors import CaptureError, InputError
+from glmc.ir import Role, TrainGraph
+from glmc.optim import ensure_state, rule_for
+from glmc.passmanager import Pass, PassContext, PassManager
+from glmc.pipeline import parse_pipeline
+from glmc.report import CompileRecord, Report
+
+
+@dataclass
+class _Entry:
+    graph: TrainGraph
+    step: CompiledStep
+    getters: list[Callable[[Batch], torch.Tensor]]
+
+
+@dataclass
+class TrainerOptions:
+    backend: str = "inductor"
+    passes: str | list[Pass] | None = None
+    disable: frozenset[str] = frozenset()
+    memory_budget: Any = None
+    precision: str | None = None
+    target: Any = None
+    strict: bool = False
+    max_cache: int = 8
+
+
+@dataclass
+class Trainer:
+    model: nn.Module
+    example: Batch
+    loss_fn: Any
+    optimizer: torch.optim.Optimizer
+    options: TrainerOptions = field(default_factory=TrainerOptions)
+    report: Report = field(default_factory=Report)
+    _cache: dict[Any, _Entry] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        rule_for(self.optimizer)  # fail early on an unsupported optimizer
+        self._pipeline = parse_pipeline(self.options.passes)
+        self._backend = get_backend(self.options.backend)
+        self._entry(self.example)
+
+    # -- public ---------------------------------------------------------------------------------
+
+    def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """One training step on this batch; returns the (detached) loss."""
+        batch = self._normalize(args, kwargs)
+        entry = self._entry(batch)
+        inputs = [get(batch) for get in entry.getters]
+        return entry.step(inputs).detach()
+
+    @property
+    def graph(self) -> TrainGraph:
+        """The optimized step graph of the most recent compile."""
+        return next(reversed(self._cache.values())).graph
+
+    def export(self, directory: str) -> list[str]:
+        from glmc.export import export_step
+        return export_step(self, directory)
+
+    # -- compile cache --------------------------------------------------------------------------
+
+    def _key(self, batch: Batch) -> tuple:
+        leaves = _leaves(batch)
+        spec = tuple((tuple(t.shape), t.dtype, t.device) for t in leaves)
+        rule = rule_for(self.optimizer)
+        guards = tuple(rule.guard(g) for g in self.optimizer.param_groups)
+        return spec, guards
+
+    def _entry(self, batch: Batch) -> _Entry:
+        key = self._key(batch)
+        entry = self._cache.get(key)
+        if entry is None:
+            entry = self._compile(batch)
+            if len(self._cache) >= self.options.max_cache:
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[key] = entry
+        return entry
+
+    def _compile(self, batch: Batch) -> _Entry:
+        t0 = time.perf_counter()
+        try:
+            captured = capture_step(self.model, batch, self.loss_fn, self.optimizer)
+        except CaptureError as e:
+            if batch is not self.example and self._key(batch)[0] != self._key(self.example)[0]:
+                raise InputError(
+                    f"step: the batch {_describe(batch)} differs from example_inputs "
+                    f"{_describe(self.example)} and the model cannot run on it:\n{e}") from e
+            raise
+        t1 = time.perf_counter()
+        graph = captured.graph
+        manager = PassManager(self._pipeline, self.options.disable)
+        ctx = PassContext(self.options.backend, self.options.memory_budget,
+                          self.options.precision, self.options.target)
+        nodes_captured = len(graph.graph.nodes)
+        manager.run(graph, ctx)
+        t2 = time.perf_counter()
+        compiled = self._backend.compile(graph, strict=self.options.strict)
+        self.report.compiles.append(CompileRecord(
+            batch=_describe(batch), backend=self._backend.name, capture_seconds=t1 - t0,
+            passes_seconds=t2 - t1, backend_seconds=compiled.compile_seconds,
+            nodes_captured=nodes_captured, nodes_final=len(graph.graph.nodes),
+            history=list(manager.history), fallbacks=list(compiled.fallbacks)))
+        return _Entry(graph, compiled, self._getters(graph, batch))
+
+    def _getters(self, graph: TrainGraph, batch: Batch) -> list[Callable[[Batch], torch.Tensor]]:
+        params = dict(self.model.named_parameters())
+        buffers = dict(self.model.named_buffers())
+        opt = self.optimizer
+        lr_cache: dict[float, torch.Tensor] = {}
+
+        def lr_tensor(gi: int) -> Callable[[Batch], torch.Tensor]:
+            def get(_: Batch) -> torch.Tensor:
+                lr = float(opt.param_groups[gi]["lr"])
+                if lr not in lr_cache:
+                    lr_cache.clear()
+                    lr_cache[lr] = torch.tensor(lr, dtype=torch.float64)
+                return lr_cache[lr]
+            return get
+
+        def state(key: str, p: torch.Tensor) -> Callable[[Batch], torch.Tensor]:
+            return lambda _: opt.state[p][key]
+
+        def leaf(i: int) -> Callable[[Batch], torch.Tensor]:
+            return lambda b: _leaves(b)[i]
+
+        getters = []
+        for spec in graph.inputs:
+            if spec.role is Role.PARAMETER:
+                p = params[spec.target].detach()
+                getters.append(lambda _, p=p: p)
+            elif spec.role is Role.BUFFER:
+                b = buffers[spec.target]
+                getters.append(lambda _, b=b: b)
+            elif spec.role is Role.OPTIMIZER_STATE:
+                key, _, name = spec.target.partition(":")
+                getters.append(state(key, params[name]))
+            elif spec.role is Role.HYPERPARAM:
+                getters.append(lr_tensor(int(spec.target.split(":")[1])))
+            else:
+                getters.append(leaf(int(spec.target.split(":")[1])))
+        ensure_state(opt)
+        return getters
+
+    # -- input checking -------------------------------------------------------------------------
+
+    def _normalize(self, args: tuple, kwargs: dict) -> Batch:
+        ex_args, ex_kwargs = self.example
+        if ex_kwargs:
+            if args:
+                raise InputError("step: example_inputs was a dict; call step(**batch)")
+            if set(kwargs) != set(ex_kwargs):
+                raise InputError(f"step: batch keys {sorted(kwargs)} differ from example_inputs "
+                                 f"keys {sorted(ex_kwargs)}")
+            batch: Batch = ((), {k: kwargs[k] for k in ex_kwargs})
+        else:
+            if kwargs:
+                raise InputError("step: example_inputs was a tuple; call step(*batch)")
+            if len(args) != len(ex_args):
+                raise InputError(f"step: got {len(args)} batch elements, example_inputs had "
+                                 f"{len(ex_args)}")
+            batch = (tuple(args), {})
+        for t, e in zip(_leaves(batch), _leaves(self.example)):
+            if not isinstance(t, torch.Tensor):
+                raise InputError(f"step: batch elements must be tensors, got {type(t).__name__}")
+            if t.dim() != e.dim() or t.dtype != e.dtype:
+                raise InputError(f"step: batch element of shape {tuple(t.shape)} {t.dtype} does "
+                                 f"not match example_inputs' {tuple(e.shape)} {e.dtype}; pass "
+                                 "tensors with the same rank and dtype")
+        return batch
+
+
+def _leaves(batch: Batch) -> list[torch.Tensor]:
+    args, kwargs = batch
+    return [*args, *kwargs.values()]
+
+
+def _describe(batch: Batch) -> str:
+    args, kwargs = batch
+    parts = [f"{tuple(t.shape)}" for t in args] + [f"{k}={tuple(v.shape)}" for k, v in kwargs.items()]
+    return "(" + ", ".join(parts) + ")"
+
+
+def make_trainer(model: nn.Module, example_inputs: Any, *, loss_fn: Any = None,
+                 optimizer: torch.optim.Optimizer | None = None, **options: Any) -> Trainer:
+    batch = split_batch(example_inputs)
+    for t in _leaves(batch):
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"optimize: example_inputs must hold tensors only, got "
+                             f"{type(t).__name__}")
+    if optimizer is None:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return Trainer(model, batch, loss_fn, optimizer, TrainerOptions(**options))
