@@ -209,7 +209,7 @@ class _StepBuilder:
         outputs += [(OutputSpec(OutputKind.BUFFER, t), v) for t, v in buffers]
         outputs += self._append_update(updates, grads)
         self.graph.output(tuple(v for _, v in outputs))
-        gm = fx.GraphModule(torch.nn.Module(), self.graph)
+        gm = fx.GraphModule(self.joint, self.graph)  # keeps the constants get_attr reads
         return TrainGraph(gm, self.inputs, [s for s, _ in outputs],
                           meta={"optimizer": type(self.optimizer).__name__})
 
@@ -245,6 +245,11 @@ class _StepBuilder:
             raise CaptureError("capture: the model must return exactly one loss tensor")
         seq_source: dict[int, tuple[str | None, str | None]] = {}
         for n in self.joint.graph.nodes:
+            if n.op == "get_attr":  # a constant tensor of the model, e.g. a mask
+                self.env[n] = self.graph.node_copy(n, lambda a: self.env[a])
+                self.env[n].meta["glmc"] = NodeInfo(Phase.INPUT, Role.CONSTANT,
+                                                    TensorSpec.of(n.meta.get("val")))
+                continue
             if n.op != "call_function":
                 continue
             if tangents and loss_joint in self.env and tangents[0] not in self.env:

@@ -40,6 +40,7 @@ class Role(enum.Enum):
     BUFFER = "buffer"  #: a model buffer, e.g. BatchNorm running stats (input)
     INPUT = "input"  #: a batch tensor the user passes to `step`
     OPTIMIZER_STATE = "optimizer_state"  #: exp_avg, momentum buffers, step counters (input)
+    CONSTANT = "constant"  #: a tensor constant baked into the graph (get_attr)
     HYPERPARAM = "hyperparam"  #: a per-group scalar the user may change between steps (lr)
     ACTIVATION = "activation"  #: a forward value
     GRADIENT = "gradient"  #: a backward value
@@ -54,6 +55,8 @@ class OutputKind(enum.Enum):
     PARAM = "param"  #: new value of a parameter
     BUFFER = "buffer"  #: new value of a mutated buffer
     STATE = "state"  #: new value of an optimizer-state tensor
+    FORWARD = "forward"  #: a forward output of a joint graph (drop-in torch.compile path)
+    GRADIENT = "gradient"  #: a gradient output of a joint graph (drop-in torch.compile path)
 
 
 @dataclass(frozen=True)

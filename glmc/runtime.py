@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from glmc.backends import CompiledStep, get_backend
 from glmc.capture import Batch, capture_step, split_batch
-from glmc.errors import CaptureError, InputError
+from glmc.errors import CaptureError, ConfigError, InputError
 from glmc.ir import Role, TrainGraph
 from glmc.optim import ensure_state, rule_for
 from glmc.passmanager import Pass, PassContext, PassManager
@@ -207,6 +207,12 @@ def make_trainer(model: nn.Module, example_inputs: Any, *, loss_fn: Any = None,
         if not isinstance(t, torch.Tensor):
             raise InputError(f"optimize: example_inputs must hold tensors only, got "
                              f"{type(t).__name__}")
+    if options.get("memory_budget") is not None:
+        raise ConfigError("optimize: memory_budget needs the recompute pass, which is not "
+                          "implemented yet; leave it unset")
+    if options.get("precision") not in (None, "fp32"):
+        raise ConfigError(f"optimize: precision={options['precision']!r} needs the precision "
+                          "pass, which is not implemented yet; use None or 'fp32'")
     if optimizer is None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     return Trainer(model, batch, loss_fn, optimizer, TrainerOptions(**options))

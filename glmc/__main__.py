@@ -1,0 +1,5 @@
+import sys
+
+from glmc.cli import main
+
+sys.exit(main())

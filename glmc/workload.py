@@ -1,0 +1,56 @@
+"""Loading a user's FILE for the CLI.
+
+A FILE defines either `model` and `example_inputs` (optionally `loss_fn` and `optimizer`), or a
+function `workload()` returning `(model, example_inputs, loss_fn, optimizer)`.
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.nn as nn
+
+from glmc.errors import ConfigError
+
+
+@dataclass
+class Workload:
+    model: nn.Module
+    example_inputs: Any
+    loss_fn: Any = None
+    optimizer: Any = None
+
+
+def load_workload(path: str) -> Workload:
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"{path}: no such file; pass a Python file that defines `model` and "
+                          "`example_inputs`, or `workload()`")
+    name = f"glmc_workload_{file.stem}"
+    spec = importlib.util.spec_from_file_location(name, file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling look modules up by name
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        raise ConfigError(f"{path}: importing it failed: {type(e).__name__}: {e}") from e
+    if hasattr(module, "workload"):
+        result = module.workload()
+        if not isinstance(result, tuple) or len(result) != 4:
+            raise ConfigError(f"{path}: workload() must return (model, example_inputs, loss_fn, "
+                              "optimizer); use None for the defaults")
+        work = Workload(*result)
+    elif hasattr(module, "model") and hasattr(module, "example_inputs"):
+        work = Workload(module.model, module.example_inputs, getattr(module, "loss_fn", None),
+                        getattr(module, "optimizer", None))
+    else:
+        missing = [n for n in ("model", "example_inputs") if not hasattr(module, n)]
+        raise ConfigError(f"{path}: defines neither `workload()` nor {' and '.join(missing)}; "
+                          "add `model = ...` and `example_inputs = (...)` at module level")
+    if not isinstance(work.model, nn.Module):
+        raise ConfigError(f"{path}: `model` must be a torch.nn.Module, got "
+                          f"{type(work.model).__name__}")
+    return work

@@ -1,0 +1,101 @@
+"""One registry of model cases, run across passes x backends, and the eager reference loop."""
+from __future__ import annotations
+
+import copy
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from glmc.capture import LossModule, split_batch
+from glmc.workload import load_workload
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+# fp32 parity tolerances (the issue's contract)
+RTOL, ATOL = 1e-4, 1e-5
+
+
+@dataclass
+class Case:
+    name: str
+    make: Callable[[], tuple[Any, Any, Any, Any]]  # -> (model, example_inputs, loss_fn, optimizer)
+
+
+def _example(file: str, **kwargs: Any) -> Callable:
+    def make():
+        if kwargs:
+            spec = importlib.util.spec_from_file_location(f"ex_{file}", EXAMPLES / file)
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+            return mod.workload(**kwargs)
+        w = load_workload(str(EXAMPLES / file))
+        return w.model, w.example_inputs, w.loss_fn, w.optimizer
+    return make
+
+
+CASES = {
+    "mlp": Case("mlp", _example("mlp.py")),
+    "cnn": Case("cnn", _example("cnn.py")),
+    "glm": Case("glm", _example("glm.py")),
+}
+
+
+def eager_losses(model, example_inputs, loss_fn, optimizer, steps: int, seed: int = 0):
+    """Plain PyTorch training: the reference every backend and pass must match."""
+    wrapper = LossModule(model, loss_fn)
+    args, kwargs = split_batch(example_inputs)
+    losses = []
+    for i in range(steps):
+        torch.manual_seed(seed + i)
+        optimizer.zero_grad(set_to_none=True)
+        (loss,) = wrapper(*args, **dict(kwargs))
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def glmc_losses(trainer, example_inputs, steps: int, seed: int = 0):
+    args, kwargs = split_batch(example_inputs)
+    losses = []
+    for i in range(steps):
+        torch.manual_seed(seed + i)
+        losses.append(trainer.step(*args, **kwargs).item())
+    return losses
+
+
+def twin(make: Callable):
+    """Two identical (model, inputs, loss_fn, optimizer) sets: one for glmc, one for eager."""
+    model, inputs, loss_fn, opt = make()
+    model2 = copy.deepcopy(model)
+    params = dict(model2.named_parameters())
+    names = {id(p): n for n, p in model.named_parameters()}
+    opt2 = copy.deepcopy(opt)  # same class, groups and hyperparameters ...
+    for g2, g in zip(opt2.param_groups, opt.param_groups):
+        g2["params"] = [params[names[id(p)]] for p in g["params"]]  # ... over model2's params
+    opt2.state.clear()
+    return (model, inputs, loss_fn, opt), (model2, inputs, loss_fn, opt2)
+
+
+def assert_state_close(model_a, model_b, opt_a, opt_b, zero_grad_params: tuple = ()) -> None:
+    """`zero_grad_params`: name fragments of parameters whose exact gradient is zero (e.g. the
+    key-projection bias: softmax is invariant to it). Their computed gradient is rounding
+    noise that Adam normalises to lr-sized steps, so any two correct implementations differ
+    there by up to ~lr per step; they are checked with atol 1e-4 instead of 1e-5."""
+    for (name, a), b in zip(model_a.state_dict().items(), model_b.state_dict().values()):
+        atol = 1e-4 if any(f in name for f in zero_grad_params) else ATOL
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=atol, msg=lambda m: f"{name}: {m}")
+    if zero_grad_params:
+        return  # the optimizer state of those parameters is the same rounding noise
+    def tensors(opt):  # torch's SGD without momentum stores momentum_buffer=None
+        return {k: {n: v for n, v in st.items() if v is not None}
+                for k, st in opt.state_dict()["state"].items()}
+    sa, sb = tensors(opt_a), tensors(opt_b)
+    assert {k: set(v) for k, v in sa.items() if v} == {k: set(v) for k, v in sb.items() if v}
+    for k in sa:
+        for key in sb.get(k, {}):
+            torch.testing.assert_close(sa[k][key], sb[k][key], rtol=RTOL, atol=ATOL,
+                                       msg=lambda m: f"state {k}.{key}: {m}")

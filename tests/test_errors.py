@@ -1,0 +1,79 @@
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import glmc
+from glmc.errors import CaptureError, ConfigError, GlmcError, InputError
+from tests.models import CASES
+
+
+class DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        if y.sum() > 0:  # data-dependent branch
+            y = y * 2
+        n = int(y.abs().max().item())  # data-dependent Python value
+        return y.sum() + n
+
+
+def test_untraceable_model_lists_every_location() -> None:
+    with pytest.raises(CaptureError) as info:
+        glmc.optimize(DataDependent(), (torch.randn(2, 4),), backend="eager")
+    err = info.value
+    assert len(err.offenses) >= 2
+    lines = {o.location for o in err.offenses}
+    assert all("test_errors.py" in loc for loc in lines)
+    assert len(lines) >= 2, lines
+    assert "torch/_dynamo" not in str(err)
+
+
+def test_wrong_batch_shape() -> None:
+    model, x, loss_fn, opt = CASES["mlp"].make()
+    trainer = glmc.optimize(model, x, loss_fn=loss_fn, optimizer=opt, backend="eager")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(InputError, match="differs from example_inputs"):
+        trainer.step(torch.randn(16, 7), x[1])
+    with pytest.raises(InputError, match="same rank and dtype"):
+        trainer.step(torch.randn(16), x[1])
+    with pytest.raises(InputError, match="got 1 batch elements"):
+        trainer.step(x[0])
+    for k, v in model.state_dict().items():  # user state untouched by failed steps
+        assert torch.equal(v, before[k])
+
+
+def test_unsupported_options_are_typed_errors() -> None:
+    model, x, loss_fn, _ = CASES["mlp"].make()
+    with pytest.raises(ConfigError, match="no glmc rule for RMSprop"):
+        glmc.optimize(model, x, loss_fn=loss_fn, optimizer=torch.optim.RMSprop(model.parameters()))
+    with pytest.raises(ConfigError, match="backend 'tvmx' is unknown"):
+        glmc.optimize(model, x, loss_fn=loss_fn, backend="tvmx")
+    with pytest.raises(ConfigError, match="recompute pass"):
+        glmc.optimize(model, x, loss_fn=loss_fn, memory_budget=0.5)
+    with pytest.raises(GlmcError):
+        glmc.optimize(model, [1, 2], loss_fn=loss_fn)
+
+
+def test_non_scalar_loss() -> None:
+    model = nn.Linear(4, 4)
+    with pytest.raises(CaptureError, match="scalar"):
+        glmc.optimize(model, (torch.randn(2, 4),), backend="eager")
+
+
+def test_strict_backend_lists_unsupported_ops(monkeypatch) -> None:
+    from glmc.backends.eager import EagerBackend
+    from glmc.errors import UnsupportedOpError
+
+    monkeypatch.setattr(EagerBackend, "supports",
+                        lambda self, n: "test says no" if "gelu" in str(n.target) else None)
+    model, x, loss_fn, opt = CASES["mlp"].make()
+    with pytest.raises(UnsupportedOpError) as info:
+        glmc.optimize(model, x, loss_fn=loss_fn, optimizer=opt, backend="eager", strict=True)
+    assert len(info.value.offenses) == 2  # gelu forward and gelu_backward
+    trainer = glmc.optimize(model, x, loss_fn=loss_fn, optimizer=opt, backend="eager")
+    assert len(trainer.report.compiles[0].fallbacks) == 2
