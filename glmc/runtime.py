@@ -66,7 +66,11 @@ class Trainer:
         batch = self._normalize(args, kwargs)
         entry = self._entry(batch)
         inputs = [get(batch) for get in entry.getters]
-        return entry.step(inputs).detach()
+        loss = entry.step(inputs).detach()
+        # LR schedulers check this flag (set by torch's optimizer.step wrapper) to tell a
+        # missed optimizer step from a real one; the compiled step is a real one.
+        self.optimizer._opt_called = True
+        return loss
 
     @property
     def graph(self) -> TrainGraph:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -29,6 +30,7 @@ def _example(file: str, **kwargs: Any) -> Callable:
         if kwargs:
             spec = importlib.util.spec_from_file_location(f"ex_{file}", EXAMPLES / file)
             mod = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = mod  # dataclasses look their module up by name
             spec.loader.exec_module(mod)
             return mod.workload(**kwargs)
         w = load_workload(str(EXAMPLES / file))
