@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import traceback
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -64,22 +63,16 @@ class LossModule(nn.Module):
         return (loss,)
 
 
-@dataclass
-class Captured:
-    graph: TrainGraph
-    param_names: dict[str, nn.Parameter]  #: model parameter FQN -> parameter
-
-
 def capture(model: nn.Module, example_inputs: Any, loss_fn: Any = None,
             optimizer: torch.optim.Optimizer | None = None) -> TrainGraph:
     """The whole training step of (model, loss, optimizer) on `example_inputs` as a TrainGraph."""
     if optimizer is None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    return capture_step(model, split_batch(example_inputs), loss_fn, optimizer).graph
+    return capture_step(model, split_batch(example_inputs), loss_fn, optimizer)
 
 
 def capture_step(model: nn.Module, batch: Batch, loss_fn: Any,
-                 optimizer: torch.optim.Optimizer) -> Captured:
+                 optimizer: torch.optim.Optimizer) -> TrainGraph:
     rule_for(optimizer)
     ensure_state(optimizer)
     _check_loss_convention(batch, loss_fn)
@@ -177,6 +170,7 @@ class _StepBuilder:
         self.graph = fx.Graph()
         self.inputs: list[InputSpec] = []
         self.env: dict[fx.Node, fx.Node] = {}
+        self.param_nodes: dict[str, fx.Node] = {}
         self.params = dict(model.named_parameters())
         self.fake_mode = next(n.meta["val"].fake_mode for n in joint.graph.nodes
                               if n.op == "placeholder" and hasattr(n.meta.get("val"), "fake_mode"))
@@ -194,8 +188,9 @@ class _StepBuilder:
         for n in jp:
             by_desc[type(n.meta["desc"]).__name__].append(n)
         for n in by_desc.get("ParamAOTInput", []):
-            self.env[n] = self.placeholder(Role.PARAMETER, _strip(n.meta["desc"].target),
-                                           n.meta["val"])
+            name = _strip(n.meta["desc"].target)
+            self.env[n] = self.param_nodes[name] = self.placeholder(Role.PARAMETER, name,
+                                                                    n.meta["val"])
         for n in by_desc.get("BufferAOTInput", []):
             self.env[n] = self.placeholder(Role.BUFFER, _strip(n.meta["desc"].target),
                                            n.meta["val"])
@@ -218,11 +213,9 @@ class _StepBuilder:
         rule = rule_for(self.optimizer)
         names = {id(p): n for n, p in self.params.items()}
         result = []
-        lrs = []
-        for gi, group in enumerate(self.optimizer.param_groups):
-            lr_val = self.fake_mode.from_tensor(torch.tensor(0.0, dtype=torch.float64))
-            lrs.append((gi, group, lr_val))
-        lr_nodes = {gi: self.placeholder(Role.HYPERPARAM, f"lr:{gi}", v) for gi, _, v in lrs}
+        lr_val = self.fake_mode.from_tensor(torch.tensor(0.0, dtype=torch.float64))
+        lr_nodes = {gi: self.placeholder(Role.HYPERPARAM, f"lr:{gi}", lr_val)
+                    for gi in range(len(self.optimizer.param_groups))}
         for gi, group in enumerate(self.optimizer.param_groups):
             for p in group["params"]:
                 if id(p) not in names:
@@ -304,7 +297,7 @@ class _StepBuilder:
             return []
         placeholders: list[fx.Node] = []
         for name, _, states, lr in live:
-            placeholders += [self.env_param(name), grads[name], lr, *states.values()]
+            placeholders += [self.param_nodes[name], grads[name], lr, *states.values()]
 
         def update_all(*flat: torch.Tensor) -> list[torch.Tensor]:
             outs, i = [], 0
@@ -327,11 +320,6 @@ class _StepBuilder:
             j += 1 + len(states)
         return outputs
 
-    def env_param(self, name: str) -> fx.Node:
-        return next(n for n in self.graph.nodes
-                    if n.op == "placeholder" and n.meta["glmc"].target == name
-                    and n.meta["glmc"].role is Role.PARAMETER)
-
     def _inline(self, sub: fx.GraphModule, args: list[fx.Node]) -> list[fx.Node]:
         env: dict[fx.Node, fx.Node] = {}
         ph = iter(args)
@@ -349,14 +337,14 @@ class _StepBuilder:
 
 
 def _build_step(joint: fx.GraphModule, model: nn.Module,
-                optimizer: torch.optim.Optimizer) -> Captured:
+                optimizer: torch.optim.Optimizer) -> TrainGraph:
     builder = _StepBuilder(joint, model, optimizer)
     graph = builder.build()
     _mark_rng(graph)
     graph.gm.graph.eliminate_dead_code()  # drop joint-only leftovers (e.g. unused detaches)
     graph.gm.recompile()
     graph.verify()
-    return Captured(graph, builder.params)
+    return graph
 
 
 def _mark_rng(graph: TrainGraph) -> None:

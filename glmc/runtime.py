@@ -28,7 +28,7 @@ from glmc.report import CompileRecord, Report
 class _Entry:
     graph: TrainGraph
     step: CompiledStep
-    getters: list[Callable[[Batch], torch.Tensor]]
+    getters: list[Callable[[list[torch.Tensor]], torch.Tensor]]  #: batch leaves -> input
 
 
 @dataclass
@@ -65,7 +65,8 @@ class Trainer:
         """One training step on this batch; returns the (detached) loss."""
         batch = self._normalize(args, kwargs)
         entry = self._entry(batch)
-        inputs = [get(batch) for get in entry.getters]
+        leaves = _leaves(batch)
+        inputs = [get(leaves) for get in entry.getters]
         loss = entry.step(inputs).detach()
         # LR schedulers check this flag (set by torch's optimizer.step wrapper) to tell a
         # missed optimizer step from a real one; the compiled step is a real one.
@@ -103,7 +104,7 @@ class Trainer:
     def _compile(self, batch: Batch) -> _Entry:
         t0 = time.perf_counter()
         try:
-            captured = capture_step(self.model, batch, self.loss_fn, self.optimizer)
+            graph = capture_step(self.model, batch, self.loss_fn, self.optimizer)
         except CaptureError as e:
             if batch is not self.example and self._key(batch)[0] != self._key(self.example)[0]:
                 raise InputError(
@@ -111,7 +112,6 @@ class Trainer:
                     f"{_describe(self.example)} and the model cannot run on it:\n{e}") from e
             raise
         t1 = time.perf_counter()
-        graph = captured.graph
         manager = PassManager(self._pipeline, self.options.disable)
         ctx = PassContext(self.options.backend, self.options.memory_budget,
                           self.options.precision, self.options.target)
@@ -124,16 +124,16 @@ class Trainer:
             passes_seconds=t2 - t1, backend_seconds=compiled.compile_seconds,
             nodes_captured=nodes_captured, nodes_final=len(graph.graph.nodes),
             history=list(manager.history), fallbacks=list(compiled.fallbacks)))
-        return _Entry(graph, compiled, self._getters(graph, batch))
+        return _Entry(graph, compiled, self._getters(graph))
 
-    def _getters(self, graph: TrainGraph, batch: Batch) -> list[Callable[[Batch], torch.Tensor]]:
+    def _getters(self, graph: TrainGraph) -> list[Callable[[list[torch.Tensor]], torch.Tensor]]:
         params = dict(self.model.named_parameters())
         buffers = dict(self.model.named_buffers())
         opt = self.optimizer
         lr_cache: dict[float, torch.Tensor] = {}
 
-        def lr_tensor(gi: int) -> Callable[[Batch], torch.Tensor]:
-            def get(_: Batch) -> torch.Tensor:
+        def lr_tensor(gi: int) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+            def get(_: list[torch.Tensor]) -> torch.Tensor:
                 lr = float(opt.param_groups[gi]["lr"])
                 if lr not in lr_cache:
                     lr_cache.clear()
@@ -141,11 +141,11 @@ class Trainer:
                 return lr_cache[lr]
             return get
 
-        def state(key: str, p: torch.Tensor) -> Callable[[Batch], torch.Tensor]:
+        def state(key: str, p: torch.Tensor) -> Callable[[list[torch.Tensor]], torch.Tensor]:
             return lambda _: opt.state[p][key]
 
-        def leaf(i: int) -> Callable[[Batch], torch.Tensor]:
-            return lambda b: _leaves(b)[i]
+        def leaf(i: int) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+            return lambda leaves: leaves[i]
 
         getters = []
         for spec in graph.inputs:
