@@ -15,6 +15,7 @@ from glmc.ir import TrainGraph
 
 class InductorBackend(Backend):
     name = "inductor"
+    fuses = True
 
     def supports(self, node: fx.Node) -> str | None:
         from torch._decomp import core_aten_decompositions

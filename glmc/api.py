@@ -14,7 +14,7 @@ def optimize(model: nn.Module, example_inputs: Any, *, loss_fn: Any = None,
              optimizer: torch.optim.Optimizer | None = None, backend: str = "inductor",
              passes: str | list[Pass] | None = None, memory_budget: Any = None,
              precision: str | None = None, target: Any = None, strict: bool = False,
-             disable: tuple[str, ...] = ()) -> Trainer:
+             disable: tuple[str, ...] = (), **options: Any) -> Trainer:
     """Capture, optimize and compile the training step of `model`.
 
     `example_inputs` is a tuple of positional args or a dict of keyword args. With
@@ -22,8 +22,11 @@ def optimize(model: nn.Module, example_inputs: Any, *, loss_fn: Any = None,
     the last batch element (or "labels") is the target: `loss_fn(model(*batch[:-1]), batch[-1])`.
     `optimizer` defaults to AdamW(lr=1e-3). `passes` is a pipeline string
     ("cleanup,recompute{budget=0.5}") or a list of Pass objects; `disable` names passes to skip.
+    Further `options` are `TrainerOptions` fields: `profile` (cost-model device: None for the
+    calibrated host CPU, or "h100", "h200", "a100", "kunpeng920"), `predict`, `measure`,
+    `profile_guided`, `dump_dir`, `max_cache`.
     """
     return make_trainer(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer,
                         backend=backend, passes=passes, memory_budget=memory_budget,
                         precision=precision, target=target, strict=strict,
-                        disable=frozenset(disable))
+                        disable=frozenset(disable), **options)

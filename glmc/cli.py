@@ -22,21 +22,32 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--memory-budget", default=None, help="recompute budget (fraction or bytes)")
     c.add_argument("--precision", default=None, help="fp32 | bf16 | fp16 | auto")
     c.add_argument("--steps", type=int, default=10, help="training steps to run (default 10)")
-    c.add_argument("--report-dir", default=None, help="write report.json here")
-    c.add_argument("--export-dir", default=None, help="export the optimized step here")
+    c.add_argument("--report-dir", default=None,
+                   help="write report.json, report.html and graphs/ (the step after each pass)")
+    c.add_argument("--profile", default=None,
+                   help="cost-model device: host (default) | h100 | h200 | a100 | kunpeng920")
+    c.add_argument("--profile-guided", action="store_true",
+                   help="time every node on real tensors instead of the cost formulas")
+    c.add_argument("--export-dir", default=None,
+                   help="export the optimized step here (Python + safetensors)")
+    c.add_argument("--export-onnx", action="store_true",
+                   help="with --export-dir: also write step.onnx (needs the onnx extra)")
     c.add_argument("--strict", action="store_true", help="fail on ops the backend cannot take")
     c.add_argument("--debug", action="store_true", help="print tracebacks")
     k = sub.add_parser("check", help="list every op the backend cannot take, with source lines")
     k.add_argument("file", metavar="FILE")
     k.add_argument("--backend", default="inductor")
     k.add_argument("--debug", action="store_true")
+    r = sub.add_parser("report", help="print a saved report's summary and re-render report.html")
+    r.add_argument("dir", metavar="DIR")
+    r.add_argument("--debug", action="store_true")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return _compile(args) if args.command == "compile" else _check(args)
+        return {"compile": _compile, "check": _check, "report": _report}[args.command](args)
     except GlmcError as e:
         if args.debug:
             traceback.print_exc()
@@ -63,7 +74,10 @@ def _compile(args: argparse.Namespace) -> int:
     trainer = glmc.optimize(work.model, work.example_inputs, loss_fn=work.loss_fn,
                             optimizer=work.optimizer, backend=args.backend, passes=args.passes,
                             memory_budget=args.memory_budget, precision=args.precision,
-                            strict=args.strict, disable=tuple(args.disable))
+                            strict=args.strict, disable=tuple(args.disable),
+                            profile=args.profile, profile_guided=args.profile_guided,
+                            dump_dir=str(Path(args.report_dir) / "graphs") if args.report_dir
+                            else None)
     batch_args, batch_kwargs = split_batch(work.example_inputs)
     losses = []
     bar = tqdm(range(args.steps), desc=f"glmc[{args.backend}]", unit="step",
@@ -75,13 +89,26 @@ def _compile(args: argparse.Namespace) -> int:
         print(f"step {i:4d}  loss {loss:.6f}")
     print(trainer.report.summary())
     if args.report_dir:
-        out = Path(args.report_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "report.json").write_text(trainer.report.to_json())
-        print(f"report: {out / 'report.json'}")
+        for path in trainer.write_report(args.report_dir):
+            print(f"report: {path}")
+    if args.export_onnx and not args.export_dir:
+        raise glmc.ConfigError("--export-onnx needs --export-dir DIR")
     if args.export_dir:
-        for path in trainer.export(args.export_dir):
+        for path in trainer.export(args.export_dir, onnx=args.export_onnx):
             print(f"exported: {path}")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from glmc.report import load, summary
+    from glmc.report_html import render_html
+
+    data = load(args.dir)
+    print(summary(data))
+    out = Path(args.dir)
+    html = (out if out.is_dir() else out.parent) / "report.html"
+    html.write_text(render_html(data))
+    print(f"report: {html}")
     return 0
 
 

@@ -9,7 +9,8 @@ import dataclasses
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from pathlib import Path
+from typing import Any, Callable, ClassVar
 
 import torch.fx as fx
 
@@ -62,33 +63,57 @@ class PassRecord:
     nodes_before: int
     nodes_after: int
     skipped: bool = False
+    predicted: dict[str, Any] | None = None  #: the observer's prediction after this pass
 
     def to_dict(self) -> dict[str, Any]:
         stats = dataclasses.asdict(self.stats) if dataclasses.is_dataclass(self.stats) else self.stats
         return {"name": self.name, "options": self.options, "changed": self.changed,
                 "stats": stats, "seconds": round(self.seconds, 6),
                 "nodes_before": self.nodes_before, "nodes_after": self.nodes_after,
-                "skipped": self.skipped}
+                "skipped": self.skipped, "predicted": self.predicted}
 
 
 @dataclass
 class PassManager:
+    """Runs passes in order. `observe(graph)` (e.g. the cost/memory prediction) is called on the
+    captured graph and after every pass that changed it; `dump_dir` gets readable Python of the
+    step after capture and after each pass (`00_captured.py`, `01_cleanup.py`, ...)."""
+
     passes: list[Pass]
     disabled: frozenset[str] = frozenset()
     verify: bool = True
+    observe: Callable[[TrainGraph], dict[str, Any]] | None = None
+    dump_dir: str | None = None
     history: list[PassRecord] = field(default_factory=list)
+    initial: dict[str, Any] | None = None  #: the observer's result on the captured graph
 
     def run(self, graph: TrainGraph, ctx: PassContext | None = None) -> TrainGraph:
         ctx = ctx or PassContext()
         graph.verify()
-        for p in self.passes:
+        self.initial = self.observe(graph) if self.observe else None
+        self._dump(graph, 0, "captured")
+        last = self.initial
+        for i, p in enumerate(self.passes, start=1):
             before = len(graph.graph.nodes)
             if p.name in self.disabled:
                 self.history.append(PassRecord(p.name, p.options(), False, None, 0.0,
-                                               before, before, skipped=True))
+                                               before, before, skipped=True, predicted=last))
                 continue
-            self.history.append(self._run_one(p, graph, ctx, before))
+            record = self._run_one(p, graph, ctx, before)
+            if self.observe and record.changed:
+                last = self.observe(graph)
+            self.history.append(dataclasses.replace(record, predicted=last))
+            self._dump(graph, i, p.name)
         return graph
+
+    def _dump(self, graph: TrainGraph, index: int, label: str) -> None:
+        if self.dump_dir is None:
+            return
+        out = Path(self.dump_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{index:02d}_{label}.py").write_text(
+            f"# glmc: the training step after '{label}' ({len(graph.graph.nodes)} nodes)\n"
+            + graph.code())
 
     def _run_one(self, p: Pass, graph: TrainGraph, ctx: PassContext, before: int) -> PassRecord:
         signature = graph.signature()

@@ -7,6 +7,7 @@ those seen before is captured and compiled again (one cache entry per signature)
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -21,6 +22,9 @@ from glmc.ir import Role, TrainGraph
 from glmc.optim import ensure_state, rule_for
 from glmc.passmanager import Pass, PassContext, PassManager
 from glmc.pipeline import parse_pipeline
+from glmc.analysis import Prediction, predict
+from glmc.cost import get_profile, measure_node_times
+from glmc.memory import measure_peak
 from glmc.report import CompileRecord, Report
 
 
@@ -29,6 +33,8 @@ class _Entry:
     graph: TrainGraph
     step: CompiledStep
     getters: list[Callable[[list[torch.Tensor]], torch.Tensor]]  #: batch leaves -> input
+    record: CompileRecord
+    calls: int = 0
 
 
 @dataclass
@@ -41,6 +47,11 @@ class TrainerOptions:
     target: Any = None
     strict: bool = False
     max_cache: int = 8
+    profile: Any = None  #: cost-model device profile: None (host/GPU default), name, DeviceProfile
+    predict: bool = True  #: predict step time and memory after capture and after each pass
+    measure: bool = True  #: measure the peak memory of the second step of every compile
+    profile_guided: bool = False  #: time every node on real tensors instead of the formulas
+    dump_dir: str | None = None  #: write the step's Python after capture and after each pass
 
 
 @dataclass
@@ -67,7 +78,18 @@ class Trainer:
         entry = self._entry(batch)
         leaves = _leaves(batch)
         inputs = [get(leaves) for get in entry.getters]
-        loss = entry.step(inputs).detach()
+        entry.calls += 1
+        if self.options.measure and entry.calls == 2:
+            loss, m = measure_peak(lambda: entry.step(inputs), self._device)
+            entry.record.measured = m.to_dict()
+            self._check_prediction(entry.record)
+        else:
+            t0 = time.perf_counter()
+            loss = entry.step(inputs)
+            if self._device == "cuda":
+                torch.cuda.synchronize()
+            entry.record.step_seconds.append(time.perf_counter() - t0)
+        loss = loss.detach()
         # LR schedulers check this flag (set by torch's optimizer.step wrapper) to tell a
         # missed optimizer step from a real one; the compiled step is a real one.
         self.optimizer._opt_called = True
@@ -78,9 +100,26 @@ class Trainer:
         """The optimized step graph of the most recent compile."""
         return next(reversed(self._cache.values())).graph
 
-    def export(self, directory: str) -> list[str]:
+    def export(self, directory: str, onnx: bool = False) -> list[str]:
+        """Write the optimized step as runnable Python + safetensors (and ONNX if asked)."""
         from glmc.export import export_step
-        return export_step(self, directory)
+        return export_step(self, directory, onnx=onnx)
+
+    def write_report(self, directory: str) -> list[str]:
+        """report.json and the self-contained report.html (see glmc.report)."""
+        return [str(p) for p in self.report.write(directory)]
+
+    @property
+    def _device(self) -> str:
+        p = next(iter(self.model.parameters()), None)
+        return p.device.type if p is not None else "cpu"
+
+    def _check_prediction(self, record: CompileRecord) -> None:
+        err = record.to_dict()["errors"].get("peak_memory")
+        if err is not None and abs(err) > 0.15:
+            record.warnings.append(
+                f"predicted peak memory is {err * 100:+.0f}% off the measured peak on this "
+                "machine; memory-budgeted passes plan with the prediction")
 
     # -- compile cache --------------------------------------------------------------------------
 
@@ -112,19 +151,36 @@ class Trainer:
                     f"{_describe(self.example)} and the model cannot run on it:\n{e}") from e
             raise
         t1 = time.perf_counter()
-        manager = PassManager(self._pipeline, self.options.disable)
+        getters = self._getters(graph)
+        predictions: list[Prediction] = []
+        observe = None
+        if self.options.predict:
+            profile = get_profile(self.options.profile, self._device)
+            leaves = _leaves(batch)
+
+            def observe(g: TrainGraph) -> dict[str, Any]:
+                node_times = None
+                if self.options.profile_guided:
+                    node_times = measure_node_times(g.gm, [get(leaves) for get in getters])
+                predictions.append(predict(g, self._backend, profile, node_times))
+                return predictions[-1].brief()
+        manager = PassManager(self._pipeline, self.options.disable, observe=observe,
+                              dump_dir=self.options.dump_dir)
         ctx = PassContext(self.options.backend, self.options.memory_budget,
                           self.options.precision, self.options.target)
         nodes_captured = len(graph.graph.nodes)
         manager.run(graph, ctx)
         t2 = time.perf_counter()
         compiled = self._backend.compile(graph, strict=self.options.strict)
-        self.report.compiles.append(CompileRecord(
+        record = CompileRecord(
             batch=_describe(batch), backend=self._backend.name, capture_seconds=t1 - t0,
             passes_seconds=t2 - t1, backend_seconds=compiled.compile_seconds,
             nodes_captured=nodes_captured, nodes_final=len(graph.graph.nodes),
-            history=list(manager.history), fallbacks=list(compiled.fallbacks)))
-        return _Entry(graph, compiled, self._getters(graph))
+            history=list(manager.history), fallbacks=list(compiled.fallbacks),
+            predicted_captured=predictions[0].to_dict() if predictions else None,
+            predicted=predictions[-1].to_dict() if predictions else None)
+        self.report.compiles.append(record)
+        return _Entry(graph, compiled, getters, record)
 
     def _getters(self, graph: TrainGraph) -> list[Callable[[list[torch.Tensor]], torch.Tensor]]:
         params = dict(self.model.named_parameters())
@@ -219,4 +275,8 @@ def make_trainer(model: nn.Module, example_inputs: Any, *, loss_fn: Any = None,
                           "pass, which is not implemented yet; use None or 'fp32'")
     if optimizer is None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    known = {f.name for f in dataclasses.fields(TrainerOptions)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ConfigError(f"optimize: unknown option(s) {unknown}; known: {sorted(known)}")
     return Trainer(model, batch, loss_fn, optimizer, TrainerOptions(**options))

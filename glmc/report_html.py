@@ -1,0 +1,179 @@
+"""report.html: one self-contained page (inline CSS and SVG plots, no scripts, no network)."""
+from __future__ import annotations
+
+import html
+import io
+from typing import Any
+
+from glmc.memory import CATEGORIES
+from glmc.report import MiB, mib, ms, pct
+
+_CSS = """
+body{font:14px/1.45 system-ui,sans-serif;margin:24px auto;max-width:1100px;color:#222}
+h1{font-size:22px} h2{font-size:18px;margin-top:32px;border-bottom:1px solid #ddd}
+table{border-collapse:collapse;margin:8px 0} td,th{border:1px solid #ddd;padding:3px 8px;
+text-align:right} th{background:#f4f4f4} td.l,th.l{text-align:left}
+.cards{display:flex;gap:12px;flex-wrap:wrap}.card{border:1px solid #ddd;border-radius:6px;
+padding:8px 14px;min-width:200px}.card b{font-size:18px;display:block}
+.warn{color:#a40} code{background:#f6f6f6;padding:0 3px} svg{max-width:100%;height:auto}
+"""
+
+
+def _esc(x: Any) -> str:
+    return html.escape(str(x))
+
+
+def _svg(fig: Any) -> str:
+    buf = io.StringIO()
+    fig.savefig(buf, format="svg", bbox_inches="tight")
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+    text = buf.getvalue()
+    return text[text.index("<svg"):]
+
+
+def _timeline_plot(c: dict[str, Any]) -> str:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 3.8))
+    for label, pred, style in (("captured (before passes)", c.get("predicted_captured"), "--"),
+                               ("compiled (after passes)", c.get("predicted"), "-")):
+        if not pred:
+            continue
+        tl = pred["memory"]["timeline"]
+        n = max(tl[-1][0], 1) if tl else 1
+        ax1.plot([i / n for i, _ in tl], [sum(v.values()) / MiB for _, v in tl], style,
+                 label=f"{label}: peak {pred['memory']['peak_bytes'] / MiB:,.1f} MiB")
+    meas = c.get("measured")
+    if meas and c.get("predicted"):
+        total = c["predicted"]["memory"]["persistent_bytes"] + meas["peak_bytes"]
+        ax1.axhline(total / MiB, color="k", lw=0.8, ls=":",
+                    label=f"measured peak {total / MiB:,.1f} MiB")
+    ax1.set_xlabel("position in the step (fraction of nodes)")
+    ax1.set_ylabel("live MiB")
+    ax1.set_title("predicted memory timeline, before vs after the pipeline")
+    ax1.legend(fontsize=8)
+    pred = c.get("predicted")
+    if pred:
+        tl = pred["memory"]["timeline"]
+        xs = [i for i, _ in tl]
+        ys = [[v.get(cat, 0) / MiB for _, v in tl] for cat in CATEGORIES]
+        ax2.stackplot(xs, ys, labels=CATEGORIES)
+        ax2.set_xlabel("node index (compiled step)")
+        ax2.set_ylabel("live MiB")
+        ax2.set_title("compiled step, by category")
+        ax2.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    return _svg(fig)
+
+
+def _pass_plot(c: dict[str, Any]) -> str | None:
+    points = [("captured", c.get("predicted_captured"))]
+    points += [(r["name"], {"time": {"seconds": r["predicted"]["seconds"]},
+                            "memory": {"peak_bytes": r["predicted"]["peak_bytes"]}})
+               for r in c["passes"] if r.get("predicted")]
+    points = [(n, p) for n, p in points if p]
+    if len(points) < 2:
+        return None
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 3))
+    names = [n for n, _ in points]
+    ax.plot(names, [p["time"]["seconds"] * 1e3 for _, p in points], "o-", label="step ms")
+    ax.set_ylabel("predicted step (ms)")
+    ax2 = ax.twinx()
+    ax2.plot(names, [p["memory"]["peak_bytes"] / MiB for _, p in points], "s--", color="C1",
+             label="peak MiB")
+    ax2.set_ylabel("predicted peak (MiB)")
+    ax.set_title("prediction after each pass")
+    fig.tight_layout()
+    return _svg(fig)
+
+
+def _compile_section(i: int, c: dict[str, Any]) -> str:
+    pred, meas, err = c.get("predicted"), c.get("measured"), c.get("errors") or {}
+    parts = [f"<h2>Compile {i + 1}: batch {_esc(c['batch'])} &rarr; {_esc(c['backend'])}</h2>"]
+    cards = []
+    if pred:
+        cards.append(("predicted step", ms(pred["time"]["seconds"]),
+                      f"{pred['time']['kernels']} kernels, {pred['time']['gflops']} GFLOP"))
+        cards.append(("predicted peak", mib(pred["memory"]["peak_bytes"]),
+                      f"{mib(pred['memory']['persistent_bytes'])} state + "
+                      f"{mib(pred['memory']['transient_bytes'])} in-step"))
+    if c.get("measured_step_seconds") is not None:
+        cards.append(("measured step", ms(c["measured_step_seconds"]),
+                      f"median of {max(c['steps_run'] - 1, 0)} steps; error "
+                      f"{pct(err.get('step_time'))}"))
+    if meas and pred:
+        total = pred["memory"]["persistent_bytes"] + meas["peak_bytes"]
+        rss = f"; peak RSS growth {mib(meas['rss_peak_bytes'])}" if meas.get("rss_peak_bytes") \
+            is not None else ""
+        cards.append(("measured peak", mib(total),
+                      f"{_esc(meas['source'])}{rss}; error {pct(err.get('peak_memory'))}"))
+    parts.append('<div class="cards">' + "".join(
+        f'<div class="card">{_esc(t)}<b>{_esc(v)}</b><small>{_esc(d)}</small></div>'
+        for t, v, d in cards) + "</div>")
+    parts.append(f"<p>capture {c['capture_seconds']:.2f}s, passes {c['passes_seconds']:.2f}s, "
+                 f"backend compile {c['backend_seconds']:.2f}s; nodes {c['nodes_captured']} "
+                 f"&rarr; {c['nodes_final']}."
+                 + (f" Cost profile: {_esc(pred['time']['profile'])}." if pred else "") + "</p>")
+    rows = ["<tr><th class=l>pass</th><th class=l>options</th><th>state</th><th>ms</th>"
+            "<th>nodes</th><th>pred. step</th><th>pred. peak</th><th class=l>stats</th></tr>"]
+    if c.get("predicted_captured"):
+        pc = c["predicted_captured"]
+        rows.append(f"<tr><td class=l>(captured)</td><td></td><td></td><td></td>"
+                    f"<td>{c['nodes_captured']}</td><td>{ms(pc['time']['seconds'])}</td>"
+                    f"<td>{mib(pc['memory']['peak_bytes'])}</td><td></td></tr>")
+    for r in c["passes"]:
+        state = "skipped" if r["skipped"] else ("changed" if r["changed"] else "no change")
+        p = r.get("predicted") or {}
+        rows.append(f"<tr><td class=l>{_esc(r['name'])}</td><td class=l>{_esc(r['options'])}</td>"
+                    f"<td>{state}</td><td>{r['seconds'] * 1e3:.1f}</td>"
+                    f"<td>{r['nodes_before']} &rarr; {r['nodes_after']}</td>"
+                    f"<td>{ms(p.get('seconds'))}</td><td>{mib(p.get('peak_bytes'))}</td>"
+                    f"<td class=l><code>{_esc(r['stats'] or '')}</code></td></tr>")
+    parts.append("<h3>Passes</h3><table>" + "".join(rows) + "</table>")
+    parts.append("<h3>Memory timeline</h3>" + _timeline_plot(c))
+    plot = _pass_plot(c)
+    if plot:
+        parts.append(plot)
+    if pred:
+        mem = pred["memory"]
+        parts.append(f"<h3>At the predicted peak</h3><p>node <code>{_esc(mem['peak_node'])}"
+                     f"</code> ({_esc(mem['peak_source'] or 'no source')})</p><table><tr>"
+                     + "".join(f"<th>{k}</th>" for k in CATEGORIES) + "</tr><tr>"
+                     + "".join(f"<td>{mib(mem['at_peak'].get(k, 0))}</td>" for k in CATEGORIES)
+                     + "</tr></table><table><tr><th class=l>tensor</th><th>size</th>"
+                     "<th class=l>category</th><th class=l>source</th></tr>"
+                     + "".join(f"<tr><td class=l>{_esc(n)}</td><td>{mib(b)}</td>"
+                               f"<td class=l>{_esc(k)}</td><td class=l>{_esc(s or '')}</td></tr>"
+                               for n, b, k, s in mem["largest_at_peak"]) + "</table>")
+        t = pred["time"]
+        parts.append("<h3>Predicted time by op kind</h3><table><tr>"
+                     + "".join(f"<th>{_esc(k)}</th>" for k in t["by_kind"]) + "</tr><tr>"
+                     + "".join(f"<td>{ms(v)}</td>" for v in t["by_kind"].values())
+                     + "</tr></table>")
+        if t["unknown_ops"]:
+            parts.append(f"<p class=warn>Ops without a cost rule (costed by the generic bytes "
+                         f"rule): {_esc(t['unknown_ops'])}</p>")
+    if c["fallbacks"]:
+        parts.append(f"<h3 class=warn>{len(c['fallbacks'])} op(s) fell back to eager</h3><ul>"
+                     + "".join(f"<li><code>{_esc(f['op'])}</code> at {_esc(f['where'])}</li>"
+                               for f in c["fallbacks"]) + "</ul>")
+    if c.get("warnings"):
+        parts.append("<h3 class=warn>Warnings</h3><ul>"
+                     + "".join(f"<li>{_esc(w)}</li>" for w in c["warnings"]) + "</ul>")
+    return "\n".join(parts)
+
+
+def render_html(data: dict[str, Any]) -> str:
+    body = [f"<h1>glmc compile report</h1><p>{_esc(data.get('created', ''))} &middot; "
+            f"{_esc(data.get('machine', ''))} &middot; torch {_esc(data.get('torch', ''))}</p>"]
+    if not data["compiles"]:
+        body.append("<p>No compiles recorded.</p>")
+    body += [_compile_section(i, c) for i, c in enumerate(data["compiles"])]
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>glmc report</title>"
+            f"<style>{_CSS}</style></head><body>{''.join(body)}</body></html>")
