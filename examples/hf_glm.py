@@ -6,13 +6,15 @@ Needs the `hf` extra (`pip install -e .[hf]`). As a glmc FILE: defines `workload
 import torch
 
 
-def workload(batch: int = 2, seq: int = 32):
+def workload(batch: int = 2, seq: int = 32, hidden: int = 64, layers: int = 2,
+             vocab: int = 512):
+    """Defaults: a tiny model for tests. The benchmark uses (4, 128, 256, 4, 8192)."""
     from transformers import GlmConfig, GlmForCausalLM
 
-    config = GlmConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
-                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       head_dim=16, max_position_embeddings=128, attention_dropout=0.0, pad_token_id=0,
-                       attn_implementation="eager")
+    config = GlmConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=hidden // 4, max_position_embeddings=max(128, seq),
+                       attention_dropout=0.0, pad_token_id=0, attn_implementation="eager")
     torch.manual_seed(0)
     model = GlmForCausalLM(config)
     g = torch.Generator().manual_seed(0)

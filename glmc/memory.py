@@ -110,7 +110,7 @@ class FusionGroups:
     def kernel_cost(self, n: fx.Node, c: Any) -> Any:
         from glmc.cost import OpCost, _val_bytes
         read = sum(_val_bytes(a.meta.get("val")) for a in self.reads(n))
-        return OpCost(c.kind, c.flops, read, c.bytes_written, c.dtype)
+        return OpCost(c.kind, c.flops, read, c.bytes_written, c.dtype, c.name)
 
 
 def _generated(n: fx.Node) -> bool:

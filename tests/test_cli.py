@@ -30,6 +30,9 @@ def test_compile_glm_eager_matches_eager_losses(tmp_path: Path) -> None:
     assert "cleanup" in r.stdout
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["compiles"][0]["passes"][0]["name"] == "cleanup"
+    assert (tmp_path / "report.html").read_text().count("<svg") >= 2
+    assert (tmp_path / "graphs" / "01_cleanup.py").exists()
+    assert "measured:" in r.stdout and "predicted:" in r.stdout
     assert (tmp_path / "export" / "step.py").read_text().count("torch.ops.aten.mm") > 0
 
 
@@ -40,6 +43,11 @@ def test_missing_model_is_exit_1(tmp_path: Path) -> None:
     assert r.returncode == 1
     assert "defines neither `workload()` nor model and example_inputs" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_export_onnx_needs_export_dir() -> None:
+    r = glmc("compile", "examples/mlp.py", "--backend", "eager", "--steps", "1", "--export-onnx")
+    assert r.returncode == 1 and "--export-onnx needs --export-dir" in r.stderr
 
 
 def test_usage_error_is_exit_2() -> None:

@@ -1,0 +1,104 @@
+"""report.json / report.html / glmc report, graph dumps, and the exported step (Python, ONNX)."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import glmc
+from glmc.capture import split_batch
+from tests.models import CASES, RTOL, ATOL, glmc_losses
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _trainer(case: str, backend: str = "eager", **options):
+    model, x, loss_fn, opt = CASES[case].make()
+    return glmc.optimize(model, x, loss_fn=loss_fn, optimizer=opt, backend=backend,
+                         **options), x
+
+
+def test_report_files_are_complete_and_self_contained(tmp_path: Path) -> None:
+    trainer, x = _trainer("glm", dump_dir=str(tmp_path / "graphs"))
+    glmc_losses(trainer, x, 4)
+    json_path, html_path = trainer.write_report(str(tmp_path))
+    data = json.loads(Path(json_path).read_text())
+    c = data["compiles"][0]
+    cleanup = c["passes"][0]
+    assert cleanup["name"] == "cleanup" and cleanup["changed"]
+    assert cleanup["predicted"]["peak_bytes"] <= c["predicted_captured"]["memory"]["peak_bytes"]
+    assert c["measured"]["peak_bytes"] > 0 and c["steps_run"] == 3
+    assert c["predicted"]["memory"]["timeline"] and c["errors"]["peak_memory"] is not None
+    html = Path(html_path).read_text()
+    assert html.count("<svg") >= 2 and "cleanup" in html and "measured peak" in html
+    # offline: no scripts, stylesheets or images fetched from anywhere
+    # (matplotlib's clip paths use in-document url(#id) references only)
+    assert not re.search(r"<script|<link|<img|@import|url\((?!#)", html)
+    dumps = sorted(p.name for p in (tmp_path / "graphs").iterdir())
+    assert dumps == ["00_captured.py", "01_cleanup.py"]
+    assert "torch.ops.aten.mm" in (tmp_path / "graphs" / "01_cleanup.py").read_text()
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="needs a headless chromium")
+def test_report_renders_in_headless_browser(tmp_path: Path) -> None:
+    trainer, x = _trainer("mlp")
+    glmc_losses(trainer, x, 3)
+    _, html = trainer.write_report(str(tmp_path))
+    png = tmp_path / "report.png"
+    subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu",
+                    f"--screenshot={png}", "--window-size=1200,1600", f"file://{html}"],
+                   capture_output=True, timeout=120)
+    assert png.exists() and png.stat().st_size > 20_000
+
+
+def test_glmc_report_command(tmp_path: Path) -> None:
+    trainer, x = _trainer("mlp")
+    glmc_losses(trainer, x, 3)
+    trainer.write_report(str(tmp_path))
+    (tmp_path / "report.html").unlink()
+    r = subprocess.run([sys.executable, "-m", "glmc", "report", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "cleanup" in r.stdout and "predicted:" in r.stdout and "measured:" in r.stdout
+    assert (tmp_path / "report.html").exists()
+    bad = subprocess.run([sys.executable, "-m", "glmc", "report", str(tmp_path / "none")],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1 and "does not exist" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
+def _run_export(directory: Path, *args: str) -> list[float]:
+    r = subprocess.run([sys.executable, str(directory / "step.py"), *args],
+                       capture_output=True, text=True, timeout=600,
+                       cwd=directory)  # not the repo: the export must not need glmc
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case,onnx", [("glm", False), ("cnn", False), ("glm", True),
+                                       ("mlp", True)])
+def test_export_reproduces_the_next_steps(tmp_path: Path, case: str, onnx: bool) -> None:
+    if onnx:
+        pytest.importorskip("onnxruntime")
+        pytest.importorskip("onnxscript")
+    trainer, x = _trainer(case, predict=False, measure=False)
+    glmc_losses(trainer, x, 2)
+    files = trainer.export(str(tmp_path), onnx=onnx)
+    assert {Path(f).name for f in files} >= {"step.py", "state.safetensors", "signature.json"}
+    want = glmc_losses(trainer, x, 5, seed=100)  # the trainer goes on from the exported state
+    got = _run_export(tmp_path, "--steps", "5", "--seed", "100", *(["--onnx"] if onnx else []))
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=ATOL)
+
+
+def test_export_save_continues_training(tmp_path: Path) -> None:
+    trainer, x = _trainer("mlp", predict=False, measure=False)
+    trainer.export(str(tmp_path))
+    first = _run_export(tmp_path, "--steps", "2", "--save")
+    second = _run_export(tmp_path, "--steps", "2")
+    assert second[0] < first[0] and second[0] != first[1]
