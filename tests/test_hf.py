@@ -19,6 +19,9 @@ def test_hf_glm_optimize_parity(backend: str) -> None:
     got, want = glmc_losses(trainer, x, 3), eager_losses(m2, x, None, opt2, 3)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=ATOL)
     assert_state_close(m, m2, opt, opt2, zero_grad_params=("k_proj.bias",))
+    # the memory model on a real transformers model: measured on the second step
+    rec = trainer.report.compiles[-1].to_dict()
+    assert abs(rec["errors"]["peak_memory"]) <= 0.15, rec["errors"]
 
 
 @pytest.mark.slow
