@@ -89,6 +89,8 @@ def _pass_plot(c: dict[str, Any]) -> str | None:
              label="peak MiB")
     ax2.set_ylabel("predicted peak (MiB)")
     ax.set_title("prediction after each pass")
+    lines = ax.get_lines() + ax2.get_lines()
+    ax.legend(lines, [ln.get_label() for ln in lines], fontsize=8)
     fig.tight_layout()
     return _svg(fig)
 
