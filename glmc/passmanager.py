@@ -14,7 +14,7 @@ from typing import Any, Callable, ClassVar
 
 import torch.fx as fx
 
-from glmc.errors import PassError, PipelineError
+from glmc.errors import GlmcError, PassError, PipelineError
 from glmc.ir import TrainGraph
 
 
@@ -26,6 +26,7 @@ class PassContext:
     memory_budget: Any = None
     precision: str | None = None
     target: Any = None
+    profile: Any = None  #: cost-model device profile (see glmc.cost.get_profile)
 
 
 @dataclass(frozen=True)
@@ -121,8 +122,8 @@ class PassManager:
         start = time.perf_counter()
         try:
             result = p.run(graph, ctx)
-        except PassError:
-            raise
+        except GlmcError:
+            raise  # typed errors (PassError, BudgetError, ConfigError) reach the user as they are
         except Exception as e:
             raise PassError(f"{p.name}: failed: {e}") from e
         seconds = time.perf_counter() - start

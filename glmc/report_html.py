@@ -95,6 +95,49 @@ def _pass_plot(c: dict[str, Any]) -> str | None:
     return _svg(fig)
 
 
+def _recompute_section(c: dict[str, Any]) -> str:
+    rec = next((r for r in c["passes"] if r["name"] == "recompute" and r["stats"]), None)
+    if rec is None:
+        return ""
+    st = rec["stats"]
+    meas = c.get("measured")
+    measured = mib(st["persistent_bytes"] + meas["peak_bytes"]) if meas else "-"
+    budget = mib(st["budget_bytes"]) if st["budget_bytes"] is not None else "min"
+    gap = f", MILP gap {st['milp_gap']:.2g}" if st.get("milp_gap") is not None else ""
+    parts = [f"<h3>Recompute</h3><p>budget <b>{_esc(st['budget'])}</b> ({budget}); peak without "
+             f"recompute {mib(st['baseline_peak'])}; planned {mib(st['planned_peak'])}, "
+             f"predicted (full simulation) {mib(st['predicted_peak'])}, measured {measured}. "
+             f"{st['recomputed']} of {st['candidates']} values recomputed, {st['kept']} kept "
+             f"for the backward; +{st['extra_flops'] / 1e9:.3f} GFLOP, "
+             f"+{ms(st['extra_seconds'])} predicted. Solver: {_esc(st['solver'])} in "
+             f"{st['solve_seconds']:.2f} s{gap}; heuristic's plan: "
+             f"+{ms(st['greedy_seconds_extra'])}.</p>"]
+    if st.get("notes"):
+        parts.append("<p>" + "; ".join(_esc(n) for n in st["notes"]) + "</p>")
+    parts.append("<table><tr><th class=l>recomputed value</th><th>size</th>"
+                 "<th class=l>source</th></tr>" + "".join(
+                     f"<tr><td class=l>{_esc(n)}</td><td>{mib(b)}</td>"
+                     f"<td class=l>{_esc(src or '')}</td></tr>"
+                     for n, b, src in st["recomputed_values"]) + "</table>")
+    if st.get("pareto"):
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(6, 3.2))
+        xs = [p[1] / MiB for p in st["pareto"]]
+        ys = [p[2] * 1e3 for p in st["pareto"]]
+        ax.plot(xs, ys, "o-")
+        for p, x, y in zip(st["pareto"], xs, ys):
+            ax.annotate(str(p[0]), (x, y), fontsize=8, textcoords="offset points",
+                        xytext=(4, 4))
+        ax.set_xlabel("predicted peak (MiB)")
+        ax.set_ylabel("predicted recompute (ms)")
+        ax.set_title("runtime-memory Pareto curve (budget sweep, greedy)")
+        fig.tight_layout()
+        parts.append(_svg(fig))
+    return "\n".join(parts)
+
+
 def _compile_section(i: int, c: dict[str, Any]) -> str:
     pred, meas, err = c.get("predicted"), c.get("measured"), c.get("errors") or {}
     parts = [f"<h2>Compile {i + 1}: batch {_esc(c['batch'])} &rarr; {_esc(c['backend'])}</h2>"]
@@ -139,6 +182,7 @@ def _compile_section(i: int, c: dict[str, Any]) -> str:
                     f"<td class=l><code>{_esc(r['stats'] or '')}</code></td></tr>")
     parts.append("<h3>Passes</h3><table>" + "".join(rows) + "</table>")
     parts.append("<h3>Memory timeline</h3>" + _timeline_plot(c))
+    parts.append(_recompute_section(c))
     plot = _pass_plot(c)
     if plot:
         parts.append(plot)

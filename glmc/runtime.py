@@ -28,6 +28,9 @@ from glmc.memory import measure_peak
 from glmc.report import CompileRecord, Report
 
 
+BUDGET_TOLERANCE = 0.01  #: measured peak may exceed a memory budget by this fraction
+
+
 @dataclass
 class _Entry:
     graph: TrainGraph
@@ -35,6 +38,7 @@ class _Entry:
     getters: list[Callable[[list[torch.Tensor]], torch.Tensor]]  #: batch leaves -> input
     record: CompileRecord
     calls: int = 0
+    retried: bool = False  #: compiled again because the measured peak missed the budget
 
 
 @dataclass
@@ -66,7 +70,7 @@ class Trainer:
 
     def __post_init__(self) -> None:
         rule_for(self.optimizer)  # fail early on an unsupported optimizer
-        self._pipeline = parse_pipeline(self.options.passes)
+        self._pipeline = parse_pipeline(self.options.passes, self.options.memory_budget)
         self._backend = get_backend(self.options.backend)
         self._entry(self.example)
 
@@ -83,6 +87,7 @@ class Trainer:
             loss, m = measure_peak(lambda: entry.step(inputs), self._device)
             entry.record.measured = m.to_dict()
             self._check_prediction(entry.record)
+            self._check_budget(batch, entry)
         else:
             t0 = time.perf_counter()
             loss = entry.step(inputs)
@@ -140,7 +145,33 @@ class Trainer:
             self._cache[key] = entry
         return entry
 
-    def _compile(self, batch: Batch) -> _Entry:
+    def _check_budget(self, batch: Batch, entry: _Entry) -> None:
+        """The memory budget holds on *measured* memory: if the measured peak exceeds the
+        recompute target (ops' internal workspaces, backend buffer decisions), compile again
+        once with the target lowered by the overshoot; if that still misses, say so."""
+        stats = next((r.stats for r in entry.record.history if r.name == "recompute"
+                      and r.stats is not None), None)
+        if stats is None or stats.budget_bytes is None:
+            return
+        measured = stats.persistent_bytes + entry.record.measured["peak_bytes"]
+        over = measured - stats.budget_bytes
+        if over <= BUDGET_TOLERANCE * stats.budget_bytes:
+            return
+        if entry.retried:
+            entry.record.warnings.append(
+                f"recompute: measured peak {measured:,} bytes is over the budget's "
+                f"{stats.budget_bytes:,} by {over:,} after one retry")
+            return
+        entry.record.warnings.append(
+            f"recompute: measured peak {measured:,} bytes exceeded the budget's "
+            f"{stats.budget_bytes:,}; recompiled with the target lowered by {over:,} bytes")
+        pipeline = [dataclasses.replace(p, margin=p.margin + over) if p.name == "recompute"  # type: ignore[attr-defined]
+                    else p for p in self._pipeline]
+        key = self._key(batch)
+        self._cache[key] = self._compile(batch, pipeline)
+        self._cache[key].retried = True
+
+    def _compile(self, batch: Batch, pipeline: list[Pass] | None = None) -> _Entry:
         t0 = time.perf_counter()
         try:
             graph = capture_step(self.model, batch, self.loss_fn, self.optimizer)
@@ -164,10 +195,10 @@ class Trainer:
                     node_times = measure_node_times(g.gm, [get(leaves) for get in getters])
                 predictions.append(predict(g, self._backend, profile, node_times))
                 return predictions[-1].brief()
-        manager = PassManager(self._pipeline, self.options.disable, observe=observe,
+        manager = PassManager(pipeline or self._pipeline, self.options.disable, observe=observe,
                               dump_dir=self.options.dump_dir)
         ctx = PassContext(self.options.backend, self.options.memory_budget,
-                          self.options.precision, self.options.target)
+                          self.options.precision, self.options.target, self.options.profile)
         nodes_captured = len(graph.graph.nodes)
         manager.run(graph, ctx)
         t2 = time.perf_counter()
@@ -267,9 +298,6 @@ def make_trainer(model: nn.Module, example_inputs: Any, *, loss_fn: Any = None,
         if not isinstance(t, torch.Tensor):
             raise InputError(f"optimize: example_inputs must hold tensors only, got "
                              f"{type(t).__name__}")
-    if options.get("memory_budget") is not None:
-        raise ConfigError("optimize: memory_budget needs the recompute pass, which is not "
-                          "implemented yet; leave it unset")
     if options.get("precision") not in (None, "fp32"):
         raise ConfigError(f"optimize: precision={options['precision']!r} needs the precision "
                           "pass, which is not implemented yet; use None or 'fp32'")

@@ -1,0 +1,350 @@
+"""Rematerialization planning: which forward values to keep for the backward, which to recompute.
+
+The problem is stated over *units* — forward values that own storage (views, and on a fusing
+backend the pointwise ops it inlines, are transparent) — on the step's node order:
+
+* a unit is produced at `produced`, read by the forward until `last_fwd`, and read by the
+  backward at `bwd_reads` (node indices); `inputs` are the units it is computed from;
+* a plan is a set R of recomputed units. A recomputed unit's copy is made right before the
+  first backward node that needs it — directly, or through the copy of a recomputed consumer —
+  and lives until its last such use (one copy per unit, shared by later readers). Every other
+  unit that is read by the backward, or by a recomputed unit, is *stored*: it stays alive from
+  the forward until its last (direct or recompute) use;
+* the memory at node t is the baseline liveness (no recompute) with every unit's post-forward
+  lifetime replaced by what the plan makes of it. `evaluate()` computes it exactly for this
+  model; the glmc recompute pass checks the result against the full liveness simulation of
+  the rewritten graph.
+
+Solvers: `greedy` (repeatedly recompute the unit with the best bytes-freed-at-the-peak per
+second of recompute, checked exactly; fast, used for large graphs) and `milp` (exact for the
+model: a mixed-integer program over keep/recompute binaries with continuous liveness variables
+at a set of time points, grown by constraint generation until `evaluate()` agrees; solved by
+HiGHS through `scipy.optimize.milp` under a time limit).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Unit:
+    name: str
+    size: int
+    cost: float  #: predicted seconds to recompute
+    produced: int
+    last_fwd: int  #: last forward read (>= produced)
+    bwd_reads: tuple[int, ...]  #: node indices of backward reads, sorted
+    inputs: tuple[int, ...]  #: indices of the units it is computed from
+    recomputable: bool = True
+    source: str | None = None
+
+    @property
+    def needed(self) -> bool:
+        return bool(self.bwd_reads)
+
+
+@dataclass
+class Problem:
+    units: list[Unit]
+    base: np.ndarray  #: baseline live bytes after each node (no recompute)
+    persistent: int = 0
+    consumers: list[list[int]] = field(init=False)
+    fixed: np.ndarray = field(init=False)  #: baseline minus every unit's post-forward life
+
+    def __post_init__(self) -> None:
+        self.base = np.asarray(self.base, dtype=np.int64)
+        self.consumers = [[] for _ in self.units]
+        for i, u in enumerate(self.units):
+            for j in u.inputs:
+                self.consumers[j].append(i)
+        delta = np.zeros(len(self.base) + 1, dtype=np.int64)
+        for u in self.units:
+            if u.needed and u.bwd_reads[-1] > u.last_fwd:
+                delta[u.last_fwd + 1] -= u.size
+                delta[u.bwd_reads[-1] + 1] += u.size
+        self.fixed = self.base + np.cumsum(delta)[:-1]
+
+    @property
+    def n(self) -> int:
+        return len(self.base)
+
+
+@dataclass
+class Plan:
+    recompute: frozenset[int]
+    peak: int
+    peak_at: int
+    cost: float
+    solver: str
+    seconds: float = 0.0
+    gap: float | None = None  #: relative optimality gap reported by the MILP solver
+    notes: list[str] = field(default_factory=list)
+
+
+def closure(p: Problem, recompute: Iterable[int]) -> frozenset[int]:
+    """Drop recomputed units nobody needs (no backward read, no recomputed consumer)."""
+    r = set(recompute)
+    changed = True
+    while changed:
+        changed = False
+        for i in list(r):
+            if not p.units[i].needed and not any(c in r for c in p.consumers[i]):
+                r.discard(i)
+                changed = True
+    return frozenset(r)
+
+
+def creation_times(p: Problem, r: frozenset[int]) -> dict[int, int]:
+    """When each recomputed unit's copy is made (units in reverse production order)."""
+    made: dict[int, int] = {}
+    for i in sorted(r, key=lambda i: -p.units[i].produced):
+        u = p.units[i]
+        t = u.bwd_reads[0] if u.bwd_reads else p.n
+        for c in p.consumers[i]:
+            if c in made:
+                t = min(t, made[c])
+        made[i] = t
+    return made
+
+
+def timeline(p: Problem, recompute: Iterable[int]) -> np.ndarray:
+    r = frozenset(recompute)
+    made = creation_times(p, r)
+    delta = np.zeros(p.n + 1, dtype=np.int64)
+    for i, u in enumerate(p.units):
+        last = u.bwd_reads[-1] if u.bwd_reads else -1
+        for c in p.consumers[i]:
+            if c in made:
+                last = max(last, made[c])
+        if i in r:
+            start = made[i]
+        elif u.needed or last >= 0:
+            start = u.last_fwd + 1  # stored: lives on past the forward
+        else:
+            continue
+        if last >= start:
+            delta[start] += u.size
+            delta[last + 1] -= u.size
+    return p.fixed + np.cumsum(delta)[:-1]
+
+
+def evaluate(p: Problem, recompute: Iterable[int]) -> tuple[int, int]:
+    """(peak bytes, node index of the peak) of a plan."""
+    tl = timeline(p, recompute)
+    at = int(np.argmax(tl))
+    return int(tl[at]), at
+
+
+def plan_cost(p: Problem, r: Iterable[int]) -> float:
+    return float(sum(p.units[i].cost for i in r))
+
+
+# ---- greedy -----------------------------------------------------------------------------------
+
+
+def _move(p: Problem, r: frozenset[int], i: int) -> frozenset[int]:
+    """Recompute unit i; inputs that would otherwise be kept only for it are recomputed too
+    when they can be (chains of cheap ops), else kept."""
+    new = set(r) | {i}
+    stack = [i]
+    while stack:
+        k = stack.pop()
+        for j in p.units[k].inputs:
+            uj = p.units[j]
+            if j in new or uj.needed or not uj.recomputable:
+                continue
+            new.add(j)
+            stack.append(j)
+    return frozenset(new)
+
+
+def greedy(p: Problem, target: int | None, top_k: int = 6, deadline: float | None = None) -> Plan:
+    """Recompute, one move at a time, the stored unit live at the current peak with the best
+    (peak reduction) / (recompute seconds), until the peak is within `target` (None: until no
+    move lowers it: the smallest peak this heuristic reaches)."""
+    start = time.perf_counter()
+    r: frozenset[int] = frozenset()
+    peak, at = evaluate(p, r)
+    tried_out: set[int] = set()
+    while target is None or peak > target:
+        if deadline is not None and time.perf_counter() > deadline:
+            break
+        cands = []
+        for i, u in enumerate(p.units):
+            if i in r or i in tried_out or not u.recomputable or not u.needed:
+                continue
+            if u.last_fwd < at <= u.bwd_reads[-1]:  # kept, and live at the peak
+                cands.append((u.size / (u.cost + 1e-9), i))
+        if not cands:
+            break
+        cands.sort(reverse=True)
+        best = None
+        for _, i in cands[:top_k]:
+            m = closure(p, _move(p, r, i))
+            pk, pat = evaluate(p, m)
+            gain = peak - pk
+            extra = plan_cost(p, m) - plan_cost(p, r)
+            if gain > 0:
+                score = gain / (extra + 1e-9)
+                if best is None or score > best[0]:
+                    best = (score, m, pk, pat)
+            else:
+                tried_out.add(i)
+        if best is None:
+            continue
+        _, r, peak, at = best
+        tried_out.clear()
+    return Plan(r, peak, at, plan_cost(p, r), "greedy", time.perf_counter() - start)
+
+
+# ---- MILP -------------------------------------------------------------------------------------
+
+
+def milp(p: Problem, target: int | None, time_limit: float = 30.0,
+         rounds: int = 12) -> Plan | None:
+    """Exact for the model. Minimizes recompute seconds subject to memory <= target at the
+    time points in T (target None: minimizes the peak first, then seconds); T starts at the
+    baseline peak and grows with the plan's true peak until `evaluate` agrees. Returns None
+    when scipy is missing or the solver gives up within `time_limit`."""
+    try:
+        from scipy.optimize import Bounds, LinearConstraint, milp as scipy_milp
+        from scipy.sparse import coo_matrix
+    except ImportError:
+        return None
+    start = time.perf_counter()
+    n_u = len(p.units)
+    first_bwd = min((u.bwd_reads[0] for u in p.units if u.needed), default=p.n - 1)
+    points = {int(np.argmax(p.base)), first_bwd}
+    best: Plan | None = None
+    gap = None
+    for _ in range(rounds):
+        left = time_limit - (time.perf_counter() - start)
+        if left <= 0:
+            break
+        sol = _solve(p, sorted(points), target, left, scipy_milp, Bounds, LinearConstraint,
+                     coo_matrix)
+        if sol is None:
+            break
+        r, gap = sol
+        r = closure(p, r)
+        peak, at = evaluate(p, r)
+        plan = Plan(r, peak, at, plan_cost(p, r), "milp", time.perf_counter() - start, gap)
+        if target is not None and peak <= target or target is None and at in points:
+            best = plan
+            break
+        if at in points:  # cannot happen for an exact model; keep the plan and stop
+            best = plan
+            break
+        points.add(at)
+    if best is not None:
+        best.seconds = time.perf_counter() - start
+        best.notes.append(f"{len(points)} time points")
+    return best
+
+
+def _solve(p: Problem, points: list[int], target: int | None, time_limit: float,
+           scipy_milp, Bounds, LinearConstraint, coo_matrix):
+    n_u = len(p.units)
+    # variables: r_i (binary), s_i (binary), then per time point t: made[i,t], live[i,t],
+    # kept[i,t] (continuous in [0, 1], pushed to their lower bounds), then M (peak)
+    T = len(points)
+    R0, S0 = 0, n_u
+    base = 2 * n_u
+    nvar = base + 3 * n_u * T + 1
+    M = nvar - 1
+
+    def made(i: int, k: int) -> int:
+        return base + (3 * k) * n_u + i
+
+    def live(i: int, k: int) -> int:
+        return base + (3 * k + 1) * n_u + i
+
+    def kept(i: int, k: int) -> int:
+        return base + (3 * k + 2) * n_u + i
+
+    rows, cols, vals, lo, hi = [], [], [], [], []
+    row = 0
+
+    def add(coefs: dict[int, float], lower: float, upper: float) -> None:
+        nonlocal row
+        for c, v in coefs.items():
+            rows.append(row)
+            cols.append(c)
+            vals.append(v)
+        lo.append(lower)
+        hi.append(upper)
+        row += 1
+
+    inf = np.inf
+    for i, u in enumerate(p.units):
+        if u.needed:
+            add({R0 + i: 1, S0 + i: 1}, 1, inf)  # available to the backward
+        for j in u.inputs:
+            add({S0 + j: 1, R0 + j: 1, R0 + i: -1}, 0, inf)  # inputs of a recompute exist
+    for k, t in enumerate(points):
+        for i, u in enumerate(p.units):
+            # made[i,t] = r_i and (read directly by t, or a consumer's copy made by t): the
+            # copy is made exactly when first needed, as the rewriter places it
+            direct = bool(u.bwd_reads) and u.bwd_reads[0] <= t
+            if direct:
+                add({made(i, k): 1, R0 + i: -1}, 0, inf)
+            add({made(i, k): 1, R0 + i: -1}, -inf, 0)
+            if not direct:
+                add({made(i, k): 1, **{made(c, k): -1 for c in p.consumers[i]}}, -inf, 0)
+            for c in p.consumers[i]:
+                # a consumer's copy made by t needs this unit's copy (if recomputed) by t
+                add({made(i, k): 1, made(c, k): -1, R0 + i: -1}, -1, inf)
+            if u.produced > t:
+                continue
+            last_direct = u.bwd_reads[-1] if u.bwd_reads else -1
+            if u.last_fwd < t:
+                # copy live at t: made by t and still to be read at or after t
+                if last_direct >= t:
+                    add({live(i, k): 1, made(i, k): -1}, 0, inf)
+                    add({kept(i, k): 1, S0 + i: -1}, 0, inf)  # stored and still needed
+                for c in p.consumers[i]:
+                    # a consumer copy made after t still reads it
+                    add({live(i, k): 1, made(i, k): -1, R0 + c: -1, made(c, k): 1}, -1, inf)
+                    add({kept(i, k): 1, S0 + i: -1, R0 + c: -1, made(c, k): 1}, -1, inf)
+        # memory at t
+        coefs = {M: -1.0}
+        for i, u in enumerate(p.units):
+            if u.produced <= t and u.last_fwd < t:
+                coefs[live(i, k)] = float(u.size)
+                coefs[kept(i, k)] = float(u.size)
+        add(coefs, -inf, -float(p.fixed[t]))
+    integrality = np.zeros(nvar)
+    integrality[: 2 * n_u] = 1
+    lb = np.zeros(nvar)
+    ub = np.ones(nvar)
+    for i, u in enumerate(p.units):
+        if not u.recomputable:
+            ub[R0 + i] = 0
+    lb[M], ub[M] = 0, inf
+    scale = max(float(np.max(p.base)), 1.0)
+    cost = np.zeros(nvar)
+    total_cost = sum(u.cost for u in p.units) + 1e-12
+    if target is None:
+        cost[M] = 1.0 / scale  # minimize the peak first ...
+        for i, u in enumerate(p.units):
+            cost[R0 + i] = 1e-4 * u.cost / total_cost  # ... then recompute time
+    else:
+        ub[M] = float(target)
+        for i, u in enumerate(p.units):
+            cost[R0 + i] = u.cost / total_cost
+    for i, u in enumerate(p.units):  # a tie-break toward keeping less
+        cost[S0 + i] = 1e-7 * u.size / scale
+    a = coo_matrix((vals, (rows, cols)), shape=(row, nvar)).tocsr()
+    res = scipy_milp(cost, constraints=LinearConstraint(a, np.array(lo), np.array(hi)),
+                     integrality=integrality, bounds=Bounds(lb, ub),
+                     options={"time_limit": max(time_limit, 1.0), "disp": False,
+                              "mip_rel_gap": 1e-4})
+    if res.x is None:
+        return None
+    r = frozenset(i for i in range(n_u) if res.x[R0 + i] > 0.5)
+    gap = getattr(res, "mip_gap", None)
+    return r, (float(gap) if gap is not None else None)

@@ -1,0 +1,420 @@
+"""`recompute{budget=...}`: activation rematerialization under a memory budget.
+
+Chooses which forward values the backward keeps and which it recomputes, minimizing predicted
+recompute time subject to the predicted peak memory of the *whole step* (forward, backward,
+optimizer; the program the backend runs) staying within the budget.
+
+    budget=0.5     peak = state + 0.5 x (no-recompute peak - state): a fraction of the memory
+                   the step needs on top of weights, optimizer state and batch
+    budget=2GiB    the whole step's peak in bytes (also MiB, GB, MB, plain integers)
+    budget=min     the smallest peak this pass can reach
+
+Guarantees:
+* Random ops (dropout) are never recomputed: they are kept, so masks and gradients are
+  bit-identical to no recompute. Ops read by the optimizer update are never recomputed, and
+  recomputed copies are placed in the backward only, before their first reader.
+* Views are recomputed with their base (free); on a fusing backend (Inductor) the pointwise ops
+  it inlines into consumers are already recomputed by it and are left to it.
+* The plan's peak is checked by the full liveness simulation of the rewritten step; if the
+  model and the simulation disagree, the pass tightens its target and plans again.
+* A budget below the smallest reachable peak raises `BudgetError` naming that minimum.
+
+Solvers (`solver=auto|milp|greedy`, `time_limit=` seconds): see `glmc.remat`. `auto` runs the
+greedy heuristic, then the MILP when the graph has at most `milp_units` candidate values, and
+keeps the cheaper valid plan; the report says which produced it and the MILP's gap.
+"""
+from __future__ import annotations
+
+import operator
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from glmc.cost import get_profile, is_view, node_time, op_cost
+from glmc.errors import BudgetError, ConfigError
+from glmc.ir import RANDOM_OPS, Phase, TrainGraph, op_name
+from glmc.memory import FusionGroups, simulate
+from glmc.passmanager import Pass, PassContext, PassResult
+from glmc.remat import Plan, Problem, Unit, evaluate, greedy, milp, plan_cost
+
+_UNITS = {"k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 1 << 10, "mi": 1 << 20,
+          "gi": 1 << 30, "ti": 1 << 40}
+
+
+@dataclass(frozen=True)
+class Budget:
+    kind: str  #: "fraction" | "bytes" | "min"
+    value: float = 0.0
+
+    @staticmethod
+    def parse(spec: Any) -> "Budget":
+        if isinstance(spec, Budget):
+            return spec
+        if isinstance(spec, (int, float)) and not isinstance(spec, bool):
+            return Budget("fraction", float(spec)) if spec <= 1 else Budget("bytes", float(spec))
+        text = str(spec).strip().lower()
+        if text == "min":
+            return Budget("min")
+        m = re.fullmatch(r"([0-9.]+(?:e[0-9]+)?)\s*([kmgt]i?)?b?", text)
+        if not m:
+            raise ConfigError(f"recompute: budget {spec!r} is not a fraction (0.5), a size "
+                              "(2GiB, 500MB, 1e9) or 'min'")
+        number = float(m.group(1))
+        if m.group(2) is None and number <= 1:
+            if number <= 0:
+                raise ConfigError("recompute: a fractional budget must be in (0, 1]")
+            return Budget("fraction", number)
+        return Budget("bytes", number * _UNITS.get(m.group(2) or "", 1))
+
+    def target(self, baseline_peak: int, persistent: int) -> int | None:
+        if self.kind == "min":
+            return None
+        if self.kind == "fraction":
+            return int(persistent + self.value * (baseline_peak - persistent))
+        return int(self.value)
+
+
+@dataclass(frozen=True)
+class RecomputeStats:
+    budget: str
+    budget_bytes: int | None  #: the budget as bytes of the whole step's peak (None: min)
+    target_bytes: int | None  #: what the plan aimed at: the budget minus any margin
+    baseline_peak: int
+    persistent_bytes: int
+    planned_peak: int
+    predicted_peak: int  #: full liveness simulation of the rewritten step
+    solver: str
+    solve_seconds: float
+    milp_gap: float | None
+    greedy_seconds_extra: float | None  #: the heuristic's recompute seconds, for comparison
+    recomputed: int
+    kept: int
+    extra_flops: float
+    extra_seconds: float
+    candidates: int
+    recomputed_values: list = field(default_factory=list)  #: (name, bytes, source), largest
+    pareto: list = field(default_factory=list)  #: (budget, peak bytes, extra seconds)
+    notes: list = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RecomputePass(Pass):
+    """Keep or recompute each activation to fit the step's peak memory into a budget."""
+
+    name = "recompute"
+    budget: str = "0.5"
+    solver: str = "auto"
+    time_limit: float = 20.0
+    milp_units: int = 1200
+    pareto: bool = True
+    margin: int = 0  #: bytes kept free below the budget (set by the trainer's measured retry)
+
+    def run(self, graph: TrainGraph, ctx: PassContext) -> PassResult:
+        from glmc.backends import get_backend
+        from glmc.backends.base import lower_writeback
+
+        if self.solver not in ("auto", "milp", "greedy"):
+            raise ConfigError(f"recompute: solver must be auto, milp or greedy, not "
+                              f"{self.solver!r}")
+        spec = ctx.memory_budget if ctx.memory_budget is not None else self.budget
+        budget = Budget.parse(spec)
+        backend = get_backend(ctx.backend)
+        profile = get_profile(getattr(ctx, "profile", None), _device(graph))
+        lowered = lower_writeback(graph, backend.early_writeback).graph
+        problem, units = build_problem(lowered, backend.fuses, profile)
+        baseline_peak = int(problem.base.max())
+        budget_bytes = target = budget.target(baseline_peak, problem.persistent)
+        if target is not None and self.margin:
+            target -= self.margin
+        start = time.perf_counter()
+        plan, heuristic = self._solve(problem, target)
+        shortfall = None
+        if plan is None or (target is not None and plan.peak > target):
+            floor = self._solve(problem, None)[0]
+            lowest = floor.peak if floor is not None else baseline_peak
+            if self.margin and floor is not None:
+                # a measured retry asked for more than the plan can give: take the lowest
+                # reachable peak and report the shortfall instead of failing a running job
+                plan, shortfall = floor, lowest - target
+            else:
+                raise BudgetError(
+                    f"recompute: budget {spec} ({_mib(target)}) is below the smallest peak "
+                    f"this step can reach with recompute, {_mib(lowest)} (no recompute: "
+                    f"{_mib(baseline_peak)}; weights, optimizer state and batch alone: "
+                    f"{_mib(problem.persistent)}); raise the budget to at least {_mib(lowest)}")
+        # check against the full simulation; tighten on disagreement
+        notes = list(plan.notes)
+        if shortfall is not None:
+            notes.append(f"the measured retry's target is {_mib(shortfall)} below the lowest "
+                         "reachable peak: using the lowest")
+        predicted = _simulate_with(graph, units, plan.recompute, backend)
+        for _ in range(3):
+            if target is None or predicted <= target or shortfall is not None:
+                break
+            notes.append(f"simulation {_mib(predicted)} > target: tightened by "
+                         f"{_mib(predicted - plan.peak)}")
+            tighter, _ = self._solve(problem, target - (predicted - plan.peak))
+            if tighter is None:
+                break
+            plan = tighter
+            predicted = _simulate_with(graph, units, plan.recompute, backend)
+        solve_seconds = time.perf_counter() - start
+        pareto = self._pareto(problem, baseline_peak) if self.pareto else []
+        changed = bool(plan.recompute)
+        if changed:
+            rewrite(graph, {units[i] for i in plan.recompute}, backend.fuses)
+        rec = sorted(plan.recompute, key=lambda i: -problem.units[i].size)
+        stats = RecomputeStats(
+            budget=str(spec), budget_bytes=budget_bytes, target_bytes=target, baseline_peak=baseline_peak,
+            persistent_bytes=problem.persistent, planned_peak=plan.peak,
+            predicted_peak=predicted, solver=plan.solver, solve_seconds=round(solve_seconds, 3),
+            milp_gap=plan.gap,
+            greedy_seconds_extra=round(heuristic.cost, 6) if heuristic is not None else None,
+            recomputed=len(plan.recompute),
+            kept=sum(1 for i, u in enumerate(problem.units) if u.needed
+                     and i not in plan.recompute),
+            extra_flops=float(sum(_flops(lowered, units[i]) for i in plan.recompute)),
+            extra_seconds=round(plan.cost, 6), candidates=len(problem.units),
+            recomputed_values=[(problem.units[i].name, problem.units[i].size,
+                                problem.units[i].source) for i in rec[:25]],
+            pareto=pareto, notes=notes)
+        return PassResult(changed, stats)
+
+    def _solve(self, problem: Problem, target: int | None) -> tuple[Plan | None, Plan | None]:
+        deadline = time.perf_counter() + self.time_limit
+        heuristic = greedy(problem, target, deadline=deadline)
+        if target is None:
+            # `min`: the lowest peak the heuristic reaches, then the cheapest plan at that peak
+            target = heuristic.peak
+        use_milp = self.solver == "milp" or (self.solver == "auto"
+                                             and len(problem.units) <= self.milp_units)
+        if self.solver == "greedy" or not use_milp:
+            return heuristic, heuristic
+        left = max(1.0, deadline - time.perf_counter())
+        exact = milp(problem, target, time_limit=left)
+        candidates = [p for p in (exact, heuristic) if p is not None and
+                      (target is None or p.peak <= target)]
+        if not candidates:
+            return heuristic, heuristic
+        key = (lambda p: (p.peak, p.cost)) if target is None else (lambda p: p.cost)
+        best = min(candidates, key=key)
+        if exact is not None and best is heuristic:
+            best.notes.append("the MILP did not beat the heuristic within the time limit")
+        return best, heuristic
+
+    def _pareto(self, problem: Problem, baseline_peak: int) -> list:
+        points = []
+        for frac in (1.0, 0.75, 0.5, 0.25):
+            target = int(problem.persistent + frac * (baseline_peak - problem.persistent))
+            plan = greedy(problem, target)
+            if plan.peak <= target:
+                points.append((frac, plan.peak, round(plan.cost, 6)))
+        low = greedy(problem, None)
+        points.append(("min", low.peak, round(low.cost, 6)))
+        return points
+
+
+# ---- graph -> problem -------------------------------------------------------------------------
+
+
+def _device(graph: TrainGraph) -> str:
+    for ph in graph.placeholders():
+        spec = TrainGraph.info(ph).spec
+        if spec is not None:
+            return spec.device
+    return "cpu"
+
+
+def _mib(n: int | None) -> str:
+    return "min" if n is None else f"{n / (1 << 20):,.2f} MiB ({n:,} bytes)"
+
+
+def _phase(n: fx.Node) -> Phase | None:
+    info = n.meta.get("glmc")
+    return info.phase if info is not None else None
+
+
+def _bytes(v: Any) -> int:
+    if isinstance(v, torch.Tensor):
+        return v.numel() * v.element_size()
+    if isinstance(v, (tuple, list)):
+        return sum(_bytes(x) for x in v)
+    return 0
+
+
+def _transparent(n: fx.Node, groups: FusionGroups | None) -> bool:
+    if n.op != "call_function":
+        return False
+    t = n.target
+    if isinstance(t, torch._ops.OpOverload) and t._schema.is_mutable:
+        return False
+    return is_view(n) or (groups is not None and groups.inlined(n))
+
+
+def _tuple_unit(n: fx.Node, is_unit: dict) -> bool:
+    return bool(is_unit.get(n)) and isinstance(n.meta.get("val"), (tuple, list))
+
+
+def _key_name(key: tuple[fx.Node, int | None]) -> str:
+    node, k = key
+    return node.name if k is None else f"{node.name}#{k}"
+
+
+def build_problem(lowered: fx.Graph, fused: bool, profile: Any) -> tuple[Problem, list[str]]:
+    """Units (forward values owning storage; each output of a multi-output op is its own unit)
+    of the lowered step, with sizes, recompute seconds, read times, and the baseline liveness
+    timeline. Returns the problem and the unit names (`node` or `node#k`)."""
+    groups = FusionGroups(lowered) if fused else None
+    nodes = list(lowered.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    is_unit = {n: (n.op == "call_function" and _phase(n) is Phase.FORWARD
+                   and not _transparent(n, groups)) for n in nodes}
+    Key = tuple  # (node, output index or None)
+    deps: dict[fx.Node, frozenset] = {}
+    keys: list[Key] = []
+    for n in nodes:  # the units a node's value is made of (through transparent nodes)
+        if is_unit[n]:
+            val = n.meta.get("val")
+            if isinstance(val, (tuple, list)):
+                own = [(n, k) for k, v in enumerate(val) if isinstance(v, torch.Tensor)]
+            else:
+                own = [(n, None)]
+            keys.extend(own)
+            deps[n] = frozenset(own)
+        elif n.op == "call_function" and n.target is operator.getitem and \
+                _tuple_unit(n.args[0], is_unit):
+            deps[n] = frozenset({(n.args[0], n.args[1])})
+        elif _transparent(n, groups):
+            deps[n] = frozenset().union(*(deps.get(a, frozenset()) for a in n.all_input_nodes))
+        else:
+            deps[n] = frozenset()
+    kidx = {k: i for i, k in enumerate(keys)}
+    fwd_last = {k: index[k[0]] for k in keys}
+    bwd: dict[Key, list[int]] = {k: [] for k in keys}
+    blocked: set[fx.Node] = set()
+    for n in nodes:
+        if _transparent(n, groups):
+            continue
+        ins: set = set()
+        for a in n.all_input_nodes:
+            ins |= deps.get(a, frozenset())
+        ph = _phase(n)
+        for key in ins:
+            if key[0] is n:
+                continue
+            if ph is Phase.FORWARD:
+                fwd_last[key] = max(fwd_last[key], index[n])
+            else:
+                bwd[key].append(index[n])
+                if ph is not Phase.BACKWARD:
+                    blocked.add(key[0])  # read by the optimizer update or the output
+    overhead = profile.kernel_overhead_s if fused else profile.op_overhead_s
+    units = []
+    for key in keys:
+        n, k = key
+        val = n.meta.get("val")
+        size = _bytes(val if k is None else val[k])
+        t = n.target
+        recomputable = (isinstance(t, torch._ops.OpOverload) and not t._schema.is_mutable
+                        and op_name(n) not in RANDOM_OPS and n not in blocked)
+        inputs: set = set()
+        for a in n.all_input_nodes:
+            inputs |= deps.get(a, frozenset())
+        info = n.meta.get("glmc")
+        units.append(Unit(
+            name=_key_name(key), size=size, cost=node_time(op_cost(n), profile, overhead),
+            produced=index[n], last_fwd=fwd_last[key], bwd_reads=tuple(sorted(set(bwd[key]))),
+            inputs=tuple(sorted(kidx[u] for u in inputs if u[0] is not n)),
+            recomputable=recomputable, source=getattr(info, "source", None)))
+    mem = simulate(lowered, fused)
+    base = [sum(v.values()) for _, v in mem.timeline]
+    return Problem(units, base, mem.persistent_bytes), [u.name for u in units]
+
+
+def _flops(lowered: fx.Graph, name: str) -> float:
+    name = name.split("#")[0]
+    for n in lowered.nodes:
+        if n.name == name:
+            return op_cost(n).flops
+    return 0.0
+
+
+# ---- rewrite ----------------------------------------------------------------------------------
+
+
+def rewrite(graph: TrainGraph, recompute: set[str], fused: bool) -> int:
+    """Give every backward reader of a recomputed value a copy made right before the first
+    such reader (copies of views and inlined ops over recomputed values come along)."""
+    g = graph.graph
+    groups = FusionGroups(g) if fused else None
+    memo: dict[fx.Node, bool] = {}
+
+    tuple_units = {name.split("#")[0] for name in recompute if "#" in name}
+
+    def depends(a: fx.Node) -> bool:
+        if a not in memo:
+            if a.op != "call_function" or _phase(a) is not Phase.FORWARD:
+                memo[a] = False
+            elif a.name in recompute or a.name in tuple_units:
+                memo[a] = True
+            elif a.target is operator.getitem and isinstance(a.args[0], fx.Node) and \
+                    a.args[0].name in tuple_units:
+                memo[a] = f"{a.args[0].name}#{a.args[1]}" in recompute
+            elif _transparent(a, groups):
+                memo[a] = any(depends(x) for x in a.all_input_nodes)
+            else:
+                memo[a] = False
+        return memo[a]
+
+    copies: dict[fx.Node, fx.Node] = {}
+
+    def materialize(a: Any, before: fx.Node) -> Any:
+        if not isinstance(a, fx.Node) or not depends(a):
+            return a
+        if a in copies:
+            return copies[a]
+        args = fx.map_arg(a.args, lambda x: materialize(x, before))
+        kwargs = fx.map_arg(a.kwargs, lambda x: materialize(x, before))
+        with g.inserting_before(before):
+            c = g.call_function(a.target, args, kwargs)
+        c.meta = dict(a.meta)
+        c.meta["glmc"] = a.meta["glmc"].replace(phase=Phase.BACKWARD)
+        copies[a] = c
+        return c
+
+    for b in list(g.nodes):
+        if b.op == "output" or b in copies.values() or _phase(b) is not Phase.BACKWARD:
+            continue
+        if any(depends(a) for a in b.all_input_nodes):
+            b.args = fx.map_arg(b.args, lambda x: materialize(x, b))
+            b.kwargs = fx.map_arg(b.kwargs, lambda x: materialize(x, b))
+    g.lint()
+    return len(copies)
+
+
+def _simulate_with(graph: TrainGraph, units: list[str], recompute: frozenset[int],
+                   backend: Any) -> int:
+    """Predicted peak of the step with this plan applied (on a scratch copy of the graph)."""
+    from glmc.backends.base import lower_writeback
+    scratch = clone(graph)
+    if recompute:
+        rewrite(scratch, {units[i] for i in recompute}, backend.fuses)
+    return simulate(lower_writeback(scratch, backend.early_writeback).graph,
+                    backend.fuses).peak_bytes
+
+
+def clone(graph: TrainGraph) -> TrainGraph:
+    """A TrainGraph over a copy of the fx graph (node metadata shared, shallowly)."""
+    new = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in graph.graph.nodes:
+        env[n] = new.node_copy(n, lambda a: env[a])
+    return TrainGraph(fx.GraphModule(graph.gm, new), list(graph.inputs), list(graph.outputs),
+                      dict(graph.meta))
+
+
+__all__ = ["RecomputePass", "Budget", "build_problem", "rewrite", "evaluate", "plan_cost"]
