@@ -150,6 +150,22 @@ def run(name: str, steps: int, warmup: int, contenders: list[str]) -> dict:
     return {"model": name, "params": params, "steps": steps, "warmup": warmup, "rows": rows}
 
 
+def run_meta(script: str) -> dict:
+    """Date, machine, torch version and the command line of a benchmark run."""
+    return {"date": datetime.date.today().isoformat(),
+            "machine": f"{platform.machine()} {torch.get_num_threads()} threads, "
+                       f"{platform.processor() or platform.platform()}",
+            "torch": torch.__version__,
+            "command": f"python benchmarks/{script} " + " ".join(sys.argv[1:])}
+
+
+def write_result(out: Path, stem: str, data: dict, md: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(data, indent=2))
+    (out / f"{stem}.md").write_text(md + "\n")
+    print(md + "\n", flush=True)
+
+
 def markdown(result: dict, meta: dict) -> str:
     lines = [f"**{result['model']}** ({result['params'] / 1e6:.2f}M params), median of "
              f"{result['steps']} interleaved steps after {result['warmup']} warm-up; {meta['date']}, "
@@ -181,19 +197,10 @@ def main() -> None:
     bad = [m for m in models if m not in WORKLOADS]
     if bad:
         ap.error(f"unknown model(s) {bad}; choose from {sorted(WORKLOADS)}")
-    meta = {"date": datetime.date.today().isoformat(),
-            "machine": f"{platform.machine()} {torch.get_num_threads()} threads, "
-                       f"{platform.processor() or platform.platform()}",
-            "torch": torch.__version__,
-            "command": "python benchmarks/bench_step.py " + " ".join(sys.argv[1:])}
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
+    meta = run_meta("bench_step.py")
     for name in models:
         result = run(name, a.steps, a.warmup, a.contenders.split(","))
-        (out / f"{name}.json").write_text(json.dumps({**meta, **result}, indent=2))
-        md = markdown(result, meta)
-        (out / f"{name}.md").write_text(md + "\n")
-        print(md + "\n", flush=True)
+        write_result(Path(a.out), name, {**meta, **result}, markdown(result, meta))
 
 
 if __name__ == "__main__":

@@ -10,18 +10,14 @@ tensors). Errors are predicted / measured - 1.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
-import statistics
 import sys
 import time
 from pathlib import Path
 
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_step import MiB, ROOT, WORKLOADS  # noqa: E402
+from bench_step import MiB, ROOT, WORKLOADS, run_meta, write_result  # noqa: E402
 
 import glmc  # noqa: E402
 from glmc.analysis import predict  # noqa: E402
@@ -72,11 +68,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     a = ap.parse_args()
     prof = get_profile()
-    meta = {"date": datetime.date.today().isoformat(),
-            "machine": f"{platform.machine()} {torch.get_num_threads()} threads, "
-                       f"{platform.processor() or platform.platform()}",
-            "torch": torch.__version__, "profile": prof.name, "profile_source": prof.source,
-            "command": "python benchmarks/model_accuracy.py " + " ".join(sys.argv[1:])}
+    meta = {**run_meta("model_accuracy.py"), "profile": prof.name,
+            "profile_source": prof.source}
     rows = []
     for name in a.models.split(","):
         for backend in a.backends.split(","):
@@ -95,12 +88,7 @@ def main() -> None:
                      f"{r['measured_peak_mib']} | {r['predicted_peak_mib']} "
                      f"({r['peak_error'] * 100:+.1f}%) | {r['measured_in_step_mib']} / "
                      f"{r['predicted_in_step_mib']} |")
-    md = "\n".join(lines)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "model_accuracy.json").write_text(json.dumps({**meta, "rows": rows}, indent=2))
-    (out / "model_accuracy.md").write_text(md + "\n")
-    print(md)
+    write_result(Path(a.out), "model_accuracy", {**meta, "rows": rows}, "\n".join(lines))
 
 
 if __name__ == "__main__":

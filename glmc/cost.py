@@ -301,8 +301,12 @@ def cache_dir() -> Path:
     return Path(os.environ.get("GLMC_CACHE_DIR", Path.home() / ".cache" / "glmc"))
 
 
+CALIBRATION_VERSION = 3  #: bump when calibrate() measures differently; old caches are ignored
+
+
 def _machine_key() -> str:
-    ident = "|".join([platform.node(), platform.machine(), platform.processor(),
+    ident = "|".join([str(CALIBRATION_VERSION), platform.node(), platform.machine(),
+                      platform.processor(),
                       str(os.cpu_count()), str(torch.get_num_threads()), torch.__version__])
     return hashlib.sha1(ident.encode()).hexdigest()[:12]
 
@@ -342,24 +346,8 @@ def calibrate() -> DeviceProfile:
             t = _timeit(lambda: torch.mm(a, b), reps)
             mm_curve.append((2.0 * n ** 3, 2.0 * n ** 3 / t))
         bw_curve = []
-        for nbytes in (1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26):
-            # cycle through a pool larger than the last-level cache: in a training step most
-            # operands were written long before they are read again, so they come from DRAM
-            pool = [torch.randn(nbytes // 4) for _ in range(max(2, (1 << 28) // nbytes))]
-            it = iter(range(1 << 62))
-            kept: list[torch.Tensor] = []
-
-            def op() -> None:
-                # results stay alive for a while, as activations do, so each op writes memory
-                # fresh from the allocator (page faults included), as in a real step
-                kept.append(pool[next(it) % len(pool)].mul(1.0001))
-                if len(kept) > 16:
-                    kept.pop(0)
-            reps = max(3, min(100, int(4e9 / nbytes)))
-            t = _timeit(op, reps)
-            bw_curve.append((2.0 * nbytes, 2.0 * nbytes / t))
-            kept.clear()
-            del pool
+        bw_curve = [(2.0 * nbytes, _write_bandwidth(nbytes))
+                    for nbytes in (1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26)]
         x = torch.randn(1 << 22)
         t = _timeit(lambda: torch.exp(x), 5)
         vector = 8 * x.numel() / t  # exp counts 8 FLOP/element in this model
@@ -378,6 +366,24 @@ def calibrate() -> DeviceProfile:
         bandwidth=tuple(bw_curve), op_overhead_s=overhead, kernel_overhead_s=overhead / 2,
         source=f"calibrated {time.strftime('%Y-%m-%d')} by glmc.cost.calibrate()",
         kernel_rates=rates)
+
+
+def _write_bandwidth(nbytes: int) -> float:
+    """Bytes/s of an elementwise op producing `nbytes` from a cold input into fresh memory."""
+    # cycle through a pool larger than the last-level cache: in a training step most operands
+    # were written long before they are read again, so they come from DRAM
+    pool = [torch.randn(nbytes // 4) for _ in range(max(2, (1 << 28) // nbytes))]
+    it = iter(range(1 << 62))
+    kept: list[torch.Tensor] = []
+
+    def op() -> None:
+        # results stay alive for a while, as activations do, so each op writes memory fresh
+        # from the allocator (page faults included), as in a real step
+        kept.append(pool[next(it) % len(pool)].mul(1.0001))
+        if len(kept) > 16:
+            kept.pop(0)
+    reps = max(3, min(100, int(4e9 / nbytes)))
+    return 2.0 * nbytes / _timeit(op, reps)
 
 
 def _kernel_rates() -> dict[str, float]:

@@ -174,12 +174,11 @@ def _source(graph: TrainGraph) -> str:
 
 def export_onnx(graph: TrainGraph, inputs: list[torch.Tensor], path: Path) -> Path:
     """The functional step as ONNX: decompose to core ATen, torch.export, dynamo ONNX exporter."""
-    try:
-        import onnx  # noqa: F401
-        import onnxscript  # noqa: F401
-    except ImportError as e:
-        raise ConfigError(f"export: ONNX export needs the onnx extra (pip install "
-                          f"'glmc[onnx]'): {e}") from None
+    import importlib.util
+    missing = [m for m in ("onnx", "onnxscript") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ConfigError(f"export: ONNX export needs {', '.join(missing)} (pip install "
+                          "'glmc[onnx]')")
     from torch._decomp import core_aten_decompositions
     from torch.fx.experimental.proxy_tensor import make_fx
 

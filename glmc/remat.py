@@ -216,7 +216,6 @@ def milp(p: Problem, target: int | None, time_limit: float = 30.0,
     except ImportError:
         return None
     start = time.perf_counter()
-    n_u = len(p.units)
     first_bwd = min((u.bwd_reads[0] for u in p.units if u.needed), default=p.n - 1)
     points = {int(np.argmax(p.base)), first_bwd}
     best: Plan | None = None

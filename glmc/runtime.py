@@ -184,17 +184,18 @@ class Trainer:
         t1 = time.perf_counter()
         getters = self._getters(graph)
         predictions: list[Prediction] = []
-        observe = None
+        observe: Callable[[TrainGraph], dict[str, Any]] | None = None
         if self.options.predict:
             profile = get_profile(self.options.profile, self._device)
             leaves = _leaves(batch)
 
-            def observe(g: TrainGraph) -> dict[str, Any]:
+            def predict_step(g: TrainGraph) -> dict[str, Any]:
                 node_times = None
                 if self.options.profile_guided:
                     node_times = measure_node_times(g.gm, [get(leaves) for get in getters])
                 predictions.append(predict(g, self._backend, profile, node_times))
                 return predictions[-1].brief()
+            observe = predict_step
         manager = PassManager(pipeline or self._pipeline, self.options.disable, observe=observe,
                               dump_dir=self.options.dump_dir)
         ctx = PassContext(self.options.backend, self.options.memory_budget,

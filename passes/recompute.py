@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from glmc.analysis import _device
 from glmc.cost import get_profile, is_view, node_time, op_cost
 from glmc.errors import BudgetError, ConfigError
 from glmc.ir import RANDOM_OPS, Phase, TrainGraph, op_name
@@ -177,7 +178,7 @@ class RecomputePass(Pass):
             recomputed=len(plan.recompute),
             kept=sum(1 for i, u in enumerate(problem.units) if u.needed
                      and i not in plan.recompute),
-            extra_flops=float(sum(_flops(lowered, units[i]) for i in plan.recompute)),
+            extra_flops=_flops(lowered, {units[i].split("#")[0] for i in plan.recompute}),
             extra_seconds=round(plan.cost, 6), candidates=len(problem.units),
             recomputed_values=[(problem.units[i].name, problem.units[i].size,
                                 problem.units[i].source) for i in rec[:25]],
@@ -219,14 +220,6 @@ class RecomputePass(Pass):
 
 
 # ---- graph -> problem -------------------------------------------------------------------------
-
-
-def _device(graph: TrainGraph) -> str:
-    for ph in graph.placeholders():
-        spec = TrainGraph.info(ph).spec
-        if spec is not None:
-            return spec.device
-    return "cpu"
 
 
 def _mib(n: int | None) -> str:
@@ -335,12 +328,9 @@ def build_problem(lowered: fx.Graph, fused: bool, profile: Any) -> tuple[Problem
     return Problem(units, base, mem.persistent_bytes), [u.name for u in units]
 
 
-def _flops(lowered: fx.Graph, name: str) -> float:
-    name = name.split("#")[0]
-    for n in lowered.nodes:
-        if n.name == name:
-            return op_cost(n).flops
-    return 0.0
+def _flops(lowered: fx.Graph, names: set[str]) -> float:
+    """FLOPs of recomputing these nodes once each."""
+    return float(sum(op_cost(n).flops for n in lowered.nodes if n.name in names))
 
 
 # ---- rewrite ----------------------------------------------------------------------------------

@@ -66,3 +66,17 @@ def test_debug_prints_traceback(tmp_path: Path) -> None:
     f.write_text("raise RuntimeError('boom')\n")
     r = glmc("compile", str(f), "--debug")
     assert r.returncode == 1 and "Traceback" in r.stderr and "boom" in r.stderr
+
+
+def test_compile_with_memory_budget(tmp_path: Path) -> None:
+    r = glmc("compile", "examples/glm.py", "--backend", "eager", "--steps", "3",
+             "--memory-budget", "0.5", "--report-dir", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    (rec,) = [p for p in report["compiles"][0]["passes"] if p["name"] == "recompute"]
+    assert rec["changed"] and rec["stats"]["predicted_peak"] <= rec["stats"]["budget_bytes"]
+    assert "Pareto" in (tmp_path / "report.html").read_text()
+    bad = glmc("compile", "examples/glm.py", "--backend", "eager", "--steps", "1",
+               "--memory-budget", "1KiB")
+    assert bad.returncode == 1 and "smallest peak this step can reach" in bad.stderr
+    assert "Traceback" not in bad.stderr

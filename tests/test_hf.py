@@ -38,3 +38,13 @@ def test_hf_glm_dropin_parity() -> None:
         assert loss.item() == pytest.approx(eager_losses(m2, x, None, opt2, 1, seed=i)[0],
                                             rel=RTOL, abs=ATOL)
     assert_state_close(m, m2, opt, opt2, zero_grad_params=("k_proj.bias",))
+
+
+def test_hf_glm_recompute_parity() -> None:
+    (m, x, _, opt), (m2, _, _, opt2) = twin(make)
+    trainer = glmc.optimize(m, x, optimizer=opt, backend="eager", memory_budget="min")
+    got, want = glmc_losses(trainer, x, 3), eager_losses(m2, x, None, opt2, 3)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=ATOL)
+    assert_state_close(m, m2, opt, opt2, zero_grad_params=("k_proj.bias",))
+    (rec,) = [p for p in trainer.report.compiles[-1].history if p.name == "recompute"]
+    assert rec.stats.recomputed > 0 and rec.stats.predicted_peak < rec.stats.baseline_peak

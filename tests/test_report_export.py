@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import glmc
-from glmc.capture import split_batch
 from tests.models import CASES, RTOL, ATOL, glmc_losses
 
 ROOT = Path(__file__).resolve().parent.parent
