@@ -114,11 +114,13 @@ def _recompute_section(c: dict[str, Any]) -> str:
              f"+{ms(st['greedy_seconds_extra'])}.</p>"]
     if st.get("notes"):
         parts.append("<p>" + "; ".join(_esc(n) for n in st["notes"]) + "</p>")
-    parts.append("<table><tr><th class=l>recomputed value</th><th>size</th>"
-                 "<th class=l>source</th></tr>" + "".join(
-                     f"<tr><td class=l>{_esc(n)}</td><td>{mib(b)}</td>"
-                     f"<td class=l>{_esc(src or '')}</td></tr>"
-                     for n, b, src in st["recomputed_values"]) + "</table>")
+    for title, key in (("recomputed value", "recomputed_values"),
+                       ("kept for the backward", "kept_values")):
+        parts.append(f"<table><tr><th class=l>{title} (largest)</th><th>size</th>"
+                     "<th class=l>source</th></tr>" + "".join(
+                         f"<tr><td class=l>{_esc(n)}</td><td>{mib(b)}</td>"
+                         f"<td class=l>{_esc(src or '')}</td></tr>"
+                         for n, b, src in st.get(key, [])) + "</table>")
     if st.get("pareto"):
         import matplotlib
         matplotlib.use("Agg")

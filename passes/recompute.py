@@ -98,6 +98,7 @@ class RecomputeStats:
     extra_seconds: float
     candidates: int
     recomputed_values: list = field(default_factory=list)  #: (name, bytes, source), largest
+    kept_values: list = field(default_factory=list)  #: (name, bytes, source), largest kept
     pareto: list = field(default_factory=list)  #: (budget, peak bytes, extra seconds)
     notes: list = field(default_factory=list)
 
@@ -169,6 +170,9 @@ class RecomputePass(Pass):
         if changed:
             rewrite(graph, {units[i] for i in plan.recompute}, backend.fuses)
         rec = sorted(plan.recompute, key=lambda i: -problem.units[i].size)
+        kept = sorted((i for i, u in enumerate(problem.units)
+                       if u.needed and i not in plan.recompute),
+                      key=lambda i: -problem.units[i].size)
         stats = RecomputeStats(
             budget=str(spec), budget_bytes=budget_bytes, target_bytes=target, baseline_peak=baseline_peak,
             persistent_bytes=problem.persistent, planned_peak=plan.peak,
@@ -176,12 +180,13 @@ class RecomputePass(Pass):
             milp_gap=plan.gap,
             greedy_seconds_extra=round(heuristic.cost, 6) if heuristic is not None else None,
             recomputed=len(plan.recompute),
-            kept=sum(1 for i, u in enumerate(problem.units) if u.needed
-                     and i not in plan.recompute),
+            kept=len(kept),
             extra_flops=_flops(lowered, {units[i].split("#")[0] for i in plan.recompute}),
             extra_seconds=round(plan.cost, 6), candidates=len(problem.units),
             recomputed_values=[(problem.units[i].name, problem.units[i].size,
                                 problem.units[i].source) for i in rec[:25]],
+            kept_values=[(problem.units[i].name, problem.units[i].size,
+                          problem.units[i].source) for i in kept[:25]],
             pareto=pareto, notes=notes)
         return PassResult(changed, stats)
 

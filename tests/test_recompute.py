@@ -25,7 +25,7 @@ def _recompute_stats(trainer):
 @pytest.mark.parametrize("case,backend,budget", [
     ("mlp", "eager", "min"), ("cnn", "eager", "0.9"), ("glm", "eager", "0.5"),
     ("glm", "eager", "min"), ("cnn", "inductor", "min"),
-    pytest.param("glm", "inductor", "0.5", marks=pytest.mark.slow),
+    pytest.param("glm", "inductor", "0.75", marks=pytest.mark.slow),
 ])
 def test_recompute_keeps_parity_and_meets_budget(case: str, backend: str, budget: str) -> None:
     (m, x, loss_fn, opt), (m2, _, _, opt2) = twin(CASES[case].make)
