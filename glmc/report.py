@@ -132,6 +132,14 @@ def pct(x: float | None) -> str:
     return "-" if x is None else f"{x * 100:+.1f}%"
 
 
+def _brief(stats: Any) -> str:
+    """A pass's scalar stats on one line (lists such as recomputed values go to the HTML)."""
+    if not isinstance(stats, dict):
+        return str(stats or "")
+    return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                     for k, v in stats.items() if not isinstance(v, (list, dict, tuple)))
+
+
 def summary(data: dict[str, Any]) -> str:
     lines = []
     for c in data["compiles"]:
@@ -144,7 +152,7 @@ def summary(data: dict[str, Any]) -> str:
             lines.append(f"  {r['name']:<12} {state:<9} {r['seconds'] * 1e3:7.1f} ms  "
                          f"{r['nodes_before']:>5} -> {r['nodes_after']:<5} "
                          f"pred {ms(pred.get('seconds'))}, {mib(pred.get('peak_bytes'))}  "
-                         f"{r['stats'] or ''}")
+                         f"{_brief(r['stats'])}")
         pred, meas, err = c.get("predicted"), c.get("measured"), c.get("errors") or {}
         if pred:
             mem = pred["memory"]
