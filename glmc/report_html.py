@@ -6,7 +6,7 @@ import io
 from typing import Any
 
 from glmc.memory import CATEGORIES
-from glmc.report import MiB, mib, ms, pct
+from glmc.report import MiB, _brief, mib, ms, pct
 
 _CSS = """
 body{font:14px/1.45 system-ui,sans-serif;margin:24px auto;max-width:1100px;color:#222}
@@ -181,7 +181,7 @@ def _compile_section(i: int, c: dict[str, Any]) -> str:
                     f"<td>{state}</td><td>{r['seconds'] * 1e3:.1f}</td>"
                     f"<td>{r['nodes_before']} &rarr; {r['nodes_after']}</td>"
                     f"<td>{ms(p.get('seconds'))}</td><td>{mib(p.get('peak_bytes'))}</td>"
-                    f"<td class=l><code>{_esc(r['stats'] or '')}</code></td></tr>")
+                    f"<td class=l><code>{_esc(_brief(r['stats']))}</code></td></tr>")
     parts.append("<h3>Passes</h3><table>" + "".join(rows) + "</table>")
     parts.append("<h3>Memory timeline</h3>" + _timeline_plot(c))
     parts.append(_recompute_section(c))
