@@ -248,22 +248,27 @@ def milp(p: Problem, target: int | None, time_limit: float = 30.0,
 def _solve(p: Problem, points: list[int], target: int | None, time_limit: float,
            scipy_milp, Bounds, LinearConstraint, coo_matrix):
     n_u = len(p.units)
-    # variables: r_i (binary), s_i (binary), then per time point t: made[i,t], live[i,t],
-    # kept[i,t] (continuous in [0, 1], pushed to their lower bounds), then M (peak)
+    # variables: r_i (binary), s_i (binary), then per time point t: made[i,t] (copy made at
+    # or before t), prev[i,t] (made before t), live[i,t], kept[i,t] (continuous in [0, 1];
+    # made/prev are pinned to exact 0/1 values by the binaries, live/kept are pushed to
+    # their lower bounds), then M (peak)
     T = len(points)
     R0, S0 = 0, n_u
     base = 2 * n_u
-    nvar = base + 3 * n_u * T + 1
+    nvar = base + 4 * n_u * T + 1
     M = nvar - 1
 
     def made(i: int, k: int) -> int:
-        return base + (3 * k) * n_u + i
+        return base + (4 * k) * n_u + i
+
+    def prev(i: int, k: int) -> int:
+        return base + (4 * k + 1) * n_u + i
 
     def live(i: int, k: int) -> int:
-        return base + (3 * k + 1) * n_u + i
+        return base + (4 * k + 2) * n_u + i
 
     def kept(i: int, k: int) -> int:
-        return base + (3 * k + 2) * n_u + i
+        return base + (4 * k + 3) * n_u + i
 
     rows, cols, vals, lo, hi = [], [], [], [], []
     row = 0
@@ -287,16 +292,18 @@ def _solve(p: Problem, points: list[int], target: int | None, time_limit: float,
     for k, t in enumerate(points):
         for i, u in enumerate(p.units):
             # made[i,t] = r_i and (read directly by t, or a consumer's copy made by t): the
-            # copy is made exactly when first needed, as the rewriter places it
-            direct = bool(u.bwd_reads) and u.bwd_reads[0] <= t
-            if direct:
-                add({made(i, k): 1, R0 + i: -1}, 0, inf)
-            add({made(i, k): 1, R0 + i: -1}, -inf, 0)
-            if not direct:
-                add({made(i, k): 1, **{made(c, k): -1 for c in p.consumers[i]}}, -inf, 0)
-            for c in p.consumers[i]:
-                # a consumer's copy made by t needs this unit's copy (if recomputed) by t
-                add({made(i, k): 1, made(c, k): -1, R0 + i: -1}, -1, inf)
+            # copy is made exactly when first needed, as the rewriter places it; prev[i,t]
+            # is the same at t - 1
+            for var, when in ((made, t), (prev, t - 1)):
+                direct = bool(u.bwd_reads) and u.bwd_reads[0] <= when
+                if direct:
+                    add({var(i, k): 1, R0 + i: -1}, 0, inf)
+                add({var(i, k): 1, R0 + i: -1}, -inf, 0)
+                if not direct:
+                    add({var(i, k): 1, **{var(c, k): -1 for c in p.consumers[i]}}, -inf, 0)
+                for c in p.consumers[i]:
+                    # a consumer's copy made by then needs this unit's copy (if recomputed)
+                    add({var(i, k): 1, var(c, k): -1, R0 + i: -1}, -1, inf)
             if u.produced > t:
                 continue
             last_direct = u.bwd_reads[-1] if u.bwd_reads else -1
@@ -306,9 +313,9 @@ def _solve(p: Problem, points: list[int], target: int | None, time_limit: float,
                     add({live(i, k): 1, made(i, k): -1}, 0, inf)
                     add({kept(i, k): 1, S0 + i: -1}, 0, inf)  # stored and still needed
                 for c in p.consumers[i]:
-                    # a consumer copy made after t still reads it
-                    add({live(i, k): 1, made(i, k): -1, R0 + c: -1, made(c, k): 1}, -1, inf)
-                    add({kept(i, k): 1, S0 + i: -1, R0 + c: -1, made(c, k): 1}, -1, inf)
+                    # a consumer copy made at or after t still reads it
+                    add({live(i, k): 1, made(i, k): -1, R0 + c: -1, prev(c, k): 1}, -1, inf)
+                    add({kept(i, k): 1, S0 + i: -1, R0 + c: -1, prev(c, k): 1}, -1, inf)
         # memory at t
         coefs = {M: -1.0}
         for i, u in enumerate(p.units):

@@ -110,7 +110,7 @@ class RecomputePass(Pass):
     name = "recompute"
     budget: str = "0.5"
     solver: str = "auto"
-    time_limit: float = 20.0
+    time_limit: float = 5.0
     milp_units: int = 1200
     pareto: bool = True
     margin: int = 0  #: bytes kept free below the budget (set by the trainer's measured retry)
@@ -366,6 +366,7 @@ def rewrite(graph: TrainGraph, recompute: set[str], fused: bool) -> int:
         return memo[a]
 
     copies: dict[fx.Node, fx.Node] = {}
+    made: set[fx.Node] = set()
 
     def materialize(a: Any, before: fx.Node) -> Any:
         if not isinstance(a, fx.Node) or not depends(a):
@@ -379,10 +380,11 @@ def rewrite(graph: TrainGraph, recompute: set[str], fused: bool) -> int:
         c.meta = dict(a.meta)
         c.meta["glmc"] = a.meta["glmc"].replace(phase=Phase.BACKWARD)
         copies[a] = c
+        made.add(c)
         return c
 
     for b in list(g.nodes):
-        if b.op == "output" or b in copies.values() or _phase(b) is not Phase.BACKWARD:
+        if b.op == "output" or b in made or _phase(b) is not Phase.BACKWARD:
             continue
         if any(depends(a) for a in b.all_input_nodes):
             b.args = fx.map_arg(b.args, lambda x: materialize(x, b))
