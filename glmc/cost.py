@@ -201,14 +201,6 @@ def _matmul_flops(node: fx.Node) -> float:
                     out_val=node.meta.get("val")))
 
 
-def shape_tree(v: Any) -> Any:
-    if isinstance(v, torch.Tensor):
-        return tuple(v.shape)
-    if isinstance(v, (list, tuple)):
-        return type(v)(shape_tree(x) for x in v)
-    return v
-
-
 # ---- device profiles --------------------------------------------------------------------------
 
 

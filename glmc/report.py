@@ -140,6 +140,10 @@ def _brief(stats: Any) -> str:
                      for k, v in stats.items() if not isinstance(v, (list, dict, tuple)))
 
 
+def pass_state(r: dict[str, Any]) -> str:
+    return "skipped" if r["skipped"] else ("changed" if r["changed"] else "no change")
+
+
 def summary(data: dict[str, Any]) -> str:
     lines = []
     for c in data["compiles"]:
@@ -147,9 +151,8 @@ def summary(data: dict[str, Any]) -> str:
                      f"passes {c['passes_seconds']:.2f}s, backend {c['backend_seconds']:.2f}s, "
                      f"nodes {c['nodes_captured']} -> {c['nodes_final']}")
         for r in c["passes"]:
-            state = "skipped" if r["skipped"] else ("changed" if r["changed"] else "no change")
             pred = r.get("predicted") or {}
-            lines.append(f"  {r['name']:<12} {state:<9} {r['seconds'] * 1e3:7.1f} ms  "
+            lines.append(f"  {r['name']:<12} {pass_state(r):<9} {r['seconds'] * 1e3:7.1f} ms  "
                          f"{r['nodes_before']:>5} -> {r['nodes_after']:<5} "
                          f"pred {ms(pred.get('seconds'))}, {mib(pred.get('peak_bytes'))}  "
                          f"{_brief(r['stats'])}")

@@ -6,7 +6,7 @@ import io
 from typing import Any
 
 from glmc.memory import CATEGORIES
-from glmc.report import MiB, _brief, mib, ms, pct
+from glmc.report import MiB, _brief, mib, ms, pass_state, pct
 
 _CSS = """
 body{font:14px/1.45 system-ui,sans-serif;margin:24px auto;max-width:1100px;color:#222}
@@ -175,10 +175,9 @@ def _compile_section(i: int, c: dict[str, Any]) -> str:
                     f"<td>{c['nodes_captured']}</td><td>{ms(pc['time']['seconds'])}</td>"
                     f"<td>{mib(pc['memory']['peak_bytes'])}</td><td></td></tr>")
     for r in c["passes"]:
-        state = "skipped" if r["skipped"] else ("changed" if r["changed"] else "no change")
         p = r.get("predicted") or {}
         rows.append(f"<tr><td class=l>{_esc(r['name'])}</td><td class=l>{_esc(r['options'])}</td>"
-                    f"<td>{state}</td><td>{r['seconds'] * 1e3:.1f}</td>"
+                    f"<td>{pass_state(r)}</td><td>{r['seconds'] * 1e3:.1f}</td>"
                     f"<td>{r['nodes_before']} &rarr; {r['nodes_after']}</td>"
                     f"<td>{ms(p.get('seconds'))}</td><td>{mib(p.get('peak_bytes'))}</td>"
                     f"<td class=l><code>{_esc(_brief(r['stats']))}</code></td></tr>")

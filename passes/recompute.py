@@ -35,7 +35,7 @@ import torch
 import torch.fx as fx
 
 from glmc.analysis import _device
-from glmc.cost import get_profile, is_view, node_time, op_cost
+from glmc.cost import _val_bytes, get_profile, is_view, node_time, op_cost
 from glmc.errors import BudgetError, ConfigError
 from glmc.ir import RANDOM_OPS, Phase, TrainGraph, op_name
 from glmc.memory import FusionGroups, simulate
@@ -236,14 +236,6 @@ def _phase(n: fx.Node) -> Phase | None:
     return info.phase if info is not None else None
 
 
-def _bytes(v: Any) -> int:
-    if isinstance(v, torch.Tensor):
-        return v.numel() * v.element_size()
-    if isinstance(v, (tuple, list)):
-        return sum(_bytes(x) for x in v)
-    return 0
-
-
 def _transparent(n: fx.Node, groups: FusionGroups | None) -> bool:
     if n.op != "call_function":
         return False
@@ -315,7 +307,7 @@ def build_problem(lowered: fx.Graph, fused: bool, profile: Any) -> tuple[Problem
     for key in keys:
         n, k = key
         val = n.meta.get("val")
-        size = _bytes(val if k is None else val[k])
+        size = _val_bytes(val if k is None else val[k])
         t = n.target
         recomputable = (isinstance(t, torch._ops.OpOverload) and not t._schema.is_mutable
                         and op_name(n) not in RANDOM_OPS and n not in blocked)
