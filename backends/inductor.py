@@ -36,11 +36,8 @@ class InductorBackend(Backend):
 
         _split_alpha(gm)
         example = [ph.meta["val"] for ph in gm.graph.nodes if ph.op == "placeholder"]
-        # fallback_random: draw dropout masks with ATen's generator, exactly as eager does.
-        # functorch cse=False: AOTAutograd's own CSE (compile_fx traces the step again) would
-        # merge the recompute pass's copies back into the forward values they duplicate; glmc's
-        # cleanup pass has already done CSE where it is wanted.
-        with torch.no_grad(), torch._functorch.config.patch(cse=False):
+        # fallback_random: draw dropout masks with ATen's generator, exactly as eager does
+        with torch.no_grad():
             compiled = compile_fx(gm, example, config_patches=_patches(graph))
 
         def run(inputs: list[torch.Tensor]) -> torch.Tensor:

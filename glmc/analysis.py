@@ -29,13 +29,13 @@ def predict(graph: TrainGraph, backend: Any, profile: DeviceProfile | str | None
     from glmc.backends.base import lower_writeback
     if isinstance(backend, str):
         backend = get_backend(backend)
-    prof = get_profile(profile, device=_device(graph))
+    prof = get_profile(profile, device=graph_device(graph))
     lowered = lower_writeback(graph, backend.early_writeback).graph
     return Prediction(estimate_time(lowered, prof, backend.fuses, measured_node_times),
                       simulate(lowered, backend.fuses))
 
 
-def _device(graph: TrainGraph) -> str:
+def graph_device(graph: TrainGraph) -> str:
     for ph in graph.placeholders():
         spec = TrainGraph.info(ph).spec
         if spec is not None:

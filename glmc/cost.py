@@ -119,11 +119,11 @@ def _flop_registry() -> dict:
     return flop_registry
 
 
-def _val_bytes(v: Any) -> int:
+def value_bytes(v: Any) -> int:
     if isinstance(v, torch.Tensor):
         return v.numel() * v.element_size()
     if isinstance(v, (list, tuple)):
-        return sum(_val_bytes(x) for x in v)
+        return sum(value_bytes(x) for x in v)
     return 0
 
 
@@ -169,8 +169,8 @@ def op_cost(node: fx.Node) -> OpCost:
         return OpCost(kind, 0.0, 0, 0, dtype, op_name(node))
     ins = [a.meta.get("val") for a in node.all_input_nodes]
     name = op_name(node)
-    read = 0 if name in _SHAPE_ONLY else sum(_val_bytes(v) for v in ins)
-    written = _val_bytes(out)
+    read = 0 if name in _SHAPE_ONLY else sum(value_bytes(v) for v in ins)
+    written = value_bytes(out)
     if kind == "matmul":
         flops = _matmul_flops(node)
     elif kind == "pointwise":
@@ -179,7 +179,7 @@ def op_cost(node: fx.Node) -> OpCost:
         flops = max((_val_numel(v) for v in ins), default=0)
     elif kind == "known":
         if node.target._schema.is_mutable and is_view(node):  # copy_: reads src, writes dest
-            written = _val_bytes(ins[1]) if len(ins) > 1 else written
+            written = value_bytes(ins[1]) if len(ins) > 1 else written
             read = written
         flops = max((_val_numel(v) for v in ins), default=_val_numel(out)) * _KNOWN.get(name, 1)
     else:  # unknown: generic bytes rule, one FLOP per element

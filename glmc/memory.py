@@ -108,8 +108,8 @@ class FusionGroups:
         return out
 
     def kernel_cost(self, n: fx.Node, c: Any) -> Any:
-        from glmc.cost import OpCost, _val_bytes
-        read = sum(_val_bytes(a.meta.get("val")) for a in self.reads(n))
+        from glmc.cost import OpCost, value_bytes
+        read = sum(value_bytes(a.meta.get("val")) for a in self.reads(n))
         return OpCost(c.kind, c.flops, read, c.bytes_written, c.dtype, c.name)
 
 

@@ -34,8 +34,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from glmc.analysis import _device
-from glmc.cost import _val_bytes, get_profile, is_view, node_time, op_cost
+from glmc.analysis import graph_device
+from glmc.cost import value_bytes, get_profile, is_view, node_time, op_cost
 from glmc.errors import BudgetError, ConfigError
 from glmc.ir import RANDOM_OPS, Phase, TrainGraph, op_name
 from glmc.memory import FusionGroups, simulate
@@ -125,7 +125,7 @@ class RecomputePass(Pass):
         spec = ctx.memory_budget if ctx.memory_budget is not None else self.budget
         budget = Budget.parse(spec)
         backend = get_backend(ctx.backend)
-        profile = get_profile(getattr(ctx, "profile", None), _device(graph))
+        profile = get_profile(getattr(ctx, "profile", None), graph_device(graph))
         lowered = lower_writeback(graph, backend.early_writeback).graph
         problem, units = build_problem(lowered, backend.fuses, profile)
         baseline_peak = int(problem.base.max())
@@ -307,7 +307,7 @@ def build_problem(lowered: fx.Graph, fused: bool, profile: Any) -> tuple[Problem
     for key in keys:
         n, k = key
         val = n.meta.get("val")
-        size = _val_bytes(val if k is None else val[k])
+        size = value_bytes(val if k is None else val[k])
         t = n.target
         recomputable = (isinstance(t, torch._ops.OpOverload) and not t._schema.is_mutable
                         and op_name(n) not in RANDOM_OPS and n not in blocked)
