@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import traceback
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,6 +21,8 @@ from glmc.errors import CaptureError, ConfigError, InputError, Offense
 from glmc.ir import (RANDOM_OPS, InputSpec, NodeInfo, OutputKind, OutputSpec, Phase, RngSite,
                      Role, TensorSpec, TrainGraph, op_name)
 from glmc.optim import ensure_state, rule_for
+from glmc.scaler import SCALE, TRACKER, LossScaling
+from glmc import scaler as amp
 
 Batch = tuple[tuple[Any, ...], dict[str, Any]]
 
@@ -71,6 +74,17 @@ def capture(model: nn.Module, example_inputs: Any, loss_fn: Any = None,
     return capture_step(model, split_batch(example_inputs), loss_fn, optimizer)
 
 
+@dataclass(frozen=True)
+class CaptureSource:
+    """What a step was captured from. Passes that rewrite the forward re-derive the backward
+    and the update from it (`glmc.rederive`); `auto` precision calibrates on the batch."""
+
+    model: nn.Module
+    batch: Batch
+    loss_fn: Any
+    optimizer: torch.optim.Optimizer
+
+
 def capture_step(model: nn.Module, batch: Batch, loss_fn: Any,
                  optimizer: torch.optim.Optimizer) -> TrainGraph:
     rule_for(optimizer)
@@ -83,9 +97,11 @@ def capture_step(model: nn.Module, batch: Batch, loss_fn: Any,
         dyn = _dynamo_capture(wrapper, batch)
         with contextlib.ExitStack() as stack, fx_traceback.preserve_node_meta():
             joint = _joint_export(stack, dyn, batch)
-            return _build_step(joint.graph_module, model, optimizer)
+            graph = _build_step(joint.graph_module, model, optimizer)
     finally:
         model.train(was_training)
+    graph.meta["source"] = CaptureSource(model, batch, loss_fn, optimizer)
+    return graph
 
 
 def _check_loss_convention(batch: Batch, loss_fn: Any) -> None:
@@ -165,8 +181,11 @@ def _strip(target: str) -> str:
 class _StepBuilder:
     """Copies the joint graph into a fresh graph with the step signature, then adds the update."""
 
-    def __init__(self, joint: fx.GraphModule, model: nn.Module, optimizer: torch.optim.Optimizer):
+    def __init__(self, joint: fx.GraphModule, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 scaling: LossScaling | None = None):
         self.joint, self.model, self.optimizer = joint, model, optimizer
+        self.scaling = scaling
+        self.scaler_nodes: dict[str, fx.Node] = {}
         self.graph = fx.Graph()
         self.inputs: list[InputSpec] = []
         self.env: dict[fx.Node, fx.Node] = {}
@@ -195,6 +214,10 @@ class _StepBuilder:
             self.env[n] = self.placeholder(Role.BUFFER, _strip(n.meta["desc"].target),
                                            n.meta["val"])
         updates = self._state_placeholders()
+        if self.scaling is not None:
+            for key, value in self.scaling.initial_state().items():
+                self.scaler_nodes[key] = self.placeholder(Role.SCALER, key,
+                                                          self.fake_mode.from_tensor(value))
         for n in by_desc.get("PlainAOTInput", []):
             self.env[n] = self.placeholder(Role.INPUT, f"input:{n.meta['desc'].idx}",
                                            n.meta["val"])
@@ -205,8 +228,10 @@ class _StepBuilder:
         outputs += self._append_update(updates, grads)
         self.graph.output(tuple(v for _, v in outputs))
         gm = fx.GraphModule(self.joint, self.graph)  # keeps the constants get_attr reads
-        return TrainGraph(gm, self.inputs, [s for s, _ in outputs],
-                          meta={"optimizer": type(self.optimizer).__name__})
+        meta: dict[str, Any] = {"optimizer": type(self.optimizer).__name__}
+        if self.scaling is not None:
+            meta["loss_scaling"] = self.scaling
+        return TrainGraph(gm, self.inputs, [s for s, _ in outputs], meta=meta)
 
     def _state_placeholders(self) -> list[tuple[str, dict, dict[str, fx.Node], fx.Node]]:
         """(param name, group, {state key: placeholder}, lr placeholder) per optimized param."""
@@ -270,11 +295,17 @@ class _StepBuilder:
         return loss, buffers, grads
 
     def _bind_tangent(self, tangent: fx.Node, loss_joint: fx.Node) -> None:
+        """The backward's seed: d loss / d loss = 1, or the loss scale under loss scaling."""
         loss = self.env[loss_joint]
-        ones = self.graph.call_function(torch.ops.aten.ones_like.default, (loss,))
-        ones.meta["val"] = loss.meta["val"]
-        ones.meta["glmc"] = NodeInfo(Phase.BACKWARD, Role.GRADIENT, TensorSpec.of(ones.meta["val"]))
-        self.env[tangent] = ones
+        if self.scaling is not None:
+            seed = self.graph.call_function(torch.ops.aten._to_copy.default,
+                                            (self.scaler_nodes[SCALE],),
+                                            {"dtype": loss.meta["val"].dtype})
+        else:
+            seed = self.graph.call_function(torch.ops.aten.ones_like.default, (loss,))
+        seed.meta["val"] = loss.meta["val"]
+        seed.meta["glmc"] = NodeInfo(Phase.BACKWARD, Role.GRADIENT, TensorSpec.of(seed.meta["val"]))
+        self.env[tangent] = seed
 
     def _annotate_joint(self, node: fx.Node, src: fx.Node, seq_source: dict) -> None:
         tag = src.meta.get("partitioner_tag")
@@ -298,15 +329,30 @@ class _StepBuilder:
         placeholders: list[fx.Node] = []
         for name, _, states, lr in live:
             placeholders += [self.param_nodes[name], grads[name], lr, *states.values()]
+        scaling = self.scaling
+        if scaling is not None:
+            placeholders += [self.scaler_nodes[SCALE], self.scaler_nodes[TRACKER]]
 
         def update_all(*flat: torch.Tensor) -> list[torch.Tensor]:
-            outs, i = [], 0
-            for _, group, states, _ in live:
-                p, g, lr = flat[i:i + 3]
+            width = [3 + len(states) for _, _, states, _ in live]
+            starts = [sum(width[:k]) for k in range(len(live))]
+            grads_in = [flat[i + 1] for i in starts]
+            found_inf = None
+            if scaling is not None:
+                scale, tracker = flat[-2:]
+                grads_in, found_inf = amp.unscale(grads_in, scale)
+            outs = []
+            for (_, group, states, _), i, g in zip(live, starts, grads_in):
+                p, lr = flat[i], flat[i + 2]
                 st = dict(zip(states, flat[i + 3:i + 3 + len(states)]))
-                i += 3 + len(states)
                 new_p, new_s = rule.update(p, g, st, lr, group)
-                outs += [new_p, *(new_s[k] for k in states)]
+                new = [new_p, *(new_s[k] for k in states)]
+                if found_inf is not None:  # an overflowing step leaves every tensor as it was
+                    old = [p, *st.values()]
+                    new = [amp.skip_if(found_inf, o, v) for o, v in zip(old, new)]
+                outs += new
+            if scaling is not None:
+                outs += list(amp.update(scale, tracker, found_inf, scaling))
             return outs
 
         with self.fake_mode:
@@ -318,6 +364,9 @@ class _StepBuilder:
             outputs += [(OutputSpec(OutputKind.STATE, f"{k}:{name}"), produced[j + 1 + m])
                         for m, k in enumerate(states)]
             j += 1 + len(states)
+        if scaling is not None:
+            outputs += [(OutputSpec(OutputKind.STATE, SCALE), produced[j]),
+                        (OutputSpec(OutputKind.STATE, TRACKER), produced[j + 1])]
         return outputs
 
     def _inline(self, sub: fx.GraphModule, args: list[fx.Node]) -> list[fx.Node]:
@@ -336,9 +385,9 @@ class _StepBuilder:
         raise CaptureError("capture: optimizer graph has no output")
 
 
-def _build_step(joint: fx.GraphModule, model: nn.Module,
-                optimizer: torch.optim.Optimizer) -> TrainGraph:
-    builder = _StepBuilder(joint, model, optimizer)
+def _build_step(joint: fx.GraphModule, model: nn.Module, optimizer: torch.optim.Optimizer,
+                scaling: LossScaling | None = None) -> TrainGraph:
+    builder = _StepBuilder(joint, model, optimizer, scaling)
     graph = builder.build()
     _mark_rng(graph)
     graph.gm.graph.eliminate_dead_code()  # drop joint-only leftovers (e.g. unused detaches)

@@ -42,6 +42,7 @@ class Role(enum.Enum):
     OPTIMIZER_STATE = "optimizer_state"  #: exp_avg, momentum buffers, step counters (input)
     CONSTANT = "constant"  #: a tensor constant baked into the graph (get_attr)
     HYPERPARAM = "hyperparam"  #: a per-group scalar the user may change between steps (lr)
+    SCALER = "scaler"  #: loss-scaler state kept by the Trainer (scale, growth tracker)
     ACTIVATION = "activation"  #: a forward value
     GRADIENT = "gradient"  #: a backward value
     UPDATE = "update"  #: an optimizer-phase value (new parameter or state)

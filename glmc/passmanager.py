@@ -40,6 +40,8 @@ class Pass:
     """A rewrite of a TrainGraph. Subclasses are frozen dataclasses whose fields are options."""
 
     name: ClassVar[str] = "abstract"
+    #: may add inputs/outputs to the step (never remove or reorder them), e.g. loss-scaler state
+    changes_signature: ClassVar[bool] = False
 
     def run(self, graph: TrainGraph, ctx: PassContext) -> PassResult:
         raise NotImplementedError
@@ -130,12 +132,20 @@ class PassManager:
         _stamp_provenance(graph.graph, existing, p.name)
         if self.verify:
             try:
-                graph.verify(signature)
+                graph.verify(None if p.changes_signature else signature)
+                _check_extends(signature, graph.signature())
             except PassError as e:
                 raise PassError(f"{p.name}: left an invalid graph: {e}") from e
         graph.gm.recompile()
         return PassRecord(p.name, p.options(), result.changed, result.stats, seconds,
                           before, len(graph.graph.nodes))
+
+
+def _check_extends(old: tuple, new: tuple) -> None:
+    for before, after in zip(old, new):
+        if tuple(after[:len(before)]) != tuple(before):
+            raise PassError("ir: the step signature changed (inputs or outputs were removed or "
+                            "reordered)")
 
 
 def _stamp_provenance(g: fx.Graph, existing: set[fx.Node], pass_name: str) -> None:

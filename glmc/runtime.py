@@ -66,11 +66,13 @@ class Trainer:
     optimizer: torch.optim.Optimizer
     options: TrainerOptions = field(default_factory=TrainerOptions)
     report: Report = field(default_factory=Report)
+    scaler_state: dict[str, torch.Tensor] | None = None  #: loss scale + tracker (fp16)
     _cache: dict[Any, _Entry] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         rule_for(self.optimizer)  # fail early on an unsupported optimizer
-        self._pipeline = parse_pipeline(self.options.passes, self.options.memory_budget)
+        self._pipeline = parse_pipeline(self.options.passes, self.options.memory_budget,
+                                        self.options.precision)
         self._backend = get_backend(self.options.backend)
         self._entry(self.example)
 
@@ -182,7 +184,6 @@ class Trainer:
                     f"{_describe(self.example)} and the model cannot run on it:\n{e}") from e
             raise
         t1 = time.perf_counter()
-        getters = self._getters(graph)
         predictions: list[Prediction] = []
         observe: Callable[[TrainGraph], dict[str, Any]] | None = None
         if self.options.predict:
@@ -192,7 +193,7 @@ class Trainer:
             def predict_step(g: TrainGraph) -> dict[str, Any]:
                 node_times = None
                 if self.options.profile_guided:
-                    node_times = measure_node_times(g.gm, [get(leaves) for get in getters])
+                    node_times = measure_node_times(g.gm, [get(leaves) for get in self._getters(g)])
                 predictions.append(predict(g, self._backend, profile, node_times))
                 return predictions[-1].brief()
             observe = predict_step
@@ -202,6 +203,7 @@ class Trainer:
                           self.options.precision, self.options.target, self.options.profile)
         nodes_captured = len(graph.graph.nodes)
         manager.run(graph, ctx)
+        getters = self._getters(graph)
         t2 = time.perf_counter()
         compiled = self._backend.compile(graph, strict=self.options.strict)
         record = CompileRecord(
@@ -215,43 +217,37 @@ class Trainer:
         return _Entry(graph, compiled, getters, record)
 
     def _getters(self, graph: TrainGraph) -> list[Callable[[list[torch.Tensor]], torch.Tensor]]:
-        params = dict(self.model.named_parameters())
-        buffers = dict(self.model.named_buffers())
-        opt = self.optimizer
-        lr_cache: dict[float, torch.Tensor] = {}
+        scaling = graph.meta.get("loss_scaling")
+        if scaling is not None and self.scaler_state is None:
+            self.scaler_state = scaling.initial_state(self._device)
+        return input_getters(graph, self.model, self.optimizer, self.scaler_state)
 
-        def lr_tensor(gi: int) -> Callable[[list[torch.Tensor]], torch.Tensor]:
-            def get(_: list[torch.Tensor]) -> torch.Tensor:
-                lr = float(opt.param_groups[gi]["lr"])
-                if lr not in lr_cache:
-                    lr_cache.clear()
-                    lr_cache[lr] = torch.tensor(lr, dtype=torch.float64)
-                return lr_cache[lr]
-            return get
+    # -- state ----------------------------------------------------------------------------------
 
-        def state(key: str, p: torch.Tensor) -> Callable[[list[torch.Tensor]], torch.Tensor]:
-            return lambda _: opt.state[p][key]
+    def state_dict(self) -> dict[str, Any]:
+        """The trainer's own state (the loss scaler's scale and growth tracker under fp16); the
+        model and optimizer keep theirs in their own state_dicts."""
+        if self.scaler_state is None:
+            return {}
+        return {"loss_scaler": {k: v.detach().clone() for k, v in self.scaler_state.items()}}
 
-        def leaf(i: int) -> Callable[[list[torch.Tensor]], torch.Tensor]:
-            return lambda leaves: leaves[i]
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        scaler = state.get("loss_scaler")
+        if scaler is None:
+            return
+        if self.scaler_state is None:
+            raise InputError("load_state_dict: the state has a loss scaler, but this trainer "
+                             "does not use loss scaling (precision fp16)")
+        if set(scaler) != set(self.scaler_state):
+            raise InputError(f"load_state_dict: loss scaler keys {sorted(scaler)} differ from "
+                             f"{sorted(self.scaler_state)}")
+        for k, v in scaler.items():
+            self.scaler_state[k].copy_(v)
 
-        getters = []
-        for spec in graph.inputs:
-            if spec.role is Role.PARAMETER:
-                p = params[spec.target].detach()
-                getters.append(lambda _, p=p: p)
-            elif spec.role is Role.BUFFER:
-                b = buffers[spec.target]
-                getters.append(lambda _, b=b: b)
-            elif spec.role is Role.OPTIMIZER_STATE:
-                key, _, name = spec.target.partition(":")
-                getters.append(state(key, params[name]))
-            elif spec.role is Role.HYPERPARAM:
-                getters.append(lr_tensor(int(spec.target.split(":")[1])))
-            else:
-                getters.append(leaf(int(spec.target.split(":")[1])))
-        ensure_state(opt)
-        return getters
+    @property
+    def loss_scale(self) -> float | None:
+        """The current loss scale (reads it from the device), or None without loss scaling."""
+        return None if self.scaler_state is None else float(self.scaler_state["loss_scale"])
 
     # -- input checking -------------------------------------------------------------------------
 
@@ -281,6 +277,54 @@ class Trainer:
         return batch
 
 
+def input_getters(graph: TrainGraph, model: nn.Module, opt: torch.optim.Optimizer,
+                  scaler: dict[str, torch.Tensor] | None = None
+                  ) -> list[Callable[[list[torch.Tensor]], torch.Tensor]]:
+    """For each step input, a function of the batch leaves that returns the tensor to pass:
+    the user's parameters, buffers, optimizer state and lr, the scaler state, the batch."""
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    lr_cache: dict[float, torch.Tensor] = {}
+
+    def lr_tensor(gi: int) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+        def get(_: list[torch.Tensor]) -> torch.Tensor:
+            lr = float(opt.param_groups[gi]["lr"])
+            if lr not in lr_cache:
+                lr_cache.clear()
+                lr_cache[lr] = torch.tensor(lr, dtype=torch.float64)
+            return lr_cache[lr]
+        return get
+
+    def state(key: str, p: torch.Tensor) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+        return lambda _: opt.state[p][key]
+
+    def leaf(i: int) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+        return lambda leaves: leaves[i]
+
+    getters = []
+    for spec in graph.inputs:
+        if spec.role is Role.PARAMETER:
+            p = params[spec.target].detach()
+            getters.append(lambda _, p=p: p)
+        elif spec.role is Role.BUFFER:
+            b = buffers[spec.target]
+            getters.append(lambda _, b=b: b)
+        elif spec.role is Role.OPTIMIZER_STATE:
+            key, _, name = spec.target.partition(":")
+            getters.append(state(key, params[name]))
+        elif spec.role is Role.HYPERPARAM:
+            getters.append(lr_tensor(int(spec.target.split(":")[1])))
+        elif spec.role is Role.SCALER:
+            if scaler is None:
+                raise ConfigError("step: the step uses loss scaling but no scaler state is kept")
+            t = scaler[spec.target]
+            getters.append(lambda _, t=t: t)
+        else:
+            getters.append(leaf(int(spec.target.split(":")[1])))
+    ensure_state(opt)
+    return getters
+
+
 def _leaves(batch: Batch) -> list[torch.Tensor]:
     args, kwargs = batch
     return [*args, *kwargs.values()]
@@ -299,9 +343,6 @@ def make_trainer(model: nn.Module, example_inputs: Any, *, loss_fn: Any = None,
         if not isinstance(t, torch.Tensor):
             raise InputError(f"optimize: example_inputs must hold tensors only, got "
                              f"{type(t).__name__}")
-    if options.get("precision") not in (None, "fp32"):
-        raise ConfigError(f"optimize: precision={options['precision']!r} needs the precision "
-                          "pass, which is not implemented yet; use None or 'fp32'")
     if optimizer is None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     known = {f.name for f in dataclasses.fields(TrainerOptions)}

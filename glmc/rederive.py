@@ -1,0 +1,156 @@
+"""Forward programs and re-derivation of the backward.
+
+Passes that change what the forward computes in a way the backward must follow (precision
+assignment: a cast changes the dtype every gradient flows in) do not patch the backward by hand.
+They take the step's forward as a program of its own (`forward_program`), rewrite it, and call
+`rederive`, which differentiates the rewritten forward again with AOTAutograd — the same
+machinery capture uses — and appends the optimizer update (optionally with in-graph loss
+scaling). Source lines and module paths survive because the forward nodes keep their metadata.
+
+Any pass that rewrites the backward directly (recompute) must therefore run after these.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+import torch
+import torch.fx as fx
+import torch.fx.traceback as fx_traceback
+import torch.nn as nn
+
+from glmc.capture import CaptureSource, _build_step, _joint_export
+from glmc.errors import ConfigError, PassError
+from glmc.ir import InputSpec, OutputKind, Phase, Role, TrainGraph
+from glmc.scaler import LossScaling
+
+_FORWARD_ROLES = (Role.PARAMETER, Role.BUFFER, Role.INPUT)
+
+
+@dataclass
+class ForwardProgram:
+    """The forward of a step: `gm(*inputs) -> (loss, *new_buffers)`.
+
+    `inputs` are the step inputs it reads (parameters, buffers, batch tensors), in the order of
+    `gm`'s placeholders; `buffers` names the buffers whose new values follow the loss.
+    """
+
+    gm: fx.GraphModule
+    inputs: list[InputSpec]
+    buffers: list[str]
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.gm.graph
+
+
+def source_of(graph: TrainGraph, what: str) -> CaptureSource:
+    source = graph.meta.get("source")
+    if source is None:
+        raise ConfigError(f"{what}: needs the model the step was captured from; it works on steps "
+                          "captured by glmc.optimize / glmc compile, not on the torch.compile "
+                          "drop-in's joint graphs")
+    return source
+
+
+def forward_program(graph: TrainGraph) -> ForwardProgram:
+    """The forward nodes of `graph` (and the inputs they read) as a program of their own."""
+    outputs = dict(zip(graph.outputs, graph.output_values()))
+    loss = next(v for s, v in outputs.items() if s.kind is OutputKind.LOSS)
+    buffer_outs = [(s.target, v) for s, v in outputs.items() if s.kind is OutputKind.BUFFER]
+    new = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    specs: list[InputSpec] = []
+    for ph, spec in zip(graph.placeholders(), graph.inputs):
+        if spec.role in _FORWARD_ROLES and ph.users:
+            env[ph] = new.node_copy(ph)
+            specs.append(spec)
+    for n in graph.graph.nodes:
+        if n.op == "get_attr":
+            env[n] = new.node_copy(n)
+        elif n.op == "call_function" and TrainGraph.info(n).phase is Phase.FORWARD:
+            try:
+                env[n] = new.node_copy(n, lambda a: env[a])
+            except KeyError as e:
+                raise PassError(f"forward: node '{n.name}' reads a non-forward value "
+                                f"{e.args[0]}; the forward cannot be separated") from e
+    new.output((env[loss], *(env[v] for _, v in buffer_outs)))
+    new.eliminate_dead_code()
+    # placeholders are never dead-code eliminated, so `specs` still matches them one to one
+    return ForwardProgram(fx.GraphModule(graph.gm, new), specs, [t for t, _ in buffer_outs])
+
+
+class _Replay(nn.Module):
+    """The user's model whose forward is a (rewritten) forward program, for AOTAutograd."""
+
+    def __init__(self, model: nn.Module, program: ForwardProgram) -> None:
+        super().__init__()
+        self.model = model
+        object.__setattr__(self, "program", program)  # not a submodule: no extra parameters
+
+    def forward(self, *leaves: torch.Tensor) -> tuple[torch.Tensor]:
+        program: ForwardProgram = self.program  # type: ignore[assignment]
+        params = dict(self.model.named_parameters())
+        buffers = dict(self.model.named_buffers())
+        args = []
+        for spec in program.inputs:
+            if spec.role is Role.PARAMETER:
+                args.append(params[spec.target])
+            elif spec.role is Role.BUFFER:
+                args.append(buffers[spec.target])
+            else:
+                args.append(leaves[int(spec.target.split(":")[1])])
+        out = fx.Interpreter(program.gm).run(*args)
+        loss, new_buffers = out[0], out[1:]
+        for name, value in zip(program.buffers, new_buffers):
+            buffers[name].copy_(value)
+        return (loss,)
+
+
+def rederive(graph: TrainGraph, program: ForwardProgram,
+             scaling: LossScaling | None = None) -> None:
+    """Replace `graph` in place by the step of `program`: its backward derived by AOTAutograd,
+    the optimizer update appended (with in-graph loss scaling if `scaling`)."""
+    source = source_of(graph, "rederive")
+    program.gm.recompile()
+    args, kwargs = source.batch
+    leaves = [*args, *kwargs.values()]
+    replay = _Replay(source.model, program)
+    model = source.model
+    was_training = model.training
+    model.train()
+    try:
+        with contextlib.ExitStack() as stack, fx_traceback.preserve_node_meta():
+            joint = _joint_export(stack, replay, (tuple(leaves), {}))
+            new = _build_step(joint.graph_module, model, source.optimizer, scaling)
+    finally:
+        model.train(was_training)
+    _conform(new, graph)
+    graph.gm, graph.inputs, graph.outputs = new.gm, new.inputs, new.outputs
+    graph.meta.update(new.meta)
+    if scaling is None:
+        graph.meta.pop("loss_scaling", None)
+
+
+def _conform(new: TrainGraph, old: TrainGraph) -> None:
+    """Order the new step's inputs and outputs as the old step's, new ones (scaler) last."""
+    rank_in = {spec: i for i, spec in enumerate(old.inputs)}
+    placeholders = new.placeholders()
+    order = sorted(range(len(new.inputs)), key=lambda i: rank_in.get(new.inputs[i], 1 << 30))
+    missing = set(old.inputs) - set(new.inputs)
+    if missing:
+        raise PassError(f"rederive: the re-derived step lost inputs {sorted(map(str, missing))}")
+    new.inputs = [new.inputs[i] for i in order]
+    anchor = next(iter(new.graph.nodes))
+    if anchor is not placeholders[order[0]]:
+        anchor.prepend(placeholders[order[0]])
+    anchor = placeholders[order[0]]
+    for i in order[1:]:
+        anchor.append(placeholders[i])
+        anchor = placeholders[i]
+    rank_out = {spec: i for i, spec in enumerate(old.outputs)}
+    values = new.output_values()
+    out_order = sorted(range(len(new.outputs)), key=lambda i: rank_out.get(new.outputs[i], 1 << 30))
+    new.output_node().args = (tuple(values[i] for i in out_order),)
+    new.outputs = [new.outputs[i] for i in out_order]
+    new.gm.recompile()
+    new.verify()

@@ -1,0 +1,562 @@
+"""`precision{policy=bf16|fp16|fp32|auto}`: per-op compute dtypes with fp32 master weights.
+
+Every forward op gets a compute dtype from a policy table (data: op name -> rule, extendable and
+overridable per op and per module path):
+
+    low    matmul / bmm / addmm / conv / attention: float inputs cast to the low dtype
+    fp32   log-softmax and losses, norms (statistics), reductions, exp / log / pow / rsqrt:
+           low-precision inputs cast up to fp32
+    acc    softmax: runs on its inputs' dtype; ATen's kernel computes in fp32 internally
+           (opmath), so the probabilities are stored in the low dtype without an fp32 copy
+    keep   everything else: runs on its inputs as they come (ATen promotes mixed inputs);
+           a buffer or constant wider than the activation (rotary tables) is cast down once
+
+Casts are made once per value and dtype and shared by every reader (a weight's low-precision
+copy is made once per step however many times it is used), at the first reader; a value is
+never cast back to a dtype it already has in the graph. Parameters and optimizer state stay fp32:
+the backward is derived again from the rewritten forward (`glmc.rederive`), so each gradient
+flows back through the casts and reaches its fp32 parameter as fp32, and saved activations are
+kept in whatever dtype the forward produced them in — the low one for matmul outputs, which is
+where the memory goes down. The loss and new buffer values are returned in their original dtype.
+
+fp16 adds dynamic loss scaling inside the step (`glmc.scaler`: scale, unscale, inf/NaN check,
+skip and back off, grow after `growth_interval` clean steps; no host synchronisation).
+
+`auto` runs one calibration step in fp32 on the example batch and measures, per module, the
+range of its forward values and gradients. Modules whose values would overflow fp16 (|x| above
+65504 / headroom) or underflow it (more than 1% of nonzero values, gradients times the initial
+loss scale, below fp16's smallest normal) take bf16; the others take fp16 when fp16 is the
+faster type on the device (a matmul micro-benchmark decides; `prefer=fp16` forces the per-module
+choice, `prefer=bf16` picks bf16 everywhere). The report gives each module's dtype and reason.
+
+Option spellings in a pipeline string: `precision{policy=bf16,ops=_softmax:fp32;mm:low,
+modules=head:fp32}`; from Python, `ops` and `modules` may be dicts.
+"""
+from __future__ import annotations
+
+import operator
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+
+from glmc.cost import is_view
+from glmc.errors import ConfigError, PassError
+from glmc.ir import Phase, Role, TrainGraph, op_name
+from glmc.passmanager import Pass, PassContext, PassResult
+from glmc.rederive import ForwardProgram, forward_program, rederive, source_of
+from glmc.scaler import LossScaling
+
+aten = torch.ops.aten
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_NAMES = {v: k for k, v in DTYPES.items()}
+RULES = ("low", "fp32", "acc", "keep")
+
+_LOW_OPS = ("mm", "bmm", "addmm", "baddbmm", "addbmm", "matmul", "linear", "convolution",
+            "_convolution", "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+            "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+            "_scaled_dot_product_cudnn_attention")
+_FP32_OPS = ("_log_softmax", "log_softmax", "nll_loss_forward", "nll_loss2d_forward",
+             "nll_loss", "cross_entropy_loss", "binary_cross_entropy",
+             "binary_cross_entropy_with_logits", "mse_loss", "l1_loss", "smooth_l1_loss",
+             "huber_loss", "kl_div", "native_layer_norm", "native_batch_norm",
+             "_native_batch_norm_legit", "_native_batch_norm_legit_functional",
+             "_native_batch_norm_legit_no_training", "native_group_norm", "_fused_rms_norm",
+             "sum", "mean", "var", "std", "var_mean", "std_mean", "norm", "linalg_vector_norm",
+             "prod", "cumsum", "cumprod", "logsumexp", "logcumsumexp", "exp", "exp2", "log",
+             "log2", "log10", "log1p", "expm1", "pow", "rsqrt", "sqrt")
+
+#: The default policy: ATen op name -> rule. Ops not listed follow "keep".
+DEFAULT_RULES: Mapping[str, str] = {**dict.fromkeys(_LOW_OPS, "low"),
+                                    **dict.fromkeys(_FP32_OPS, "fp32"), "_softmax": "acc"}
+
+FP16_MAX = 65504.0
+FP16_MIN_NORMAL = 2.0 ** -14
+HEADROOM = 8.0  #: a module is fp16-safe if its values stay below FP16_MAX / HEADROOM
+UNDERFLOW_FRACTION = 0.01
+
+
+@dataclass(frozen=True)
+class Cast:
+    value: str  #: the node whose value is cast
+    src: str
+    dst: str
+    reader: str  #: the first op reading the cast
+    where: str | None
+
+
+@dataclass(frozen=True)
+class LayerChoice:
+    module: str
+    dtype: str
+    reason: str
+    act_absmax: float = 0.0
+    act_underflow: float = 0.0  #: fraction of nonzero forward values below fp16's min normal
+    grad_absmax: float = 0.0
+    grad_underflow: float = 0.0  #: same for gradients times the initial loss scale
+
+
+@dataclass(frozen=True)
+class PrecisionStats:
+    policy: str
+    casts_inserted: int = 0
+    fused_losses: int = 0  #: fp32 losses computed by glmc::cross_entropy from low logits
+    forward_dtypes: dict[str, int] = field(default_factory=dict)  #: ops per compute dtype
+    step_dtypes: dict[str, dict[str, int]] = field(default_factory=dict)  #: phase -> dtype -> n
+    loss_scaling: dict[str, Any] | None = None
+    device_note: str = ""
+    casts: list[dict[str, Any]] = field(default_factory=list)
+    layers: list[dict[str, Any]] = field(default_factory=list)
+    node_dtypes: list[list[str]] = field(default_factory=list)  #: [node, op, phase, dtype]
+
+
+def _parse_map(text: Any, what: str) -> dict[str, str]:
+    if text is None or text == "":
+        return {}
+    if isinstance(text, Mapping):
+        return {str(k): str(v) for k, v in text.items()}
+    out = {}
+    for item in filter(None, (s.strip() for s in str(text).split(";"))):
+        key, sep, value = item.rpartition(":")
+        if not sep or not key:
+            raise ConfigError(f"precision: {what} entry {item!r} must be name:value")
+        out[key.strip()] = value.strip()
+    return out
+
+
+@dataclass(frozen=True)
+class PrecisionPass(Pass):
+    """Assigns compute dtypes (see the module docstring) and re-derives the backward."""
+
+    name = "precision"
+    changes_signature = True  # fp16 adds the loss-scaler state to the step's inputs/outputs
+    policy: str = "bf16"
+    ops: Any = None  #: op name -> rule overrides ("low", "fp32", "acc", "keep")
+    modules: Any = None  #: module path prefix -> "bf16" | "fp16" | "fp32"
+    loss_scaling: bool = True  #: fp16: dynamic loss scaling in the step
+    init_scale: float = 2.0 ** 16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    prefer: str = "speed"  #: auto: "speed" | "fp16" | "bf16"
+    fuse_loss: bool = True  #: fp32 cross-entropy read straight from low-precision logits
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("fp32", "bf16", "fp16", "auto"):
+            raise ConfigError(f"precision: unknown policy {self.policy!r}; use fp32, bf16, "
+                              "fp16 or auto")
+        if self.prefer not in ("speed", "fp16", "bf16"):
+            raise ConfigError(f"precision: prefer={self.prefer!r}; use speed, fp16 or bf16")
+        for op, rule in _parse_map(self.ops, "ops").items():
+            if rule not in RULES:
+                raise ConfigError(f"precision: rule {rule!r} for op {op!r}; use one of {RULES}")
+        for mod, dt in _parse_map(self.modules, "modules").items():
+            if dt not in DTYPES:
+                raise ConfigError(f"precision: dtype {dt!r} for module {mod!r}; use "
+                                  f"{sorted(DTYPES)}")
+        self.scaling()  # validates the scaler options
+
+    def scaling(self) -> LossScaling:
+        return LossScaling(self.init_scale, self.growth_factor, self.backoff_factor,
+                           self.growth_interval)
+
+    def run(self, graph: TrainGraph, ctx: PassContext) -> PassResult:
+        if self.policy == "fp32" and not self.modules:
+            return PassResult(False, PrecisionStats("fp32"))
+        program = forward_program(graph)
+        device = _device_of(program)
+        layers: list[LayerChoice] = []
+        note = ""
+        modules = _parse_map(self.modules, "modules")
+        default = self.policy if self.policy in DTYPES else "bf16"
+        if self.policy == "auto":
+            choose_fp16, note = _fp16_preferred(self.prefer, device)
+            layers = choose_layers(graph, program, self.init_scale, choose_fp16, note)
+            modules = {**{c.module: c.dtype for c in layers}, **modules}
+        rules = {**DEFAULT_RULES, **_parse_map(self.ops, "ops")}
+        casts, forward_dtypes = assign(program, rules, modules, DTYPES[default])
+        fused_losses = fuse_loss(program) if self.fuse_loss else 0
+        uses_fp16 = default == "fp16" and not layers or any(
+            n.meta["val"].dtype == torch.float16 for n in program.graph.nodes
+            if isinstance(n.meta.get("val"), torch.Tensor))
+        scaling = self.scaling() if uses_fp16 and self.loss_scaling else None
+        rederive(graph, program, scaling)
+        stats = PrecisionStats(
+            self.policy, len(casts), fused_losses, forward_dtypes, _step_dtypes(graph),
+            None if scaling is None else vars(scaling).copy(), note,
+            [vars(c) for c in casts], [vars(c) for c in layers], _node_dtypes(graph))
+        return PassResult(True, stats)
+
+
+# ---- dtype assignment ------------------------------------------------------------------------
+
+def _device_of(program: ForwardProgram) -> str:
+    for n in program.graph.nodes:
+        v = n.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            return v.device.type
+    return "cpu"
+
+
+def _module_dtype(module: str | None, modules: Mapping[str, str],
+                  default: torch.dtype) -> torch.dtype:
+    """The dtype of the longest module-path prefix (on "." boundaries) in `modules`."""
+    best, best_len = default, -1
+    path = module or ""
+    for prefix, dt in modules.items():
+        if (path == prefix or path.startswith(prefix + ".") or prefix == "") \
+                and len(prefix) > best_len:
+            best, best_len = DTYPES[dt], len(prefix)
+    return best
+
+
+def _is_float(v: Any) -> bool:
+    return isinstance(v, torch.Tensor) and v.is_floating_point()
+
+
+def _constant_like(program: ForwardProgram) -> set[fx.Node]:
+    """Values computed from buffers and constants only (no parameter, no batch input)."""
+    roles = dict(zip([n for n in program.graph.nodes if n.op == "placeholder"],
+                     [s.role for s in program.inputs]))
+    out: set[fx.Node] = set()
+    for n in program.graph.nodes:
+        if n.op == "get_attr" or roles.get(n) is Role.BUFFER:
+            out.add(n)
+        elif n.op == "call_function" and all(a in out for a in n.all_input_nodes):
+            out.add(n)
+    return out
+
+
+def assign(program: ForwardProgram, rules: Mapping[str, str], modules: Mapping[str, str],
+           default: torch.dtype) -> tuple[list[Cast], dict[str, int]]:
+    """Rewrite `program` in place: casts before the ops whose rule needs them."""
+    old = program.graph
+    fake_mode = detect_fake_mode([n.meta.get("val") for n in old.nodes])
+    constant = _constant_like(program)
+    targets = dict(zip([n.name for n in old.nodes if n.op == "placeholder"],
+                       [s.target for s in program.inputs]))
+    new = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    cache: dict[tuple[fx.Node, torch.dtype], fx.Node] = {}
+    casts: list[Cast] = []
+    counts: dict[str, int] = {}
+
+    def cast(value: fx.Node, dtype: torch.dtype, reader: fx.Node) -> fx.Node:
+        src = value.meta["val"].dtype
+        if src == dtype:
+            return value
+        key = (value, dtype)
+        if key in cache:
+            return cache[key]
+        if _is_plain_view(value):  # cast the base once and view the cast: one copy per base
+            base = cast(value.args[0], dtype, reader)
+            v = new.call_function(value.target, (base, *value.args[1:]), dict(value.kwargs))
+            v.meta = dict(value.meta)
+            with fake_mode:
+                v.meta["val"] = value.target(base.meta["val"], *value.args[1:], **value.kwargs)
+            cache[key] = v
+            return v
+        if key not in cache:
+            c = new.call_function(aten._to_copy.default, (value,), {"dtype": dtype})
+            with fake_mode:
+                c.meta["val"] = value.meta["val"].to(dtype)
+            c.meta["glmc"] = TrainGraph.info(reader).replace(spec=None, created_by="precision")
+            for k in ("stack_trace", "nn_module_stack", "seq_nr"):
+                if k in reader.meta:
+                    c.meta[k] = reader.meta[k]
+            cache[key] = c
+            info = TrainGraph.info(reader)
+            casts.append(Cast(targets.get(value.name, value.name), _NAMES.get(src, str(src)),
+                              _NAMES.get(dtype, str(dtype)), op_name(reader),
+                              info.source or info.module))
+        return cache[key]
+
+    for n in old.nodes:
+        if n.op != "call_function":
+            env[n] = new.node_copy(n, lambda a: env[a])
+            continue
+        info = TrainGraph.info(n)
+        rule = rules.get(op_name(n), "keep")
+        low = _module_dtype(info.module, modules, default)
+        if "dtype" in n.kwargs or op_name(n) == "_to_copy":
+            rule = "explicit"  # the model chose this dtype itself
+        args = fx.map_arg(n.args, lambda a: env[a])
+        kwargs = fx.map_arg(n.kwargs, lambda a: env[a])
+        floats = [a for a in n.all_input_nodes if _is_float(env[a].meta.get("val"))]
+        want: dict[fx.Node, torch.dtype] = {}
+        if rule == "low":
+            want = {a: low for a in floats}
+        elif rule == "fp32":
+            want = {a: torch.float32 for a in floats
+                    if env[a].meta["val"].dtype in (torch.bfloat16, torch.float16)}
+        elif rule in ("keep", "acc"):
+            acts = {env[a].meta["val"].dtype for a in floats if a not in constant}
+            if len(acts) == 1:
+                act = acts.pop()
+                want = {a: act for a in floats if a in constant
+                        and env[a].meta["val"].dtype.itemsize > act.itemsize}
+        node = _emit(new, n, args, kwargs, {env[a]: d for a, d in want.items()}, cast, fake_mode)
+        env[n] = node
+        val = node.meta["val"]
+        first = val[0] if isinstance(val, (tuple, list)) else val
+        if isinstance(first, torch.Tensor) and first.is_floating_point():
+            name = _NAMES.get(first.dtype, str(first.dtype))
+            counts[name] = counts.get(name, 0) + 1
+    out = old.output_node() if hasattr(old, "output_node") else \
+        next(n for n in old.nodes if n.op == "output")
+    results = list(out.args[0])
+    fixed = []
+    for i, r in enumerate(results):
+        v = env[r]
+        want_dtype = r.meta["val"].dtype  # the loss and buffers keep their captured dtype
+        fixed.append(cast(v, want_dtype, r) if v.meta["val"].dtype != want_dtype else v)
+    new.output(tuple(fixed))
+    program.gm.graph = new
+    program.gm.recompile()
+    return casts, counts
+
+
+def _is_plain_view(n: fx.Node) -> bool:
+    """A view op of one tensor whose other arguments are not graph values (t, view, slice...)."""
+    return (is_view(n) and n.target is not operator.getitem and bool(n.args)
+            and isinstance(n.args[0], fx.Node) and len(n.all_input_nodes) == 1
+            and isinstance(n.target, torch._ops.OpOverload) and not n.target._schema.is_mutable)
+
+
+def _emit(g: fx.Graph, n: fx.Node, args: Any, kwargs: Any, want: dict[fx.Node, torch.dtype],
+          cast: Any, fake_mode: Any) -> fx.Node:
+    """Emit `n` with its inputs cast as `want` says; if ATen rejects the mixed dtypes that
+    remain, cast every float input to the widest one (type promotion) and try again."""
+    def remap(a: Any, mapping: dict[fx.Node, torch.dtype]) -> Any:
+        return fx.map_arg(a, lambda x: cast(x, mapping[x], n) if x in mapping else x)
+
+    for attempt in range(2):
+        a2, k2 = remap(args, want), remap(kwargs, want)
+        vals_a = fx.map_arg(a2, lambda x: x.meta["val"])
+        vals_k = fx.map_arg(k2, lambda x: x.meta["val"])
+        try:
+            with fake_mode:
+                val = n.target(*vals_a, **vals_k)
+        except (RuntimeError, TypeError) as e:
+            floats = [x for x in _nodes_in(a2) + _nodes_in(k2) if _is_float(x.meta.get("val"))]
+            widest = max((x.meta["val"].dtype for x in floats), key=lambda d: d.itemsize,
+                         default=None)
+            if attempt or widest is None:
+                info = TrainGraph.info(n)
+                raise PassError(f"precision: {op_name(n)} at {info.source or n.name} fails "
+                                f"with its assigned dtypes: {str(e).splitlines()[0]}; override "
+                                f"its rule with ops={op_name(n)}:fp32") from e
+            want = {x: widest for x in _nodes_in(args) + _nodes_in(kwargs)
+                    if _is_float(x.meta.get("val"))}
+            continue
+        node = g.call_function(n.target, a2, k2)
+        node.meta = dict(n.meta)
+        node.meta["val"] = val
+        return node
+    raise AssertionError("unreachable")
+
+
+def _nodes_in(a: Any) -> list[fx.Node]:
+    out: list[fx.Node] = []
+    fx.map_arg(a, lambda x: out.append(x) or x)
+    return out
+
+
+def _dtype_name(n: fx.Node) -> str | None:
+    v = n.meta.get("val")
+    if isinstance(v, (tuple, list)):
+        v = next((x for x in v if isinstance(x, torch.Tensor)), None)
+    if not isinstance(v, torch.Tensor):
+        return None
+    return _NAMES.get(v.dtype, str(v.dtype).replace("torch.", ""))
+
+
+def _step_dtypes(graph: TrainGraph) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for n in graph.compute_nodes():
+        name = _dtype_name(n)
+        if name is None:
+            continue
+        phase = TrainGraph.info(n).phase.value
+        out.setdefault(phase, {})
+        out[phase][name] = out[phase].get(name, 0) + 1
+    return out
+
+
+def _node_dtypes(graph: TrainGraph) -> list[list[str]]:
+    return [[n.name, op_name(n), TrainGraph.info(n).phase.value, _dtype_name(n) or "-"]
+            for n in graph.compute_nodes()]
+
+
+def fuse_loss(program: ForwardProgram) -> int:
+    """`nll_loss(log_softmax(cast_fp32(logits_low)))` -> `glmc::cross_entropy(logits_low)`: the
+    same fp32 loss without fp32 copies of the logits and log-probabilities (glmc.kernels)."""
+    from glmc import kernels  # noqa: F401  (registers the op)
+
+    g = program.graph
+    fused = 0
+    for nll in [n for n in g.nodes if op_name(n) == "nll_loss_forward"]:
+        logp, target, weight, reduction, ignore = nll.args[:5]
+        if weight is not None or reduction not in (1, 2) or op_name(logp) != "_log_softmax":
+            continue
+        if len(logp.users) != 1 or logp.meta["val"].dim() != 2 or logp.args[1] not in (1, -1):
+            continue
+        users = list(nll.users)
+        if any(u.target is not operator.getitem or u.args[1] != 0 for u in users):
+            continue  # total_weight is read elsewhere
+        views, x = [], logp.args[0]
+        while _is_plain_view(x) and len(x.users) == 1:
+            views.append(x)
+            x = x.args[0]
+        if op_name(x) != "_to_copy" or len(x.users) != 1:
+            continue
+        low = x.args[0]
+        if low.meta["val"].dtype not in (torch.bfloat16, torch.float16):
+            continue
+        with g.inserting_before(nll):
+            value = low
+            for v in reversed(views):
+                value = g.call_function(v.target, (value, *v.args[1:]), dict(v.kwargs))
+                value.meta = dict(v.meta)
+            ce = g.call_function(torch.ops.glmc.cross_entropy.default,
+                                 (value, target, ignore, reduction))
+            ce.meta = dict(nll.meta)
+            loss = g.call_function(operator.getitem, (ce, 0))
+            loss.meta = dict(users[0].meta) if users else dict(nll.meta)
+        for u in users:
+            u.replace_all_uses_with(loss)
+            g.erase_node(u)
+        for dead in (nll, logp, *views, x):
+            if not dead.users:
+                g.erase_node(dead)
+        fused += 1
+    program.gm.recompile()
+    return fused
+
+
+# ---- auto: calibration and device speed ------------------------------------------------------
+
+_RATES: dict[tuple[str, torch.dtype], float] = {}
+
+
+def matmul_rate(device: str, dtype: torch.dtype) -> float:
+    """Measured matmul FLOP/s of `dtype` on `device` (cached for the process)."""
+    key = (device, dtype)
+    if key not in _RATES:
+        n = 512 if device == "cpu" else 4096
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
+        times = []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            a @ b
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        _RATES[key] = 2 * n ** 3 / sorted(times)[len(times) // 2]
+    return _RATES[key]
+
+
+def _fp16_preferred(prefer: str, device: str) -> tuple[bool, str]:
+    if prefer == "bf16":
+        return False, "prefer=bf16: every module takes bf16"
+    rates = {k: matmul_rate(device, DTYPES[k]) / 1e12 for k in ("fp32", "bf16", "fp16")}
+    measured = ", ".join(f"{k} {v:.2f}" for k, v in rates.items())
+    note = f"measured matmul TFLOP/s on {device}: {measured}"
+    if max(rates["bf16"], rates["fp16"]) < 1.1 * rates["fp32"]:
+        note += "; neither bf16 nor fp16 is faster than fp32 here, low precision saves memory only"
+    if prefer == "fp16":
+        return True, note + "; prefer=fp16: fp16 wherever its range suffices"
+    if rates["fp16"] >= 0.9 * rates["bf16"]:
+        return True, note + "; fp16 is as fast as bf16: fp16 wherever its range suffices"
+    return False, note + "; fp16 is slower than bf16: every module takes bf16"
+
+
+@dataclass
+class _Range:
+    absmax: float = 0.0
+    tiny: int = 0
+    nonzero: int = 0
+
+    def add(self, t: torch.Tensor, scale: float) -> None:
+        a = t.detach().abs().float()
+        finite = a[torch.isfinite(a)]
+        if finite.numel():
+            self.absmax = max(self.absmax, float(finite.max()) * scale)
+        nz = finite[finite > 0]
+        self.nonzero += nz.numel()
+        self.tiny += int((nz * scale < FP16_MIN_NORMAL).sum())
+
+    @property
+    def fraction(self) -> float:
+        return self.tiny / self.nonzero if self.nonzero else 0.0
+
+
+def calibrate(graph: TrainGraph, grad_scale: float) -> dict[str, tuple[_Range, _Range]]:
+    """Run the (fp32) step once on the example batch; per module, the range of its forward
+    values and of its gradients times `grad_scale` (the loss scale they would carry).
+    Functional: no parameter, buffer, optimizer or RNG state changes."""
+    from glmc.runtime import input_getters
+
+    source = source_of(graph, "precision=auto")
+    args, kwargs = source.batch
+    leaves = [*args, *kwargs.values()]
+    inputs = [get(leaves) for get in input_getters(graph, source.model, source.optimizer)]
+    ranges: dict[str, tuple[_Range, _Range]] = {}
+
+    class Recorder(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            out = super().run_node(n)
+            info = n.meta.get("glmc")
+            if info is None or info.module is None or info.phase not in (Phase.FORWARD,
+                                                                         Phase.BACKWARD):
+                return out
+            fwd, bwd = ranges.setdefault(info.module, (_Range(), _Range()))
+            for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                if _is_float(t):
+                    if info.phase is Phase.FORWARD:
+                        fwd.add(t, 1.0)
+                    else:
+                        bwd.add(t, grad_scale)
+            return out
+
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        Recorder(graph.gm).run(*inputs)
+    return ranges
+
+
+def choose_layers(graph: TrainGraph, program: ForwardProgram, init_scale: float,
+                  fp16: bool, note: str) -> list[LayerChoice]:
+    """bf16 or fp16 for every module that owns a low-precision (matmul-class) op."""
+    owners = sorted({TrainGraph.info(n).module or "" for n in program.graph.nodes
+                     if n.op == "call_function" and DEFAULT_RULES.get(op_name(n)) == "low"})
+    ranges = calibrate(graph, init_scale)
+    limit = FP16_MAX / HEADROOM
+    out = []
+    for mod in owners:
+        fwd, bwd = ranges.get(mod, (_Range(), _Range()))
+        grad_absmax, grad_under = bwd.absmax, bwd.fraction
+        facts = dict(act_absmax=fwd.absmax, act_underflow=fwd.fraction, grad_absmax=grad_absmax,
+                     grad_underflow=grad_under)
+        if fwd.absmax > limit:
+            out.append(LayerChoice(mod, "bf16", f"forward values reach {fwd.absmax:.3g}, above "
+                                   f"fp16's {FP16_MAX:.0f}/{HEADROOM:.0f}", **facts))
+        elif fwd.fraction > UNDERFLOW_FRACTION:
+            out.append(LayerChoice(mod, "bf16", f"{fwd.fraction:.1%} of forward values are below "
+                                   "fp16's smallest normal", **facts))
+        elif grad_under > UNDERFLOW_FRACTION:
+            out.append(LayerChoice(mod, "bf16", f"{grad_under:.1%} of gradients times the loss "
+                                   f"scale {init_scale:g} are below fp16's smallest normal",
+                                   **facts))
+        elif not fp16:
+            out.append(LayerChoice(mod, "bf16", "in fp16's range, but " + note.split("; ")[-1],
+                                   **facts))
+        else:
+            out.append(LayerChoice(mod, "fp16", f"values within fp16's range (max "
+                                   f"{max(fwd.absmax, 0):.3g}, gradients x scale max "
+                                   f"{grad_absmax:.3g})", **facts))
+    return out
