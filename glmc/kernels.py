@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-CHUNK_ELEMENTS = 1 << 20  #: fp32 elements per chunk (4 MiB)
+CHUNK_ELEMENTS = 1 << 18  #: fp32 elements per chunk (1 MiB)
 
 _REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
 

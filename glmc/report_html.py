@@ -140,6 +140,66 @@ def _recompute_section(c: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
+def _precision_section(c: dict[str, Any]) -> str:
+    i, rec = next(((i, r) for i, r in enumerate(c["passes"]) if r["name"] == "precision"
+                   and r["stats"] and r["changed"]), (None, None))
+    if rec is None:
+        return ""
+    st = rec["stats"]
+    before = c["passes"][i - 1].get("predicted") if i else None
+    captured = c.get("predicted_captured")
+    if before is None and captured:
+        before = {"peak_bytes": captured["memory"]["peak_bytes"],
+                  "seconds": captured["time"]["seconds"]}
+    after = rec.get("predicted") or {}
+    meas = c.get("measured")
+    pred = c.get("predicted")
+    measured = mib(pred["memory"]["persistent_bytes"] + meas["peak_bytes"]) \
+        if meas and pred else "-"
+    parts = [f"<h3>Precision: {_esc(st['policy'])}</h3><p>{st['casts_inserted']} casts "
+             f"inserted in the forward; {st['fused_losses']} loss(es) computed in fp32 straight "
+             f"from low-precision logits. Predicted peak {mib((before or {}).get('peak_bytes'))} "
+             f"before &rarr; {mib(after.get('peak_bytes'))} after the pass (step "
+             f"{ms((before or {}).get('seconds'))} &rarr; {ms(after.get('seconds'))}); measured "
+             f"peak of the compiled step {measured}.</p>"]
+    if st.get("loss_scaling"):
+        ls = st["loss_scaling"]
+        parts.append(f"<p>Dynamic loss scaling in the step: initial scale {ls['init_scale']:g}, "
+                     f"growth {ls['growth_factor']:g} every {ls['growth_interval']} clean steps, "
+                     f"backoff {ls['backoff_factor']:g}.</p>")
+    if st.get("device_note"):
+        parts.append(f"<p>{_esc(st['device_note'])}</p>")
+    phases = st.get("step_dtypes", {})
+    dtypes = sorted({d for v in phases.values() for d in v})
+    parts.append("<table><tr><th class=l>phase</th>" + "".join(f"<th>{_esc(d)}</th>"
+                                                              for d in dtypes) + "</tr>"
+                 + "".join(f"<tr><td class=l>{_esc(ph)}</td>" + "".join(
+                     f"<td>{v.get(d, 0)}</td>" for d in dtypes) + "</tr>"
+                           for ph, v in phases.items()) + "</table>")
+    if st.get("layers"):
+        parts.append("<table><tr><th class=l>module</th><th>dtype</th><th>|act| max</th>"
+                     "<th>act underflow</th><th>|grad x scale| max</th><th>grad underflow</th>"
+                     "<th class=l>reason</th></tr>" + "".join(
+                         f"<tr><td class=l>{_esc(x['module'])}</td><td>{x['dtype']}</td>"
+                         f"<td>{x['act_absmax']:.3g}</td><td>{x['act_underflow']:.1%}</td>"
+                         f"<td>{x['grad_absmax']:.3g}</td><td>{x['grad_underflow']:.1%}</td>"
+                         f"<td class=l>{_esc(x['reason'])}</td></tr>" for x in st["layers"])
+                     + "</table>")
+    parts.append("<table><tr><th class=l>cast value</th><th>from</th><th>to</th>"
+                 "<th class=l>first reader</th><th class=l>source</th></tr>" + "".join(
+                     f"<tr><td class=l>{_esc(x['value'])}</td><td>{x['src']}</td>"
+                     f"<td>{x['dst']}</td><td class=l>{_esc(x['reader'])}</td>"
+                     f"<td class=l>{_esc(x['where'] or '')}</td></tr>" for x in st["casts"])
+                 + "</table>")
+    parts.append(f"<details><summary>dtype of every node ({len(st.get('node_dtypes', []))})"
+                 "</summary><table><tr><th class=l>node</th><th class=l>op</th>"
+                 "<th class=l>phase</th><th>dtype</th></tr>" + "".join(
+                     f"<tr><td class=l>{_esc(n)}</td><td class=l>{_esc(o)}</td>"
+                     f"<td class=l>{_esc(p)}</td><td>{_esc(d)}</td></tr>"
+                     for n, o, p, d in st.get("node_dtypes", [])) + "</table></details>")
+    return "\n".join(parts)
+
+
 def _compile_section(i: int, c: dict[str, Any]) -> str:
     pred, meas, err = c.get("predicted"), c.get("measured"), c.get("errors") or {}
     parts = [f"<h2>Compile {i + 1}: batch {_esc(c['batch'])} &rarr; {_esc(c['backend'])}</h2>"]
@@ -183,6 +243,7 @@ def _compile_section(i: int, c: dict[str, Any]) -> str:
                     f"<td class=l><code>{_esc(_brief(r['stats']))}</code></td></tr>")
     parts.append("<h3>Passes</h3><table>" + "".join(rows) + "</table>")
     parts.append("<h3>Memory timeline</h3>" + _timeline_plot(c))
+    parts.append(_precision_section(c))
     parts.append(_recompute_section(c))
     plot = _pass_plot(c)
     if plot:

@@ -87,6 +87,7 @@ class Cast:
     dst: str
     reader: str  #: the first op reading the cast
     where: str | None
+    node: str = ""  #: the cast node in the forward program
 
 
 @dataclass(frozen=True)
@@ -144,6 +145,8 @@ class PrecisionPass(Pass):
     growth_interval: int = 2000
     prefer: str = "speed"  #: auto: "speed" | "fp16" | "bf16"
     fuse_loss: bool = True  #: fp32 cross-entropy read straight from low-precision logits
+    early_cast: bool = False  #: pointwise ops read only by low-precision ops store low input
+    cast_constants: bool = False  #: buffers/constants wider than the activation are cast down
 
     def __post_init__(self) -> None:
         if self.policy not in ("fp32", "bf16", "fp16", "auto"):
@@ -178,8 +181,11 @@ class PrecisionPass(Pass):
             layers = choose_layers(graph, program, self.init_scale, choose_fp16, note)
             modules = {**{c.module: c.dtype for c in layers}, **modules}
         rules = {**DEFAULT_RULES, **_parse_map(self.ops, "ops")}
-        casts, forward_dtypes = assign(program, rules, modules, DTYPES[default])
+        casts, forward_dtypes = assign(program, rules, modules, DTYPES[default],
+                                       self.early_cast, self.cast_constants)
         fused_losses = fuse_loss(program) if self.fuse_loss else 0
+        alive = {n.name for n in program.graph.nodes}
+        casts = [c for c in casts if c.node in alive]  # the fused loss reads logits uncast
         uses_fp16 = default == "fp16" and not layers or any(
             n.meta["val"].dtype == torch.float16 for n in program.graph.nodes
             if isinstance(n.meta.get("val"), torch.Tensor))
@@ -231,14 +237,24 @@ def _constant_like(program: ForwardProgram) -> set[fx.Node]:
     return out
 
 
+#: pointwise ops whose backward saves an activation input: computing them from a low-precision
+#: copy of that input stores it in low precision (ops whose backward saves nothing, such as
+#: add, gain no memory and are left alone: they would only round more)
+_EARLY_CAST_OPS = frozenset({"mul", "div", "silu", "gelu", "relu", "tanh", "sigmoid"})
+
+
 def assign(program: ForwardProgram, rules: Mapping[str, str], modules: Mapping[str, str],
-           default: torch.dtype) -> tuple[list[Cast], dict[str, int]]:
-    """Rewrite `program` in place: casts before the ops whose rule needs them."""
+           default: torch.dtype, early: bool = True,
+           cast_constants: bool = False) -> tuple[list[Cast], dict[str, int]]:
+    """Rewrite `program` in place: casts before the ops whose rule needs them. With `early`, a
+    pointwise op read only by low-precision ops computes in the low dtype itself (its output
+    is stored once, in low precision, instead of in fp32 plus a low-precision copy)."""
     old = program.graph
     fake_mode = detect_fake_mode([n.meta.get("val") for n in old.nodes])
     constant = _constant_like(program)
     targets = dict(zip([n.name for n in old.nodes if n.op == "placeholder"],
                        [s.target for s in program.inputs]))
+    params = {name for name, spec in zip(targets, program.inputs) if spec.role is Role.PARAMETER}
     new = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     cache: dict[tuple[fx.Node, torch.dtype], fx.Node] = {}
@@ -272,8 +288,24 @@ def assign(program: ForwardProgram, rules: Mapping[str, str], modules: Mapping[s
             info = TrainGraph.info(reader)
             casts.append(Cast(targets.get(value.name, value.name), _NAMES.get(src, str(src)),
                               _NAMES.get(dtype, str(dtype)), op_name(reader),
-                              info.source or info.module))
+                              info.source or info.module, c.name))
         return cache[key]
+
+    def low_of(n: fx.Node) -> torch.dtype:
+        return _module_dtype(TrainGraph.info(n).module, modules, default)
+
+    def low_readers(n: fx.Node) -> set[torch.dtype] | None:
+        """The low dtypes of the ops reading `n` (through views) if all of them are low ops."""
+        dtypes: set[torch.dtype] = set()
+        for u in n.users:
+            if u.op == "call_function" and rules.get(op_name(u)) == "low" \
+                    and low_of(u) != torch.float32:
+                dtypes.add(low_of(u))
+            elif _is_plain_view(u) and (sub := low_readers(u)) is not None:
+                dtypes |= sub
+            else:
+                return None
+        return dtypes or None
 
     for n in old.nodes:
         if n.op != "call_function":
@@ -281,7 +313,11 @@ def assign(program: ForwardProgram, rules: Mapping[str, str], modules: Mapping[s
             continue
         info = TrainGraph.info(n)
         rule = rules.get(op_name(n), "keep")
-        low = _module_dtype(info.module, modules, default)
+        low = low_of(n)
+        if rule == "keep" and early and op_name(n) in _EARLY_CAST_OPS and n not in constant:
+            readers = low_readers(n)
+            if readers is not None and len(readers) == 1:
+                rule, low = "early", readers.pop()  # only low ops read it: store it low
         if "dtype" in n.kwargs or op_name(n) == "_to_copy":
             rule = "explicit"  # the model chose this dtype itself
         args = fx.map_arg(n.args, lambda a: env[a])
@@ -290,10 +326,14 @@ def assign(program: ForwardProgram, rules: Mapping[str, str], modules: Mapping[s
         want: dict[fx.Node, torch.dtype] = {}
         if rule == "low":
             want = {a: low for a in floats}
+        elif rule == "early":
+            # activation inputs cast down (so the backward saves them in low precision);
+            # parameters stay fp32, so the op itself still computes and rounds once in fp32
+            want = {a: low for a in floats if a.name not in params and a not in constant}
         elif rule == "fp32":
             want = {a: torch.float32 for a in floats
                     if env[a].meta["val"].dtype in (torch.bfloat16, torch.float16)}
-        elif rule in ("keep", "acc"):
+        elif rule in ("keep", "acc") and cast_constants:
             acts = {env[a].meta["val"].dtype for a in floats if a not in constant}
             if len(acts) == 1:
                 act = acts.pop()
@@ -418,10 +458,14 @@ def fuse_loss(program: ForwardProgram) -> int:
         if low.meta["val"].dtype not in (torch.bfloat16, torch.float16):
             continue
         with g.inserting_before(nll):
-            value = low
-            for v in reversed(views):
-                value = g.call_function(v.target, (value, *v.args[1:]), dict(v.kwargs))
-                value.meta = dict(v.meta)
+            absorbed = _absorb_row_slice(g, low, target, ignore, nll.meta)
+            if absorbed is not None:
+                value, target = absorbed
+            else:
+                value = low
+                for v in reversed(views):
+                    value = g.call_function(v.target, (value, *v.args[1:]), dict(v.kwargs))
+                    value.meta = dict(v.meta)
             ce = g.call_function(torch.ops.glmc.cross_entropy.default,
                                  (value, target, ignore, reduction))
             ce.meta = dict(nll.meta)
@@ -434,8 +478,44 @@ def fuse_loss(program: ForwardProgram) -> int:
             if not dead.users:
                 g.erase_node(dead)
         fused += 1
+    g.eliminate_dead_code()
     program.gm.recompile()
     return fused
+
+
+def _absorb_row_slice(g: fx.Graph, low: fx.Node, target: Any, ignore: int,
+                      meta: dict) -> tuple[fx.Node, fx.Node] | None:
+    """Shifted-LM losses read `logits[:, :-1].reshape(-1, V)`: a copy of nearly all logits,
+    and a zero-filled full-size gradient in the backward. Instead, feed the whole logits and
+    mark the sliced-off rows' targets `ignore_index` — the same loss and gradient, exactly."""
+    node = low
+    if op_name(node) == "clone":
+        node = node.args[0]
+    if op_name(node) != "slice" or not isinstance(target, fx.Node):
+        return None
+    base, dim, start, end = (list(node.args) + [0, None])[:4]
+    step = node.args[4] if len(node.args) > 4 else 1
+    bval, sval = base.meta.get("val"), node.meta.get("val")
+    if bval is None or sval is None or step != 1 or not bval.is_contiguous():
+        return None
+    dim = dim % bval.dim()
+    if dim == bval.dim() - 1 or target.meta["val"].numel() != sval.shape[:-1].numel():
+        return None
+    tval = target.meta["val"]
+
+    def call(op: Any, *args: Any, **kwargs: Any) -> fx.Node:
+        n = g.call_function(op, args, kwargs)
+        n.meta = {k: v for k, v in meta.items() if k != "val"}
+        return n
+
+    rows = call(aten.view.default, target, list(sval.shape[:-1]))
+    full = call(aten.full.default, list(bval.shape[:-1]), ignore, dtype=tval.dtype,
+                device=tval.device)
+    end = bval.shape[dim] if end is None else end
+    placed = call(aten.slice_scatter.default, full, rows, dim, start, end)
+    flat_target = call(aten.view.default, placed, [-1])
+    flat_logits = call(aten.view.default, base, [-1, bval.shape[-1]])
+    return flat_logits, flat_target
 
 
 # ---- auto: calibration and device speed ------------------------------------------------------
@@ -448,8 +528,9 @@ def matmul_rate(device: str, dtype: torch.dtype) -> float:
     key = (device, dtype)
     if key not in _RATES:
         n = 512 if device == "cpu" else 4096
-        a = torch.randn(n, n, device=device).to(dtype)
-        b = torch.randn(n, n, device=device).to(dtype)
+        gen = torch.Generator(device=device).manual_seed(0)  # leaves the user's RNG alone
+        a = torch.randn(n, n, device=device, generator=gen).to(dtype)
+        b = torch.randn(n, n, device=device, generator=gen).to(dtype)
         times = []
         for _ in range(7):
             t0 = time.perf_counter()
