@@ -58,8 +58,9 @@ _KNOWN = {
     "native_batch_norm": 8, "native_batch_norm_backward": 12, "_native_batch_norm_legit": 8,
     "_native_batch_norm_legit_no_training": 4, "max_pool2d_with_indices": 1,
     "max_pool2d_with_indices_backward": 1, "avg_pool2d": 1, "avg_pool2d_backward": 1,
+    "cross_entropy": 6, "cross_entropy_backward": 5,  # glmc.kernels: chunked fp32 loss
     "cat": 0, "stack": 0, "clone": 0, "_to_copy": 0, "copy": 0, "copy_": 0, "triu": 1, "tril": 1,
-    "slice_backward": 0, "select_backward": 0, "index_select": 0, "gather": 0, "scatter": 0,
+    "slice_backward": 0, "select_backward": 0, "slice_scatter": 0, "index_select": 0, "gather": 0, "scatter": 0,
     "scatter_add": 1, "index": 0, "index_put": 0, "index_add": 1, "native_dropout": 4,
     "bernoulli": 4, "rand": 4, "randn": 8, "rand_like": 4, "randn_like": 8, "where": 1,
     "zeros": 0, "ones": 0, "full": 0, "empty": 0, "zeros_like": 0, "ones_like": 0,
@@ -293,7 +294,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("GLMC_CACHE_DIR", Path.home() / ".cache" / "glmc"))
 
 
-CALIBRATION_VERSION = 3  #: bump when calibrate() measures differently; old caches are ignored
+CALIBRATION_VERSION = 4  #: bump when calibrate() measures differently; old caches are ignored
 
 
 def _machine_key() -> str:
@@ -331,12 +332,15 @@ def calibrate() -> DeviceProfile:
     """Measure the host CPU: matmul FLOP/s over sizes, copy bandwidth over sizes, dispatch
     overhead. Takes a few seconds."""
     with torch.no_grad():
-        mm_curve = []
-        for n in (32, 64, 128, 256, 512, 1024):
-            a, b = torch.randn(n, n), torch.randn(n, n)
-            reps = max(3, min(200, int(2e8 / n ** 3)))
-            t = _timeit(lambda: torch.mm(a, b), reps)
-            mm_curve.append((2.0 * n ** 3, 2.0 * n ** 3 / t))
+        curves: dict[str, tuple[tuple[float, float], ...]] = {}
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):  # AMX/AVX512 differ a lot
+            mm_curve = []
+            for n in (32, 64, 128, 256, 512, 1024):
+                a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+                reps = max(3, min(200, int(2e8 / n ** 3)))
+                t = _timeit(lambda: torch.mm(a, b), reps)
+                mm_curve.append((2.0 * n ** 3, 2.0 * n ** 3 / t))
+            curves[str(dtype).replace("torch.", "")] = tuple(_monotone(mm_curve))
         bw_curve = []
         bw_curve = [(2.0 * nbytes, _write_bandwidth(nbytes))
                     for nbytes in (1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26)]
@@ -350,11 +354,10 @@ def calibrate() -> DeviceProfile:
                  lambda: aten.div.Tensor(one, one)]
         overhead = _timeit(lambda: [f() for _ in range(40) for f in small], 20) / 200
         rates = _kernel_rates()
-    mm_curve = _monotone(mm_curve)
     return DeviceProfile(
         name=f"host CPU: {platform.processor() or platform.machine()}, "
              f"{torch.get_num_threads()} threads",
-        kind="cpu", matmul={"float32": tuple(mm_curve)}, vector_flops=vector,
+        kind="cpu", matmul=curves, vector_flops=vector,
         bandwidth=tuple(bw_curve), op_overhead_s=overhead, kernel_overhead_s=overhead / 2,
         source=f"calibrated {time.strftime('%Y-%m-%d')} by glmc.cost.calibrate()",
         kernel_rates=rates)

@@ -109,7 +109,10 @@ def _step_inputs(trainer: Any) -> list[torch.Tensor]:
 def export_step(trainer: Any, directory: str, onnx: bool = False) -> list[str]:
     from safetensors.torch import save_file
 
+    from glmc.kernels import lower_to_aten
+
     graph: TrainGraph = trainer.graph
+    graph = TrainGraph(lower_to_aten(graph.gm), graph.inputs, graph.outputs, graph.meta)
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     inputs = _step_inputs(trainer)
@@ -182,10 +185,13 @@ def export_onnx(graph: TrainGraph, inputs: list[torch.Tensor], path: Path) -> Pa
     from torch._decomp import core_aten_decompositions
     from torch.fx.experimental.proxy_tensor import make_fx
 
+    from glmc.kernels import decompositions
+
     real = [t.detach().clone() for t in inputs]
     rng = torch.get_rng_state()
+    table = {**core_aten_decompositions(), **decompositions()}
     with torch.no_grad():
-        decomposed = make_fx(graph.gm, decomposition_table=core_aten_decompositions())(*real)
+        decomposed = make_fx(graph.gm, decomposition_table=table)(*real)
     torch.set_rng_state(rng)
 
     class _Step(torch.nn.Module):

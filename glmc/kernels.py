@@ -10,6 +10,9 @@ logits.float()))` up to fp32 summation order, at a fraction of the memory.
 """
 from __future__ import annotations
 
+import contextlib
+import operator
+
 import torch
 from torch import Tensor
 
@@ -91,8 +94,74 @@ cross_entropy.register_autograd(_backward, setup_context=_setup)
 
 def cross_entropy_reference(logits: Tensor, target: Tensor, ignore_index: int,
                             reduction: int) -> tuple[Tensor, Tensor]:
-    """The same result with plain ATen ops (for ONNX export and tests)."""
+    """The same result with plain ATen ops, unchunked (for ONNX export and tests)."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     loss = torch.nn.functional.nll_loss(logp, target, ignore_index=ignore_index,
                                         reduction=_REDUCTIONS[reduction])
     return loss, torch.logsumexp(logits.float(), dim=-1)
+
+
+def cross_entropy_backward_reference(grad: Tensor, logits: Tensor, target: Tensor, lse: Tensor,
+                                     ignore_index: int, reduction: int) -> Tensor:
+    valid = target != ignore_index
+    scale = grad.float()
+    if reduction != 2:
+        scale = scale / valid.sum().to(torch.float32)
+    p = torch.exp(logits.float() - lse.unsqueeze(1))
+    onehot = torch.nn.functional.one_hot(target.clamp(min=0), logits.shape[-1]).to(p.dtype)
+    p = (p - onehot) * (scale * valid.to(p.dtype)).unsqueeze(1)
+    return p.to(logits.dtype)
+
+
+def decompositions() -> dict:
+    """glmc's ops as plain ATen, for exporters that only know ATen (ONNX)."""
+    return {torch.ops.glmc.cross_entropy.default: cross_entropy_reference,
+            torch.ops.glmc.cross_entropy_backward.default: cross_entropy_backward_reference}
+
+
+def lower_to_aten(gm: "torch.fx.GraphModule") -> "torch.fx.GraphModule":
+    """A copy of `gm` with every glmc op replaced by its plain-ATen decomposition, for consumers
+    that run without glmc (the exported step.py, ONNX). Unchunked: it holds full fp32 logits."""
+    import copy
+
+    import torch.fx as fx
+    from torch._guards import detect_fake_mode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    table = decompositions()
+    graph = copy.deepcopy(gm.graph)
+    for n in list(graph.nodes):
+        if n.op != "call_function" or n.target not in table:
+            continue
+        fn = table[n.target]
+        tensors = [a for a in n.args if isinstance(a, fx.Node)]
+        consts = {i: a for i, a in enumerate(n.args) if not isinstance(a, fx.Node)}
+
+        def call(*ts, fn=fn, consts=consts, count=len(n.args)):
+            it = iter(ts)
+            return fn(*[consts[i] if i in consts else next(it) for i in range(count)])
+
+        vals = [a.meta["val"] for a in tensors]
+        with detect_fake_mode(vals) or contextlib.nullcontext():
+            sub = make_fx(call)(*vals)
+        env: dict = {}
+        placeholders = iter(tensors)
+        with graph.inserting_before(n):
+            for s in sub.graph.nodes:
+                if s.op == "placeholder":
+                    env[s] = next(placeholders)
+                elif s.op == "output":
+                    result = fx.map_arg(s.args[0], lambda a: env[a])
+                else:
+                    env[s] = graph.node_copy(s, lambda a: env[a])
+                    env[s].meta = {**n.meta, "val": s.meta.get("val")}
+        if isinstance(result, (tuple, list)):
+            for u in list(n.users):
+                if u.target is operator.getitem:
+                    u.replace_all_uses_with(result[u.args[1]])
+                    graph.erase_node(u)
+        else:
+            n.replace_all_uses_with(result)
+        graph.erase_node(n)
+    graph.eliminate_dead_code()
+    return fx.GraphModule(gm, graph)

@@ -175,8 +175,8 @@ def test_bf16_training_tracks_autocast_and_fp64():
         dev_auto.append(abs(auto - ref))
     assert max(dev_glmc) > 0  # it really ran in reduced precision
     assert sum(dev_glmc) <= 1.5 * sum(dev_auto) + 1e-6, (dev_glmc, dev_auto)
-    p_err = max(float((a.detach().double() - b.detach()).abs().max()) for a, b in zip(m.parameters(),
-                                                                  m64.parameters()))
+    p_err = max(float((a.detach().double() - b.detach()).abs().max())
+                for a, b in zip(m.parameters(), m64.parameters()))
     assert p_err < 1e-2
 
 
