@@ -125,6 +125,10 @@ class OutputSpec:
     target: str  #: matches the InputSpec target it replaces ("" for the loss)
 
 
+#: node.meta key marking a deliberate recomputation (a copy of a forward value made again in the
+#: backward); cleanup's CSE must not merge it back into the value it duplicates
+REMAT = "glmc_remat"
+
 RANDOM_OPS = frozenset({
     "native_dropout", "bernoulli", "rand", "rand_like", "randn", "randn_like", "randint",
     "randint_like", "normal", "uniform", "multinomial", "randperm", "exponential",

@@ -92,6 +92,101 @@ def _backward(ctx, grad_loss, grad_lse):  # noqa: ANN001
 cross_entropy.register_autograd(_backward, setup_context=_setup)
 
 
+# ---- LM head + cross-entropy, chunked ---------------------------------------------------------
+
+def _head_logits(xc: Tensor, w: Tensor, fp32: bool) -> Tensor:
+    """fp32 logits of one row chunk: an fp32 matmul (`fp32`; `w` already fp32), or a matmul in
+    x's dtype (`w` already in it) whose output is then widened (autocast's numerics)."""
+    if fp32:
+        return xc.float() @ w.t()
+    return (xc @ w.t()).float()
+
+
+def _head_weight(weight: Tensor, x: Tensor, fp32: bool) -> Tensor:
+    return weight.float() if fp32 else weight.to(x.dtype)
+
+
+@torch.library.custom_op("glmc::linear_cross_entropy", mutates_args=())
+def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, ignore_index: int,
+                         reduction: int, fp32: bool) -> tuple[Tensor, Tensor]:
+    """`cross_entropy(x @ weight.T, target)` without ever holding the (N, V) logits: row chunks
+    of logits are made, reduced to their log-sum-exp and target logit, and dropped; the
+    backward makes them again. Returns (loss, lse)."""
+    rows = _rows_per_chunk_n(weight.shape[0])
+    lse = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    picked = torch.empty_like(lse)
+    w = _head_weight(weight, x, fp32)
+    for s in range(0, x.shape[0], rows):
+        logits = _head_logits(x[s:s + rows], w, fp32)
+        lse[s:s + rows] = torch.logsumexp(logits, dim=-1)
+        t = target[s:s + rows].clamp(min=0)
+        picked[s:s + rows] = logits.gather(1, t.unsqueeze(1)).squeeze(1)
+    valid = target != ignore_index
+    nll = torch.where(valid, lse - picked, torch.zeros_like(lse))
+    loss = nll.sum() if reduction == 2 else nll.sum() / valid.sum().to(torch.float32)
+    return loss, lse
+
+
+@linear_cross_entropy.register_fake
+def _(x: Tensor, weight: Tensor, target: Tensor, ignore_index: int, reduction: int,
+      fp32: bool) -> tuple[Tensor, Tensor]:
+    return x.new_empty((), dtype=torch.float32), x.new_empty(x.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("glmc::linear_cross_entropy_backward", mutates_args=())
+def linear_cross_entropy_backward(grad: Tensor, x: Tensor, weight: Tensor, target: Tensor,
+                                  lse: Tensor, ignore_index: int, reduction: int,
+                                  fp32: bool) -> tuple[Tensor, Tensor]:
+    rows = _rows_per_chunk_n(weight.shape[0])
+    valid = target != ignore_index
+    scale = grad.float()
+    if reduction != 2:
+        scale = scale / valid.sum().to(torch.float32)
+    grad_x = torch.empty_like(x)
+    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+    w = _head_weight(weight, x, fp32)
+    for s in range(0, x.shape[0], rows):
+        xc = x[s:s + rows]
+        p = _head_logits(xc, w, fp32).sub_(lse[s:s + rows, None]).exp_()
+        ok = valid[s:s + rows]
+        p.scatter_add_(1, target[s:s + rows].clamp(min=0).unsqueeze(1),
+                       -ok.to(p.dtype).unsqueeze(1))
+        p *= (scale * ok.to(p.dtype)).unsqueeze(1)
+        if fp32:
+            grad_x[s:s + rows] = (p @ w).to(x.dtype)
+            grad_w += p.t() @ xc.float()
+        else:
+            pl = p.to(x.dtype)
+            grad_x[s:s + rows] = pl @ w
+            grad_w += (pl.t() @ xc).float()
+    return grad_x, grad_w.to(weight.dtype)
+
+
+@linear_cross_entropy_backward.register_fake
+def _(grad: Tensor, x: Tensor, weight: Tensor, target: Tensor, lse: Tensor, ignore_index: int,
+      reduction: int, fp32: bool) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(x), torch.empty_like(weight)
+
+
+def _lce_setup(ctx, inputs, output) -> None:  # noqa: ANN001
+    x, weight, target, ignore_index, reduction, fp32 = inputs
+    ctx.save_for_backward(x, weight, target, output[1])
+    ctx.args = (ignore_index, reduction, fp32)
+
+
+def _lce_backward(ctx, grad_loss, grad_lse):  # noqa: ANN001
+    x, weight, target, lse = ctx.saved_tensors
+    gx, gw = linear_cross_entropy_backward(grad_loss, x, weight, target, lse, *ctx.args)
+    return gx, gw, None, None, None, None
+
+
+linear_cross_entropy.register_autograd(_lce_backward, setup_context=_lce_setup)
+
+
+def _rows_per_chunk_n(vocab: int) -> int:
+    return max(1, CHUNK_ELEMENTS // max(1, vocab))
+
+
 def cross_entropy_reference(logits: Tensor, target: Tensor, ignore_index: int,
                             reduction: int) -> tuple[Tensor, Tensor]:
     """The same result with plain ATen ops, unchunked (for ONNX export and tests)."""
@@ -113,10 +208,30 @@ def cross_entropy_backward_reference(grad: Tensor, logits: Tensor, target: Tenso
     return p.to(logits.dtype)
 
 
+def linear_cross_entropy_reference(x: Tensor, weight: Tensor, target: Tensor, ignore_index: int,
+                                   reduction: int, fp32: bool) -> tuple[Tensor, Tensor]:
+    logits = _head_logits(x, _head_weight(weight, x, fp32), fp32)
+    return cross_entropy_reference(logits, target, ignore_index, reduction)
+
+
+def linear_cross_entropy_backward_reference(grad: Tensor, x: Tensor, weight: Tensor,
+                                            target: Tensor, lse: Tensor, ignore_index: int,
+                                            reduction: int, fp32: bool) -> tuple[Tensor, Tensor]:
+    logits = _head_logits(x, _head_weight(weight, x, fp32), fp32)
+    p = cross_entropy_backward_reference(grad, logits, target, lse, ignore_index, reduction)
+    if fp32:
+        return (p @ weight.float()).to(x.dtype), (p.t() @ x.float()).to(weight.dtype)
+    pl = p.to(x.dtype)
+    return pl @ weight.to(x.dtype), (pl.t() @ x).to(weight.dtype)
+
+
 def decompositions() -> dict:
     """glmc's ops as plain ATen, for exporters that only know ATen (ONNX)."""
     return {torch.ops.glmc.cross_entropy.default: cross_entropy_reference,
-            torch.ops.glmc.cross_entropy_backward.default: cross_entropy_backward_reference}
+            torch.ops.glmc.cross_entropy_backward.default: cross_entropy_backward_reference,
+            torch.ops.glmc.linear_cross_entropy.default: linear_cross_entropy_reference,
+            torch.ops.glmc.linear_cross_entropy_backward.default:
+                linear_cross_entropy_backward_reference}
 
 
 def lower_to_aten(gm: "torch.fx.GraphModule") -> "torch.fx.GraphModule":

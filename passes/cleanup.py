@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from glmc.ir import RANDOM_OPS, TrainGraph, op_name
+from glmc.ir import RANDOM_OPS, REMAT, TrainGraph, op_name
 from glmc.passmanager import Pass, PassContext, PassResult
 
 aten = torch.ops.aten
@@ -108,7 +108,7 @@ def _cse(g: fx.Graph) -> int:
     seen: dict[Any, fx.Node] = {}
     merged = 0
     for node in list(g.nodes):
-        if node.op != "call_function" or _is_impure(node):
+        if node.op != "call_function" or _is_impure(node) or node.meta.get(REMAT):
             continue
         key = _key(node)
         if key in seen:

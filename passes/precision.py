@@ -45,7 +45,7 @@ from torch._guards import detect_fake_mode
 
 from glmc.cost import is_view
 from glmc.errors import ConfigError, PassError
-from glmc.ir import Phase, Role, TrainGraph, op_name
+from glmc.ir import REMAT, Phase, Role, TrainGraph, op_name
 from glmc.passmanager import Pass, PassContext, PassResult
 from glmc.rederive import ForwardProgram, forward_program, rederive, source_of
 from glmc.scaler import LossScaling
@@ -106,6 +106,8 @@ class PrecisionStats:
     policy: str
     casts_inserted: int = 0
     fused_losses: int = 0  #: fp32 losses computed by glmc::cross_entropy from low logits
+    fused_heads: int = 0  #: LM head + loss computed chunk by chunk (glmc::linear_cross_entropy)
+    recast_in_backward: int = 0  #: parameter casts made again in the backward, not kept
     forward_dtypes: dict[str, int] = field(default_factory=dict)  #: ops per compute dtype
     step_dtypes: dict[str, dict[str, int]] = field(default_factory=dict)  #: phase -> dtype -> n
     loss_scaling: dict[str, Any] | None = None
@@ -145,13 +147,17 @@ class PrecisionPass(Pass):
     growth_interval: int = 2000
     prefer: str = "speed"  #: auto: "speed" | "fp16" | "bf16"
     fuse_loss: bool = True  #: fp32 cross-entropy read straight from low-precision logits
+    head: str = "fp32"  #: LM head feeding the loss: "fp32" | "low" (chunked, fused) | "off"
     early_cast: bool = False  #: pointwise ops read only by low-precision ops store low input
     cast_constants: bool = False  #: buffers/constants wider than the activation are cast down
+    recast: bool = True  #: the backward casts parameters again instead of keeping the copies
 
     def __post_init__(self) -> None:
         if self.policy not in ("fp32", "bf16", "fp16", "auto"):
             raise ConfigError(f"precision: unknown policy {self.policy!r}; use fp32, bf16, "
                               "fp16 or auto")
+        if self.head not in ("fp32", "low", "off"):
+            raise ConfigError(f"precision: head={self.head!r}; use fp32, low or off")
         if self.prefer not in ("speed", "fp16", "bf16"):
             raise ConfigError(f"precision: prefer={self.prefer!r}; use speed, fp16 or bf16")
         for op, rule in _parse_map(self.ops, "ops").items():
@@ -184,6 +190,7 @@ class PrecisionPass(Pass):
         casts, forward_dtypes = assign(program, rules, modules, DTYPES[default],
                                        self.early_cast, self.cast_constants)
         fused_losses = fuse_loss(program) if self.fuse_loss else 0
+        fused_heads = fuse_head(program, self.head == "fp32") if self.head != "off" else 0
         alive = {n.name for n in program.graph.nodes}
         casts = [c for c in casts if c.node in alive]  # the fused loss reads logits uncast
         uses_fp16 = default == "fp16" and not layers or any(
@@ -191,8 +198,9 @@ class PrecisionPass(Pass):
             if isinstance(n.meta.get("val"), torch.Tensor))
         scaling = self.scaling() if uses_fp16 and self.loss_scaling else None
         rederive(graph, program, scaling)
+        recast = recast_in_backward(graph) if self.recast else 0
         stats = PrecisionStats(
-            self.policy, len(casts), fused_losses, forward_dtypes, _step_dtypes(graph),
+            self.policy, len(casts), fused_losses, fused_heads, recast, forward_dtypes, _step_dtypes(graph),
             None if scaling is None else vars(scaling).copy(), note,
             [vars(c) for c in casts], [vars(c) for c in layers], _node_dtypes(graph))
         return PassResult(True, stats)
@@ -483,6 +491,59 @@ def fuse_loss(program: ForwardProgram) -> int:
     return fused
 
 
+def fuse_head(program: ForwardProgram, fp32: bool) -> int:
+    """`glmc::cross_entropy(mm(x, t(w)))` -> `glmc::linear_cross_entropy(x, w)`: the logits are
+    made chunk by chunk inside the loss and never stored; with `fp32` they are fp32 matmuls of
+    the uncast activations and weight (the loss sees no low-precision rounding of the logits,
+    its largest error source), else matmuls in the low dtype as autocast does."""
+    g = program.graph
+    fused = 0
+    for ce in [n for n in g.nodes if n.target is torch.ops.glmc.cross_entropy.default]:
+        logits, target, ignore, reduction = ce.args
+        chain, v = [], logits
+        while op_name(v) in ("view", "_unsafe_view", "reshape") and len(v.users) == 1:
+            chain.append(v)
+            v = v.args[0]
+        if op_name(v) != "mm" or len(v.users) != 1:
+            continue
+        x, wt = v.args
+        val = logits.meta.get("val")
+        shape = list(val.shape) if val is not None else list(logits.args[1])
+        if op_name(wt) != "t" or len(wt.users) != 1 or len(shape) != 2 or \
+                shape[-1] != v.meta["val"].shape[-1]:
+            continue  # same row count: a 2-D view of the (N, V) product with the same V
+        w = wt.args[0]
+        with g.inserting_before(ce):
+            x_in = _uncast(g, x) if fp32 else x
+            new = g.call_function(torch.ops.glmc.linear_cross_entropy.default,
+                                  (x_in, _uncast(g, w), target, ignore, reduction, fp32))
+        new.meta = dict(ce.meta)
+        ce.replace_all_uses_with(new)
+        g.erase_node(ce)
+        for dead in (*chain, v, wt, w, x):
+            if dead.op == "call_function" and not dead.users:
+                g.erase_node(dead)
+        fused += 1
+    program.gm.recompile()
+    return fused
+
+
+def _uncast(g: fx.Graph, v: fx.Node) -> fx.Node:
+    """The value `v` was cast from (through views of the cast, replayed on the source)."""
+    views = []
+    while _is_plain_view(v):
+        views.append(v)
+        v = v.args[0]
+    if op_name(v) != "_to_copy":
+        return views[0] if views else v
+    v = v.args[0]
+    for view in reversed(views):
+        nv = g.call_function(view.target, (v, *view.args[1:]), dict(view.kwargs))
+        nv.meta = {k: x for k, x in view.meta.items() if k != "val"}
+        v = nv
+    return v
+
+
 def _absorb_row_slice(g: fx.Graph, low: fx.Node, target: Any, ignore: int,
                       meta: dict) -> tuple[fx.Node, fx.Node] | None:
     """Shifted-LM losses read `logits[:, :-1].reshape(-1, V)`: a copy of nearly all logits,
@@ -516,6 +577,61 @@ def _absorb_row_slice(g: fx.Graph, low: fx.Node, target: Any, ignore: int,
     flat_target = call(aten.view.default, placed, [-1])
     flat_logits = call(aten.view.default, base, [-1, bval.shape[-1]])
     return flat_logits, flat_target
+
+
+def recast_in_backward(graph: TrainGraph) -> int:
+    """The backward reads the low-precision copies of the parameters (matmul weight gradients
+    need them); keeping the forward's copies alive holds half the parameter bytes through the
+    whole forward. Cast again right before the first backward reader instead — the same values
+    (the parameters do not change within the step), for one cheap bandwidth-bound cast."""
+    def derived(v: fx.Node) -> bool:  # a cast or view of parameters only
+        if v.op == "placeholder":
+            return TrainGraph.info(v).role is Role.PARAMETER
+        return v.op == "call_function" and TrainGraph.info(v).phase is Phase.FORWARD and \
+            (op_name(v) == "_to_copy" or _is_plain_view(v)) and \
+            all(derived(a) for a in v.all_input_nodes)
+
+    g = graph.graph
+    made: dict[fx.Node, fx.Node] = {}
+    count = 0
+
+    def copy_before(v: fx.Node, where: fx.Node) -> fx.Node:
+        nonlocal count
+        if v.op == "placeholder":
+            return v
+        if v not in made:
+            args = [copy_before(a, where) for a in v.all_input_nodes]
+            mapping = dict(zip(v.all_input_nodes, args))
+            with g.inserting_before(where):
+                c = g.node_copy(v, lambda a: mapping[a])
+            c.meta = {**v.meta, REMAT: True,
+                      "glmc": TrainGraph.info(v).replace(phase=Phase.BACKWARD,
+                                                        role=Role.GRADIENT)}
+            made[v] = c
+            count += op_name(v) == "_to_copy"
+        return made[v]
+
+    for u in list(g.nodes):
+        if u.op != "call_function" or TrainGraph.info(u).phase is not Phase.BACKWARD:
+            continue
+        for a in list(u.all_input_nodes):
+            if a.op == "call_function" and derived(a) and \
+                    any(op_name(x) == "_to_copy" for x in _chain(a)):
+                u.replace_input_with(a, copy_before(a, u))
+    for v in reversed(list(g.nodes)):  # forward copies now read by nobody
+        if v in made and not v.users:
+            g.erase_node(v)
+    return count
+
+
+def _chain(v: fx.Node) -> list[fx.Node]:
+    out, stack = [], [v]
+    while stack:
+        n = stack.pop()
+        if n.op == "call_function":
+            out.append(n)
+            stack += n.all_input_nodes
+    return out
 
 
 # ---- auto: calibration and device speed ------------------------------------------------------

@@ -86,6 +86,27 @@ def test_golden_cast_placement_bf16():
     assert stats.forward_dtypes["bf16"] > 0
 
 
+def test_backward_casts_parameters_again_bit_identically():
+    g, stats = _graph()
+    # only fc2.weight: the gradient of h needs it; fc1 feeds on the batch (no input gradient)
+    assert stats.recast_in_backward == 1
+    for n in _casts(g):
+        if n.args[0].op == "placeholder" and TrainGraph.info(n.args[0]).role is Role.PARAMETER:
+            readers = {TrainGraph.info(u).phase for u in n.users}
+            assert Phase.BACKWARD not in readers, n.format_node()
+    losses = {}
+    for recast in (True, False):
+        torch.manual_seed(0)
+        model = TwoLayer()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        t = glmc.optimize(model, _batch(), optimizer=opt, backend="eager",
+                          passes=[PrecisionPass(policy="bf16", recast=recast)])
+        losses[recast] = ([t.step(*_batch()).item() for _ in range(3)],
+                          [p.detach().clone() for p in model.parameters()])
+    assert losses[True][0] == losses[False][0]
+    assert all(torch.equal(a, b) for a, b in zip(losses[True][1], losses[False][1]))
+
+
 def test_optimizer_and_master_weights_stay_fp32():
     g, stats = _graph()
     for spec, v in zip(g.outputs, g.output_values()):
@@ -148,6 +169,43 @@ def test_fused_cross_entropy_matches_reference():
         (gr,) = torch.autograd.grad(want, ref)
         assert gl.dtype is torch.bfloat16
         torch.testing.assert_close(gl.float(), gr.float(), rtol=1e-2, atol=1e-6)
+
+
+@pytest.mark.parametrize("fp32", [True, False])
+def test_fused_linear_cross_entropy_matches_reference(fp32):
+    from glmc.kernels import linear_cross_entropy
+    g = torch.Generator().manual_seed(2)
+    dtype = torch.float32 if fp32 else torch.bfloat16
+    x = torch.randn(53, 24, generator=g).to(dtype).requires_grad_()
+    w = torch.randn(700, 24, generator=g).requires_grad_()  # fp32 master weight
+    target = torch.randint(0, 700, (53,), generator=g)
+    target[:5] = -100
+    loss, _ = linear_cross_entropy(x, w, target, -100, 1, fp32)
+    xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    logits = xr.float() @ wr.t() if fp32 else (xr @ wr.to(dtype).t()).float()
+    want = F.cross_entropy(logits, target, ignore_index=-100)
+    tol = dict(rtol=1e-5, atol=1e-6) if fp32 else dict(rtol=1e-2, atol=1e-3)
+    torch.testing.assert_close(loss, want, **tol)
+    gx, gw = torch.autograd.grad(loss, (x, w))
+    rx, rw = torch.autograd.grad(want, (xr, wr))
+    assert gx.dtype is dtype and gw.dtype is torch.float32
+    torch.testing.assert_close(gx.float(), rx.float(), **tol)
+    torch.testing.assert_close(gw, rw, **tol)
+
+
+def test_glm_head_and_loss_fuse_and_logits_are_never_stored():
+    """GLM tiny, bf16: the LM head + shifted cross-entropy become one chunked op; no value of
+    the step has the size of the logits (batch x seq x vocab)."""
+    model, x, lf, opt = CASES["glm"].make()
+    g = capture(model, x, lf, opt)
+    stats = PrecisionPass(policy="bf16").run(g, PassContext()).stats
+    assert stats.fused_heads == 1 and stats.fused_losses == 1
+    ids = x[0]
+    logits_numel = ids.numel() * model.cfg.vocab
+    big = [n.name for n in g.compute_nodes() if isinstance(n.meta.get("val"), torch.Tensor)
+           and n.meta["val"].numel() >= (ids.shape[0] * (ids.shape[1] - 1)) * model.cfg.vocab
+           and n.meta["val"].numel() <= logits_numel]
+    assert not big, big
 
 
 def test_bf16_training_tracks_autocast_and_fp64():
