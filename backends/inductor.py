@@ -25,6 +25,11 @@ class InductorBackend(Backend):
         target = node.target
         if not isinstance(target, torch._ops.OpOverload):
             return None
+        if target.namespace == "glmc":
+            from glmc.kernels import ELEMENTWISE
+            if target._schema.name.split("::")[-1] in ELEMENTWISE:
+                return None  # lowered to ATen before compiling
+            return "glmc fused op: runs as its own (chunked) kernel inside the step"
         if target in lowerings or target in decompositions or target in core_aten_decompositions():
             return None
         if target.overloadpacket in lowerings:
@@ -34,6 +39,10 @@ class InductorBackend(Backend):
     def _compile(self, gm: fx.GraphModule, graph: TrainGraph) -> StepFn:
         from torch._inductor.compile_fx import compile_fx
 
+        from glmc.kernels import ELEMENTWISE, lower_to_aten
+        # glmc's elementwise fused ops become ATen again so Inductor fuses them with their
+        # neighbours; what their backward saves was fixed when the step was derived
+        gm = lower_to_aten(gm, only=ELEMENTWISE)
         _split_alpha(gm)
         example = [ph.meta["val"] for ph in gm.graph.nodes if ph.op == "placeholder"]
         # fallback_random: draw dropout masks with ATen's generator, exactly as eager does

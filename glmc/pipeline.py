@@ -8,15 +8,16 @@ from glmc.passmanager import Pass, build_pass, split_pipeline
 def registry() -> dict[str, type[Pass]]:
     # one line per pass; imported lazily so `import glmc` stays light
     from glmc.passes.cleanup import CleanupPass
+    from glmc.passes.fusion import FusionPass
     from glmc.passes.precision import PrecisionPass
     from glmc.passes.recompute import RecomputePass
 
-    return {cls.name: cls for cls in (PrecisionPass, CleanupPass, RecomputePass)}
+    return {cls.name: cls for cls in (FusionPass, PrecisionPass, CleanupPass, RecomputePass)}
 
 #: passes that re-derive the backward from the forward; they must precede passes that rewrite
 #: the backward themselves, whose work would otherwise be thrown away
-_REDERIVING = ("precision",)
-_BACKWARD_REWRITING = ("recompute",)
+_REDERIVING = ("fusion", "precision")
+_BACKWARD_REWRITING = ("precision", "recompute")  # precision also re-casts in the backward
 
 
 def default_pipeline(memory_budget: object = None, precision: str | None = None) -> list[Pass]:
@@ -58,7 +59,7 @@ def _check_order(passes: list[Pass]) -> None:
     names = [p.name for p in passes]
     for r in _REDERIVING:
         for b in _BACKWARD_REWRITING:
-            if r in names and b in names and names.index(b) < names.index(r):
+            if r != b and r in names and b in names and names.index(b) < names.index(r):
                 raise PipelineError(f"pipeline: '{r}' re-derives the backward and would undo "
                                     f"'{b}'; put '{r}' before '{b}'")
 

@@ -92,11 +92,15 @@ class _Replay(nn.Module):
         params = dict(self.model.named_parameters())
         buffers = dict(self.model.named_buffers())
         args = []
+        mutated = set(program.buffers)
         for spec in program.inputs:
             if spec.role is Role.PARAMETER:
                 args.append(params[spec.target])
             elif spec.role is Role.BUFFER:
-                args.append(buffers[spec.target])
+                # a buffer the step updates (BatchNorm running stats) is read through a copy:
+                # the write-back below must not bump the version of a tensor autograd saved
+                b = buffers[spec.target]
+                args.append(b.clone() if spec.target in mutated else b)
             else:
                 args.append(leaves[int(spec.target.split(":")[1])])
         out = fx.Interpreter(program.gm).run(*args)

@@ -44,12 +44,12 @@ class CleanupPass(Pass):
         noops = _remove_noops(g)
         merged = _cse(g) if self.cse else 0
         before = len(g.nodes)
-        g.eliminate_dead_code(is_impure_node=_is_impure)
+        g.eliminate_dead_code(is_impure_node=is_impure)
         stats = CleanupStats(noops, merged, before - len(g.nodes))
         return PassResult(any((stats.noops, stats.cse, stats.dead)), stats)
 
 
-def _is_impure(node: fx.Node) -> bool:
+def is_impure(node: fx.Node) -> bool:
     if node.op in ("placeholder", "output"):
         return True
     if op_name(node) in RANDOM_OPS:
@@ -108,7 +108,7 @@ def _cse(g: fx.Graph) -> int:
     seen: dict[Any, fx.Node] = {}
     merged = 0
     for node in list(g.nodes):
-        if node.op != "call_function" or _is_impure(node) or node.meta.get(REMAT):
+        if node.op != "call_function" or is_impure(node) or node.meta.get(REMAT):
             continue
         key = _key(node)
         if key in seen:

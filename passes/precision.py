@@ -19,8 +19,22 @@ flows back through the casts and reaches its fp32 parameter as fp32, and saved a
 kept in whatever dtype the forward produced them in — the low one for matmul outputs, which is
 where the memory goes down. The loss and new buffer values are returned in their original dtype.
 
+Memory beyond the low-precision activations: the backward casts parameters again right before
+it needs them (`recast`, bit-identical) instead of keeping the forward's copies alive; the
+cross-entropy over low-precision logits is one fp32 op (`glmc::cross_entropy`) that keeps no
+fp32 copy of the logits, and with a bias-free LM head in front of it the head joins it
+(`glmc::linear_cross_entropy`, chunked: the logits are never stored). `head=fp32` (default)
+computes those logits with fp32 matmuls of the uncast activations: the largest error autocast
+leaves in the loss is the bf16 rounding of the logits; `head=low` computes them in the low dtype.
+A shifted-LM slice of the logits is absorbed into the targets (ignore_index).
+
 fp16 adds dynamic loss scaling inside the step (`glmc.scaler`: scale, unscale, inf/NaN check,
 skip and back off, grow after `growth_interval` clean steps; no host synchronisation).
+
+Off by default, because they round more and measurably moved the loss further from fp64 on the
+GLM example: `early_cast` (a pointwise op read only by low-precision ops takes a low-precision
+copy of its activation input, so the backward saves that copy) and `cast_constants` (buffers such
+as rotary tables are cast down to the activation's dtype instead of promoting it).
 
 `auto` runs one calibration step in fp32 on the example batch and measures, per module, the
 range of its forward values and gradients. Modules whose values would overflow fp16 (|x| above
@@ -43,9 +57,11 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
+from glmc import kernels  # noqa: F401  (registers glmc's fused ops)
 from glmc.cost import is_view
 from glmc.errors import ConfigError, PassError
 from glmc.ir import REMAT, Phase, Role, TrainGraph, op_name
+from glmc.passes.cleanup import is_impure
 from glmc.passmanager import Pass, PassContext, PassResult
 from glmc.rederive import ForwardProgram, forward_program, rederive, source_of
 from glmc.scaler import LossScaling
@@ -176,6 +192,7 @@ class PrecisionPass(Pass):
     def run(self, graph: TrainGraph, ctx: PassContext) -> PassResult:
         if self.policy == "fp32" and not self.modules:
             return PassResult(False, PrecisionStats("fp32"))
+        source_of(graph, "precision")  # typed error on the drop-in path, before any work
         program = forward_program(graph)
         device = _device_of(program)
         layers: list[LayerChoice] = []
@@ -193,9 +210,8 @@ class PrecisionPass(Pass):
         fused_heads = fuse_head(program, self.head == "fp32") if self.head != "off" else 0
         alive = {n.name for n in program.graph.nodes}
         casts = [c for c in casts if c.node in alive]  # the fused loss reads logits uncast
-        uses_fp16 = default == "fp16" and not layers or any(
-            n.meta["val"].dtype == torch.float16 for n in program.graph.nodes
-            if isinstance(n.meta.get("val"), torch.Tensor))
+        uses_fp16 = any(isinstance(n.meta.get("val"), torch.Tensor)
+                        and n.meta["val"].dtype == torch.float16 for n in program.graph.nodes)
         scaling = self.scaling() if uses_fp16 and self.loss_scaling else None
         rederive(graph, program, scaling)
         recast = recast_in_backward(graph) if self.recast else 0
@@ -319,7 +335,6 @@ def assign(program: ForwardProgram, rules: Mapping[str, str], modules: Mapping[s
         if n.op != "call_function":
             env[n] = new.node_copy(n, lambda a: env[a])
             continue
-        info = TrainGraph.info(n)
         rule = rules.get(op_name(n), "keep")
         low = low_of(n)
         if rule == "keep" and early and op_name(n) in _EARLY_CAST_OPS and n not in constant:
@@ -440,11 +455,10 @@ def _node_dtypes(graph: TrainGraph) -> list[list[str]]:
             for n in graph.compute_nodes()]
 
 
-def fuse_loss(program: ForwardProgram) -> int:
+def fuse_loss(program: ForwardProgram, require_cast: bool = True) -> int:
     """`nll_loss(log_softmax(cast_fp32(logits_low)))` -> `glmc::cross_entropy(logits_low)`: the
-    same fp32 loss without fp32 copies of the logits and log-probabilities (glmc.kernels)."""
-    from glmc import kernels  # noqa: F401  (registers the op)
-
+    same fp32 loss without fp32 copies of the logits and log-probabilities (glmc.kernels).
+    With `require_cast=False` (the fusion pass) fp32 logits qualify too."""
     g = program.graph
     fused = 0
     for nll in [n for n in g.nodes if op_name(n) == "nll_loss_forward"]:
@@ -460,10 +474,12 @@ def fuse_loss(program: ForwardProgram) -> int:
         while _is_plain_view(x) and len(x.users) == 1:
             views.append(x)
             x = x.args[0]
-        if op_name(x) != "_to_copy" or len(x.users) != 1:
-            continue
-        low = x.args[0]
-        if low.meta["val"].dtype not in (torch.bfloat16, torch.float16):
+        if op_name(x) == "_to_copy" and len(x.users) == 1 and \
+                x.args[0].meta["val"].dtype in (torch.bfloat16, torch.float16):
+            low = x.args[0]
+        elif not require_cast and x.meta["val"].dtype == torch.float32:
+            low = x
+        else:
             continue
         with g.inserting_before(nll):
             absorbed = _absorb_row_slice(g, low, target, ignore, nll.meta)
@@ -486,7 +502,7 @@ def fuse_loss(program: ForwardProgram) -> int:
             if not dead.users:
                 g.erase_node(dead)
         fused += 1
-    g.eliminate_dead_code()
+    g.eliminate_dead_code(is_impure_node=is_impure)
     program.gm.recompile()
     return fused
 

@@ -80,3 +80,14 @@ def test_compile_with_memory_budget(tmp_path: Path) -> None:
                "--memory-budget", "1KiB")
     assert bad.returncode == 1 and "smallest peak this step can reach" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_compile_with_precision(tmp_path: Path) -> None:
+    r = glmc("compile", "examples/glm.py", "--backend", "eager", "--steps", "3",
+             "--precision", "bf16", "--report-dir", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert "precision" in r.stdout and "casts_inserted=" in r.stdout
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert data["compiles"][0]["passes"][0]["name"] == "precision"
+    bad = glmc("compile", "examples/glm.py", "--precision", "int4")
+    assert bad.returncode == 1 and "unknown policy" in bad.stderr

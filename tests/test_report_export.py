@@ -95,6 +95,42 @@ def test_export_reproduces_the_next_steps(tmp_path: Path, case: str, onnx: bool)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("precision,onnx", [("bf16", False), ("fp16", True)])
+def test_export_carries_precision(tmp_path: Path, precision: str, onnx: bool) -> None:
+    """The casts, the fused loss (lowered to plain ATen) and fp16's loss-scaler state travel
+    with the export; onnxruntime's CPU kernels take fp16 (not bf16)."""
+    if onnx:
+        pytest.importorskip("onnxruntime")
+        pytest.importorskip("onnxscript")
+    trainer, x = _trainer("glm", predict=False, measure=False, precision=precision)
+    glmc_losses(trainer, x, 2)
+    trainer.export(str(tmp_path), onnx=onnx)
+    sig = json.loads((tmp_path / "signature.json").read_text())
+    assert ("loss_scale" in {i["target"] for i in sig["inputs"]}) == (precision == "fp16")
+    assert f"torch.{ {'bf16': 'bfloat16', 'fp16': 'float16'}[precision]}" in \
+        (tmp_path / "step.py").read_text()
+    want = glmc_losses(trainer, x, 4, seed=100)
+    for mode in [[]] + ([["--onnx"]] if onnx else []):
+        got = _run_export(tmp_path, "--steps", "4", "--seed", "100", *mode)
+        # unchunked vs chunked fp32 loss: summation order differs at ~1e-7
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-4, atol=1e-4)
+
+
+def test_report_has_precision_section(tmp_path: Path) -> None:
+    trainer, x = _trainer("glm", precision="bf16")
+    glmc_losses(trainer, x, 3)
+    json_path, html_path = trainer.write_report(str(tmp_path))
+    c = json.loads(Path(json_path).read_text())["compiles"][0]
+    rec = next(r for r in c["passes"] if r["name"] == "precision")
+    st = rec["stats"]
+    assert st["casts_inserted"] == len(st["casts"]) > 0
+    assert len(st["node_dtypes"]) == sum(sum(v.values()) for v in st["step_dtypes"].values()) \
+        + sum(1 for row in st["node_dtypes"] if row[3] == "-")
+    assert rec["predicted"]["peak_bytes"] < c["predicted_captured"]["memory"]["peak_bytes"]
+    html = Path(html_path).read_text()
+    assert "Precision: bf16" in html and "first reader" in html and "dtype of every node" in html
+
+
 def test_export_save_continues_training(tmp_path: Path) -> None:
     trainer, x = _trainer("mlp", predict=False, measure=False)
     trainer.export(str(tmp_path))

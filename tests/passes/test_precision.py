@@ -344,11 +344,21 @@ def test_auto_reports_device_speed_choice():
 
 
 def test_precision_on_the_drop_in_path_is_a_typed_error():
-    from glmc.rederive import source_of
-    g, _ = _graph()
-    g.meta.pop("source")
-    with pytest.raises(ConfigError, match="drop-in"):
-        source_of(g, "precision")
+    model = TwoLayer()
+    compiled = torch.compile(model, backend="glmc",
+                             options={"backend": "eager", "passes": "precision{policy=bf16}"})
+    with pytest.raises(Exception) as info:
+        compiled(*_batch()).backward()
+    chain = [info.value, *_causes(info.value)]
+    assert any(isinstance(e, ConfigError) and "drop-in" in str(e) for e in chain), chain
+
+
+def _causes(e: BaseException) -> list[BaseException]:
+    out = []
+    while e.__cause__ is not None or e.__context__ is not None:
+        e = e.__cause__ or e.__context__
+        out.append(e)
+    return out
 
 
 @pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])

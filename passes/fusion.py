@@ -1,0 +1,335 @@
+"""`fusion`: the large patterns of transformer training -> fused, memory-saving ops.
+
+Matched on the step's forward (ATen, any of the spellings below); the backward is derived again
+from the fused forward (`glmc.rederive`), so each fused op's backward replaces the hand-written
+one and saves only what it needs. Visible on every backend, eager included.
+
+    attention  bmm(q, kᵀ) → (÷√d | ×s) → (masked_fill(causal/bool mask, -inf) | + mask) →
+               softmax → (dropout p=0) → bmm(·, v)           → scaled_dot_product_attention
+               (grouped-query: k/v repeated by repeat_interleave → enable_gqa, no repeated copy;
+               a triu(ones, 1) mask → is_causal). The (seq × seq) probabilities are not stored.
+    norm       x · rsqrt(mean(x², -1) + eps) · w (RMSNorm)   → glmc::rms_norm
+    mlp        act(gate) · up, act ∈ silu / gelu / gelu-tanh → glmc::gated (SwiGLU / GeGLU)
+    loss       nll(log_softmax(logits)), logits = x @ wᵀ     → glmc::linear_cross_entropy
+               (chunked: the (tokens × vocab) logits and their gradient are never stored;
+               a shifted-LM slice is absorbed into the targets); without a bias-free head in
+               front, the loss alone → glmc::cross_entropy
+
+A pattern fires only when every intermediate value has no other reader (otherwise the fused op
+would have to produce it too), and never across a random op with p > 0 (dropout masks would
+come from a different generator). Options: `patterns=attention+norm+mlp+loss` (any subset).
+The optimizer update is not fused here (partial: see README).
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from glmc import kernels  # noqa: F401  (registers glmc's fused ops)
+from glmc.errors import ConfigError
+from glmc.ir import TrainGraph, op_name
+from glmc.passes.cleanup import is_impure
+from glmc.passes.precision import fuse_head, fuse_loss
+from glmc.passmanager import Pass, PassContext, PassResult
+from glmc.rederive import ForwardProgram, forward_program, rederive, source_of
+
+aten = torch.ops.aten
+PATTERNS = ("attention", "norm", "mlp", "loss")
+_VIEWS = ("view", "_unsafe_view", "reshape", "expand", "clone", "contiguous")
+
+
+@dataclass(frozen=True)
+class FusionStats:
+    counts: dict[str, int] = field(default_factory=dict)  #: pattern -> regions fused
+    regions: list[dict[str, Any]] = field(default_factory=list)  #: pattern, op, source, nodes
+
+
+@dataclass(frozen=True)
+class FusionPass(Pass):
+    """Replaces attention, RMSNorm, gated-MLP and LM-head+loss patterns by fused ops."""
+
+    name = "fusion"
+    changes_signature = True  # re-derives the step (keeps any loss-scaler state)
+    patterns: str = "+".join(PATTERNS)
+
+    def __post_init__(self) -> None:
+        unknown = set(self.selected()) - set(PATTERNS)
+        if unknown:
+            raise ConfigError(f"fusion: unknown pattern(s) {sorted(unknown)}; known: "
+                              f"{'+'.join(PATTERNS)}")
+
+    def selected(self) -> list[str]:
+        return [p.strip() for p in str(self.patterns).replace(",", "+").split("+") if p.strip()]
+
+    def run(self, graph: TrainGraph, ctx: PassContext) -> PassResult:
+        source_of(graph, "fusion")
+        program = forward_program(graph)
+        regions: list[dict[str, Any]] = []
+        finders: dict[str, Callable[[ForwardProgram, list], int]] = {
+            "attention": fuse_attention, "norm": fuse_rms_norm, "mlp": fuse_gated,
+            "loss": _fuse_loss}
+        counts = {p: finders[p](program, regions) for p in self.selected()}
+        if not any(counts.values()):
+            return PassResult(False, FusionStats(counts, regions))
+        program.graph.eliminate_dead_code(is_impure_node=is_impure)
+        program.gm.recompile()
+        rederive(graph, program, graph.meta.get("loss_scaling"))
+        return PassResult(True, FusionStats(counts, regions))
+
+
+def _where(n: fx.Node) -> str | None:
+    info = n.meta.get("glmc")
+    return (info.source or info.module) if info else None
+
+
+def _region(regions: list, pattern: str, op: str, anchor: fx.Node, nodes: list) -> None:
+    regions.append({"pattern": pattern, "op": op, "source": _where(anchor),
+                    "module": getattr(anchor.meta.get("glmc"), "module", None),
+                    "nodes": [n.name for n in nodes]})
+
+
+def _only_user(n: fx.Node) -> fx.Node | None:
+    users = list(n.users)
+    return users[0] if len(users) == 1 else None
+
+
+def _strip(n: Any, chain: list) -> Any:
+    """Walk up through view-like ops (each with a single reader), recording them."""
+    while isinstance(n, fx.Node) and op_name(n) in _VIEWS and len(n.users) == 1:
+        chain.append(n)
+        n = n.args[0]
+    return n
+
+
+def _shape(n: Any) -> tuple | None:
+    v = n.meta.get("val") if isinstance(n, fx.Node) else None
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+# ---- attention --------------------------------------------------------------------------------
+
+def fuse_attention(program: ForwardProgram, regions: list) -> int:
+    g = program.graph
+    fused = 0
+    for sm in [n for n in g.nodes if op_name(n) == "_softmax"]:
+        m = _match_attention(sm)
+        if m is None:
+            continue
+        q, k, v, mask, causal, scale, gqa, out, nodes = m
+        with g.inserting_before(out):
+            o = g.call_function(aten.scaled_dot_product_attention.default, (q, k, v),
+                                {"attn_mask": mask, "dropout_p": 0.0, "is_causal": causal,
+                                 "scale": scale, "enable_gqa": gqa})
+        o.meta = {k2: x for k2, x in sm.meta.items() if k2 != "val"}
+        out.replace_all_uses_with(o)
+        _region(regions, "attention", "scaled_dot_product_attention", sm, nodes)
+        fused += 1
+    return fused
+
+
+def _match_attention(sm: fx.Node) -> tuple | None:
+    if sm.args[1] not in (-1, 3) or sm.args[2] or len(sm.users) != 1:
+        return None
+    nodes = [sm]
+    pre = sm.args[0]
+    mask, causal = None, False
+    if op_name(pre) == "masked_fill" and len(pre.users) == 1 and pre.args[2] == -math.inf:
+        nodes.append(pre)
+        mask_node = pre.args[1]
+        causal = _is_causal(mask_node)
+        if not causal:
+            mask = ("not", mask_node)
+        pre = pre.args[0]
+    elif op_name(pre) == "add" and len(pre.users) == 1 and isinstance(pre.args[1], fx.Node) \
+            and _shape(pre.args[1]) is not None and len(_shape(pre.args[1])) <= 4 \
+            and _shape(pre.args[1])[-2:] == _shape(pre)[-2:] and _shape(pre.args[0]) == _shape(pre):
+        nodes.append(pre)
+        mask = ("add", pre.args[1])
+        pre = pre.args[0]
+    scale = 1.0
+    if op_name(pre) in ("div", "mul") and len(pre.users) == 1 and \
+            isinstance(pre.args[1], (int, float)):
+        nodes.append(pre)
+        scale = 1.0 / pre.args[1] if op_name(pre) == "div" else float(pre.args[1])
+        pre = pre.args[0]
+    chain: list = []
+    bmm = _strip(pre, chain)
+    if op_name(bmm) != "bmm" or len(bmm.users) != 1:
+        return None
+    nodes += chain + [bmm]
+    q = _bmm_operand(bmm.args[0], nodes)
+    kt = _bmm_operand(bmm.args[1], nodes)
+    if op_name(kt) != "transpose" or len(kt.users) != 1 or \
+            sorted(a % 4 for a in kt.args[1:]) != [2, 3]:
+        return None
+    nodes.append(kt)
+    k = kt.args[0]
+    # after the softmax: (clone = dropout with p=0), views, bmm with v, view back
+    post = _only_user(sm)
+    if post is not None and op_name(post) == "clone" and _only_user(post) is not None:
+        nodes.append(post)
+        post = _only_user(post)
+    p_chain: list = []
+    cur = post
+    while op_name(cur) in _VIEWS and _only_user(cur) is not None:
+        p_chain.append(cur)
+        cur = _only_user(cur)
+    bmm2 = cur
+    if op_name(bmm2) != "bmm" or (p_chain and bmm2.args[0] is not p_chain[-1]) or \
+            _only_user(bmm2) is None:
+        return None
+    nodes += p_chain + [bmm2]
+    v = _bmm_operand(bmm2.args[1], nodes)
+    out = _only_user(bmm2)
+    if out is None or op_name(out) not in ("view", "_unsafe_view"):
+        return None
+    nodes.append(out)
+    shapes = [_shape(x) for x in (q, k, v, out)]
+    if any(s is None or len(s) != 4 for s in shapes):
+        return None
+    (b, h, s, d), (_, hk, lk, dk), (_, hv, lv, dv), o_shape = shapes
+    if d != dk or lk != lv or hk != h or hv != h or o_shape != (b, h, s, dv):
+        return None
+    k2, rk = _unrepeat(k)
+    v2, rv = _unrepeat(v)
+    gqa = rk > 1 and rk == rv
+    if gqa:
+        k, v = k2, v2
+    if mask is not None:
+        mask = _mask_node(mask, out)
+    return q, k, v, mask, causal, scale, gqa, out, nodes
+
+
+def _bmm_operand(n: Any, nodes: list) -> Any:
+    """matmul's decomposition of a 4-D operand: view(clone?(expand(x4))) -> x4."""
+    for ops in (("view", "_unsafe_view", "reshape"), ("clone",), ("expand",)):
+        if isinstance(n, fx.Node) and op_name(n) in ops and len(n.users) == 1:
+            nodes.append(n)
+            n = n.args[0]
+    return n
+
+
+def _unrepeat(n: fx.Node) -> tuple[fx.Node, int]:
+    """k.repeat_interleave(r, dim=1) as ATen spells it: view(clone(expand(unsqueeze(k, 2),
+    [b, hk, r, l, d])), [b, hk * r, l, d]) -> (k, r); else (n, 1)."""
+    x = n
+    if op_name(x) not in ("view", "_unsafe_view") or len(x.users) != 1:
+        return n, 1
+    x = x.args[0]
+    if op_name(x) == "clone" and len(x.users) == 1:
+        x = x.args[0]
+    if op_name(x) != "expand" or len(x.users) != 1:
+        return n, 1
+    size = list(x.args[1])
+    u = x.args[0]
+    if op_name(u) != "unsqueeze" or u.args[1] != 2 or len(size) != 5:
+        return n, 1
+    return u.args[0], int(size[2])
+
+
+def _is_causal(mask: fx.Node) -> bool:
+    """triu(ones(s, s, bool), diagonal=1): True above the diagonal."""
+    if op_name(mask) != "triu" or (mask.args[1] if len(mask.args) > 1 else 0) != 1:
+        return False
+    ones = mask.args[0]
+    shape = _shape(ones)
+    return op_name(ones) == "ones" and shape is not None and len(shape) == 2 and \
+        shape[0] == shape[1] and ones.kwargs.get("dtype") == torch.bool
+
+
+def _mask_node(mask: tuple, anchor: fx.Node) -> fx.Node:
+    kind, node = mask
+    if kind == "add":
+        return node
+    g = anchor.graph
+    with g.inserting_before(anchor):
+        inv = g.call_function(aten.logical_not.default, (node,))
+    inv.meta = {k: x for k, x in node.meta.items() if k != "val"}
+    return inv
+
+
+# ---- RMSNorm ----------------------------------------------------------------------------------
+
+def fuse_rms_norm(program: ForwardProgram, regions: list) -> int:
+    g = program.graph
+    fused = 0
+    for rs in [n for n in g.nodes if op_name(n) == "rsqrt"]:
+        add = rs.args[0]
+        if op_name(add) != "add" or len(add.users) != 1 or not isinstance(add.args[1], float):
+            continue
+        mean = add.args[0]
+        if op_name(mean) != "mean" or len(mean.users) != 1 or list(mean.args[1]) not in ([-1],) \
+                or not (len(mean.args) > 2 and mean.args[2]):
+            continue
+        pw = mean.args[0]
+        if op_name(pw) != "pow" or pw.args[1] != 2 or len(pw.users) != 1:
+            continue
+        x = pw.args[0]
+        norm = _only_user(rs)
+        if norm is None or op_name(norm) != "mul" or set(norm.args) != {x, rs}:
+            continue
+        scale = _only_user(norm)
+        if scale is None or op_name(scale) != "mul":
+            continue
+        w = scale.args[1] if scale.args[0] is norm else scale.args[0]
+        if not isinstance(w, fx.Node) or _shape(w) != (_shape(x)[-1],):
+            continue
+        with g.inserting_before(scale):
+            rn = g.call_function(torch.ops.glmc.rms_norm.default, (x, w, add.args[1]))
+            out = g.call_function(operator.getitem, (rn, 0))
+        for n in (rn, out):
+            n.meta = {k: v for k, v in scale.meta.items() if k != "val"}
+        scale.replace_all_uses_with(out)
+        _region(regions, "norm", "glmc::rms_norm", norm, [pw, mean, add, rs, norm, scale])
+        fused += 1
+    return fused
+
+
+# ---- gated MLP --------------------------------------------------------------------------------
+
+def fuse_gated(program: ForwardProgram, regions: list) -> int:
+    g = program.graph
+    fused = 0
+    for mul in [n for n in g.nodes if op_name(n) == "mul"]:
+        if len(mul.args) != 2 or not all(isinstance(a, fx.Node) for a in mul.args):
+            continue
+        for act_node, up in (mul.args, mul.args[::-1]):
+            act = _activation(act_node)
+            if act is None or len(act_node.users) != 1 or _shape(act_node) != _shape(up):
+                continue
+            with g.inserting_before(mul):
+                new = g.call_function(torch.ops.glmc.gated.default,
+                                      (act_node.args[0], up, act))
+            new.meta = {k: v for k, v in mul.meta.items() if k != "val"}
+            mul.replace_all_uses_with(new)
+            _region(regions, "mlp", f"glmc::gated({act})", mul, [act_node, mul])
+            fused += 1
+            break
+    return fused
+
+
+def _activation(n: fx.Node) -> str | None:
+    name = op_name(n)
+    if name == "silu":
+        return "silu"
+    if name == "gelu":
+        return "gelu_tanh" if n.kwargs.get("approximate", "none") == "tanh" else "gelu"
+    return None
+
+
+# ---- loss -------------------------------------------------------------------------------------
+
+def _fuse_loss(program: ForwardProgram, regions: list) -> int:
+    before = {n.name for n in program.graph.nodes}
+    count = fuse_loss(program, require_cast=False)
+    heads = fuse_head(program, fp32=True)
+    for n in program.graph.nodes:
+        if n.name not in before and n.target in (torch.ops.glmc.cross_entropy.default,
+                                                 torch.ops.glmc.linear_cross_entropy.default):
+            _region(regions, "loss", op_name(n), n, [n])
+    return max(count, heads)
