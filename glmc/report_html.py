@@ -140,27 +140,58 @@ def _recompute_section(c: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
+def _before_after(c: dict[str, Any], i: int) -> tuple[dict, dict]:
+    """The observer's prediction before and after pass `i` of a compile."""
+    before = c["passes"][i - 1].get("predicted") if i else None
+    captured = c.get("predicted_captured")
+    if before is None and captured:
+        before = {"peak_bytes": captured["memory"]["peak_bytes"],
+                  "seconds": captured["time"]["seconds"]}
+    return before or {}, c["passes"][i].get("predicted") or {}
+
+
+def _fusion_section(c: dict[str, Any]) -> str:
+    i, rec = next(((i, r) for i, r in enumerate(c["passes"]) if r["name"] == "fusion"
+                   and r["stats"]), (None, None))
+    if rec is None:
+        return ""
+    st = rec["stats"]
+    before, after = _before_after(c, i)
+    meas, pred = c.get("measured"), c.get("predicted")
+    measured = mib(pred["memory"]["persistent_bytes"] + meas["peak_bytes"]) \
+        if meas and pred else "-"
+    counts = ", ".join(f"{k}: {v}" for k, v in st["counts"].items())
+    return "\n".join([
+        f"<h3>Fusion</h3><p>Regions fused per pattern: {_esc(counts)}. Predicted step "
+        f"{ms(before.get('seconds'))} &rarr; {ms(after.get('seconds'))}, predicted peak "
+        f"{mib(before.get('peak_bytes'))} &rarr; {mib(after.get('peak_bytes'))}; measured peak "
+        f"of the compiled step {measured} (the benchmark <code>bench_fusion.py</code> measures "
+        "with and without).</p>",
+        "<table><tr><th class=l>pattern</th><th class=l>fused op</th><th class=l>source</th>"
+        "<th>nodes replaced</th></tr>" + "".join(
+            f"<tr><td class=l>{_esc(r['pattern'])}</td><td class=l>{_esc(r['op'])}</td>"
+            f"<td class=l>{_esc(r['source'] or r['module'] or '')}</td>"
+            f"<td>{len(r['nodes'])}</td></tr>" for r in st["regions"]) + "</table>"])
+
+
 def _precision_section(c: dict[str, Any]) -> str:
     i, rec = next(((i, r) for i, r in enumerate(c["passes"]) if r["name"] == "precision"
                    and r["stats"] and r["changed"]), (None, None))
     if rec is None:
         return ""
     st = rec["stats"]
-    before = c["passes"][i - 1].get("predicted") if i else None
-    captured = c.get("predicted_captured")
-    if before is None and captured:
-        before = {"peak_bytes": captured["memory"]["peak_bytes"],
-                  "seconds": captured["time"]["seconds"]}
-    after = rec.get("predicted") or {}
+    before, after = _before_after(c, i)
     meas = c.get("measured")
     pred = c.get("predicted")
     measured = mib(pred["memory"]["persistent_bytes"] + meas["peak_bytes"]) \
         if meas and pred else "-"
     parts = [f"<h3>Precision: {_esc(st['policy'])}</h3><p>{st['casts_inserted']} casts "
              f"inserted in the forward; {st['fused_losses']} loss(es) computed in fp32 straight "
-             f"from low-precision logits. Predicted peak {mib((before or {}).get('peak_bytes'))} "
+             f"from low-precision logits, {st.get('fused_heads', 0)} of them together with "
+             f"their LM head (chunked); {st.get('recast_in_backward', 0)} parameter casts made "
+             f"again in the backward instead of kept. Predicted peak {mib(before.get('peak_bytes'))} "
              f"before &rarr; {mib(after.get('peak_bytes'))} after the pass (step "
-             f"{ms((before or {}).get('seconds'))} &rarr; {ms(after.get('seconds'))}); measured "
+             f"{ms(before.get('seconds'))} &rarr; {ms(after.get('seconds'))}); measured "
              f"peak of the compiled step {measured}.</p>"]
     if st.get("loss_scaling"):
         ls = st["loss_scaling"]
@@ -243,6 +274,7 @@ def _compile_section(i: int, c: dict[str, Any]) -> str:
                     f"<td class=l><code>{_esc(_brief(r['stats']))}</code></td></tr>")
     parts.append("<h3>Passes</h3><table>" + "".join(rows) + "</table>")
     parts.append("<h3>Memory timeline</h3>" + _timeline_plot(c))
+    parts.append(_fusion_section(c))
     parts.append(_precision_section(c))
     parts.append(_recompute_section(c))
     plot = _pass_plot(c)

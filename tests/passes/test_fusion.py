@@ -187,3 +187,16 @@ def test_options_and_ordering():
         parse_pipeline("precision,fusion")
     assert [p.name for p in parse_pipeline("fusion,precision{policy=bf16},cleanup")] == [
         "fusion", "precision", "cleanup"]
+
+
+def test_report_lists_fused_regions(tmp_path):
+    import json
+    model, x, lf, opt = CASES["glm"].make()
+    trainer = glmc.optimize(model, x, optimizer=opt, backend="eager", passes="fusion,cleanup")
+    glmc_losses(trainer, x, 3)
+    json_path, html_path = trainer.write_report(str(tmp_path))
+    rec = json.loads(open(json_path).read())["compiles"][0]["passes"][0]
+    assert rec["name"] == "fusion" and rec["stats"]["counts"]["attention"] == model.cfg.layers
+    html = open(html_path).read()
+    assert "<h3>Fusion</h3>" in html and "scaled_dot_product_attention" in html
+    assert "glm.py" in html  # source lines of the fused regions
