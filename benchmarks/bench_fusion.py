@@ -47,11 +47,24 @@ def pattern_counts() -> dict:
     return out
 
 
-def run(steps: int, warmup: int) -> dict:
+def contenders(each: bool) -> dict[str, str]:
+    """The default table, or (`each`) every pattern alone on both backends."""
+    if not each:
+        return dict(CONTENDERS)
+    from glmc.passes.fusion import PATTERNS
+    out = {}
+    for backend in ("eager", "inductor"):
+        out[backend] = "cleanup"
+        for p in PATTERNS:
+            out[f"{backend} + {p}"] = f"fusion{{patterns={p}}},cleanup"
+    return out
+
+
+def run(steps: int, warmup: int, table: dict[str, str]) -> dict:
     model, batch, _, opt = _load("glm.py", "small")
     ids, labels = batch
     subjects = {}
-    for name, passes in CONTENDERS.items():
+    for name, passes in table.items():
         m, o = _clone(model, opt)
         t0 = time.perf_counter()
         trainer = glmc.optimize(m, batch, optimizer=o, passes=passes, measure=False,
@@ -67,7 +80,7 @@ def run(steps: int, warmup: int) -> dict:
                                 *(v for st in o.state.values() for v in st.values()
                                   if isinstance(v, torch.Tensor))]}.values())
         loss, meas = measure_peak(lambda: trainer.step(ids, labels))
-        rows[name] = {"contender": name, "passes": CONTENDERS[name],
+        rows[name] = {"contender": name, "passes": table[name],
                       "first_steps_s": round(first, 1),
                       "peak_mib": round((before + meas.peak_bytes) / MiB, 1),
                       "in_step_peak_mib": round(meas.peak_bytes / MiB, 1), "times": []}
@@ -109,11 +122,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--each", action="store_true", help="every pattern alone on both backends")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
     result = {"meta": run_meta("bench_fusion.py"), "counts": pattern_counts(),
-              "run": run(args.steps, args.warmup)}
-    write_result(Path(args.out), "fusion", result, markdown(result))
+              "run": run(args.steps, args.warmup, contenders(args.each))}
+    write_result(Path(args.out), "fusion-each" if args.each else "fusion", result,
+                 markdown(result))
 
 
 if __name__ == "__main__":

@@ -182,9 +182,10 @@ class _StepBuilder:
     """Copies the joint graph into a fresh graph with the step signature, then adds the update."""
 
     def __init__(self, joint: fx.GraphModule, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 scaling: LossScaling | None = None):
+                 scaling: LossScaling | None = None, foreach: bool = False):
         self.joint, self.model, self.optimizer = joint, model, optimizer
         self.scaling = scaling
+        self.foreach = foreach
         self.scaler_nodes: dict[str, fx.Node] = {}
         self.graph = fx.Graph()
         self.inputs: list[InputSpec] = []
@@ -231,6 +232,8 @@ class _StepBuilder:
         meta: dict[str, Any] = {"optimizer": type(self.optimizer).__name__}
         if self.scaling is not None:
             meta["loss_scaling"] = self.scaling
+        if self.foreach:
+            meta["foreach_update"] = True
         return TrainGraph(gm, self.inputs, [s for s, _ in outputs], meta=meta)
 
     def _state_placeholders(self) -> list[tuple[str, dict, dict[str, fx.Node], fx.Node]]:
@@ -330,6 +333,7 @@ class _StepBuilder:
         for name, _, states, lr in live:
             placeholders += [self.param_nodes[name], grads[name], lr, *states.values()]
         scaling = self.scaling
+        foreach = self.foreach and rule.update_foreach is not None
         if scaling is not None:
             placeholders += [self.scaler_nodes[SCALE], self.scaler_nodes[TRACKER]]
 
@@ -341,12 +345,27 @@ class _StepBuilder:
             if scaling is not None:
                 scale, tracker = flat[-2:]
                 grads_in, found_inf = amp.unscale(grads_in, scale)
+            olds = [(flat[i], dict(zip(states, flat[i + 3:i + 3 + len(states)])))
+                    for (_, _, states, _), i in zip(live, starts)]
+            if foreach:  # one multi-tensor update per param group
+                groups: dict[int, list[int]] = {}
+                for k, (_, group, _, _) in enumerate(live):
+                    groups.setdefault(id(group), []).append(k)
+                results: dict[int, tuple] = {}
+                for ks in groups.values():
+                    new_ps, new_ss = rule.update_foreach(  # type: ignore[misc]
+                        [olds[k][0] for k in ks], [grads_in[k] for k in ks],
+                        [olds[k][1] for k in ks], flat[starts[ks[0]] + 2], live[ks[0]][1])
+                    results.update(zip(ks, zip(new_ps, new_ss)))
+            else:
+                results = {k: rule.update(olds[k][0], grads_in[k], olds[k][1],
+                                          flat[starts[k] + 2], live[k][1])
+                           for k in range(len(live))}
             outs = []
-            for (_, group, states, _), i, g in zip(live, starts, grads_in):
-                p, lr = flat[i], flat[i + 2]
-                st = dict(zip(states, flat[i + 3:i + 3 + len(states)]))
-                new_p, new_s = rule.update(p, g, st, lr, group)
-                new = [new_p, *(new_s[k] for k in states)]
+            for k, (_, _, states, _) in enumerate(live):
+                p, st = olds[k]
+                new_p, new_s = results[k]
+                new = [new_p, *(new_s[key] for key in states)]
                 if found_inf is not None:  # an overflowing step leaves every tensor as it was
                     old = [p, *st.values()]
                     new = [amp.skip_if(found_inf, o, v) for o, v in zip(old, new)]
@@ -386,8 +405,8 @@ class _StepBuilder:
 
 
 def _build_step(joint: fx.GraphModule, model: nn.Module, optimizer: torch.optim.Optimizer,
-                scaling: LossScaling | None = None) -> TrainGraph:
-    builder = _StepBuilder(joint, model, optimizer, scaling)
+                scaling: LossScaling | None = None, foreach: bool = False) -> TrainGraph:
+    builder = _StepBuilder(joint, model, optimizer, scaling, foreach)
     graph = builder.build()
     _mark_rng(graph)
     graph.gm.graph.eliminate_dead_code()  # drop joint-only leftovers (e.g. unused detaches)

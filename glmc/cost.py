@@ -108,6 +108,8 @@ def kind_of(node: fx.Node) -> str:
     name = op_name(node)
     if torch.Tag.pointwise in t.tags:
         return "pointwise"
+    if name.startswith("_foreach_"):
+        return "known"  # multi-tensor pointwise: one pass over every tensor of the lists
     if torch.Tag.reduction in t.tags:
         return "reduction"
     if name in _KNOWN:
@@ -183,6 +185,8 @@ def op_cost(node: fx.Node) -> OpCost:
             written = value_bytes(ins[1]) if len(ins) > 1 else written
             read = written
         flops = max((_val_numel(v) for v in ins), default=_val_numel(out)) * _KNOWN.get(name, 1)
+        if name.startswith("_foreach_"):
+            flops = _val_numel(out)
     else:  # unknown: generic bytes rule, one FLOP per element
         flops = max(_val_numel(out), max((_val_numel(v) for v in ins), default=0))
     return OpCost(kind, float(flops), read, written, dtype, name)

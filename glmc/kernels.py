@@ -111,50 +111,33 @@ def _head_weight(weight: Tensor, x: Tensor, fp32: bool) -> Tensor:
 
 @torch.library.custom_op("glmc::linear_cross_entropy", mutates_args=())
 def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, ignore_index: int,
-                         reduction: int, fp32: bool) -> tuple[Tensor, Tensor]:
-    """`cross_entropy(x @ weight.T, target)` without ever holding the (N, V) logits: row chunks
-    of logits are made, reduced to their log-sum-exp and target logit, and dropped; the
-    backward makes them again. Returns (loss, lse)."""
+                         reduction: int, fp32: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """`cross_entropy(x @ weight.T, target)` without ever holding the (N, V) logits.
+
+    Returns (loss, grad_x, grad_w): the loss is a scalar, so its gradient with respect to x and
+    the weight is the upstream gradient times fixed tensors; they are computed here, chunk by
+    chunk of rows, while each chunk of logits exists (no second matmul to make the logits again
+    in the backward), and the backward only scales them. Costs the three matmuls the unfused
+    step does; holds grad_w (the weight's size, fp32) from here to the backward."""
     rows = _rows_per_chunk(weight.shape[0], HEAD_CHUNK_ELEMENTS)
-    lse = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
-    picked = torch.empty_like(lse)
+    valid = target != ignore_index
+    count = valid.sum().to(torch.float32)
+    scale = torch.ones((), dtype=torch.float32, device=x.device) if reduction == 2 else 1 / count
     w = _head_weight(weight, x, fp32)
-    for s in range(0, x.shape[0], rows):
-        logits = _head_logits(x[s:s + rows], w, fp32)
-        lse[s:s + rows] = torch.logsumexp(logits, dim=-1)
-        t = target[s:s + rows].clamp(min=0)
-        picked[s:s + rows] = logits.gather(1, t.unsqueeze(1)).squeeze(1)
-    valid = target != ignore_index
-    nll = torch.where(valid, lse - picked, torch.zeros_like(lse))
-    loss = nll.sum() if reduction == 2 else nll.sum() / valid.sum().to(torch.float32)
-    return loss, lse
-
-
-@linear_cross_entropy.register_fake
-def _(x: Tensor, weight: Tensor, target: Tensor, ignore_index: int, reduction: int,
-      fp32: bool) -> tuple[Tensor, Tensor]:
-    return x.new_empty((), dtype=torch.float32), x.new_empty(x.shape[0], dtype=torch.float32)
-
-
-@torch.library.custom_op("glmc::linear_cross_entropy_backward", mutates_args=())
-def linear_cross_entropy_backward(grad: Tensor, x: Tensor, weight: Tensor, target: Tensor,
-                                  lse: Tensor, ignore_index: int, reduction: int,
-                                  fp32: bool) -> tuple[Tensor, Tensor]:
-    rows = _rows_per_chunk(weight.shape[0], HEAD_CHUNK_ELEMENTS)
-    valid = target != ignore_index
-    scale = grad.float()
-    if reduction != 2:
-        scale = scale / valid.sum().to(torch.float32)
     grad_x = torch.empty_like(x)
     grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-    w = _head_weight(weight, x, fp32)
+    total = torch.zeros((), dtype=torch.float32, device=x.device)
     for s in range(0, x.shape[0], rows):
         xc = x[s:s + rows]
-        p = _head_logits(xc, w, fp32).sub_(lse[s:s + rows, None]).exp_()
-        ok = valid[s:s + rows]
-        p.scatter_add_(1, target[s:s + rows].clamp(min=0).unsqueeze(1),
-                       -ok.to(p.dtype).unsqueeze(1))
-        p *= (scale * ok.to(p.dtype)).unsqueeze(1)
+        logits = _head_logits(xc, w, fp32)
+        t = target[s:s + rows]
+        ok = valid[s:s + rows].to(logits.dtype)
+        lse = torch.logsumexp(logits, dim=-1)
+        picked = logits.gather(1, t.clamp(min=0).unsqueeze(1)).squeeze(1)
+        total = total + ((lse - picked) * ok).sum()
+        p = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+        p.scatter_add_(1, t.clamp(min=0).unsqueeze(1), -ok.unsqueeze(1))
+        p *= (scale * ok).unsqueeze(1)
         if fp32:
             grad_x[s:s + rows] = (p @ w).to(x.dtype)
             grad_w += p.t() @ xc.float()
@@ -162,25 +145,22 @@ def linear_cross_entropy_backward(grad: Tensor, x: Tensor, weight: Tensor, targe
             pl = p.to(x.dtype)
             grad_x[s:s + rows] = pl @ w
             grad_w += (pl.t() @ xc).float()
-    return grad_x, grad_w.to(weight.dtype)
+    return total * scale, grad_x, grad_w.to(weight.dtype)
 
 
-@linear_cross_entropy_backward.register_fake
-def _(grad: Tensor, x: Tensor, weight: Tensor, target: Tensor, lse: Tensor, ignore_index: int,
-      reduction: int, fp32: bool) -> tuple[Tensor, Tensor]:
-    return torch.empty_like(x), torch.empty_like(weight)
+@linear_cross_entropy.register_fake
+def _(x: Tensor, weight: Tensor, target: Tensor, ignore_index: int, reduction: int,
+      fp32: bool) -> tuple[Tensor, Tensor, Tensor]:
+    return x.new_empty((), dtype=torch.float32), torch.empty_like(x), torch.empty_like(weight)
 
 
 def _lce_setup(ctx, inputs, output) -> None:  # noqa: ANN001
-    x, weight, target, ignore_index, reduction, fp32 = inputs
-    ctx.save_for_backward(x, weight, target, output[1])
-    ctx.args = (ignore_index, reduction, fp32)
+    ctx.save_for_backward(output[1], output[2])
 
 
-def _lce_backward(ctx, grad_loss, grad_lse):  # noqa: ANN001
-    x, weight, target, lse = ctx.saved_tensors
-    gx, gw = linear_cross_entropy_backward(grad_loss, x, weight, target, lse, *ctx.args)
-    return gx, gw, None, None, None, None
+def _lce_backward(ctx, grad_loss, grad_gx, grad_gw):  # noqa: ANN001
+    gx, gw = ctx.saved_tensors
+    return gx * grad_loss.to(gx.dtype), gw * grad_loss.to(gw.dtype), None, None, None, None
 
 
 linear_cross_entropy.register_autograd(_lce_backward, setup_context=_lce_setup)
@@ -208,20 +188,15 @@ def cross_entropy_backward_reference(grad: Tensor, logits: Tensor, target: Tenso
 
 
 def linear_cross_entropy_reference(x: Tensor, weight: Tensor, target: Tensor, ignore_index: int,
-                                   reduction: int, fp32: bool) -> tuple[Tensor, Tensor]:
+                                   reduction: int, fp32: bool) -> tuple[Tensor, Tensor, Tensor]:
     logits = _head_logits(x, _head_weight(weight, x, fp32), fp32)
-    return cross_entropy_reference(logits, target, ignore_index, reduction)
-
-
-def linear_cross_entropy_backward_reference(grad: Tensor, x: Tensor, weight: Tensor,
-                                            target: Tensor, lse: Tensor, ignore_index: int,
-                                            reduction: int, fp32: bool) -> tuple[Tensor, Tensor]:
-    logits = _head_logits(x, _head_weight(weight, x, fp32), fp32)
-    p = cross_entropy_backward_reference(grad, logits, target, lse, ignore_index, reduction)
+    loss, lse = cross_entropy_reference(logits, target, ignore_index, reduction)
+    one = torch.ones((), dtype=torch.float32, device=x.device)
+    p = cross_entropy_backward_reference(one, logits, target, lse, ignore_index, reduction)
     if fp32:
-        return (p @ weight.float()).to(x.dtype), (p.t() @ x.float()).to(weight.dtype)
+        return loss, (p @ weight.float()).to(x.dtype), (p.t() @ x.float()).to(weight.dtype)
     pl = p.to(x.dtype)
-    return pl @ weight.to(x.dtype), (pl.t() @ x).to(weight.dtype)
+    return loss, pl @ weight.to(x.dtype), (pl.t() @ x).to(weight.dtype)
 
 
 def _gated_backward_reference(grad: Tensor, gate: Tensor, up: Tensor,
@@ -266,9 +241,7 @@ def decompositions() -> dict:
             torch.ops.glmc.gated_backward.default: _gated_backward_reference,
             torch.ops.glmc.cross_entropy.default: cross_entropy_reference,
             torch.ops.glmc.cross_entropy_backward.default: cross_entropy_backward_reference,
-            torch.ops.glmc.linear_cross_entropy.default: linear_cross_entropy_reference,
-            torch.ops.glmc.linear_cross_entropy_backward.default:
-                linear_cross_entropy_backward_reference}
+            torch.ops.glmc.linear_cross_entropy.default: linear_cross_entropy_reference}
 
 
 def lower_to_aten(gm: "torch.fx.GraphModule",
@@ -418,11 +391,7 @@ def _register_flops() -> None:
 
     @register_flop_formula(torch.ops.glmc.linear_cross_entropy)
     def _fwd(x_shape, w_shape, *args, **kwargs) -> int:  # noqa: ANN001
-        return 2 * x_shape[0] * x_shape[1] * w_shape[0]
-
-    @register_flop_formula(torch.ops.glmc.linear_cross_entropy_backward)
-    def _bwd(grad_shape, x_shape, w_shape, *args, **kwargs) -> int:  # noqa: ANN001
-        return 6 * x_shape[0] * x_shape[1] * w_shape[0]  # logits again, grad x, grad w
+        return 6 * x_shape[0] * x_shape[1] * w_shape[0]  # logits, grad x, grad w
 
 
 _register_flops()

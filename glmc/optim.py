@@ -29,6 +29,10 @@ class OptimizerRule:
     init_state: Callable[[Tensor, dict], State]
     update: Callable[[Tensor, Tensor, State, Tensor, dict], tuple[Tensor, State]]
     guarded: tuple[str, ...]  #: group keys baked into the graph
+    #: the same update for all parameters of a group at once with multi-tensor (`_foreach_*`)
+    #: ops, op for op the single-tensor formula (bit-identical): (params, grads, states, lr,
+    #: group) -> (new params, new states)
+    update_foreach: Callable[..., tuple[list[Tensor], list[State]]] | None = None
 
     def guard(self, group: dict) -> tuple:
         return tuple((k, _freeze(group.get(k))) for k in self.guarded)
@@ -116,6 +120,60 @@ def _adam_update(p: Tensor, g: Tensor, s: State, lr: Tensor, group: dict,
     return p + (-step_size) * (exp_avg / denom), new
 
 
+def _adam_foreach(ps: list[Tensor], gs: list[Tensor], ss: list[State], lr: Tensor, group: dict,
+                  decoupled: bool) -> tuple[list[Tensor], list[State]]:
+    fe = torch
+    beta1, beta2 = group["betas"]
+    wd, eps = group["weight_decay"], group["eps"]
+    if group["maximize"]:
+        gs = fe._foreach_neg(gs)
+    steps = [s["step"] + 1 for s in ss]
+    if wd != 0:
+        if decoupled:
+            ps = fe._foreach_mul(ps, [_scalar(1 - lr * wd, p) for p in ps])
+        else:
+            gs = fe._foreach_add(gs, ps, alpha=wd)
+    exp_avg = fe._foreach_lerp([s["exp_avg"] for s in ss], gs, 1 - beta1)
+    exp_avg_sq = fe._foreach_addcmul(fe._foreach_mul([s["exp_avg_sq"] for s in ss], beta2),
+                                     gs, gs, value=1 - beta2)
+    step64 = [st.to(torch.float64) for st in steps]
+    bc1 = [1 - torch.pow(beta1, st) for st in step64]
+    bc2_sqrt = [(1 - torch.pow(beta2, st)).sqrt() for st in step64]
+    second = exp_avg_sq
+    if group["amsgrad"]:
+        second = fe._foreach_maximum([s["max_exp_avg_sq"] for s in ss], exp_avg_sq)
+    denom = fe._foreach_add(fe._foreach_div(fe._foreach_sqrt(second),
+                                            [_scalar(b, p) for b, p in zip(bc2_sqrt, ps)]), eps)
+    neg_step = [-_scalar(lr / b, p) for b, p in zip(bc1, ps)]
+    new_ps = fe._foreach_add(ps, fe._foreach_mul(fe._foreach_div(exp_avg, denom), neg_step))
+    news = []
+    for i in range(len(ps)):
+        new = {"step": steps[i], "exp_avg": exp_avg[i], "exp_avg_sq": exp_avg_sq[i]}
+        if group["amsgrad"]:
+            new["max_exp_avg_sq"] = second[i]
+        news.append(new)
+    return new_ps, news
+
+
+def _sgd_foreach(ps: list[Tensor], gs: list[Tensor], ss: list[State], lr: Tensor,
+                 group: dict) -> tuple[list[Tensor], list[State]]:
+    fe = torch
+    wd, momentum = group["weight_decay"], group["momentum"]
+    if group["maximize"]:
+        gs = fe._foreach_neg(gs)
+    if wd != 0:
+        gs = fe._foreach_add(gs, ps, alpha=wd)
+    news: list[State] = [{} for _ in ps]
+    if momentum != 0:
+        bufs = fe._foreach_add(fe._foreach_mul([s["momentum_buffer"] for s in ss], momentum),
+                               gs, alpha=1 - group["dampening"])
+        for new, b in zip(news, bufs):
+            new["momentum_buffer"] = b
+        gs = fe._foreach_add(gs, bufs, alpha=momentum) if group["nesterov"] else bufs
+    steps = [_scalar(lr, p) for p in ps]
+    return fe._foreach_sub(ps, fe._foreach_mul(gs, steps)), news
+
+
 def _is_decoupled(group: dict, default: bool) -> bool:
     return bool(group.get("decoupled_weight_decay", default))
 
@@ -125,15 +183,17 @@ _ADAM_GUARD = ("betas", "eps", "weight_decay", "amsgrad", "maximize", "decoupled
 RULES: dict[type, OptimizerRule] = {
     torch.optim.SGD: OptimizerRule(
         "sgd", _sgd_keys, _sgd_init, _sgd_update,
-        ("momentum", "dampening", "nesterov", "weight_decay", "maximize")),
+        ("momentum", "dampening", "nesterov", "weight_decay", "maximize"), _sgd_foreach),
     torch.optim.Adam: OptimizerRule(
         "adam", _adam_keys, _adam_init,
         lambda p, g, s, lr, grp: _adam_update(p, g, s, lr, grp, _is_decoupled(grp, False)),
-        _ADAM_GUARD),
+        _ADAM_GUARD,
+        lambda ps, gs, ss, lr, grp: _adam_foreach(ps, gs, ss, lr, grp, _is_decoupled(grp, False))),
     torch.optim.AdamW: OptimizerRule(
         "adamw", _adam_keys, _adam_init,
         lambda p, g, s, lr, grp: _adam_update(p, g, s, lr, grp, _is_decoupled(grp, True)),
-        _ADAM_GUARD),
+        _ADAM_GUARD,
+        lambda ps, gs, ss, lr, grp: _adam_foreach(ps, gs, ss, lr, grp, _is_decoupled(grp, True))),
 }
 
 

@@ -111,9 +111,12 @@ class _Replay(nn.Module):
 
 
 def rederive(graph: TrainGraph, program: ForwardProgram,
-             scaling: LossScaling | None = None) -> None:
+             scaling: LossScaling | None = None, foreach: bool | None = None) -> None:
     """Replace `graph` in place by the step of `program`: its backward derived by AOTAutograd,
-    the optimizer update appended (with in-graph loss scaling if `scaling`)."""
+    the optimizer update appended (with in-graph loss scaling if `scaling`; as multi-tensor
+    ops if `foreach`, by default as `graph`'s update was)."""
+    if foreach is None:
+        foreach = bool(graph.meta.get("foreach_update"))
     source = source_of(graph, "rederive")
     program.gm.recompile()
     args, kwargs = source.batch
@@ -125,14 +128,15 @@ def rederive(graph: TrainGraph, program: ForwardProgram,
     try:
         with contextlib.ExitStack() as stack, fx_traceback.preserve_node_meta():
             joint = _joint_export(stack, replay, (tuple(leaves), {}))
-            new = _build_step(joint.graph_module, model, source.optimizer, scaling)
+            new = _build_step(joint.graph_module, model, source.optimizer, scaling, foreach)
     finally:
         model.train(was_training)
     _conform(new, graph)
     graph.gm, graph.inputs, graph.outputs = new.gm, new.inputs, new.outputs
     graph.meta.update(new.meta)
-    if scaling is None:
-        graph.meta.pop("loss_scaling", None)
+    for key, on in (("loss_scaling", scaling is not None), ("foreach_update", foreach)):
+        if not on:
+            graph.meta.pop(key, None)
 
 
 def _conform(new: TrainGraph, old: TrainGraph) -> None:

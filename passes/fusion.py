@@ -9,16 +9,20 @@ one and saves only what it needs. Visible on every backend, eager included.
                (grouped-query: k/v repeated by repeat_interleave → enable_gqa, no repeated copy;
                a triu(ones, 1) mask → is_causal). The (seq × seq) probabilities are not stored.
     norm       x · rsqrt(mean(x², -1) + eps) · w (RMSNorm)   → glmc::rms_norm
+               (x - mean) / sqrt(var + eps) [· w] [+ b], var as mean((x - mean)²) or
+               var(x, correction=0); ÷ sqrt or × rsqrt (LayerNorm) → native_layer_norm
     mlp        act(gate) · up, act ∈ silu / gelu / gelu-tanh → glmc::gated (SwiGLU / GeGLU)
     loss       nll(log_softmax(logits)), logits = x @ wᵀ     → glmc::linear_cross_entropy
                (chunked: the (tokens × vocab) logits and their gradient are never stored;
                a shifted-LM slice is absorbed into the targets); without a bias-free head in
                front, the loss alone → glmc::cross_entropy
+    optimizer  the per-parameter update chains                → one multi-tensor (`_foreach_*`)
+               update per param group, op for op the same formula (bit-identical)
 
 A pattern fires only when every intermediate value has no other reader (otherwise the fused op
 would have to produce it too), and never across a random op with p > 0 (dropout masks would
-come from a different generator). Options: `patterns=attention+norm+mlp+loss` (any subset).
-The optimizer update is not fused here (partial: see README).
+come from a different generator). Options: `patterns=attention+norm+mlp+loss+optimizer` (any
+subset).
 """
 from __future__ import annotations
 
@@ -33,13 +37,14 @@ import torch.fx as fx
 from glmc import kernels  # noqa: F401  (registers glmc's fused ops)
 from glmc.errors import ConfigError
 from glmc.ir import TrainGraph, op_name
+from glmc.optim import rule_for
 from glmc.passes.cleanup import is_impure
 from glmc.passes.precision import fuse_head, fuse_loss
 from glmc.passmanager import Pass, PassContext, PassResult
 from glmc.rederive import ForwardProgram, forward_program, rederive, source_of
 
 aten = torch.ops.aten
-PATTERNS = ("attention", "norm", "mlp", "loss")
+PATTERNS = ("attention", "norm", "mlp", "loss", "optimizer")
 _VIEWS = ("view", "_unsafe_view", "reshape", "expand", "clone", "contiguous")
 
 
@@ -71,14 +76,21 @@ class FusionPass(Pass):
         program = forward_program(graph)
         regions: list[dict[str, Any]] = []
         finders: dict[str, Callable[[ForwardProgram, list], int]] = {
-            "attention": fuse_attention, "norm": fuse_rms_norm, "mlp": fuse_gated,
+            "attention": fuse_attention, "norm": fuse_norms, "mlp": fuse_gated,
             "loss": _fuse_loss}
-        counts = {p: finders[p](program, regions) for p in self.selected()}
-        if not any(counts.values()):
+        counts = {p: finders[p](program, regions) for p in self.selected() if p in finders}
+        foreach = "optimizer" in self.selected() and not graph.meta.get("foreach_update") \
+            and rule_for(source_of(graph, "fusion").optimizer).update_foreach is not None
+        if not any(counts.values()) and not foreach:
+            if "optimizer" in self.selected():
+                counts["optimizer"] = 0
             return PassResult(False, FusionStats(counts, regions))
         program.graph.eliminate_dead_code(is_impure_node=is_impure)
         program.gm.recompile()
-        rederive(graph, program, graph.meta.get("loss_scaling"))
+        rederive(graph, program, graph.meta.get("loss_scaling"),
+                 foreach=foreach or bool(graph.meta.get("foreach_update")))
+        if "optimizer" in self.selected():
+            counts["optimizer"] = _foreach_regions(graph, regions) if foreach else 0
         return PassResult(True, FusionStats(counts, regions))
 
 
@@ -290,6 +302,89 @@ def fuse_rms_norm(program: ForwardProgram, regions: list) -> int:
     return fused
 
 
+# ---- LayerNorm --------------------------------------------------------------------------------
+
+def fuse_norms(program: ForwardProgram, regions: list) -> int:
+    return fuse_rms_norm(program, regions) + fuse_layer_norm(program, regions)
+
+
+def _centered_of(c: Any) -> fx.Node | None:
+    """x for c = sub(x, mean(x, [-1], keepdim=True)), else None."""
+    if not isinstance(c, fx.Node) or op_name(c) != "sub" or len(c.args) != 2:
+        return None
+    x, m = c.args
+    if isinstance(m, fx.Node) and op_name(m) == "mean" and m.args[0] is x and \
+            list(m.args[1]) == [-1] and len(m.args) > 2 and m.args[2]:
+        return x
+    return None
+
+
+def fuse_layer_norm(program: ForwardProgram, regions: list) -> int:
+    """(x - mean(x)) / sqrt(var(x) + eps) [* w] [+ b], with var written as mean((x - mean)^2)
+    or var(x, correction=0); the scale as div by sqrt or mul by rsqrt -> native_layer_norm."""
+    g = program.graph
+    fused = 0
+    for add in [n for n in g.nodes if op_name(n) == "add"]:
+        if len(add.args) != 2 or not isinstance(add.args[1], float) or len(add.users) != 1:
+            continue
+        v, eps = add.args
+        pattern = [add]
+        if op_name(v) == "mean" and list(v.args[1]) == [-1] and len(v.args) > 2 and v.args[2] \
+                and op_name(v.args[0]) == "pow" and v.args[0].args[1] == 2:
+            centered = v.args[0].args[0]
+            x = _centered_of(centered)
+            if x is None:
+                continue  # mean(x²) with no centring: RMSNorm's statistic, not LayerNorm's
+            pattern += [v, v.args[0], centered, centered.args[1]]
+        elif op_name(v) == "var" and list(v.args[1]) == [-1] and \
+                v.kwargs.get("correction") == 0 and v.kwargs.get("keepdim"):
+            x = v.args[0]
+            pattern.append(v)
+        else:
+            continue
+        root = _only_user(add)
+        if x is None or root is None or op_name(root) not in ("sqrt", "rsqrt"):
+            continue
+        scale = _only_user(root)
+        if scale is None:
+            continue
+        if op_name(root) == "sqrt" and op_name(scale) == "div" and scale.args[1] is root:
+            c = scale.args[0]
+        elif op_name(root) == "rsqrt" and op_name(scale) == "mul" and root in scale.args:
+            c = scale.args[1] if scale.args[0] is root else scale.args[0]
+        else:
+            continue
+        if _centered_of(c) is not x:
+            continue
+        pattern += [root, scale, c, c.args[1]]
+        dim = _shape(x)[-1]
+        end, w, b = scale, None, None
+        nxt = _only_user(end)
+        if nxt is not None and op_name(nxt) == "mul" and len(nxt.args) == 2:
+            other = nxt.args[1] if nxt.args[0] is end else nxt.args[0]
+            if isinstance(other, fx.Node) and _shape(other) == (dim,):
+                w, end = other, nxt
+                pattern.append(nxt)
+                nxt = _only_user(end)
+                if nxt is not None and op_name(nxt) == "add" and len(nxt.args) == 2:
+                    other = nxt.args[1] if nxt.args[0] is end else nxt.args[0]
+                    if isinstance(other, fx.Node) and _shape(other) == (dim,):
+                        b, end = other, nxt
+                        pattern.append(nxt)
+        inside = set(pattern)
+        if any(u not in inside for n in pattern if n is not end for u in n.users):
+            continue  # an intermediate (the mean, the centred x, ...) is read elsewhere
+        with g.inserting_before(end):
+            ln = g.call_function(aten.native_layer_norm.default, (x, [dim], w, b, eps))
+            out = g.call_function(operator.getitem, (ln, 0))
+        for n in (ln, out):
+            n.meta = {k: val for k, val in end.meta.items() if k != "val"}
+        end.replace_all_uses_with(out)
+        _region(regions, "norm", "native_layer_norm", scale, pattern)
+        fused += 1
+    return fused
+
+
 # ---- gated MLP --------------------------------------------------------------------------------
 
 def fuse_gated(program: ForwardProgram, regions: list) -> int:
@@ -320,6 +415,19 @@ def _activation(n: fx.Node) -> str | None:
     if name == "gelu":
         return "gelu_tanh" if n.kwargs.get("approximate", "none") == "tanh" else "gelu"
     return None
+
+
+# ---- optimizer --------------------------------------------------------------------------------
+
+def _foreach_regions(graph: TrainGraph, regions: list) -> int:
+    """One region per param group: its update runs as multi-tensor (`_foreach_*`) ops."""
+    ops = [n for n in graph.compute_nodes() if op_name(n).startswith("_foreach_")]
+    groups = len(source_of(graph, "fusion").optimizer.param_groups)
+    if ops:
+        regions.append({"pattern": "optimizer", "op": f"{len(ops)} _foreach_* ops",
+                        "source": graph.meta.get("optimizer"), "module": None,
+                        "nodes": [n.name for n in ops]})
+    return groups if ops else 0
 
 
 # ---- loss -------------------------------------------------------------------------------------

@@ -35,8 +35,9 @@ def test_all_patterns_fire_on_glm_and_the_attention_matrix_is_gone():
     g = capture(model, x, lf, opt)
     stats = FusionPass().run(g, PassContext()).stats
     assert stats.counts == {"attention": cfg.layers, "norm": 2 * cfg.layers + 1,
-                            "mlp": cfg.layers, "loss": 1}
-    assert all(r["source"] and "glm.py" in r["source"] for r in stats.regions)
+                            "mlp": cfg.layers, "loss": 1, "optimizer": 1}
+    assert all(r["source"] and "glm.py" in r["source"] for r in stats.regions
+               if r["pattern"] != "optimizer")
     ops = _ops(g)
     assert "_softmax" not in ops and "_log_softmax" not in ops
     assert "_scaled_dot_product_flash_attention_for_cpu" in ops
@@ -200,3 +201,61 @@ def test_report_lists_fused_regions(tmp_path):
     html = open(html_path).read()
     assert "<h3>Fusion</h3>" in html and "scaled_dot_product_attention" in html
     assert "glm.py" in html  # source lines of the fused regions
+
+
+class ManualLayerNorm(nn.Module):
+    """Two spellings of LayerNorm written out; `reuse` reads the mean elsewhere."""
+
+    def __init__(self, reuse: bool = False) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(16) + 0.1 * torch.randn(16))
+        self.b = nn.Parameter(0.1 * torch.randn(16))
+        self.lin = nn.Linear(16, 16)
+        self.reuse = reuse
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mu = x.mean(-1, keepdim=True)
+        var = ((x - mu) ** 2).mean(-1, keepdim=True)
+        y = (x - mu) / torch.sqrt(var + 1e-5) * self.w + self.b
+        h = self.lin(y)
+        v2 = h.var(-1, keepdim=True, unbiased=False)
+        z = (h - h.mean(-1, keepdim=True)) * torch.rsqrt(v2 + 1e-5)
+        out = z.pow(2).mean() + y.mean()
+        return out + (mu.sum() if self.reuse else 0)
+
+
+def test_layer_norm_spellings_fire_with_parity():
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 16)
+    g, stats = _fuse(ManualLayerNorm(), (x,))
+    assert stats.counts["norm"] == 2
+    assert sum(op_name(n) == "native_layer_norm" for n in g.compute_nodes()) == 2
+    _parity(ManualLayerNorm, (x,), "fusion{patterns=norm},cleanup")
+    _, stats = _fuse(ManualLayerNorm(reuse=True), (x,))
+    assert stats.counts["norm"] == 1  # the first one's mean is read elsewhere
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+    lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.01, amsgrad=True),
+    lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3),
+    lambda p: torch.optim.SGD([{"params": p[:2], "lr": 0.1}, {"params": p[2:], "lr": 0.01}]),
+], ids=["adamw", "adam-amsgrad", "sgd-nesterov", "sgd-two-groups"])
+def test_foreach_update_is_bit_identical(make_opt):
+    """patterns=optimizer: one multi-tensor update per param group, same values exactly."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 5, 16)
+    results = []
+    for passes in ("cleanup", "fusion{patterns=optimizer},cleanup"):
+        torch.manual_seed(0)
+        model = NormMLP()
+        opt = make_opt(list(model.parameters()))
+        t = glmc.optimize(model, (x,), optimizer=opt, backend="eager", passes=passes)
+        losses = glmc_losses(t, (x,), 3)
+        results.append((losses, [p.detach().clone() for p in model.parameters()],
+                        {op_name(n) for n in t.graph.compute_nodes()}))
+    (la, pa, ops_a), (lb, pb, ops_b) = results
+    assert not any(o.startswith("_foreach_") for o in ops_a)
+    assert any(o.startswith("_foreach_") for o in ops_b)
+    assert la == lb
+    assert all(torch.equal(a, b) for a, b in zip(pa, pb))
