@@ -21,6 +21,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--disable", action="append", default=[], help="skip a pass by name")
     c.add_argument("--memory-budget", default=None, help="recompute budget (fraction or bytes)")
     c.add_argument("--precision", default=None, help="fp32 | bf16 | fp16 | auto")
+    c.add_argument("--fusion", action="store_true",
+                   help="add the fusion pass (attention, norms, gated MLP, LM head+loss, "
+                        "optimizer) at the front of the pipeline")
     c.add_argument("--steps", type=int, default=10, help="training steps to run (default 10)")
     c.add_argument("--report-dir", default=None,
                    help="write report.json, report.html and graphs/ (the step after each pass)")
@@ -73,7 +76,7 @@ def _compile(args: argparse.Namespace) -> int:
     work = load_workload(args.file)
     trainer = glmc.optimize(work.model, work.example_inputs, loss_fn=work.loss_fn,
                             optimizer=work.optimizer, backend=args.backend, passes=args.passes,
-                            memory_budget=args.memory_budget, precision=args.precision,
+                            memory_budget=args.memory_budget, precision=args.precision, fusion=args.fusion,
                             strict=args.strict, disable=tuple(args.disable),
                             profile=args.profile, profile_guided=args.profile_guided,
                             dump_dir=str(Path(args.report_dir) / "graphs") if args.report_dir

@@ -1,12 +1,19 @@
-"""Fused kernels glmc's passes substitute into the step (registered as torch custom ops, so every
-backend and AOTAutograd see one op with a known backward).
+"""Fused kernels glmc's passes substitute into the step, registered as torch custom ops so that
+AOTAutograd, every backend and the cost model see one op with a known backward.
 
-`glmc::cross_entropy(logits, target, ignore_index, reduction)`: mean/sum negative log-likelihood
-of `log_softmax(logits.float())`, computed in fp32 in row chunks from logits of any float dtype.
-It never materialises fp32 copies of the logits or their log-probabilities: the backward keeps
-only the logits (in their own dtype) and one fp32 log-sum-exp per row, and returns the gradient
-in the logits' dtype. With low-precision logits this is exactly `nll_loss(log_softmax(
-logits.float()))` up to fp32 summation order, at a fraction of the memory.
+* `glmc::cross_entropy(logits, target, ignore_index, reduction)` — mean/sum NLL of
+  `log_softmax(logits.float())` in fp32, row chunk by row chunk, from logits of any float dtype:
+  no fp32 copy of the logits or log-probabilities; the backward keeps the logits (their own
+  dtype) and one log-sum-exp per row.
+* `glmc::linear_cross_entropy(x, weight, target, ...)` — the LM head and that loss in one: the
+  (tokens × vocab) logits exist one chunk at a time; the gradients for x and the weight are
+  accumulated in the forward (the backward scales them by the upstream gradient).
+* `glmc::rms_norm(x, weight, eps)` — RMSNorm whose backward keeps x and the per-row rstd.
+* `glmc::gated(gate, up, act)` — act(gate) * up (SwiGLU/GeGLU) whose backward keeps gate and
+  up and recomputes act(gate).
+
+`decompositions()` gives each as plain ATen (unchunked), for consumers without glmc (exported
+`step.py`, ONNX) and, for `ELEMENTWISE`, for Inductor to fuse.
 """
 from __future__ import annotations
 

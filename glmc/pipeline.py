@@ -20,9 +20,12 @@ _REDERIVING = ("fusion", "precision")
 _BACKWARD_REWRITING = ("precision", "recompute")  # precision also re-casts in the backward
 
 
-def default_pipeline(memory_budget: object = None, precision: str | None = None) -> list[Pass]:
+def default_pipeline(memory_budget: object = None, precision: str | None = None,
+                     fusion: bool = False) -> list[Pass]:
     reg = registry()
     passes: list[Pass] = []
+    if fusion:
+        passes.append(reg["fusion"]())  # first: rewrites the forward, re-derives the backward
     if precision not in (None, "fp32"):
         passes.append(reg["precision"](policy=precision))  # first: re-derives the backward
     passes.append(reg["cleanup"]())  # removes joint-export leftovers so later passes see less
@@ -32,7 +35,7 @@ def default_pipeline(memory_budget: object = None, precision: str | None = None)
 
 
 def parse_pipeline(spec: str | list[Pass] | None, memory_budget: object = None,
-                   precision: str | None = None) -> list[Pass]:
+                   precision: str | None = None, fusion: bool = False) -> list[Pass]:
     """None -> default pipeline; a pipeline string; or a list of Pass objects. A memory budget
     adds `recompute` at the end of a pipeline that does not name it; a precision adds
     `precision{policy=...}` at the start of one that does not name it."""
@@ -40,7 +43,7 @@ def parse_pipeline(spec: str | list[Pass] | None, memory_budget: object = None,
         raise PipelineError(f"precision: unknown policy {precision!r}; use fp32, bf16, fp16 "
                             "or auto")
     if spec is None:
-        return default_pipeline(memory_budget, precision)
+        return default_pipeline(memory_budget, precision, fusion)
     passes = _parse(spec)
     if memory_budget is not None and not any(p.name == "recompute" for p in passes):
         passes.append(registry()["recompute"](budget=str(memory_budget)))
@@ -51,6 +54,8 @@ def parse_pipeline(spec: str | list[Pass] | None, memory_budget: object = None,
         raise PipelineError(f"precision: the pipeline names precision{{policy="
                             f"{named[0].policy}}} but precision={precision!r} was "  # type: ignore[attr-defined]
                             "passed too; give it once")
+    if fusion and not any(p.name == "fusion" for p in passes):
+        passes.insert(0, registry()["fusion"]())
     _check_order(passes)
     return passes
 

@@ -136,8 +136,12 @@ def _brief(stats: Any) -> str:
     """A pass's scalar stats on one line (lists such as recomputed values go to the HTML)."""
     if not isinstance(stats, dict):
         return str(stats or "")
+    def small(v: Any) -> bool:  # e.g. fusion's {pattern: count}
+        return isinstance(v, dict) and len(v) <= 8 and \
+            all(isinstance(x, (int, float, str)) for x in v.values())
     return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                     for k, v in stats.items() if not isinstance(v, (list, dict, tuple)))
+                     for k, v in stats.items()
+                     if not isinstance(v, (list, dict, tuple)) or small(v))
 
 
 def pass_state(r: dict[str, Any]) -> str:

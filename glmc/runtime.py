@@ -48,6 +48,7 @@ class TrainerOptions:
     disable: frozenset[str] = frozenset()
     memory_budget: Any = None
     precision: str | None = None
+    fusion: bool = False
     target: Any = None
     strict: bool = False
     max_cache: int = 8
@@ -72,7 +73,7 @@ class Trainer:
     def __post_init__(self) -> None:
         rule_for(self.optimizer)  # fail early on an unsupported optimizer
         self._pipeline = parse_pipeline(self.options.passes, self.options.memory_budget,
-                                        self.options.precision)
+                                        self.options.precision, self.options.fusion)
         self._backend = get_backend(self.options.backend)
         self._entry(self.example)
 

@@ -82,12 +82,14 @@ def test_compile_with_memory_budget(tmp_path: Path) -> None:
     assert "Traceback" not in bad.stderr
 
 
-def test_compile_with_precision(tmp_path: Path) -> None:
+def test_compile_with_precision_and_fusion(tmp_path: Path) -> None:
     r = glmc("compile", "examples/glm.py", "--backend", "eager", "--steps", "3",
-             "--precision", "bf16", "--report-dir", str(tmp_path))
+             "--precision", "bf16", "--fusion", "--report-dir", str(tmp_path))
     assert r.returncode == 0, r.stderr
     assert "precision" in r.stdout and "casts_inserted=" in r.stdout
     data = json.loads((tmp_path / "report.json").read_text())
-    assert data["compiles"][0]["passes"][0]["name"] == "precision"
+    assert [p["name"] for p in data["compiles"][0]["passes"]] == ["fusion", "precision",
+                                                                  "cleanup"]
+    assert "Fusion</h3>" in (tmp_path / "report.html").read_text()
     bad = glmc("compile", "examples/glm.py", "--precision", "int4")
     assert bad.returncode == 1 and "unknown policy" in bad.stderr

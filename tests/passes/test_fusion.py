@@ -33,9 +33,10 @@ def test_all_patterns_fire_on_glm_and_the_attention_matrix_is_gone():
     model, x, lf, opt = CASES["glm"].make()
     cfg = model.cfg
     g = capture(model, x, lf, opt)
-    stats = FusionPass().run(g, PassContext()).stats
+    stats = FusionPass().run(g, PassContext(backend="inductor")).stats
     assert stats.counts == {"attention": cfg.layers, "norm": 2 * cfg.layers + 1,
                             "mlp": cfg.layers, "loss": 1, "optimizer": 1}
+    assert FusionPass().selected("eager") == ["attention", "norm", "mlp", "loss"]
     assert all(r["source"] and "glm.py" in r["source"] for r in stats.regions
                if r["pattern"] != "optimizer")
     ops = _ops(g)
@@ -187,6 +188,8 @@ def test_options_and_ordering():
     with pytest.raises(PipelineError, match="before 'precision'"):
         parse_pipeline("precision,fusion")
     assert [p.name for p in parse_pipeline("fusion,precision{policy=bf16},cleanup")] == [
+        "fusion", "precision", "cleanup"]
+    assert [p.name for p in parse_pipeline(None, precision="bf16", fusion=True)] == [
         "fusion", "precision", "cleanup"]
 
 
