@@ -369,18 +369,14 @@ def fuse_layer_norm(program: ForwardProgram, regions: list) -> int:
         pattern += [root, scale, c, c.args[1]]
         dim = _shape(x)[-1]
         end, w, b = scale, None, None
-        nxt = _only_user(end)
-        if nxt is not None and op_name(nxt) == "mul" and len(nxt.args) == 2:
-            other = nxt.args[1] if nxt.args[0] is end else nxt.args[0]
-            if isinstance(other, fx.Node) and _shape(other) == (dim,):
-                w, end = other, nxt
-                pattern.append(nxt)
-                nxt = _only_user(end)
-                if nxt is not None and op_name(nxt) == "add" and len(nxt.args) == 2:
-                    other = nxt.args[1] if nxt.args[0] is end else nxt.args[0]
-                    if isinstance(other, fx.Node) and _shape(other) == (dim,):
-                        b, end = other, nxt
-                        pattern.append(nxt)
+        w = _per_channel(end, "mul", dim)
+        if w is not None:
+            end = _only_user(end)
+            pattern.append(end)
+            b = _per_channel(end, "add", dim)
+            if b is not None:
+                end = _only_user(end)
+                pattern.append(end)
         inside = set(pattern)
         if any(u not in inside for n in pattern if n is not end for u in n.users):
             continue  # an intermediate (the mean, the centred x, ...) is read elsewhere
@@ -393,6 +389,15 @@ def fuse_layer_norm(program: ForwardProgram, regions: list) -> int:
         _region(regions, "norm", "native_layer_norm", scale, pattern)
         fused += 1
     return fused
+
+
+def _per_channel(value: fx.Node, op: str, dim: int) -> fx.Node | None:
+    """The (dim,)-shaped operand of `value`'s only reader if that reader is `op`(value, it)."""
+    nxt = _only_user(value)
+    if nxt is None or op_name(nxt) != op or len(nxt.args) != 2:
+        return None
+    other = nxt.args[1] if nxt.args[0] is value else nxt.args[0]
+    return other if isinstance(other, fx.Node) and _shape(other) == (dim,) else None
 
 
 # ---- gated MLP --------------------------------------------------------------------------------
