@@ -22,8 +22,8 @@ one and saves only what it needs. Visible on every backend, eager included.
 A pattern fires only when every intermediate value has no other reader (otherwise the fused op
 would have to produce it too), and never across a random op with p > 0 (dropout masks would
 come from a different generator). Options: `patterns=attention+norm+mlp+loss+optimizer` (any
-subset); the default `auto` is all of them on a fusing backend (Inductor) and all but
-`optimizer` on eager.
+subset); the default `auto` is all of them, less `optimizer` on eager and `attention` under a
+bf16/fp16 `precision=` option on CPU (see `FusionPass.selected`).
 """
 from __future__ import annotations
 
@@ -73,16 +73,23 @@ class FusionPass(Pass):
             raise ConfigError(f"fusion: unknown pattern(s) {sorted(unknown)}; known: "
                               f"{'+'.join(PATTERNS)}")
 
-    def selected(self, backend: str = "inductor") -> list[str]:
+    def selected(self, backend: str = "inductor", low_precision_cpu: bool = False) -> list[str]:
+        """`auto` leaves out what measured slower or bigger here (bench_fusion.py):
+        `optimizer` on a backend that does not fuse (eager), and `attention` when the step
+        runs in bf16/fp16 on a CPU (ATen's CPU flash attention in bf16 took GLM small's
+        Inductor step from 236 to 283 ms; Inductor's own bf16 bmm + softmax is faster)."""
         if str(self.patterns) == "auto":
             from glmc.backends import get_backend
             fuses = get_backend(backend).fuses
-            return [p for p in PATTERNS if fuses or p != "optimizer"]
+            return [p for p in PATTERNS if (fuses or p != "optimizer")
+                    and not (low_precision_cpu and p == "attention")]
         return [p.strip() for p in str(self.patterns).replace(",", "+").split("+") if p.strip()]
 
     def run(self, graph: TrainGraph, ctx: PassContext) -> PassResult:
         source_of(graph, "fusion")
-        selected = self.selected(ctx.backend)
+        from glmc.analysis import graph_device
+        low_cpu = ctx.precision in ("bf16", "fp16", "auto") and graph_device(graph) == "cpu"
+        selected = self.selected(ctx.backend, low_cpu)
         program = forward_program(graph)
         regions: list[dict[str, Any]] = []
         finders: dict[str, Callable[[ForwardProgram, list], int]] = {

@@ -37,6 +37,8 @@ def test_all_patterns_fire_on_glm_and_the_attention_matrix_is_gone():
     assert stats.counts == {"attention": cfg.layers, "norm": 2 * cfg.layers + 1,
                             "mlp": cfg.layers, "loss": 1, "optimizer": 1}
     assert FusionPass().selected("eager") == ["attention", "norm", "mlp", "loss"]
+    assert FusionPass().selected("inductor", low_precision_cpu=True) == [
+        "norm", "mlp", "loss", "optimizer"]
     assert all(r["source"] and "glm.py" in r["source"] for r in stats.regions
                if r["pattern"] != "optimizer")
     ops = _ops(g)
