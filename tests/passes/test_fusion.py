@@ -264,3 +264,18 @@ def test_foreach_update_is_bit_identical(make_opt):
     assert any(o.startswith("_foreach_") for o in ops_b)
     assert la == lb
     assert all(torch.equal(a, b) for a, b in zip(pa, pb))
+
+
+def test_fused_step_exports_to_python_and_reproduces_losses(tmp_path):
+    """glmc's fused ops are lowered to plain ATen in step.py (it runs without glmc)."""
+    from tests.test_report_export import _run_export
+    model, x, lf, opt = CASES["glm"].make()
+    trainer = glmc.optimize(model, x, optimizer=opt, backend="eager", fusion=True,
+                            predict=False, measure=False)
+    glmc_losses(trainer, x, 2)
+    trainer.export(str(tmp_path))
+    assert "torch.ops.glmc" not in (tmp_path / "step.py").read_text()
+    want = glmc_losses(trainer, x, 3, seed=100)
+    got = _run_export(tmp_path, "--steps", "3", "--seed", "100")
+    # the exported loss is unchunked: fp32 summation order differs
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=1e-5)
