@@ -370,3 +370,16 @@ def test_bf16_backends_agree(backend):
     for _ in range(3):
         la, lb = a.step(*x), b.step(*x)
         torch.testing.assert_close(la, lb, rtol=1e-2, atol=1e-2)
+
+
+def test_unfused_bf16_forward_is_autocasts_bit_for_bit():
+    """Without the fused loss, glmc's bf16 forward computes exactly what torch.autocast does:
+    the first-step losses are equal to the last bit (the difference the README's numerics
+    table shows comes from the fp32 LM head and the fused loss)."""
+    model, x, lf, opt = CASES["glm"].make()
+    ref = copy.deepcopy(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = ref(*x).item()
+    passes = [PrecisionPass(policy="bf16", fuse_loss=False, head="off")]
+    trainer = glmc.optimize(model, x, optimizer=opt, backend="eager", passes=passes)
+    assert trainer.step(*x).item() == want
