@@ -40,7 +40,7 @@ as rotary tables are cast down to the activation's dtype instead of promoting it
 range of its forward values and gradients. Modules whose values would overflow fp16 (|x| above
 65504 / headroom) or underflow it (more than 1% of nonzero values, gradients times the initial
 loss scale, below fp16's smallest normal) take bf16; the others take fp16 when fp16 is the
-faster type on the device (a matmul micro-benchmark decides; `prefer=fp16` forces the per-module
+faster type on the device (the cost model's device profile decides; `prefer=fp16` forces the per-module
 choice, `prefer=bf16` picks bf16 everywhere). The report gives each module's dtype and reason.
 
 Option spellings in a pipeline string: `precision{policy=bf16,ops=_softmax:fp32;mm:low,
@@ -49,7 +49,6 @@ modules=head:fp32}`; from Python, `ops` and `modules` may be dicts.
 from __future__ import annotations
 
 import operator
-import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -58,7 +57,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from glmc import kernels  # noqa: F401  (registers glmc's fused ops)
-from glmc.cost import is_view
+from glmc.cost import get_profile, is_view
 from glmc.errors import ConfigError, PassError
 from glmc.ir import REMAT, Phase, Role, TrainGraph, op_name
 from glmc.passes.cleanup import is_impure
@@ -200,7 +199,7 @@ class PrecisionPass(Pass):
         modules = _parse_map(self.modules, "modules")
         default = self.policy if self.policy in DTYPES else "bf16"
         if self.policy == "auto":
-            choose_fp16, note = _fp16_preferred(self.prefer, device)
+            choose_fp16, note = _fp16_preferred(self.prefer, device, ctx.profile)
             layers = choose_layers(graph, program, self.init_scale, choose_fp16, note)
             modules = {**{c.module: c.dtype for c in layers}, **modules}
         rules = {**DEFAULT_RULES, **_parse_map(self.ops, "ops")}
@@ -652,34 +651,20 @@ def _chain(v: fx.Node) -> list[fx.Node]:
 
 # ---- auto: calibration and device speed ------------------------------------------------------
 
-_RATES: dict[tuple[str, torch.dtype], float] = {}
+_RATE_FLOPS = 2.0 * 1024 ** 3  #: a large matmul: where the profile's curves flatten out
 
 
-def matmul_rate(device: str, dtype: torch.dtype) -> float:
-    """Measured matmul FLOP/s of `dtype` on `device` (cached for the process)."""
-    key = (device, dtype)
-    if key not in _RATES:
-        n = 512 if device == "cpu" else 4096
-        gen = torch.Generator(device=device).manual_seed(0)  # leaves the user's RNG alone
-        a = torch.randn(n, n, device=device, generator=gen).to(dtype)
-        b = torch.randn(n, n, device=device, generator=gen).to(dtype)
-        times = []
-        for _ in range(7):
-            t0 = time.perf_counter()
-            a @ b
-            if device == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        _RATES[key] = 2 * n ** 3 / sorted(times)[len(times) // 2]
-    return _RATES[key]
-
-
-def _fp16_preferred(prefer: str, device: str) -> tuple[bool, str]:
+def _fp16_preferred(prefer: str, device: str, profile_spec: Any = None) -> tuple[bool, str]:
+    """Whether fp16 is the faster low-precision type, from the cost model's device profile
+    (the calibrated host CPU measures bf16 and fp16 matmul curves; GPU profiles are published
+    figures)."""
     if prefer == "bf16":
         return False, "prefer=bf16: every module takes bf16"
-    rates = {k: matmul_rate(device, DTYPES[k]) / 1e12 for k in ("fp32", "bf16", "fp16")}
+    profile = get_profile(profile_spec, device)
+    rates = {k: profile.matmul_rate(str(DTYPES[k]).replace("torch.", ""), _RATE_FLOPS) / 1e12
+             for k in ("fp32", "bf16", "fp16")}
     measured = ", ".join(f"{k} {v:.2f}" for k, v in rates.items())
-    note = f"measured matmul TFLOP/s on {device}: {measured}"
+    note = f"matmul TFLOP/s on {profile.name} ({profile.source}): {measured}"
     if max(rates["bf16"], rates["fp16"]) < 1.1 * rates["fp32"]:
         note += "; neither bf16 nor fp16 is faster than fp32 here, low precision saves memory only"
     if prefer == "fp16":
