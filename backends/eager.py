@@ -16,7 +16,7 @@ class EagerBackend(Backend):
     name = "eager"
 
     def _compile(self, gm: fx.GraphModule, graph: TrainGraph) -> StepFn:
-        def run(inputs: list[torch.Tensor]) -> torch.Tensor:
+        def run(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
             with torch.no_grad():
-                return gm(*inputs)[0]
+                return list(gm(*inputs))
         return run

@@ -11,11 +11,15 @@ import torch.fx as fx
 
 from glmc.backends.base import Backend, StepFn
 from glmc.ir import REMAT, TrainGraph
+from glmc.target import BackendTraits
 
 
 class InductorBackend(Backend):
     name = "inductor"
-    fuses = True
+
+    def traits(self) -> BackendTraits:
+        from glmc.backends.inductor_model import FusionGroups
+        return BackendTraits(self.name, fusion=FusionGroups, early_writeback=True)
 
     def supports(self, node: fx.Node) -> str | None:
         from torch._decomp import core_aten_decompositions
@@ -49,9 +53,9 @@ class InductorBackend(Backend):
         with torch.no_grad():
             compiled = compile_fx(gm, example, config_patches=_patches(graph))
 
-        def run(inputs: list[torch.Tensor]) -> torch.Tensor:
+        def run(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
             with torch.no_grad():
-                return compiled(*inputs)[0]
+                return list(compiled(*inputs))
         return run
 
 

@@ -20,6 +20,7 @@ import torch
 import glmc
 from glmc.capture import capture
 from glmc.memory import measure_peak
+from glmc.backends import get_backend
 from glmc.passmanager import PassContext
 
 from bench_step import MiB, ROOT, _clone, _load, run_meta, write_result
@@ -43,7 +44,7 @@ def pattern_counts() -> dict:
                        ("hf-glm", lambda: _load("hf_glm.py", 4, 128, 256, 4, 8192))):
         model, x, loss_fn, opt = make()
         g = capture(model, x, loss_fn, opt)
-        out[name] = FusionPass().run(g, PassContext(backend="inductor")).stats.counts
+        out[name] = FusionPass().run(g, PassContext(get_backend("inductor").traits())).stats.counts
         print(f"  {name}: {out[name]}", flush=True)
     return out
 

@@ -5,10 +5,11 @@ from glmc.errors import (BudgetError, CaptureError, ConfigError, GlmcError, Inpu
                          PassError, PipelineError, UnsupportedOpError)
 from glmc.ir import NodeInfo, Phase, Role, TrainGraph
 from glmc.passmanager import Pass, PassContext, PassManager, PassResult
+from glmc.serialize import load_graph, save_graph
 
 __version__ = "0.1.0"
 
-__all__ = ["optimize", "capture", "TrainGraph", "NodeInfo", "Phase", "Role", "Pass",
+__all__ = ["optimize", "capture", "save_graph", "load_graph", "TrainGraph", "NodeInfo", "Phase", "Role", "Pass",
            "PassContext", "PassManager", "PassResult", "GlmcError", "CaptureError",
            "ConfigError", "InputError", "PassError", "PipelineError", "BudgetError",
            "UnsupportedOpError"]

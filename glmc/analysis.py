@@ -1,4 +1,8 @@
-"""Predicted step time and peak memory of a step graph on a backend and device profile."""
+"""Predicted step time and peak memory of a step graph, for a backend's traits and a device.
+
+The backend is known only through its `BackendTraits` (glmc.target): this module, like the
+cost and memory models it combines, never imports a backend.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,6 +11,8 @@ from typing import Any
 from glmc.cost import CostEstimate, DeviceProfile, estimate_time, get_profile
 from glmc.ir import TrainGraph
 from glmc.memory import MemoryEstimate, simulate
+from glmc.target import EAGER, BackendTraits
+from glmc.writeback import lower_writeback
 
 
 @dataclass
@@ -22,17 +28,17 @@ class Prediction:
                 "transient_bytes": self.memory.transient_bytes}
 
 
-def predict(graph: TrainGraph, backend: Any, profile: DeviceProfile | str | None = None,
+def predict(graph: TrainGraph, traits: BackendTraits = EAGER,
+            profile: DeviceProfile | str | None = None,
             measured_node_times: dict[str, float] | None = None) -> Prediction:
-    """Model the program `backend` runs: the write-back lowering of `graph`, fused or not."""
-    from glmc.backends import get_backend
-    from glmc.backends.base import lower_writeback
-    if isinstance(backend, str):
-        backend = get_backend(backend)
+    """Model the program a backend with `traits` runs, fused per `traits.fusion`: the
+    write-back lowering of `graph` (copies early or late per `traits.early_writeback`) on a
+    backend that updates state in place, the functional step itself on one that does not."""
     prof = get_profile(profile, device=graph_device(graph))
-    lowered = lower_writeback(graph, backend.early_writeback).graph
-    return Prediction(estimate_time(lowered, prof, backend.fuses, measured_node_times),
-                      simulate(lowered, backend.fuses))
+    lowered = lower_writeback(graph, traits.early_writeback).graph if traits.inplace \
+        else graph.graph
+    return Prediction(estimate_time(lowered, prof, traits, measured_node_times),
+                      simulate(lowered, traits))
 
 
 def graph_device(graph: TrainGraph) -> str:

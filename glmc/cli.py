@@ -21,9 +21,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--disable", action="append", default=[], help="skip a pass by name")
     c.add_argument("--memory-budget", default=None, help="recompute budget (fraction or bytes)")
     c.add_argument("--precision", default=None, help="fp32 | bf16 | fp16 | auto")
-    c.add_argument("--fusion", action="store_true",
-                   help="add the fusion pass (attention, norms, gated MLP, LM head+loss, "
-                        "optimizer) at the front of the pipeline")
+    c.add_argument("--fusion", action=argparse.BooleanOptionalAction, default=None,
+                   help="the fusion pass (attention, norms, gated MLP, LM head+loss, "
+                        "optimizer); on in the default pipeline, --no-fusion turns it off")
     c.add_argument("--steps", type=int, default=10, help="training steps to run (default 10)")
     c.add_argument("--report-dir", default=None,
                    help="write report.json, report.html and graphs/ (the step after each pass)")

@@ -17,6 +17,7 @@ from glmc.ir import (InputSpec, NodeInfo, OutputKind, OutputSpec, Phase, Role, T
                      TrainGraph)
 from glmc.passmanager import PassContext, PassManager
 from glmc.pipeline import parse_pipeline
+from glmc.step import source_line
 
 
 def joint_to_traingraph(gm: fx.GraphModule) -> TrainGraph:
@@ -48,14 +49,17 @@ def joint_to_traingraph(gm: fx.GraphModule) -> TrainGraph:
 
 
 def _short(trace: str | None) -> str | None:
-    from glmc.capture import _source_line
-    return _source_line(trace)
+    return source_line(trace)
 
 
 def run_glmc_passes(gm: fx.GraphModule, passes: Any, backend: str) -> PassManager:
+    """glmc's pipeline on AOTAutograd's joint graph. The default here is cleanup alone: the
+    passes that re-derive a whole step (fusion, precision) need what a joint graph lacks
+    (`Need.STEP`), and naming them is a PipelineError listing why."""
+    from glmc.backends import get_backend
     graph = joint_to_traingraph(gm)
-    manager = PassManager(parse_pipeline(passes))
-    manager.run(graph, PassContext(backend=backend))
+    manager = PassManager(parse_pipeline(passes if passes is not None else "cleanup"))
+    manager.run(graph, PassContext(get_backend(backend).traits()))
     return manager
 
 
@@ -69,7 +73,7 @@ def _joint_pass(passes: Any):
 
         def uuid(self) -> bytes:
             import glmc
-            spelling = ",".join(p.spelling() for p in parse_pipeline(passes))
+            spelling = ",".join(p.spelling() for p in parse_pipeline(passes or "cleanup"))
             return hashlib.sha256(f"glmc-{glmc.__version__}:{spelling}".encode()).digest()
 
     return GlmcJointPass()
@@ -78,8 +82,14 @@ def _joint_pass(passes: Any):
 def glmc_backend(gm: fx.GraphModule, example_inputs: list, **kwargs: Any):
     """Dynamo backend. Options (torch.compile(..., options={...})): backend, passes."""
     options = dict(kwargs.get("options") or {})
+    unknown = sorted(set(options) - {"backend", "passes"})
+    if unknown:
+        from glmc.errors import ConfigError
+        raise ConfigError(f"torch.compile(backend='glmc'): unknown option(s) {unknown}; known: "
+                          "backend (inductor | eager), passes (a pipeline string)")
     target = options.pop("backend", "inductor")
     passes = options.pop("passes", None)
+    parse_pipeline(passes if passes is not None else "cleanup")  # bad pipelines fail here
     if target == "inductor":
         from torch._inductor.compile_fx import compile_fx
 

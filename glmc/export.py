@@ -101,8 +101,8 @@ if __name__ == "__main__":
 
 def _step_inputs(trainer: Any) -> list[torch.Tensor]:
     entry = next(reversed(trainer._cache.values()))
-    from glmc.runtime import _leaves
-    leaves = _leaves(trainer.example)
+    from glmc.capture import batch_leaves
+    leaves = batch_leaves(trainer.example)
     return [get(leaves) for get in entry.getters]
 
 

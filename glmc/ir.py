@@ -8,19 +8,27 @@ A `TrainGraph` is a functional program
 Every node carries a `NodeInfo` (phase, role, tensor spec, source location, creator). Passes
 rewrite `graph.gm.graph`; backends lower it. State write-back into the user's tensors is a
 backend lowering (`glmc.backends.base.lower_writeback`), so the IR itself stays functional.
+
+Programs that span devices (`glmc.program`) use the same graphs: `TensorSpec.placements` says
+how a value is laid out over a `MeshSpec`, and `NodeInfo.comm` marks torch's functional
+collectives and their waits.
 """
 from __future__ import annotations
 
 import dataclasses
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any, Iterator
 
 import networkx as nx
 import torch
 import torch.fx as fx
 
 from glmc.errors import PassError
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.placement_types import Placement
 
 
 class Phase(enum.Enum):
@@ -47,6 +55,8 @@ class Role(enum.Enum):
     GRADIENT = "gradient"  #: a backward value
     UPDATE = "update"  #: an optimizer-phase value (new parameter or state)
     OUTPUT = "output"  #: the output node
+    BOUNDARY = "boundary"  #: a value received from another pipeline stage (input)
+    SAVED = "saved"  #: a forward value this stage's backward reads, kept per microbatch (input)
 
 
 class OutputKind(enum.Enum):
@@ -58,13 +68,23 @@ class OutputKind(enum.Enum):
     STATE = "state"  #: new value of an optimizer-state tensor
     FORWARD = "forward"  #: a forward output of a joint graph (drop-in torch.compile path)
     GRADIENT = "gradient"  #: a gradient output of a joint graph (drop-in torch.compile path)
+    SEND = "send"  #: a value sent to another pipeline stage (target: the boundary's name)
+    SAVED = "saved"  #: a forward value kept for this stage's backward (target: its name)
 
 
 @dataclass(frozen=True)
 class TensorSpec:
+    """Shape, dtype and device of a value; `shape` is what this rank's graph computes.
+
+    `placements` (torch DTensor vocabulary: `Replicate()`, `Shard(d)`, `Partial(op)`, one per
+    mesh dim of the program's `MeshSpec`) say how the per-rank tensors form the global one;
+    None is an ordinary single-device tensor.
+    """
+
     shape: tuple[int, ...]
     dtype: torch.dtype
     device: str
+    placements: "tuple[Placement, ...] | None" = None
 
     @property
     def nbytes(self) -> int:
@@ -78,6 +98,53 @@ class TensorSpec:
         if isinstance(value, torch.Tensor):
             return TensorSpec(tuple(int(s) for s in value.shape), value.dtype, value.device.type)
         return None
+
+
+@dataclass(frozen=True)
+class MeshSpec:
+    """A device mesh as data (what `torch.distributed.DeviceMesh` is at run time): its shape,
+    one name per dim ("dp", "pp", ...) and the device type. A program names mesh dims, never
+    process groups, so it is not tied to one process."""
+
+    shape: tuple[int, ...]
+    dim_names: tuple[str, ...]
+    device_type: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if len(self.shape) != len(self.dim_names) or len(set(self.dim_names)) != len(self.shape):
+            raise PassError(f"ir: mesh shape {self.shape} needs one distinct name per dim, got "
+                            f"{self.dim_names}")
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def dim(self, name: str) -> int:
+        """Index of the mesh dim called `name`."""
+        if name not in self.dim_names:
+            raise PassError(f"ir: mesh has no dim {name!r}; its dims are {self.dim_names}")
+        return self.dim_names.index(name)
+
+    def size(self, name: str) -> int:
+        return self.shape[self.dim(name)]
+
+    @staticmethod
+    def of(mesh: Any) -> "MeshSpec":
+        """The spec of a `torch.distributed.DeviceMesh` (its dims must be named)."""
+        if mesh.mesh_dim_names is None:
+            raise PassError("ir: the DeviceMesh has no dim names; pass mesh_dim_names=")
+        return MeshSpec(tuple(mesh.shape), tuple(mesh.mesh_dim_names), mesh.device_type)
+
+
+@dataclass(frozen=True)
+class CommInfo:
+    """Marks a communication node: a functional collective (`all_reduce`,
+    `reduce_scatter_tensor`, `all_gather_into_tensor`) or its `wait_tensor`, over the group of
+    one mesh dim. `reduce_op` uses c10d's names ("sum", "avg", ...); None for gathers/waits."""
+
+    collective: str
+    mesh_dim: str
+    reduce_op: str | None = None
 
 
 @dataclass(frozen=True)
@@ -105,6 +172,8 @@ class NodeInfo:
     created_by: str = "capture"  #: the pass that created the node
     target: str | None = None  #: for inputs: parameter / buffer / state / batch name
     rng: RngSite | None = None
+    comm: CommInfo | None = None  #: set on collectives and their waits (see `CommInfo`)
+    stage: int | None = None  #: the pipeline stage a node belongs to, in a staged program
 
     def replace(self, **changes: Any) -> "NodeInfo":
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
@@ -126,7 +195,9 @@ class OutputSpec:
 
 
 #: node.meta key marking a deliberate recomputation (a copy of a forward value made again in the
-#: backward); cleanup's CSE must not merge it back into the value it duplicates
+#: backward); cleanup's CSE must not merge it back into the value it duplicates. Cleanup also
+#: never merges nodes of different phases, so a backward copy of a forward value survives
+#: whether or not it is marked; mark copies made on purpose *within* one phase.
 REMAT = "glmc_remat"
 
 RANDOM_OPS = frozenset({
@@ -178,6 +249,15 @@ class TrainGraph:
                             "nodes through TrainGraph.annotate or copy metadata")
         return info
 
+    def copy(self) -> "TrainGraph":
+        """A TrainGraph over a copy of the fx graph; node metadata is copied shallowly."""
+        new = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        for n in self.graph.nodes:
+            env[n] = new.node_copy(n, lambda a: env[a])
+        return TrainGraph(fx.GraphModule(self.gm, new), list(self.inputs), list(self.outputs),
+                          dict(self.meta))
+
     def signature(self) -> tuple[tuple[InputSpec, ...], tuple[OutputSpec, ...]]:
         return tuple(self.inputs), tuple(self.outputs)
 
@@ -220,3 +300,41 @@ class TrainGraph:
                 raise PassError(f"ir: node '{n.name}' lost its glmc metadata")
         if signature is not None and signature != self.signature():
             raise PassError("ir: the step signature changed (inputs or outputs differ)")
+
+
+@lru_cache(maxsize=1)
+def comm_ops() -> dict[Any, str]:
+    """torch's functional collectives glmc knows, keyed by op: op -> `CommInfo.collective`.
+    Empty where torch is built without distributed support."""
+    ns = getattr(torch.ops, "_c10d_functional", None)
+    names = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "wait_tensor")
+    try:
+        return {getattr(ns, name).default: name for name in names}
+    except (AttributeError, RuntimeError):
+        return {}
+
+
+def is_comm(node: fx.Node) -> bool:
+    """A functional collective or wait (by its op; `CommInfo` says which mesh dim)."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    return node.target.namespace == "_c10d_functional" or node.target in comm_ops()
+
+
+def is_collective(node: fx.Node) -> bool:
+    """A collective whose result must be read through a `wait_tensor`."""
+    return is_comm(node) and comm_ops().get(node.target) != "wait_tensor"
+
+
+def is_impure(node: fx.Node) -> bool:
+    """Whether dead-code elimination and CSE must leave `node` alone: graph inputs/outputs,
+    random ops (dropping an unused draw shifts every later mask), mutating ops, communication
+    (every rank must issue the same collectives in the same order: one rank dropping or merging
+    one deadlocks the others), and whatever fx deems impure (RNG state)."""
+    if node.op in ("placeholder", "output"):
+        return True
+    if op_name(node) in RANDOM_OPS or is_comm(node):
+        return True
+    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        return node.target._schema.is_mutable
+    return node.is_impure()

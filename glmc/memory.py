@@ -4,131 +4,35 @@ Predicted side (`simulate`): every non-view node allocates its output storage wh
 views, `getitem` and in-place ops alias their input's storage; a storage is freed right after
 the last node that reads it (through any alias) — which is what both the eager backend (fx
 frees a value after its last use) and Inductor (buffers are freed after their last kernel) do.
-Inputs and constants are live for the whole step. On a fusing backend, pointwise ops inlined
-into their consumers never allocate, and their inputs stay live until the consumer runs.
+Inputs and constants are live for the whole step. On a fusing backend (`BackendTraits.fusion`,
+e.g. Inductor's, in glmc.backends.inductor_model), ops inlined into their consumers never
+allocate, and their inputs stay live until the consumer runs.
 
 Live bytes are split into parameters (and buffers/constants), optimizer state, inputs (the
 batch), activations (forward values read by the backward), gradients (backward values read by
 the optimizer) and temporaries (everything else).
 
-Measured side (`measure_peak`): peak bytes of a real step from the c10 allocator — on CPU every
-allocation and free recorded by torch.profiler's memory events (Inductor's buffers included),
-with the process's peak RSS as a cross-check; on CUDA `torch.cuda.max_memory_allocated`.
+Measured side (`measure_peak`), independent of the prediction: the in-step peak of a real step
+from the allocator — on CPU every c10 allocation and free recorded by the profiler's memory
+events (Inductor's buffers included), on CUDA `torch.cuda.max_memory_allocated` — and the
+persistent part as the storage bytes of the real tensors the step reads.
 """
 from __future__ import annotations
 
-import contextlib
 import operator
-import os
-import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.fx as fx
 
-from glmc.cost import is_view, kind_of
+from glmc.cost import is_view
 from glmc.ir import Phase, Role
+from glmc.target import EAGER, BackendTraits, FusionModel
 
 CATEGORIES = ("parameters", "optimizer_state", "inputs", "activations", "gradients",
               "temporaries")
-
-_INLINE_READS = 4  # Inductor realizes a pointwise buffer read by this many consumers or more
-_POINTWISE_LIKE = {"_to_copy", "clone", "copy", "where", "masked_fill", "native_dropout_backward"}
-
-
-# ---- Inductor-style fusion groups -------------------------------------------------------------
-
-
-class FusionGroups:
-    """Which pointwise nodes a fusing backend inlines into their consumers.
-
-    A pointwise node is inlined when every consumer (looking through views) is itself a
-    pointwise op, a reduction or an in-place copy into a step input, and it has fewer than
-    `_INLINE_READS` consumers — Inductor's defaults. Everything else is a kernel that writes its
-    output buffer.
-    """
-
-    def __init__(self, graph: fx.Graph) -> None:
-        self._inlined: set[fx.Node] = set()
-        for n in reversed(graph.nodes):  # consumers are decided before their producers
-            if n.op == "call_function" and self._fusible(n) and self._consumers_fuse(n):
-                self._inlined.add(n)
-
-    @staticmethod
-    def _pointwise(n: fx.Node) -> bool:
-        from glmc.ir import op_name
-        return kind_of(n) == "pointwise" or op_name(n) in _POINTWISE_LIKE
-
-    def _fusible(self, n: fx.Node) -> bool:
-        return self._pointwise(n) and isinstance(n.meta.get("val"), torch.Tensor)
-
-    def _consumers(self, n: fx.Node) -> list[fx.Node]:
-        out = []
-        for u in n.users:
-            if is_view(u) and not _mutates(u):
-                out.extend(self._consumers(u))
-            else:
-                out.append(u)
-        return out
-
-    def _consumers_fuse(self, n: fx.Node) -> bool:
-        users = self._consumers(n)
-        if not users or len(users) >= _INLINE_READS:
-            return False
-        for u in users:
-            if u.op != "call_function":
-                return False
-            if _mutates(u):
-                if u.args[1] is not n and u.args[1] not in n.users:
-                    return False
-                continue
-            if not (self._pointwise(u) or kind_of(u) == "reduction" or _generated(u)):
-                return False
-        return True
-
-    def inlined(self, n: fx.Node) -> bool:
-        return n in self._inlined
-
-    def reads(self, n: fx.Node) -> list[fx.Node]:
-        """The materialized nodes (inputs, kernels) a kernel rooted at `n` reads."""
-        seen, out, stack = set(), [], list(n.all_input_nodes)
-        while stack:
-            a = stack.pop()
-            if a in seen:
-                continue
-            seen.add(a)
-            if a in self._inlined:
-                stack.extend(a.all_input_nodes)
-            elif is_view(a) and not _mutates(a) and a.target is not operator.getitem:
-                stack.extend(a.all_input_nodes[:1])
-            else:
-                out.append(a)
-        return out
-
-    def kernel_cost(self, n: fx.Node, c: Any) -> Any:
-        from glmc.cost import OpCost, value_bytes
-        read = sum(value_bytes(a.meta.get("val")) for a in self.reads(n))
-        return OpCost(c.kind, c.flops, read, c.bytes_written, c.dtype, c.name)
-
-
-def _generated(n: fx.Node) -> bool:
-    """Inductor decomposes this op into pointwise ops and reductions, so producers fuse into it."""
-    from torch._inductor.decomposition import decompositions
-    from torch._inductor.lowering import fallbacks
-    t = n.target
-    return (isinstance(t, torch._ops.OpOverload) and t in decompositions and t not in fallbacks
-            and kind_of(n) != "matmul")
-
-
-def fusion_groups(graph: fx.Graph) -> FusionGroups:
-    return FusionGroups(graph)
-
-
-def _mutates(n: fx.Node) -> bool:
-    t = n.target
-    return isinstance(t, torch._ops.OpOverload) and t._schema.is_mutable
 
 
 # ---- liveness ---------------------------------------------------------------------------------
@@ -173,93 +77,112 @@ def _storage_bytes(v: Any) -> int:
     return 0
 
 
-def simulate(graph: fx.Graph, fused: bool = False) -> MemoryEstimate:
-    """Predicted live bytes after each node of the *lowered* step (see module docstring)."""
-    groups = FusionGroups(graph) if fused else None
+Key = tuple[fx.Node, int]  #: one storage: (producer node, output index)
+
+
+def simulate(graph: fx.Graph, traits: BackendTraits = EAGER) -> MemoryEstimate:
+    """Predicted live bytes after each node of the *lowered* step (see module docstring) on
+    the backend described by `traits` (its fusion model decides which ops own a buffer)."""
+    fusion = traits.fusion(graph) if traits.fusion is not None else None
     nodes = list(graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
-    # storage of each value: a key (producer node, output index) and its size
-    storage: dict[fx.Node, list[tuple[fx.Node, int]]] = {}
-    size: dict[tuple[fx.Node, int], int] = {}
-    for n in nodes:
-        val = n.meta.get("val")
-        if n.op in ("placeholder", "get_attr") or (n.op == "call_function" and not is_view(n)):
-            if groups is not None and groups.inlined(n):
-                storage[n] = []
-                continue
-            if isinstance(val, (tuple, list)):
-                keys = [(n, i) for i in range(len(val))]
-                for i, v in enumerate(val):
-                    size[(n, i)] = _storage_bytes(v)
-            else:
-                keys = [(n, 0)]
-                size[(n, 0)] = _storage_bytes(val)
-            storage[n] = keys
-        elif n.op == "call_function":  # a view, getitem or in-place op: aliases its base
-            base = n.args[0] if n.args else None
-            if n.target is operator.getitem and isinstance(base, fx.Node):
-                parent = storage.get(base, [])
-                idx = n.args[1]
-                storage[n] = [parent[idx]] if isinstance(idx, int) and idx < len(parent) \
-                    else list(parent)
-            else:
-                storage[n] = list(storage.get(base, [])) if isinstance(base, fx.Node) else []
-        else:
-            storage[n] = []
-
-    def read_set(n: fx.Node) -> list[tuple[fx.Node, int]]:
-        ins = groups.reads(n) if groups is not None and n.op == "call_function" else \
-            n.all_input_nodes
-        keys = []
-        for a in ins:
-            keys.extend(storage.get(a, []))
-        return keys
-
-    last_use: dict[tuple[fx.Node, int], int] = {}
-    readers: dict[tuple[fx.Node, int], list[fx.Node]] = {}
-    for n in nodes:
-        if groups is not None and groups.inlined(n):
-            continue  # its reads happen in the consumer's kernel
-        for k in read_set(n):
-            last_use[k] = max(last_use.get(k, -1), index[n])
-            readers.setdefault(k, []).append(n)
-
+    storage, size = _storages(nodes, fusion)
+    last_use, readers = _last_uses(nodes, index, storage, fusion)
     category = {k: _category(k[0], readers.get(k, [])) for k in size}
     persistent = {k for k in size if k[0].op in ("placeholder", "get_attr")}
+    frees: dict[int, list[Key]] = {}
+    for k in size:
+        if k not in persistent:  # never read: freed right after it is produced
+            frees.setdefault(last_use.get(k, index[k[0]]), []).append(k)
     live = {c: 0 for c in CATEGORIES}
     for k in persistent:
         live[category[k]] += size[k]
-    frees: dict[int, list[tuple[fx.Node, int]]] = {}
-    for k in size:
-        if k in persistent:
-            continue
-        end = last_use.get(k, index[k[0]])  # never read: freed right after it is produced
-        frees.setdefault(end, []).append(k)
+    timeline, peak_i = _timeline(nodes, storage, size, category, persistent, frees, live)
+    peak = sum(timeline[peak_i][1].values()) if timeline else sum(live.values())
+    live_at_peak = sorted((k for k in size if k not in persistent
+                           and index[k[0]] <= peak_i <= last_use.get(k, index[k[0]])),
+                          key=lambda k: -size[k])
+    largest = [(k[0].name, size[k], category[k], _source(k[0])) for k in live_at_peak[:12]]
+    peak_node = nodes[peak_i] if nodes else None
+    return MemoryEstimate(peak, peak_node.name if peak_node is not None else "",
+                          _source(peak_node) if peak_node is not None else None,
+                          sum(size[k] for k in persistent),
+                          timeline[peak_i][1] if timeline else dict(live), timeline,
+                          traits.fuses, largest)
 
+
+def _source(n: fx.Node) -> str | None:
+    return getattr(n.meta.get("glmc"), "source", None)
+
+
+def _storages(nodes: list[fx.Node], fusion: FusionModel | None
+              ) -> tuple[dict[fx.Node, list[Key]], dict[Key, int]]:
+    """The storages each node's value lives in, and the size of every storage."""
+    storage: dict[fx.Node, list[Key]] = {}
+    size: dict[Key, int] = {}
+    for n in nodes:
+        val = n.meta.get("val")
+        if n.op in ("placeholder", "get_attr") or (n.op == "call_function" and not is_view(n)):
+            if fusion is not None and fusion.inlined(n):
+                storage[n] = []  # computed inside its consumer's kernel: no buffer
+                continue
+            vals = list(val) if isinstance(val, (tuple, list)) else [val]
+            storage[n] = [(n, i) for i in range(len(vals))]
+            size.update({(n, i): _storage_bytes(v) for i, v in enumerate(vals)})
+        elif n.op == "call_function":  # a view, getitem or in-place op: aliases its base
+            storage[n] = _aliased(n, storage)
+        else:
+            storage[n] = []
+    return storage, size
+
+
+def _aliased(n: fx.Node, storage: dict[fx.Node, list[Key]]) -> list[Key]:
+    base = n.args[0] if n.args else None
+    if not isinstance(base, fx.Node):
+        return []
+    parent = storage.get(base, [])
+    if n.target is operator.getitem:
+        idx = n.args[1]
+        return [parent[idx]] if isinstance(idx, int) and idx < len(parent) else list(parent)
+    return list(parent)
+
+
+def _last_uses(nodes: list[fx.Node], index: dict[fx.Node, int],
+               storage: dict[fx.Node, list[Key]], fusion: FusionModel | None
+               ) -> tuple[dict[Key, int], dict[Key, list[fx.Node]]]:
+    """Index of the last node reading each storage, and the nodes that read it."""
+    last_use: dict[Key, int] = {}
+    readers: dict[Key, list[fx.Node]] = {}
+    for n in nodes:
+        if fusion is not None and fusion.inlined(n):
+            continue  # its reads happen in the consumer's kernel
+        ins = fusion.reads(n) if fusion is not None and n.op == "call_function" \
+            else n.all_input_nodes
+        for a in ins:
+            for k in storage.get(a, []):
+                last_use[k] = max(last_use.get(k, -1), index[n])
+                readers.setdefault(k, []).append(n)
+    return last_use, readers
+
+
+def _timeline(nodes: list[fx.Node], storage: dict[fx.Node, list[Key]], size: dict[Key, int],
+              category: dict[Key, str], persistent: set[Key], frees: dict[int, list[Key]],
+              live: dict[str, int]) -> tuple[list[tuple[int, dict[str, int]]], int]:
+    """Live bytes per category after each node is allocated (before its frees), and the index
+    of the peak."""
     timeline: list[tuple[int, dict[str, int]]] = []
     peak, peak_i = sum(live.values()), 0
     for i, n in enumerate(nodes):
-        if n.op == "call_function" and storage.get(n):
-            for k in storage[n]:
+        if n.op == "call_function":
+            for k in storage.get(n, []):
                 if k[0] is n and k not in persistent:
                     live[category[k]] += size[k]
-        total = sum(live.values())
         timeline.append((i, dict(live)))
-        if total > peak:
-            peak, peak_i = total, i
+        if sum(live.values()) > peak:
+            peak, peak_i = sum(live.values()), i
         for k in frees.get(i, []):
             live[category[k]] -= size[k]
-    at_peak = timeline[peak_i][1] if timeline else dict(live)
-    peak_node = nodes[peak_i] if nodes else None
-    info = peak_node.meta.get("glmc") if peak_node is not None else None
-    live_at_peak = [k for k in size if k not in persistent and index[k[0]] <= peak_i
-                    <= last_use.get(k, index[k[0]])]
-    live_at_peak.sort(key=lambda k: -size[k])
-    largest = [(k[0].name, size[k], category[k],
-                getattr(k[0].meta.get("glmc"), "source", None)) for k in live_at_peak[:12]]
-    return MemoryEstimate(peak, peak_node.name if peak_node is not None else "",
-                          getattr(info, "source", None),
-                          sum(size[k] for k in persistent), at_peak, timeline, fused, largest)
+    return timeline, peak_i
 
 
 def _phase(n: fx.Node) -> Phase | None:
@@ -291,43 +214,131 @@ def _category(producer: fx.Node, readers: list[fx.Node]) -> str:
 # ---- measured ---------------------------------------------------------------------------------
 
 
+class MeasurementUnavailable(RuntimeError):
+    """The measurement cannot be taken here (e.g. the user's own profiler is running); the
+    caller should run the step unmeasured."""
+
+
 @dataclass
 class Measurement:
-    """Peak bytes allocated during one call above what was live before it, and its time."""
+    """Memory and time of one real call of a step.
 
-    peak_bytes: int  #: from the allocator (c10 on CPU, CUDA caching allocator on GPU)
+    `peak_bytes`: the peak allocated during the call above what was live before it (the
+    in-step peak; from the allocator). `persistent_bytes`: the bytes of the state tensors the
+    step read (parameters, buffers, optimizer state, batch), counted once per storage from the
+    real tensors — measured independently of the model's prediction. None when not given.
+    """
+
+    peak_bytes: int
     seconds: float
-    rss_peak_bytes: int | None = None  #: CPU only: peak RSS growth during the call
     source: str = ""
+    persistent_bytes: int | None = None
+    persistent_tensors: int = 0
+
+    @property
+    def total_peak_bytes(self) -> int | None:
+        """The whole step's peak: its state plus the in-step peak."""
+        return None if self.persistent_bytes is None else self.persistent_bytes + self.peak_bytes
 
     def to_dict(self) -> dict[str, Any]:
-        return {"peak_bytes": self.peak_bytes, "seconds": self.seconds,
-                "rss_peak_bytes": self.rss_peak_bytes, "source": self.source}
+        return {"peak_bytes": self.peak_bytes, "in_step_peak_bytes": self.peak_bytes,
+                "persistent_bytes": self.persistent_bytes,
+                "total_peak_bytes": self.total_peak_bytes, "seconds": self.seconds,
+                "source": self.source,
+                "persistent_source": (f"storage bytes of the {self.persistent_tensors} "
+                                      "tensors the step read" if self.persistent_bytes
+                                      is not None else None)}
 
 
-def measure_peak(fn: Callable[[], Any], device: str = "cpu") -> tuple[Any, Measurement]:
-    """Run `fn()` once and measure the peak bytes it allocates above the live baseline."""
+def state_bytes(tensors: Iterable[Any]) -> tuple[int, int]:
+    """(bytes, tensors): the storage bytes of `tensors`, each storage counted once (tied
+    weights, views of one buffer)."""
+    seen: set[tuple[str, int]] = set()
+    total = count = 0
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        count += 1
+        storage = t.untyped_storage()
+        key = (str(t.device), storage.data_ptr())
+        if key in seen and storage.data_ptr() != 0:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total, count
+
+
+def measure_peak(fn: Callable[[], Any], device: str = "cpu",
+                 state: Sequence[Any] | None = None) -> tuple[Any, Measurement]:
+    """Run `fn()` once and measure the peak bytes it allocates above the live baseline.
+
+    `state`: the tensors the step reads (its inputs); their storage bytes become the measured
+    persistent part. Nothing global is changed: no file descriptors are redirected and no
+    kernel state (peak RSS marks) is reset.
+    """
+    persistent, count = state_bytes(state) if state is not None else (None, 0)
+    if device != "cuda" and torch.autograd._profiler_enabled():
+        raise MeasurementUnavailable(
+            "memory: cannot measure the step's peak while another profiler runs on this "
+            "thread (the allocator events come from a profiler); the step was not run")
     if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        t0 = time.perf_counter()
+        result, peak, seconds, source = _measure_cuda(fn)
+    else:
+        result, peak, seconds, source = _measure_cpu(fn)
+    return result, Measurement(peak, seconds, source, persistent, count)
+
+
+def _measure_cuda(fn: Callable[[], Any]) -> tuple[Any, int, float, str]:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    t0 = time.perf_counter()
+    result = fn()
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    return result, torch.cuda.max_memory_allocated() - base, seconds, \
+        "torch.cuda.max_memory_allocated"
+
+
+def _measure_cpu(fn: Callable[[], Any]) -> tuple[Any, int, float, str]:
+    """Every c10 CPU allocation and free during `fn()`, from the profiler's memory events.
+
+    The legacy (non-Kineto) profiler records the same allocator events as torch.profiler
+    without Kineto's start/stop lines, which C++ prints straight to the process's stderr (only
+    an fd redirect could hide them); torch.profiler is the fallback where it is unavailable.
+    """
+    try:
+        from torch.autograd import (ProfilerConfig, ProfilerState, _disable_profiler_legacy,
+                                    _enable_profiler_legacy)
+        from torch._C._profiler import _ExperimentalConfig
+    except ImportError:
+        return _measure_cpu_kineto(fn)
+    config = ProfilerConfig(ProfilerState.CPU, False, True, False, False, False,
+                            _ExperimentalConfig())
+    t0 = time.perf_counter()
+    _enable_profiler_legacy(config)
+    try:
         result = fn()
-        torch.cuda.synchronize()
-        seconds = time.perf_counter() - t0
-        return result, Measurement(torch.cuda.max_memory_allocated() - base, seconds,
-                                   None, "torch.cuda.max_memory_allocated")
+    finally:
+        records = _disable_profiler_legacy()
+    seconds = time.perf_counter() - t0
+    start = records[0][0] if records and records[0] else None
+    deltas = [(start.cpu_elapsed_us(e), int(e.cpu_memory_usage()))
+              for thread in records for e in thread
+              if e.kind() == "memory_alloc"] if start is not None else []
+    return result, _peak_of(deltas), seconds, \
+        "c10 CPU allocator (profiler memory events)"
+
+
+def _measure_cpu_kineto(fn: Callable[[], Any]) -> tuple[Any, int, float, str]:
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
-    rss_before = _reset_peak_rss()
     t0 = time.perf_counter()
-    with _quiet_native_stderr(), profile(activities=[ProfilerActivity.CPU],
-                                         profile_memory=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn()
     seconds = time.perf_counter() - t0
-    rss_peak = _peak_rss()
-    deltas: list[tuple[int, int]] = []
+    deltas: list[tuple[float, int]] = []
 
     def walk(events: Any) -> None:
         for e in events:
@@ -335,56 +346,14 @@ def measure_peak(fn: Callable[[], Any], device: str = "cpu") -> tuple[Any, Measu
                 deltas.append((e.start_time_ns, int(e.extra_fields.alloc_size)))
             walk(e.children)
     walk(prof.profiler.kineto_results.experimental_event_tree())
-    deltas.sort(key=lambda d: d[0])
+    return result, _peak_of(deltas), seconds, \
+        "c10 CPU allocator (torch.profiler memory events)"
+
+
+def _peak_of(deltas: list[tuple[float, int]]) -> int:
+    """The highest running sum of allocation deltas, in time order."""
     live = peak = 0
-    for _, d in deltas:
+    for _, d in sorted(deltas, key=lambda x: x[0]):
         live += d
         peak = max(peak, live)
-    rss = rss_peak - rss_before if rss_peak is not None and rss_before is not None else None
-    return result, Measurement(peak, seconds, rss,
-                               "c10 CPU allocator (torch.profiler memory events)")
-
-
-@contextlib.contextmanager
-def _quiet_native_stderr() -> Iterator[None]:
-    """Kineto prints start/stop lines from C++ straight to fd 2; keep them out of the user's
-    terminal. Python exceptions raised meanwhile still carry their messages."""
-    try:
-        saved = os.dup(2)
-    except OSError:
-        yield
-        return
-    try:
-        with open(os.devnull, "w") as null:
-            sys.stderr.flush()
-            os.dup2(null.fileno(), 2)
-            yield
-    finally:
-        sys.stderr.flush()
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
-def _status_kb(field_name: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field_name + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def _reset_peak_rss() -> int | None:
-    """Reset the kernel's peak-RSS mark (Linux clear_refs) and return the current RSS."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return None
-    return _status_kb("VmRSS")
-
-
-def _peak_rss() -> int | None:
-    return _status_kb("VmHWM")
+    return peak

@@ -42,9 +42,57 @@ def _freeze(v: Any) -> Any:
     return tuple(v) if isinstance(v, (list, tuple)) else v
 
 
+def _opmath(t: Tensor) -> torch.dtype:
+    """The dtype ATen's CPU kernels compute `t`'s elementwise ops in (float32 for bf16/fp16)."""
+    return torch.float32 if t.dtype in (torch.bfloat16, torch.float16) else t.dtype
+
+
 def _scalar(x: Tensor, like: Tensor) -> Tensor:
-    """A float64 scalar rounded once to the parameter dtype, as Python floats are in eager."""
-    return x.to(like.dtype)
+    """A float64 scalar rounded once to `like`'s opmath dtype, as ATen rounds a Python float
+    argument (`mul(t, 0.9)`, `addcdiv(..., value=s)`); a 0-d tensor of that dtype is read
+    unrounded by the kernels of `like`'s dtype."""
+    return x.to(_opmath(like))
+
+
+def _py_pow(base: Tensor, exp: float) -> Tensor:
+    """`base ** exp` as Python computes it for a float: libm's `pow` (ATen's
+    `pow.Tensor_Tensor` runs `std::pow` on a 0-d tensor). Not `sqrt` for 0.5: ATen's
+    `pow.Tensor_Scalar(x, 0.5)` is `sqrt`, and libm's `pow(x, 0.5)` is one ulp off the correctly
+    rounded `sqrt(x)` for about 2% of Adam's bias corrections."""
+    return torch.pow(base, torch.full_like(base, exp))
+
+
+def _add_scaled(p: Tensor, g: Tensor, scale: Tensor) -> Tensor:
+    """`p.add(g, alpha=scale)` with `scale` a float64 0-d tensor (`alpha` must be a number).
+    `add` rounds `alpha` to the param dtype and its vector kernel is a fused multiply-add where
+    ATen's CPU kernels are built with FMA (AVX2, AVX-512), a multiply then an add where not
+    (DEFAULT); `addcmul`'s `p + 1 * g * scale` compiles to the same instructions on each, while
+    `p + scale * g` always rounds twice. (bf16/fp16 params: `add`'s scalar tail rounds per op,
+    its vector body once, so no elementwise formula matches every element; this matches the
+    vector body.)"""
+    return torch.addcmul(p, g, scale.to(p.dtype))
+
+
+def _addcdiv(p: Tensor, t1: Tensor, t2: Tensor, value: Tensor) -> Tensor:
+    """`p.addcdiv(t1, t2, value=value)` with `value` a 0-d tensor (`value` must be a number):
+    the kernel computes `p + (value * t1) / t2` in the opmath dtype and rounds once."""
+    o = _opmath(p)
+    return torch.addcdiv(p.to(o), t1.to(o) * value, t2.to(o)).to(p.dtype)
+
+
+def _up(ts: list[Tensor]) -> list[Tensor]:
+    return [t.to(_opmath(t)) for t in ts]  # no op for float32
+
+
+def _down(ts: list[Tensor], like: list[Tensor]) -> list[Tensor]:
+    return [t.to(p.dtype) for t, p in zip(ts, like)]
+
+
+def _bias_corrections(beta1: float, beta2: float, step: Tensor) -> tuple[Tensor, Tensor]:
+    """`1 - beta1 ** step` and `(1 - beta2 ** step) ** 0.5` in float64, as torch computes them
+    in Python on `step.item()` (single-tensor path, capturable=False)."""
+    step64 = step.to(torch.float64)
+    return 1 - torch.pow(beta1, step64), _py_pow(1 - torch.pow(beta2, step64), 0.5)
 
 
 # ---- SGD -------------------------------------------------------------------------------------
@@ -65,6 +113,7 @@ def _sgd_init(p: Tensor, group: dict) -> State:
 
 
 def _sgd_update(p: Tensor, g: Tensor, s: State, lr: Tensor, group: dict) -> tuple[Tensor, State]:
+    """torch's `_single_tensor_sgd`, op for op."""
     wd, momentum = group["weight_decay"], group["momentum"]
     if group["maximize"]:
         g = -g
@@ -75,7 +124,7 @@ def _sgd_update(p: Tensor, g: Tensor, s: State, lr: Tensor, group: dict) -> tupl
         buf = s["momentum_buffer"].mul(momentum).add(g, alpha=1 - group["dampening"])
         new["momentum_buffer"] = buf
         g = g.add(buf, alpha=momentum) if group["nesterov"] else buf
-    return p - _scalar(lr, p) * g, new
+    return _add_scaled(p, g, -lr), new  # param.add_(grad, alpha=-lr)
 
 
 # ---- Adam / AdamW ----------------------------------------------------------------------------
@@ -95,6 +144,7 @@ def _adam_init(p: Tensor, group: dict) -> State:
 
 def _adam_update(p: Tensor, g: Tensor, s: State, lr: Tensor, group: dict,
                  decoupled: bool) -> tuple[Tensor, State]:
+    """torch's `_single_tensor_adam` (capturable=False), op for op."""
     beta1, beta2 = group["betas"]
     wd, eps = group["weight_decay"], group["eps"]
     if group["maximize"]:
@@ -102,26 +152,27 @@ def _adam_update(p: Tensor, g: Tensor, s: State, lr: Tensor, group: dict,
     step = s["step"] + 1
     if wd != 0:
         if decoupled:
-            p = p * _scalar(1 - lr * wd, p)
+            p = p * _scalar(1 - lr * wd, p)  # param.mul_(1 - lr * weight_decay)
         else:
             g = g.add(p, alpha=wd)
     exp_avg = s["exp_avg"].lerp(g, 1 - beta1)
     exp_avg_sq = s["exp_avg_sq"].mul(beta2).addcmul(g, g, value=1 - beta2)
-    step64 = step.to(torch.float64)
-    bc1 = 1 - torch.pow(beta1, step64)
-    bc2_sqrt = (1 - torch.pow(beta2, step64)).sqrt()
+    bc1, bc2_sqrt = _bias_corrections(beta1, beta2, step)
     new = {"step": step, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     second = exp_avg_sq
     if group["amsgrad"]:
         second = torch.maximum(s["max_exp_avg_sq"], exp_avg_sq)
         new["max_exp_avg_sq"] = second
     denom = (second.sqrt() / _scalar(bc2_sqrt, p)).add(eps)
-    step_size = _scalar(lr / bc1, p)
-    return p + (-step_size) * (exp_avg / denom), new
+    # param.addcdiv_(exp_avg, denom, value=-step_size): the kernel computes
+    # p + (value * exp_avg) / denom with value rounded to the param dtype
+    return _addcdiv(p, exp_avg, denom, _scalar(-(lr / bc1), p)), new
 
 
 def _adam_foreach(ps: list[Tensor], gs: list[Tensor], ss: list[State], lr: Tensor, group: dict,
                   decoupled: bool) -> tuple[list[Tensor], list[State]]:
+    """`_adam_update` with `_foreach_*` ops; torch's `_multi_tensor_adam` (capturable=False)
+    computes the same per tensor on CPU."""
     fe = torch
     beta1, beta2 = group["betas"]
     wd, eps = group["weight_decay"], group["eps"]
@@ -136,16 +187,16 @@ def _adam_foreach(ps: list[Tensor], gs: list[Tensor], ss: list[State], lr: Tenso
     exp_avg = fe._foreach_lerp([s["exp_avg"] for s in ss], gs, 1 - beta1)
     exp_avg_sq = fe._foreach_addcmul(fe._foreach_mul([s["exp_avg_sq"] for s in ss], beta2),
                                      gs, gs, value=1 - beta2)
-    step64 = [st.to(torch.float64) for st in steps]
-    bc1 = [1 - torch.pow(beta1, st) for st in step64]
-    bc2_sqrt = [(1 - torch.pow(beta2, st)).sqrt() for st in step64]
+    bcs = [_bias_corrections(beta1, beta2, st) for st in steps]
     second = exp_avg_sq
     if group["amsgrad"]:
         second = fe._foreach_maximum([s["max_exp_avg_sq"] for s in ss], exp_avg_sq)
     denom = fe._foreach_add(fe._foreach_div(fe._foreach_sqrt(second),
-                                            [_scalar(b, p) for b, p in zip(bc2_sqrt, ps)]), eps)
-    neg_step = [-_scalar(lr / b, p) for b, p in zip(bc1, ps)]
-    new_ps = fe._foreach_add(ps, fe._foreach_mul(fe._foreach_div(exp_avg, denom), neg_step))
+                                            [_scalar(b2, p) for (_, b2), p in zip(bcs, ps)]), eps)
+    neg_step = [_scalar(-(lr / b1), p) for (b1, _), p in zip(bcs, ps)]
+    # param.addcdiv_(exp_avg, denom, value=-step_size) per tensor, as `_addcdiv`
+    new_ps = _down(fe._foreach_addcdiv(_up(ps), fe._foreach_mul(_up(exp_avg), neg_step),
+                                       _up(denom)), ps)
     news = []
     for i in range(len(ps)):
         new = {"step": steps[i], "exp_avg": exp_avg[i], "exp_avg_sq": exp_avg_sq[i]}
@@ -157,6 +208,7 @@ def _adam_foreach(ps: list[Tensor], gs: list[Tensor], ss: list[State], lr: Tenso
 
 def _sgd_foreach(ps: list[Tensor], gs: list[Tensor], ss: list[State], lr: Tensor,
                  group: dict) -> tuple[list[Tensor], list[State]]:
+    """`_sgd_update` with `_foreach_*` ops (torch's `_multi_tensor_sgd` on CPU)."""
     fe = torch
     wd, momentum = group["weight_decay"], group["momentum"]
     if group["maximize"]:
@@ -170,8 +222,8 @@ def _sgd_foreach(ps: list[Tensor], gs: list[Tensor], ss: list[State], lr: Tensor
         for new, b in zip(news, bufs):
             new["momentum_buffer"] = b
         gs = fe._foreach_add(gs, bufs, alpha=momentum) if group["nesterov"] else bufs
-    steps = [_scalar(lr, p) for p in ps]
-    return fe._foreach_sub(ps, fe._foreach_mul(gs, steps)), news
+    # _foreach_add_(params, grads, alpha=-lr), rounded as `_add_scaled` explains
+    return fe._foreach_addcmul(ps, gs, [(-lr).to(p.dtype) for p in ps]), news
 
 
 def _is_decoupled(group: dict, default: bool) -> bool:

@@ -6,6 +6,7 @@ The manager — not the passes — times, verifies, snapshots counts, records pr
 from __future__ import annotations
 
 import dataclasses
+import enum
 import re
 import time
 from dataclasses import dataclass, field
@@ -16,17 +17,50 @@ import torch.fx as fx
 
 from glmc.errors import GlmcError, PassError, PipelineError
 from glmc.ir import TrainGraph
+from glmc.target import EAGER, BackendTraits
+
+
+class Effect(enum.Enum):
+    """What running a pass does to the step, beyond rewriting nodes. The pipeline is
+    validated from these declarations."""
+
+    REDERIVES = "rederives"  #: rebuilds the backward and update from the forward (fusion)
+    EDITS_BACKWARD = "edits_backward"  #: rewrites backward nodes in place (recompute)
+    INSERTS_COMM = "inserts_comm"  #: adds communication nodes (sharding)
+    ADDS_STATE = "adds_state"  #: appends inputs/outputs to the step (loss-scaler state)
+
+
+class Need(enum.Enum):
+    """What a pass needs from the step it runs on."""
+
+    STEP = "step"  #: a whole training step with its optimizer recorded (not a joint graph)
+    VALUE_STATS = "value_stats"  #: recorded per-module value ranges (`glmc.valuestats`)
+    STAGES = "stages"  #: stage boundaries (a multi-stage program)
+
+
+def provided(graph: TrainGraph) -> frozenset[Need]:
+    """What `graph` offers to passes' needs."""
+    have = set()
+    if graph.meta.get("optimizer") is not None:
+        have.add(Need.STEP)
+    if graph.meta.get("value_stats") is not None:
+        have.add(Need.VALUE_STATS)
+    if graph.meta.get("stages") is not None:
+        have.add(Need.STAGES)
+    return frozenset(have)
 
 
 @dataclass(frozen=True)
 class PassContext:
-    """What a pass may know about the compile: the target backend and user options."""
+    """Facts about the compile target — never options (those live on the passes): the
+    backend's traits and the device profile the cost model predicts for."""
 
-    backend: str = "eager"
-    memory_budget: Any = None
-    precision: str | None = None
-    target: Any = None
+    traits: BackendTraits = EAGER
     profile: Any = None  #: cost-model device profile (see glmc.cost.get_profile)
+
+    @property
+    def backend(self) -> str:
+        return self.traits.name
 
 
 @dataclass(frozen=True)
@@ -37,21 +71,53 @@ class PassResult:
 
 @dataclass(frozen=True)
 class Pass:
-    """A rewrite of a TrainGraph. Subclasses are frozen dataclasses whose fields are options."""
+    """A rewrite of a TrainGraph. Subclasses are frozen dataclasses whose fields are options.
+
+    A pass declares its contract: `needs()` (what the step must offer) and `effects()` (what
+    running it does: re-derive the backward, edit it, insert communication, add state). Both
+    may depend on the options. `spelling()` parses back to an equal pass.
+    """
 
     name: ClassVar[str] = "abstract"
-    #: may add inputs/outputs to the step (never remove or reorder them), e.g. loss-scaler state
-    changes_signature: ClassVar[bool] = False
 
     def run(self, graph: TrainGraph, ctx: PassContext) -> PassResult:
         raise NotImplementedError
+
+    def needs(self) -> frozenset[Need]:
+        return frozenset()
+
+    def effects(self) -> frozenset[Effect]:
+        return frozenset()
+
+    @property
+    def changes_signature(self) -> bool:
+        return Effect.ADDS_STATE in self.effects()
 
     def options(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     def spelling(self) -> str:
-        opts = ",".join(f"{k}={v}" for k, v in self.options().items())
+        """`name{key=value,...}` with the options that differ from their defaults."""
+        opts = ",".join(f"{f.name}={_spell(getattr(self, f.name))}"
+                        for f in dataclasses.fields(self)
+                        if getattr(self, f.name) != _default(f))
         return f"{self.name}{{{opts}}}" if opts else self.name
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return dataclasses.MISSING
+
+
+def _spell(value: Any) -> str:
+    if isinstance(value, dict):
+        return ";".join(f"{k}:{v}" for k, v in value.items())
+    if isinstance(value, float) and value.is_integer() and abs(value) >= 1e6:
+        return repr(value)
+    return str(value)
 
 
 @dataclass(frozen=True)
@@ -93,6 +159,7 @@ class PassManager:
     def run(self, graph: TrainGraph, ctx: PassContext | None = None) -> TrainGraph:
         ctx = ctx or PassContext()
         graph.verify()
+        check_needs([p for p in self.passes if p.name not in self.disabled], provided(graph))
         self.initial = self.observe(graph) if self.observe else None
         self._dump(graph, 0, "captured")
         last = self.initial
@@ -139,6 +206,37 @@ class PassManager:
         graph.gm.recompile()
         return PassRecord(p.name, p.options(), result.changed, result.stats, seconds,
                           before, len(graph.graph.nodes))
+
+
+def check_order(passes: list[Pass]) -> None:
+    """A pass that re-derives the backward must not follow one whose backward edits (or
+    collectives) it would throw away."""
+    for j, later in enumerate(passes):
+        if Effect.REDERIVES not in later.effects():
+            continue
+        for earlier in passes[:j]:
+            lost = earlier.effects() & {Effect.EDITS_BACKWARD, Effect.INSERTS_COMM}
+            if lost:
+                what = " and ".join(sorted(e.value for e in lost))
+                raise PipelineError(f"pipeline: '{later.name}' re-derives the backward and would "
+                                    f"undo '{earlier.name}' ({what}); put '{later.name}' first")
+
+
+def check_needs(passes: list[Pass], have: frozenset[Need]) -> None:
+    """Every pass's needs are offered by the step; one error lists every pass that lacks any."""
+    missing = [(p, p.needs() - have) for p in passes if p.needs() - have]
+    if not missing:
+        return
+    why = {Need.STEP: "a whole training step with its optimizer (glmc.optimize / glmc compile; "
+                      "not the torch.compile drop-in's joint graph, which is partitioned "
+                      "after the passes)",
+           Need.VALUE_STATS: "recorded value ranges (the runtime records them on the example "
+                             "batch before the passes run)",
+           Need.STAGES: "a multi-stage program (stage boundaries)"}
+    lines = [f"  {p.spelling()}: needs {'; '.join(why[n] for n in sorted(m, key=str))}"
+             for p, m in missing]
+    raise PipelineError("pipeline: passes need what this step does not offer:\n"
+                        + "\n".join(lines))
 
 
 def _check_extends(old: tuple, new: tuple) -> None:

@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
-from glmc.capture import CaptureSource, _build_step, _joint_export
 from glmc.errors import ConfigError, PassError
 from glmc.ir import InputSpec, OutputKind, Phase, Role, TrainGraph
 from glmc.scaler import LossScaling
+from glmc.step import OptimizerSpec, StepSpec, build_step, fake_of, joint_export
 
 _FORWARD_ROLES = (Role.PARAMETER, Role.BUFFER, Role.INPUT)
 
@@ -41,15 +44,6 @@ class ForwardProgram:
     @property
     def graph(self) -> fx.Graph:
         return self.gm.graph
-
-
-def source_of(graph: TrainGraph, what: str) -> CaptureSource:
-    source = graph.meta.get("source")
-    if source is None:
-        raise ConfigError(f"{what}: needs the model the step was captured from; it works on steps "
-                          "captured by glmc.optimize / glmc compile, not on the torch.compile "
-                          "drop-in's joint graphs")
-    return source
 
 
 def forward_program(graph: TrainGraph) -> ForwardProgram:
@@ -80,17 +74,36 @@ def forward_program(graph: TrainGraph) -> ForwardProgram:
 
 
 class _Replay(nn.Module):
-    """The user's model whose forward is a (rewritten) forward program, for AOTAutograd."""
+    """Parameters and buffers named as in the step — fake tensors built from the IR's specs —
+    whose forward runs a (rewritten) forward program; what AOTAutograd differentiates."""
 
-    def __init__(self, model: nn.Module, program: ForwardProgram) -> None:
+    def __init__(self, graph: TrainGraph, program: ForwardProgram, mode: Any) -> None:
         super().__init__()
-        self.model = model
         object.__setattr__(self, "program", program)  # not a submodule: no extra parameters
+        updated = {s.target for s in graph.outputs if s.kind is OutputKind.PARAM}
+        for ph, spec in zip(graph.placeholders(), graph.inputs):
+            if spec.role not in (Role.PARAMETER, Role.BUFFER):
+                continue
+            owner, _, leaf = self._owner(spec.target)
+            value = fake_of(TrainGraph.info(ph).spec, mode)
+            if spec.role is Role.PARAMETER:
+                owner.register_parameter(leaf, nn.Parameter(value, spec.target in updated))
+            else:
+                owner.register_buffer(leaf, value)
+
+    def _owner(self, target: str) -> tuple[nn.Module, str, str]:
+        module: nn.Module = self
+        *path, leaf = target.split(".")
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, nn.Module())
+            module = getattr(module, part)
+        return module, ".".join(path), leaf
 
     def forward(self, *leaves: torch.Tensor) -> tuple[torch.Tensor]:
         program: ForwardProgram = self.program  # type: ignore[assignment]
-        params = dict(self.model.named_parameters())
-        buffers = dict(self.model.named_buffers())
+        params = dict(self.named_parameters())
+        buffers = dict(self.named_buffers())
         args = []
         mutated = set(program.buffers)
         for spec in program.inputs:
@@ -114,23 +127,24 @@ def rederive(graph: TrainGraph, program: ForwardProgram,
              scaling: LossScaling | None = None, foreach: bool | None = None) -> None:
     """Replace `graph` in place by the step of `program`: its backward derived by AOTAutograd,
     the optimizer update appended (with in-graph loss scaling if `scaling`; as multi-tensor
-    ops if `foreach`, by default as `graph`'s update was)."""
+    ops if `foreach`, by default as `graph`'s update was). Works from the IR alone: the
+    parameters, state and batch are fake tensors made from the recorded specs."""
     if foreach is None:
         foreach = bool(graph.meta.get("foreach_update"))
-    source = source_of(graph, "rederive")
+    optimizer = graph.meta.get("optimizer")
+    if not isinstance(optimizer, OptimizerSpec):
+        raise ConfigError("rederive: the step records no optimizer (a torch.compile drop-in "
+                          "joint graph has none); run this pass through glmc.optimize")
     program.gm.recompile()
-    args, kwargs = source.batch
-    leaves = [*args, *kwargs.values()]
-    replay = _Replay(source.model, program)
-    model = source.model
-    was_training = model.training
-    model.train()
-    try:
-        with contextlib.ExitStack() as stack, fx_traceback.preserve_node_meta():
-            joint = _joint_export(stack, replay, (tuple(leaves), {}))
-            new = _build_step(joint.graph_module, model, source.optimizer, scaling, foreach)
-    finally:
-        model.train(was_training)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    specs = {s.target: TrainGraph.info(ph).spec for ph, s in zip(graph.placeholders(), graph.inputs)}
+    batch = sorted((int(t.split(":")[1]), s) for t, s in specs.items() if t.startswith("input:"))
+    leaves = tuple(fake_of(s, mode) for _, s in batch)
+    state = {s.target: specs[s.target] for s in graph.inputs if s.role is Role.OPTIMIZER_STATE}
+    replay = _Replay(graph, program, mode)
+    with contextlib.ExitStack() as stack, fx_traceback.preserve_node_meta():
+        joint = joint_export(stack, replay, leaves, {})
+        new = build_step(joint.graph_module, StepSpec(optimizer, state, scaling, foreach))
     _conform(new, graph)
     graph.gm, graph.inputs, graph.outputs = new.gm, new.inputs, new.outputs
     graph.meta.update(new.meta)

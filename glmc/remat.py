@@ -245,112 +245,153 @@ def milp(p: Problem, target: int | None, time_limit: float = 30.0,
     return best
 
 
+class _Milp:
+    """The recompute MILP: its variable layout and its constraint rows, one family per method.
+
+    Variables: r_i (binary), s_i (binary), then per time point t: made[i,t] (copy made at or
+    before t), prev[i,t] (made before t), live[i,t], kept[i,t] (continuous in [0, 1]; made/prev
+    are pinned to exact 0/1 values by the binaries, live/kept are pushed to their lower bounds),
+    then M (peak). Rows are collected as COO triplets so the sparse matrix is built once."""
+
+    def __init__(self, p: Problem, points: list[int]) -> None:
+        self.p, self.points = p, points
+        self.n_u = n_u = len(p.units)
+        self.R0, self.S0 = 0, n_u
+        self.base = 2 * n_u
+        self.nvar = self.base + 4 * n_u * len(points) + 1
+        self.M = self.nvar - 1
+        self.rows: list[int] = []
+        self.cols: list[int] = []
+        self.vals: list[float] = []
+        self.lo: list[float] = []
+        self.hi: list[float] = []
+        self.row = 0
+
+    def made(self, i: int, k: int) -> int:
+        return self.base + (4 * k) * self.n_u + i
+
+    def prev(self, i: int, k: int) -> int:
+        return self.base + (4 * k + 1) * self.n_u + i
+
+    def live(self, i: int, k: int) -> int:
+        return self.base + (4 * k + 2) * self.n_u + i
+
+    def kept(self, i: int, k: int) -> int:
+        return self.base + (4 * k + 3) * self.n_u + i
+
+    def add(self, coefs: dict[int, float], lower: float, upper: float) -> None:
+        for c, v in coefs.items():
+            self.rows.append(self.row)
+            self.cols.append(c)
+            self.vals.append(v)
+        self.lo.append(lower)
+        self.hi.append(upper)
+        self.row += 1
+
+    def add_units(self) -> None:
+        """What holds whatever the time: a needed unit is kept or recomputed, and a recompute
+        reads inputs that exist (kept or recomputed themselves)."""
+        R0, S0 = self.R0, self.S0
+        for i, u in enumerate(self.p.units):
+            if u.needed:
+                self.add({R0 + i: 1, S0 + i: 1}, 1, np.inf)  # available to the backward
+            for j in u.inputs:
+                self.add({S0 + j: 1, R0 + j: 1, R0 + i: -1}, 0, np.inf)  # inputs exist
+
+    def add_point(self, k: int, t: int) -> None:
+        """The rows of time point t (the k-th): when each copy exists, what is live, and the
+        memory bound, in this order per unit and then the memory row."""
+        for i, u in enumerate(self.p.units):
+            self._add_made(i, u, k, t)
+            if u.produced <= t:
+                self._add_live(i, u, k, t)
+        self._add_memory(k, t)
+
+    def _add_made(self, i: int, u: Unit, k: int, t: int) -> None:
+        # made[i,t] = r_i and (read directly by t, or a consumer's copy made by t): the copy
+        # is made exactly when first needed, as the rewriter places it; prev[i,t] is the same
+        # at t - 1
+        inf, R0, consumers = np.inf, self.R0, self.p.consumers[i]
+        for var, when in ((self.made, t), (self.prev, t - 1)):
+            direct = bool(u.bwd_reads) and u.bwd_reads[0] <= when
+            if direct:
+                self.add({var(i, k): 1, R0 + i: -1}, 0, inf)
+            self.add({var(i, k): 1, R0 + i: -1}, -inf, 0)
+            if not direct:
+                self.add({var(i, k): 1, **{var(c, k): -1 for c in consumers}}, -inf, 0)
+            for c in consumers:
+                # a consumer's copy made by then needs this unit's copy (if recomputed)
+                self.add({var(i, k): 1, var(c, k): -1, R0 + i: -1}, -1, inf)
+
+    def _add_live(self, i: int, u: Unit, k: int, t: int) -> None:
+        # only after the forward's last read: before it the baseline already counts the unit
+        if u.last_fwd >= t:
+            return
+        inf, R0, S0 = np.inf, self.R0, self.S0
+        made, prev, live, kept = self.made, self.prev, self.live, self.kept
+        last_direct = u.bwd_reads[-1] if u.bwd_reads else -1
+        # copy live at t: made by t and still to be read at or after t
+        if last_direct >= t:
+            self.add({live(i, k): 1, made(i, k): -1}, 0, inf)
+            self.add({kept(i, k): 1, S0 + i: -1}, 0, inf)  # stored and still needed
+        for c in self.p.consumers[i]:
+            # a consumer copy made at or after t still reads it
+            self.add({live(i, k): 1, made(i, k): -1, R0 + c: -1, prev(c, k): 1}, -1, inf)
+            self.add({kept(i, k): 1, S0 + i: -1, R0 + c: -1, prev(c, k): 1}, -1, inf)
+
+    def _add_memory(self, k: int, t: int) -> None:
+        coefs = {self.M: -1.0}
+        for i, u in enumerate(self.p.units):
+            if u.produced <= t and u.last_fwd < t:
+                coefs[self.live(i, k)] = float(u.size)
+                coefs[self.kept(i, k)] = float(u.size)
+        self.add(coefs, -np.inf, -float(self.p.fixed[t]))
+
+    def objective(self, target: int | None
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(cost, integrality, lower, upper). Costs are scaled so the peak term dominates the
+        recompute term, which dominates the tie-break toward keeping less."""
+        p, nvar, R0, S0, M = self.p, self.nvar, self.R0, self.S0, self.M
+        integrality = np.zeros(nvar)
+        integrality[: 2 * self.n_u] = 1
+        lb = np.zeros(nvar)
+        ub = np.ones(nvar)
+        for i, u in enumerate(p.units):
+            if not u.recomputable:
+                ub[R0 + i] = 0
+        lb[M], ub[M] = 0, np.inf
+        scale = max(float(np.max(p.base)), 1.0)
+        cost = np.zeros(nvar)
+        total_cost = sum(u.cost for u in p.units) + 1e-12
+        if target is None:
+            cost[M] = 1.0 / scale  # minimize the peak first ...
+            for i, u in enumerate(p.units):
+                cost[R0 + i] = 1e-4 * u.cost / total_cost  # ... then recompute time
+        else:
+            ub[M] = float(target)
+            for i, u in enumerate(p.units):
+                cost[R0 + i] = u.cost / total_cost
+        for i, u in enumerate(p.units):  # a tie-break toward keeping less
+            cost[S0 + i] = 1e-7 * u.size / scale
+        return cost, integrality, lb, ub
+
+
 def _solve(p: Problem, points: list[int], target: int | None, time_limit: float,
            scipy_milp, Bounds, LinearConstraint, coo_matrix):
-    n_u = len(p.units)
-    # variables: r_i (binary), s_i (binary), then per time point t: made[i,t] (copy made at
-    # or before t), prev[i,t] (made before t), live[i,t], kept[i,t] (continuous in [0, 1];
-    # made/prev are pinned to exact 0/1 values by the binaries, live/kept are pushed to
-    # their lower bounds), then M (peak)
-    T = len(points)
-    R0, S0 = 0, n_u
-    base = 2 * n_u
-    nvar = base + 4 * n_u * T + 1
-    M = nvar - 1
-
-    def made(i: int, k: int) -> int:
-        return base + (4 * k) * n_u + i
-
-    def prev(i: int, k: int) -> int:
-        return base + (4 * k + 1) * n_u + i
-
-    def live(i: int, k: int) -> int:
-        return base + (4 * k + 2) * n_u + i
-
-    def kept(i: int, k: int) -> int:
-        return base + (4 * k + 3) * n_u + i
-
-    rows, cols, vals, lo, hi = [], [], [], [], []
-    row = 0
-
-    def add(coefs: dict[int, float], lower: float, upper: float) -> None:
-        nonlocal row
-        for c, v in coefs.items():
-            rows.append(row)
-            cols.append(c)
-            vals.append(v)
-        lo.append(lower)
-        hi.append(upper)
-        row += 1
-
-    inf = np.inf
-    for i, u in enumerate(p.units):
-        if u.needed:
-            add({R0 + i: 1, S0 + i: 1}, 1, inf)  # available to the backward
-        for j in u.inputs:
-            add({S0 + j: 1, R0 + j: 1, R0 + i: -1}, 0, inf)  # inputs of a recompute exist
+    """One MILP solve at `points`: (recomputed units, relative gap), or None if HiGHS found no
+    solution in time. scipy is passed in because `milp` imports it lazily, once."""
+    m = _Milp(p, points)
+    m.add_units()
     for k, t in enumerate(points):
-        for i, u in enumerate(p.units):
-            # made[i,t] = r_i and (read directly by t, or a consumer's copy made by t): the
-            # copy is made exactly when first needed, as the rewriter places it; prev[i,t]
-            # is the same at t - 1
-            for var, when in ((made, t), (prev, t - 1)):
-                direct = bool(u.bwd_reads) and u.bwd_reads[0] <= when
-                if direct:
-                    add({var(i, k): 1, R0 + i: -1}, 0, inf)
-                add({var(i, k): 1, R0 + i: -1}, -inf, 0)
-                if not direct:
-                    add({var(i, k): 1, **{var(c, k): -1 for c in p.consumers[i]}}, -inf, 0)
-                for c in p.consumers[i]:
-                    # a consumer's copy made by then needs this unit's copy (if recomputed)
-                    add({var(i, k): 1, var(c, k): -1, R0 + i: -1}, -1, inf)
-            if u.produced > t:
-                continue
-            last_direct = u.bwd_reads[-1] if u.bwd_reads else -1
-            if u.last_fwd < t:
-                # copy live at t: made by t and still to be read at or after t
-                if last_direct >= t:
-                    add({live(i, k): 1, made(i, k): -1}, 0, inf)
-                    add({kept(i, k): 1, S0 + i: -1}, 0, inf)  # stored and still needed
-                for c in p.consumers[i]:
-                    # a consumer copy made at or after t still reads it
-                    add({live(i, k): 1, made(i, k): -1, R0 + c: -1, prev(c, k): 1}, -1, inf)
-                    add({kept(i, k): 1, S0 + i: -1, R0 + c: -1, prev(c, k): 1}, -1, inf)
-        # memory at t
-        coefs = {M: -1.0}
-        for i, u in enumerate(p.units):
-            if u.produced <= t and u.last_fwd < t:
-                coefs[live(i, k)] = float(u.size)
-                coefs[kept(i, k)] = float(u.size)
-        add(coefs, -inf, -float(p.fixed[t]))
-    integrality = np.zeros(nvar)
-    integrality[: 2 * n_u] = 1
-    lb = np.zeros(nvar)
-    ub = np.ones(nvar)
-    for i, u in enumerate(p.units):
-        if not u.recomputable:
-            ub[R0 + i] = 0
-    lb[M], ub[M] = 0, inf
-    scale = max(float(np.max(p.base)), 1.0)
-    cost = np.zeros(nvar)
-    total_cost = sum(u.cost for u in p.units) + 1e-12
-    if target is None:
-        cost[M] = 1.0 / scale  # minimize the peak first ...
-        for i, u in enumerate(p.units):
-            cost[R0 + i] = 1e-4 * u.cost / total_cost  # ... then recompute time
-    else:
-        ub[M] = float(target)
-        for i, u in enumerate(p.units):
-            cost[R0 + i] = u.cost / total_cost
-    for i, u in enumerate(p.units):  # a tie-break toward keeping less
-        cost[S0 + i] = 1e-7 * u.size / scale
-    a = coo_matrix((vals, (rows, cols)), shape=(row, nvar)).tocsr()
-    res = scipy_milp(cost, constraints=LinearConstraint(a, np.array(lo), np.array(hi)),
+        m.add_point(k, t)
+    cost, integrality, lb, ub = m.objective(target)
+    a = coo_matrix((m.vals, (m.rows, m.cols)), shape=(m.row, m.nvar)).tocsr()
+    res = scipy_milp(cost, constraints=LinearConstraint(a, np.array(m.lo), np.array(m.hi)),
                      integrality=integrality, bounds=Bounds(lb, ub),
                      options={"time_limit": max(time_limit, 1.0), "disp": False,
                               "mip_rel_gap": 1e-4})
     if res.x is None:
         return None
-    r = frozenset(i for i in range(n_u) if res.x[R0 + i] > 0.5)
+    r = frozenset(i for i in range(m.n_u) if res.x[m.R0 + i] > 0.5)
     gap = getattr(res, "mip_gap", None)
     return r, (float(gap) if gap is not None else None)

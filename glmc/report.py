@@ -2,7 +2,12 @@
 
 `Report.to_dict()` is the whole truth (it is what `report.json` holds); the terminal summary
 and `report.html` are rendered from that dict alone, so `glmc report DIR` can re-render them
-from a saved `report.json`.
+from a saved `report.json`. Each pass's own part of the report comes from its stats
+(`report_section`, see glmc.report_parts) and is stored with the pass in report.json.
+
+Memory is reported predicted and measured side by side, each split into the state the step
+reads (persistent) and what it allocates while it runs (in-step); `errors` holds the model's
+relative error on the whole peak and on each part separately.
 """
 from __future__ import annotations
 
@@ -18,8 +23,12 @@ import torch
 
 from glmc.errors import Offense
 from glmc.passmanager import PassRecord
+from glmc.report_html import render_html
+from glmc.report_parts import (MiB, SectionContext, brief_stats, measured_peak, mib, ms,
+                               pass_state, pct, section_of)
 
-MiB = 1024 * 1024
+__all__ = ["CompileRecord", "Report", "load", "summary", "render_html", "MiB", "mib", "ms",
+           "pct", "pass_state"]
 
 
 @dataclass
@@ -41,7 +50,6 @@ class CompileRecord:
 
     def to_dict(self) -> dict[str, Any]:
         steps = self.step_seconds[1:] or self.step_seconds  # the first call warms caches
-        measured_time = statistics.median(steps) if steps else None
         out = {"batch": self.batch, "backend": self.backend,
                "capture_seconds": round(self.capture_seconds, 4),
                "passes_seconds": round(self.passes_seconds, 4),
@@ -52,23 +60,49 @@ class CompileRecord:
                "predicted_captured": self.predicted_captured, "predicted": self.predicted,
                "measured": dict(self.measured) if self.measured else None,
                "steps_run": len(self.step_seconds),
-               "measured_step_seconds": measured_time, "warnings": list(self.warnings)}
+               "measured_step_seconds": statistics.median(steps) if steps else None,
+               "warnings": list(self.warnings)}
+        out["measured_peak_bytes"], out["measured_state_from"] = measured_peak(out)
         out["errors"] = _errors(out)
+        for entry, ctx, record in zip(out["passes"], _section_contexts(out), self.history):
+            section = section_of(record.stats, ctx)
+            entry["section"] = section.to_dict() if section is not None else None
         return out
 
 
+def _section_contexts(c: dict[str, Any]) -> list[SectionContext]:
+    """For each pass of a compile: whether it changed the step, the prediction before and
+    after it, and the measured peak of the compiled step."""
+    captured = c.get("predicted_captured")
+    last = {"seconds": captured["time"]["seconds"],
+            "peak_bytes": captured["memory"]["peak_bytes"]} if captured else {}
+    out = []
+    for r in c["passes"]:
+        after = r.get("predicted") or {}
+        out.append(SectionContext(r["changed"], last, after, c.get("measured_peak_bytes")))
+        last = after or last
+    return out
+
+
 def _errors(c: dict[str, Any]) -> dict[str, float | None]:
-    """Relative error of the prediction against the measurement: predicted / measured - 1."""
+    """Relative errors of the prediction against the measurement (predicted / measured - 1):
+    the whole peak, its in-step (transient) part and its state (persistent) part, and the step
+    time. The state part is None unless the state was measured from real tensors."""
     pred, meas = c.get("predicted"), c.get("measured")
-    mem = trans = t = None
+    out: dict[str, float | None] = {"peak_memory": None, "transient_memory": None,
+                                    "persistent_memory": None, "step_time": None}
     if pred and meas:
-        total = pred["memory"]["persistent_bytes"] + meas["peak_bytes"]
-        mem = pred["memory"]["peak_bytes"] / total - 1 if total else None
-        trans = (pred["memory"]["transient_bytes"] / meas["peak_bytes"] - 1
-                 if meas["peak_bytes"] else None)
-    if pred and c.get("measured_step_seconds"):
-        t = pred["time"]["seconds"] / c["measured_step_seconds"] - 1
-    return {"peak_memory": mem, "transient_memory": trans, "step_time": t}
+        mem = pred["memory"]
+        out["transient_memory"] = _rel(mem["transient_bytes"], meas["peak_bytes"])
+        out["persistent_memory"] = _rel(mem["persistent_bytes"], meas.get("persistent_bytes"))
+        out["peak_memory"] = _rel(mem["peak_bytes"], c.get("measured_peak_bytes"))
+    if pred:
+        out["step_time"] = _rel(pred["time"]["seconds"], c.get("measured_step_seconds"))
+    return out
+
+
+def _rel(predicted: float, measured: float | None) -> float | None:
+    return predicted / measured - 1 if measured else None
 
 
 @dataclass
@@ -95,7 +129,6 @@ class Report:
 
     def write(self, directory: str | Path) -> list[Path]:
         """Write report.json and the self-contained report.html into `directory`."""
-        from glmc.report_html import render_html
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         data = self.to_dict()
@@ -120,65 +153,61 @@ def load(directory: str | Path) -> dict[str, Any]:
     return data
 
 
-def mib(n: float | None) -> str:
-    return "-" if n is None else f"{n / MiB:,.1f} MiB"
-
-
-def ms(s: float | None) -> str:
-    return "-" if s is None else f"{s * 1e3:,.1f} ms"
-
-
-def pct(x: float | None) -> str:
-    return "-" if x is None else f"{x * 100:+.1f}%"
-
-
-def _brief(stats: Any) -> str:
-    """A pass's scalar stats on one line (lists such as recomputed values go to the HTML)."""
-    if not isinstance(stats, dict):
-        return str(stats or "")
-    def small(v: Any) -> bool:  # e.g. fusion's {pattern: count}
-        return isinstance(v, dict) and len(v) <= 8 and \
-            all(isinstance(x, (int, float, str)) for x in v.values())
-    return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                     for k, v in stats.items()
-                     if not isinstance(v, (list, dict, tuple)) or small(v))
-
-
-def pass_state(r: dict[str, Any]) -> str:
-    return "skipped" if r["skipped"] else ("changed" if r["changed"] else "no change")
-
-
 def summary(data: dict[str, Any]) -> str:
-    lines = []
+    """The terminal summary of a report dict (what `glmc report DIR` prints)."""
+    lines: list[str] = []
     for c in data["compiles"]:
-        lines.append(f"compile {c['batch']} -> {c['backend']}: capture {c['capture_seconds']:.2f}s, "
-                     f"passes {c['passes_seconds']:.2f}s, backend {c['backend_seconds']:.2f}s, "
-                     f"nodes {c['nodes_captured']} -> {c['nodes_final']}")
-        for r in c["passes"]:
-            pred = r.get("predicted") or {}
-            lines.append(f"  {r['name']:<12} {pass_state(r):<9} {r['seconds'] * 1e3:7.1f} ms  "
-                         f"{r['nodes_before']:>5} -> {r['nodes_after']:<5} "
-                         f"pred {ms(pred.get('seconds'))}, {mib(pred.get('peak_bytes'))}  "
-                         f"{_brief(r['stats'])}")
-        pred, meas, err = c.get("predicted"), c.get("measured"), c.get("errors") or {}
-        if pred:
-            mem = pred["memory"]
-            lines.append(f"  predicted: step {ms(pred['time']['seconds'])}, peak {mib(mem['peak_bytes'])}"
-                         f" ({mib(mem['persistent_bytes'])} state + {mib(mem['transient_bytes'])} "
-                         f"during the step) on {pred['time']['profile']}")
-            if pred["time"]["unknown_ops"]:
-                lines.append(f"  ops without a cost rule (generic bytes rule used): "
-                             f"{pred['time']['unknown_ops']}")
-        if meas or c.get("measured_step_seconds"):
-            total = (pred["memory"]["persistent_bytes"] + meas["peak_bytes"]) if pred and meas \
-                else None
-            lines.append(f"  measured:  step {ms(c.get('measured_step_seconds'))} "
-                         f"(median of {max(c['steps_run'] - 1, 0)}), peak {mib(total)} "
-                         f"({mib(meas['peak_bytes']) if meas else '-'} during the step)"
-                         f"  | error: time {pct(err.get('step_time'))}, "
-                         f"peak {pct(err.get('peak_memory'))}")
+        lines.append(f"compile {c['batch']} -> {c['backend']}: capture "
+                     f"{c['capture_seconds']:.2f}s, passes {c['passes_seconds']:.2f}s, backend "
+                     f"{c['backend_seconds']:.2f}s, nodes {c['nodes_captured']} -> "
+                     f"{c['nodes_final']}")
+        lines += _pass_lines(c)
+        lines += _prediction_lines(c)
         if c["fallbacks"]:
             lines.append(f"  {len(c['fallbacks'])} op(s) fell back to eager:")
             lines += [f"    {f['op']} at {f['where']}" for f in c["fallbacks"]]
         lines += [f"  warning: {w}" for w in c.get("warnings", [])]
     return "\n".join(lines)
+
+
+def _pass_lines(c: dict[str, Any]) -> list[str]:
+    lines = []
+    for r in c["passes"]:
+        pred = r.get("predicted") or {}
+        lines.append(f"  {r['name']:<12} {pass_state(r):<9} {r['seconds'] * 1e3:7.1f} ms  "
+                     f"{r['nodes_before']:>5} -> {r['nodes_after']:<5} "
+                     f"pred {ms(pred.get('seconds'))}, {mib(pred.get('peak_bytes'))}  "
+                     f"{brief_stats(r['stats'])}")
+        section = r.get("section") or {}
+        if section.get("summary"):
+            lines.append(f"  {'':<12} {section['summary']}")
+    return lines
+
+
+def _prediction_lines(c: dict[str, Any]) -> list[str]:
+    """Predicted and measured time and memory, state and in-step parts apart, with errors."""
+    pred, meas, err = c.get("predicted"), c.get("measured"), c.get("errors") or {}
+    lines = []
+    if pred:
+        mem, t = pred["memory"], pred["time"]
+        lines.append(f"  predicted: step {ms(t['seconds'])}, peak {mib(mem['peak_bytes'])} "
+                     f"({mib(mem['persistent_bytes'])} state + {mib(mem['transient_bytes'])} "
+                     f"during the step) on {t['profile']}")
+        if t.get("profile_provenance"):
+            lines.append(f"  cost profile: {t['profile_provenance']}")
+        if t["unknown_ops"]:
+            lines.append(f"  ops without a cost rule (generic bytes rule used): "
+                         f"{t['unknown_ops']}")
+    if meas or c.get("measured_step_seconds"):
+        total, state_from = measured_peak(c)
+        state = meas.get("persistent_bytes") if meas else None
+        state_text = mib(state) if state is not None else \
+            ("not measured" if state_from != "prediction" else "predicted")
+        lines.append(f"  measured:  step {ms(c.get('measured_step_seconds'))} "
+                     f"(median of {max(c['steps_run'] - 1, 0)}), peak {mib(total)} "
+                     f"({state_text} state + {mib(meas['peak_bytes']) if meas else '-'} during "
+                     f"the step)")
+        lines.append(f"  error:     time {pct(err.get('step_time'))}, peak "
+                     f"{pct(err.get('peak_memory'))} (in-step {pct(err.get('transient_memory'))}"
+                     f", state {pct(err.get('persistent_memory'))})")
+    return lines

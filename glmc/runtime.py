@@ -15,17 +15,18 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from glmc.backends import CompiledStep, get_backend
-from glmc.capture import Batch, capture_step, split_batch
-from glmc.errors import CaptureError, ConfigError, InputError
-from glmc.ir import Role, TrainGraph
-from glmc.optim import ensure_state, rule_for
-from glmc.passmanager import Pass, PassContext, PassManager
-from glmc.pipeline import parse_pipeline
 from glmc.analysis import Prediction, predict
+from glmc.backends import CompiledStep, get_backend
+from glmc.capture import Batch, batch_leaves, capture_step, split_batch
 from glmc.cost import get_profile, measure_node_times
+from glmc.errors import CaptureError, ConfigError, InputError
+from glmc.ir import OutputKind, Role, TrainGraph
 from glmc.memory import measure_peak
+from glmc.optim import ensure_state, rule_for
+from glmc.passmanager import Need, Pass, PassContext, PassManager
+from glmc.pipeline import parse_pipeline
 from glmc.report import CompileRecord, Report
+from glmc.valuestats import record_value_stats
 
 
 BUDGET_TOLERANCE = 0.01  #: measured peak may exceed a memory budget by this fraction
@@ -48,8 +49,7 @@ class TrainerOptions:
     disable: frozenset[str] = frozenset()
     memory_budget: Any = None
     precision: str | None = None
-    fusion: bool = False
-    target: Any = None
+    fusion: bool | None = None  #: None: the default pipeline's choice (on)
     strict: bool = False
     max_cache: int = 8
     profile: Any = None  #: cost-model device profile: None (host/GPU default), name, DeviceProfile
@@ -57,6 +57,8 @@ class TrainerOptions:
     measure: bool = True  #: measure the peak memory of the second step of every compile
     profile_guided: bool = False  #: time every node on real tensors instead of the formulas
     dump_dir: str | None = None  #: write the step's Python after capture and after each pass
+    #: a step saved by glmc.save_graph to use instead of capturing the example batch's shapes
+    graph_path: str | None = None
 
 
 @dataclass
@@ -73,8 +75,10 @@ class Trainer:
     def __post_init__(self) -> None:
         rule_for(self.optimizer)  # fail early on an unsupported optimizer
         self._pipeline = parse_pipeline(self.options.passes, self.options.memory_budget,
-                                        self.options.precision, self.options.fusion)
+                                        self.options.precision, self.options.fusion,
+                                        self._device)
         self._backend = get_backend(self.options.backend)
+        self._traits = self._backend.traits()
         self._entry(self.example)
 
     # -- public ---------------------------------------------------------------------------------
@@ -87,21 +91,27 @@ class Trainer:
         inputs = [get(leaves) for get in entry.getters]
         entry.calls += 1
         if self.options.measure and entry.calls == 2:
-            loss, m = measure_peak(lambda: entry.step(inputs), self._device)
+            outs, m = measure_peak(lambda: entry.step(inputs), self._device)
             entry.record.measured = m.to_dict()
-            self._check_prediction(entry.record)
-            self._check_budget(batch, entry)
         else:
             t0 = time.perf_counter()
-            loss = entry.step(inputs)
+            outs = entry.step(inputs)
             if self._device == "cuda":
                 torch.cuda.synchronize()
             entry.record.step_seconds.append(time.perf_counter() - t0)
-        loss = loss.detach()
-        # LR schedulers check this flag (set by torch's optimizer.step wrapper) to tell a
-        # missed optimizer step from a real one; the compiled step is a real one.
-        self.optimizer._opt_called = True
-        return loss
+        if not entry.step.inplace:
+            _write_back(entry.graph, inputs, outs)
+        if self.options.measure and entry.calls == 2:
+            self._check_prediction(entry.record)
+            self._check_budget(batch, entry)
+        self._notify_optimizer()
+        return outs[0].detach()
+
+    def _notify_optimizer(self) -> None:
+        """Run `optimizer.step()` with no gradients: it updates nothing (glmc keeps gradients
+        inside the step), but runs the user's step hooks and lets LR schedulers see a step."""
+        if all(p.grad is None for g in self.optimizer.param_groups for p in g["params"]):
+            self.optimizer.step()
 
     @property
     def graph(self) -> TrainGraph:
@@ -177,7 +187,8 @@ class Trainer:
     def _compile(self, batch: Batch, pipeline: list[Pass] | None = None) -> _Entry:
         t0 = time.perf_counter()
         try:
-            graph = capture_step(self.model, batch, self.loss_fn, self.optimizer)
+            graph = self._saved_graph(batch) or capture_step(self.model, batch, self.loss_fn,
+                                                              self.optimizer)
         except CaptureError as e:
             if batch is not self.example and self._key(batch)[0] != self._key(self.example)[0]:
                 raise InputError(
@@ -195,18 +206,22 @@ class Trainer:
                 node_times = None
                 if self.options.profile_guided:
                     node_times = measure_node_times(g.gm, [get(leaves) for get in self._getters(g)])
-                predictions.append(predict(g, self._backend, profile, node_times))
+                predictions.append(predict(g, self._traits, profile, node_times))
                 return predictions[-1].brief()
             observe = predict_step
-        manager = PassManager(pipeline or self._pipeline, self.options.disable, observe=observe,
+        pipeline = pipeline or self._pipeline
+        manager = PassManager(pipeline, self.options.disable, observe=observe,
                               dump_dir=self.options.dump_dir)
-        ctx = PassContext(self.options.backend, self.options.memory_budget,
-                          self.options.precision, self.options.target, self.options.profile)
+        if any(Need.VALUE_STATS in p.needs() for p in pipeline if p.name not in manager.disabled):
+            leaves = _leaves(batch)
+            graph.meta["value_stats"] = record_value_stats(
+                graph.gm, [get(leaves) for get in self._getters(graph)])
         nodes_captured = len(graph.graph.nodes)
-        manager.run(graph, ctx)
+        manager.run(graph, PassContext(self._traits, self.options.profile))
         getters = self._getters(graph)
         t2 = time.perf_counter()
-        compiled = self._backend.compile(graph, strict=self.options.strict)
+        compiled = self._backend.compile(graph, strict=self.options.strict,
+                                         inplace=self._traits.inplace)
         record = CompileRecord(
             batch=_describe(batch), backend=self._backend.name, capture_seconds=t1 - t0,
             passes_seconds=t2 - t1, backend_seconds=compiled.compile_seconds,
@@ -216,6 +231,23 @@ class Trainer:
             predicted=predictions[-1].to_dict() if predictions else None)
         self.report.compiles.append(record)
         return _Entry(graph, compiled, getters, record)
+
+    def _saved_graph(self, batch: Batch) -> TrainGraph | None:
+        """The saved step (options.graph_path) for the example batch's shapes, checked against
+        the model and optimizer it will train; None for other shapes (captured as usual)."""
+        if self.options.graph_path is None or self._key(batch) != self._key(self.example):
+            return None
+        from glmc.serialize import load_graph
+        graph = load_graph(self.options.graph_path, device=self._device)
+        ensure_state(self.optimizer)
+        inputs = [get(_leaves(batch)) for get in self._getters(graph)]
+        for spec, ph, value in zip(graph.inputs, graph.placeholders(), inputs):
+            want = TrainGraph.info(ph).spec
+            if want is not None and (tuple(value.shape), value.dtype) != (want.shape, want.dtype):
+                raise InputError(f"optimize: the saved step's input '{spec.target}' is "
+                                 f"{list(want.shape)} {want.dtype}, the model's is "
+                                 f"{list(value.shape)} {value.dtype}; save the step of this model")
+        return graph
 
     def _getters(self, graph: TrainGraph) -> list[Callable[[list[torch.Tensor]], torch.Tensor]]:
         scaling = graph.meta.get("loss_scaling")
@@ -283,8 +315,13 @@ def input_getters(graph: TrainGraph, model: nn.Module, opt: torch.optim.Optimize
                   ) -> list[Callable[[list[torch.Tensor]], torch.Tensor]]:
     """For each step input, a function of the batch leaves that returns the tensor to pass:
     the user's parameters, buffers, optimizer state and lr, the scaler state, the batch."""
-    params = dict(model.named_parameters())
-    buffers = dict(model.named_buffers())
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    unknown = [s.target for s in graph.inputs if (s.role is Role.PARAMETER and s.target not in
+               params) or (s.role is Role.BUFFER and s.target not in buffers)]
+    if unknown:
+        raise InputError(f"step: the model has no parameter or buffer named {unknown[:5]}; "
+                         "the step was captured from a different model")
     lr_cache: dict[float, torch.Tensor] = {}
 
     def lr_tensor(gi: int) -> Callable[[list[torch.Tensor]], torch.Tensor]:
@@ -326,9 +363,19 @@ def input_getters(graph: TrainGraph, model: nn.Module, opt: torch.optim.Optimize
     return getters
 
 
-def _leaves(batch: Batch) -> list[torch.Tensor]:
-    args, kwargs = batch
-    return [*args, *kwargs.values()]
+def _write_back(graph: TrainGraph, inputs: list[torch.Tensor],
+                outputs: list[torch.Tensor]) -> None:
+    """Copy a functional step's new state into the tensors it was read from."""
+    slot = {spec.target: i for i, spec in enumerate(graph.inputs)}
+    with torch.no_grad():
+        for spec, value in zip(graph.outputs, outputs):
+            if spec.kind in (OutputKind.PARAM, OutputKind.BUFFER, OutputKind.STATE):
+                dest = inputs[slot[spec.target]]
+                if dest is not value:
+                    dest.copy_(value)
+
+
+_leaves = batch_leaves
 
 
 def _describe(batch: Batch) -> str:

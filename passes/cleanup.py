@@ -2,7 +2,11 @@
 
 Guarantees: the step computes the same values with fewer nodes. Random ops are never removed
 or merged (that would shift the RNG stream and change dropout masks); ops with side effects
-are never touched.
+are never touched. Collectives and their `wait_tensor`s are never merged, dropped or moved,
+and nothing is rewired to read a collective's result before its wait. Copies a pass made on
+purpose survive: nodes of different phases are never merged (a backward node equal to a
+forward one is a recomputation; merging it back would keep the forward value alive into the
+backward, a memory decision that belongs to `recompute`), and neither are nodes marked `REMAT`.
 
     before:  a = detach(x); b = mm(a, w); c = mm(x, w); d = view(c, c.shape); return b + d
     after:   b = mm(x, w); return b + b
@@ -15,7 +19,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from glmc.ir import RANDOM_OPS, REMAT, TrainGraph, op_name
+from glmc.ir import REMAT, Phase, TrainGraph, is_collective, is_impure
 from glmc.passmanager import Pass, PassContext, PassResult
 
 aten = torch.ops.aten
@@ -23,6 +27,9 @@ aten = torch.ops.aten
 _IDENTITY = {aten.detach.default, aten.alias.default, aten.lift_fresh_copy.default}
 _SAME_SHAPE_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
                      aten.expand.default}
+_COPIES = {aten.clone.default, aten._to_copy.default}  #: own their storage, unlike views
+
+__all__ = ["CleanupPass", "CleanupStats", "is_impure"]  # is_impure: kept here for old imports
 
 
 @dataclass(frozen=True)
@@ -34,7 +41,8 @@ class CleanupStats:
 
 @dataclass(frozen=True)
 class CleanupPass(Pass):
-    """Removes dead code, merges identical pure nodes, drops no-op views/detach/clone."""
+    """Removes dead code, merges identical pure nodes of one phase, drops no-op views/detach/
+    clone. Leaves communication, random ops, mutations and marked (`REMAT`) copies alone."""
 
     name = "cleanup"
     cse: bool = True
@@ -49,22 +57,29 @@ class CleanupPass(Pass):
         return PassResult(any((stats.noops, stats.cse, stats.dead)), stats)
 
 
-def is_impure(node: fx.Node) -> bool:
-    if node.op in ("placeholder", "output"):
-        return True
-    if op_name(node) in RANDOM_OPS:
-        return True  # removing an unused draw would shift every later dropout mask
-    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
-        return node.target._schema.is_mutable
-    return node.is_impure()
-
-
 def _val(node: Any) -> Any:
     return node.meta.get("val") if isinstance(node, fx.Node) else None
 
 
-def _is_noop(node: fx.Node) -> bool:
+def _phase(node: fx.Node) -> Any:
+    info = node.meta.get("glmc")
+    return info.phase if info is not None else None
+
+
+def _foldable(node: fx.Node) -> bool:
+    """May `node` be replaced by its first argument, were it a no-op?"""
     if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    src = node.args[0]
+    if is_collective(src):
+        return False  # its readers would read the collective's result before the wait
+    if node.target in _COPIES:  # a marked or cross-phase copy lets its source die early
+        return not node.meta.get(REMAT) and _phase(src) in (_phase(node), Phase.INPUT)
+    return True
+
+
+def _is_noop(node: fx.Node) -> bool:
+    if not _foldable(node):
         return False
     src, out = _val(node.args[0]), _val(node)
     if not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor):
@@ -101,7 +116,7 @@ def _key(node: fx.Node) -> Any:
         if isinstance(a, fx.Node):
             return ("node", a)
         return (type(a).__name__, repr(a))
-    return node.target, freeze(node.args), freeze(node.kwargs)
+    return _phase(node), node.target, freeze(node.args), freeze(node.kwargs)
 
 
 def _cse(g: fx.Graph) -> int:

@@ -22,8 +22,9 @@ one and saves only what it needs. Visible on every backend, eager included.
 A pattern fires only when every intermediate value has no other reader (otherwise the fused op
 would have to produce it too), and never across a random op with p > 0 (dropout masks would
 come from a different generator). Options: `patterns=attention+norm+mlp+loss+optimizer` (any
-subset); the default `auto` is all of them, less `optimizer` on eager and `attention` under a
-bf16/fp16 `precision=` option on CPU (see `FusionPass.selected`).
+subset); the default `auto` is all of them, less `optimizer` on a backend that does not fuse
+(eager), and less `attention` with `attention=false` (what the default pipeline spells under
+bf16/fp16 on a CPU; see `FusionPass.selected`). The pass reads no other pass's options.
 """
 from __future__ import annotations
 
@@ -38,11 +39,11 @@ import torch.fx as fx
 from glmc import kernels  # noqa: F401  (registers glmc's fused ops)
 from glmc.errors import ConfigError
 from glmc.ir import TrainGraph, op_name
-from glmc.optim import rule_for
-from glmc.passes.cleanup import is_impure
-from glmc.passes.precision import fuse_head, fuse_loss
-from glmc.passmanager import Pass, PassContext, PassResult
-from glmc.rederive import ForwardProgram, forward_program, rederive, source_of
+from glmc.ir import is_impure
+from glmc.lossfusion import fuse_head, fuse_loss
+from glmc.passmanager import Effect, Need, Pass, PassContext, PassResult
+from glmc.rederive import ForwardProgram, forward_program, rederive
+from glmc.target import EAGER, BackendTraits
 
 aten = torch.ops.aten
 PATTERNS = ("attention", "norm", "mlp", "loss", "optimizer")
@@ -54,18 +55,39 @@ class FusionStats:
     counts: dict[str, int] = field(default_factory=dict)  #: pattern -> regions fused
     regions: list[dict[str, Any]] = field(default_factory=list)  #: pattern, op, source, nodes
 
+    def report_section(self, ctx: Any) -> Any:
+        """The report's fusion section (a glmc.report_parts.ReportSection for the
+        SectionContext `ctx`): regions per pattern, prediction before/after, each region."""
+        from glmc.report_parts import ReportSection, Table, Text, before_after, mib
+        counts = ", ".join(f"{k}: {v}" for k, v in self.counts.items()) or "none"
+        text = (f"Regions fused per pattern: {counts}. {before_after(ctx)}; measured peak of "
+                f"the compiled step {mib(ctx.measured_peak_bytes)} (the benchmark "
+                "bench_fusion.py measures with and without).")
+        rows = tuple((r["pattern"], r["op"], r.get("source") or r.get("module") or "",
+                      len(r["nodes"])) for r in self.regions)
+        table = Table(("pattern", "fused op", "source", "nodes replaced"), rows, "lllr")
+        return ReportSection("Fusion", (Text(text), table), f"fused {counts}")
+
 
 @dataclass(frozen=True)
 class FusionPass(Pass):
     """Replaces attention, RMSNorm, gated-MLP and LM-head+loss patterns by fused ops."""
 
     name = "fusion"
-    changes_signature = True  # re-derives the step (keeps any loss-scaler state)
     #: "+"-joined subset of PATTERNS; "auto": all of them, except `optimizer` on a backend that
     #: does not fuse (eager): there each multi-tensor op materialises the new values of a whole
     #: param group at once, which raised GLM small's measured peak from 180 to 300 MiB, for no
     #: speed on CPU
     patterns: str = "auto"
+    #: with `patterns=auto`: include attention (the default pipeline turns it off under
+    #: bf16/fp16 on a CPU, where ATen's flash attention measured slower)
+    attention: bool = True
+
+    def needs(self) -> frozenset[Need]:
+        return frozenset({Need.STEP})
+
+    def effects(self) -> frozenset[Effect]:
+        return frozenset({Effect.REDERIVES})
 
     def __post_init__(self) -> None:
         unknown = set(self.selected()) - set(PATTERNS)
@@ -73,23 +95,18 @@ class FusionPass(Pass):
             raise ConfigError(f"fusion: unknown pattern(s) {sorted(unknown)}; known: "
                               f"{'+'.join(PATTERNS)}")
 
-    def selected(self, backend: str = "inductor", low_precision_cpu: bool = False) -> list[str]:
-        """`auto` leaves out what measured slower or bigger here (bench_fusion.py):
-        `optimizer` on a backend that does not fuse (eager), and `attention` when the step
-        runs in bf16/fp16 on a CPU (ATen's CPU flash attention in bf16 took GLM small's
-        Inductor step from 236 to 283 ms; Inductor's own bf16 bmm + softmax is faster)."""
+    def selected(self, traits: BackendTraits = EAGER) -> list[str]:
+        """`auto` leaves out `optimizer` on a backend that does not fuse (eager), where it
+        measured bigger (bench_fusion.py). It reads no other option: under bf16/fp16 on a CPU
+        the default pipeline spells `attention=false` itself (ATen's CPU
+        flash attention in bf16 took GLM small's Inductor step from 236 to 283 ms)."""
         if str(self.patterns) == "auto":
-            from glmc.backends import get_backend
-            fuses = get_backend(backend).fuses
-            return [p for p in PATTERNS if (fuses or p != "optimizer")
-                    and not (low_precision_cpu and p == "attention")]
+            return [p for p in PATTERNS if (traits.fuses or p != "optimizer")
+                    and (self.attention or p != "attention")]
         return [p.strip() for p in str(self.patterns).replace(",", "+").split("+") if p.strip()]
 
     def run(self, graph: TrainGraph, ctx: PassContext) -> PassResult:
-        source_of(graph, "fusion")
-        from glmc.analysis import graph_device
-        low_cpu = ctx.precision in ("bf16", "fp16", "auto") and graph_device(graph) == "cpu"
-        selected = self.selected(ctx.backend, low_cpu)
+        selected = self.selected(ctx.traits)
         program = forward_program(graph)
         regions: list[dict[str, Any]] = []
         finders: dict[str, Callable[[ForwardProgram, list], int]] = {
@@ -97,7 +114,7 @@ class FusionPass(Pass):
             "loss": _fuse_loss}
         counts = {p: finders[p](program, regions) for p in selected if p in finders}
         foreach = "optimizer" in selected and not graph.meta.get("foreach_update") \
-            and rule_for(source_of(graph, "fusion").optimizer).update_foreach is not None
+            and graph.meta["optimizer"].rule.update_foreach is not None
         if not any(counts.values()) and not foreach:
             if "optimizer" in selected:
                 counts["optimizer"] = 0
@@ -444,10 +461,10 @@ def _activation(n: fx.Node) -> str | None:
 def _foreach_regions(graph: TrainGraph, regions: list) -> int:
     """One region per param group: its update runs as multi-tensor (`_foreach_*`) ops."""
     ops = [n for n in graph.compute_nodes() if op_name(n).startswith("_foreach_")]
-    groups = len(source_of(graph, "fusion").optimizer.param_groups)
+    groups = len(graph.meta["optimizer"].groups)
     if ops:
         regions.append({"pattern": "optimizer", "op": f"{len(ops)} _foreach_* ops",
-                        "source": graph.meta.get("optimizer"), "module": None,
+                        "source": graph.meta["optimizer"].kind, "module": None,
                         "nodes": [n.name for n in ops]})
     return groups if ops else 0
 

@@ -60,10 +60,11 @@ from glmc import kernels  # noqa: F401  (registers glmc's fused ops)
 from glmc.cost import get_profile, is_view
 from glmc.errors import ConfigError, PassError
 from glmc.ir import REMAT, Phase, Role, TrainGraph, op_name
-from glmc.passes.cleanup import is_impure
-from glmc.passmanager import Pass, PassContext, PassResult
-from glmc.rederive import ForwardProgram, forward_program, rederive, source_of
+from glmc.passmanager import Effect, Need, Pass, PassContext, PassResult
+from glmc.lossfusion import fuse_head, fuse_loss, is_plain_view as _is_plain_view
+from glmc.rederive import ForwardProgram, forward_program, rederive
 from glmc.scaler import LossScaling
+from glmc.valuestats import ModuleStats, ValueStats
 
 aten = torch.ops.aten
 
@@ -131,6 +132,52 @@ class PrecisionStats:
     layers: list[dict[str, Any]] = field(default_factory=list)
     node_dtypes: list[list[str]] = field(default_factory=list)  #: [node, op, phase, dtype]
 
+    def report_section(self, ctx: Any) -> Any:
+        """The report's precision section (a glmc.report_parts.ReportSection for the
+        SectionContext `ctx`; None when the pass changed nothing): casts, fused losses, loss
+        scaling, dtypes per phase, per-module choices, every cast and every node's dtype."""
+        from glmc.report_parts import ReportSection, Text, before_after, mib
+        if not ctx.changed:
+            return None
+        blocks: list[Any] = [Text(
+            f"{self.casts_inserted} casts inserted in the forward; {self.fused_losses} loss(es) "
+            f"computed in fp32 straight from low-precision logits, {self.fused_heads} of them "
+            f"together with their LM head (chunked); {self.recast_in_backward} parameter casts "
+            f"made again in the backward instead of kept. {before_after(ctx)}; measured peak "
+            f"of the compiled step {mib(ctx.measured_peak_bytes)}.")]
+        if self.loss_scaling:
+            ls = self.loss_scaling
+            blocks.append(Text(
+                f"Dynamic loss scaling in the step: initial scale {ls['init_scale']:g}, growth "
+                f"{ls['growth_factor']:g} every {ls['growth_interval']} clean steps, backoff "
+                f"{ls['backoff_factor']:g}."))
+        if self.device_note:
+            blocks.append(Text(self.device_note, "note"))
+        return ReportSection(f"Precision: {self.policy}", tuple(blocks + self._report_tables()),
+                             f"{self.policy}: {self.casts_inserted} casts")
+
+    def _report_tables(self) -> list[Any]:
+        """Dtypes per phase, per-module choices, every cast, every node's dtype (folded)."""
+        from glmc.report_parts import Table
+        dtypes = sorted({d for v in self.step_dtypes.values() for d in v})
+        tables = [Table(("phase", *dtypes), tuple((ph, *(v.get(d, 0) for d in dtypes))
+                                                  for ph, v in self.step_dtypes.items()))]
+        if self.layers:
+            tables.append(Table(
+                ("module", "dtype", "|act| max", "act underflow", "|grad x scale| max",
+                 "grad underflow", "reason"),
+                tuple((x["module"], x["dtype"], f"{x['act_absmax']:.3g}",
+                       f"{x['act_underflow']:.1%}", f"{x['grad_absmax']:.3g}",
+                       f"{x['grad_underflow']:.1%}", x["reason"]) for x in self.layers),
+                "lrrrrrl"))
+        tables.append(Table(("cast value", "from", "to", "first reader", "source"),
+                            tuple((x["value"], x["src"], x["dst"], x["reader"], x["where"] or "")
+                                  for x in self.casts), "lrrll"))
+        tables.append(Table(("node", "op", "phase", "dtype"),
+                            tuple(tuple(row) for row in self.node_dtypes), "lllr",
+                            collapsed=f"dtype of every node ({len(self.node_dtypes)})"))
+        return tables
+
 
 def _parse_map(text: Any, what: str) -> dict[str, str]:
     if text is None or text == "":
@@ -151,7 +198,6 @@ class PrecisionPass(Pass):
     """Assigns compute dtypes (see the module docstring) and re-derives the backward."""
 
     name = "precision"
-    changes_signature = True  # fp16 adds the loss-scaler state to the step's inputs/outputs
     policy: str = "bf16"
     ops: Any = None  #: op name -> rule overrides ("low", "fp32", "acc", "keep")
     modules: Any = None  #: module path prefix -> "bf16" | "fp16" | "fp32"
@@ -168,6 +214,11 @@ class PrecisionPass(Pass):
     recast: bool = True  #: the backward casts parameters again instead of keeping the copies
 
     def __post_init__(self) -> None:
+        # one canonical form for maps given as dicts or strings: "name:value;..." (hashable,
+        # and what the pipeline string spells)
+        for key in ("ops", "modules"):
+            canon = ";".join(f"{k}:{v}" for k, v in _parse_map(getattr(self, key), key).items())
+            object.__setattr__(self, key, canon or None)
         if self.policy not in ("fp32", "bf16", "fp16", "auto"):
             raise ConfigError(f"precision: unknown policy {self.policy!r}; use fp32, bf16, "
                               "fp16 or auto")
@@ -184,6 +235,18 @@ class PrecisionPass(Pass):
                                   f"{sorted(DTYPES)}")
         self.scaling()  # validates the scaler options
 
+    def needs(self) -> frozenset[Need]:
+        auto = {Need.VALUE_STATS} if self.policy == "auto" else set()
+        return frozenset({Need.STEP, *auto})
+
+    def effects(self) -> frozenset[Effect]:
+        if self.policy == "fp32" and not self.modules:
+            return frozenset()
+        edits = {Effect.EDITS_BACKWARD} if self.recast else set()
+        scaled = {Effect.ADDS_STATE} if self.loss_scaling and self.policy in ("fp16", "auto") \
+            or "fp16" in str(self.modules) else set()
+        return frozenset({Effect.REDERIVES, *edits, *scaled})
+
     def scaling(self) -> LossScaling:
         return LossScaling(self.init_scale, self.growth_factor, self.backoff_factor,
                            self.growth_interval)
@@ -191,7 +254,6 @@ class PrecisionPass(Pass):
     def run(self, graph: TrainGraph, ctx: PassContext) -> PassResult:
         if self.policy == "fp32" and not self.modules:
             return PassResult(False, PrecisionStats("fp32"))
-        source_of(graph, "precision")  # typed error on the drop-in path, before any work
         program = forward_program(graph)
         device = _device_of(program)
         layers: list[LayerChoice] = []
@@ -266,127 +328,162 @@ def _constant_like(program: ForwardProgram) -> set[fx.Node]:
 _EARLY_CAST_OPS = frozenset({"mul", "div", "silu", "gelu", "relu", "tanh", "sigmoid"})
 
 
+class _Assigner:
+    """The state of one `assign` run: the forward graph being rebuilt, the map from old nodes
+    to new ones, and the casts made so far, kept in one cache so that a value is cast once
+    per dtype and every reader shares the copy."""
+
+    def __init__(self, program: ForwardProgram, rules: Mapping[str, str],
+                 modules: Mapping[str, str], default: torch.dtype, early: bool,
+                 cast_constants: bool) -> None:
+        self.program, self.rules, self.modules, self.default = program, rules, modules, default
+        self.early, self.cast_constants = early, cast_constants
+        self.old = old = program.graph
+        self.fake_mode = detect_fake_mode([n.meta.get("val") for n in old.nodes])
+        self.constant = _constant_like(program)
+        self.targets = dict(zip([n.name for n in old.nodes if n.op == "placeholder"],
+                                [s.target for s in program.inputs]))
+        self.params = {name for name, spec in zip(self.targets, program.inputs)
+                       if spec.role is Role.PARAMETER}
+        self.new = fx.Graph()
+        self.env: dict[fx.Node, fx.Node] = {}
+        self.cache: dict[tuple[fx.Node, torch.dtype], fx.Node] = {}
+        self.casts: list[Cast] = []
+        self.counts: dict[str, int] = {}
+
+    def cast(self, value: fx.Node, dtype: torch.dtype, reader: fx.Node) -> fx.Node:
+        """`value` (a new-graph node) in `dtype`, made at the first `reader` that asks."""
+        if value.meta["val"].dtype == dtype:
+            return value
+        key = (value, dtype)
+        if key not in self.cache:
+            if _is_plain_view(value):  # cast the base once and view the cast: one copy per base
+                self.cache[key] = self._cast_view(value, dtype, reader)
+            else:
+                self.cache[key] = self._cast_copy(value, dtype, reader)
+        return self.cache[key]
+
+    def _cast_view(self, value: fx.Node, dtype: torch.dtype, reader: fx.Node) -> fx.Node:
+        base = self.cast(value.args[0], dtype, reader)
+        v = self.new.call_function(value.target, (base, *value.args[1:]), dict(value.kwargs))
+        v.meta = dict(value.meta)
+        with self.fake_mode:
+            v.meta["val"] = value.target(base.meta["val"], *value.args[1:], **value.kwargs)
+        return v
+
+    def _cast_copy(self, value: fx.Node, dtype: torch.dtype, reader: fx.Node) -> fx.Node:
+        src = value.meta["val"].dtype
+        c = self.new.call_function(aten._to_copy.default, (value,), {"dtype": dtype})
+        with self.fake_mode:
+            c.meta["val"] = value.meta["val"].to(dtype)
+        # the cast is attributed to its reader, so the report points at the op that needed it
+        c.meta["glmc"] = TrainGraph.info(reader).replace(spec=None, created_by="precision")
+        for k in ("stack_trace", "nn_module_stack", "seq_nr"):
+            if k in reader.meta:
+                c.meta[k] = reader.meta[k]
+        info = TrainGraph.info(reader)
+        self.casts.append(Cast(self.targets.get(value.name, value.name),
+                               _NAMES.get(src, str(src)), _NAMES.get(dtype, str(dtype)),
+                               op_name(reader), info.source or info.module, c.name))
+        return c
+
+    def low_of(self, n: fx.Node) -> torch.dtype:
+        return _module_dtype(TrainGraph.info(n).module, self.modules, self.default)
+
+    def low_readers(self, n: fx.Node) -> set[torch.dtype] | None:
+        """The low dtypes of the ops reading `n` (through views) if all of them are low ops."""
+        dtypes: set[torch.dtype] = set()
+        for u in n.users:
+            if u.op == "call_function" and self.rules.get(op_name(u)) == "low" \
+                    and self.low_of(u) != torch.float32:
+                dtypes.add(self.low_of(u))
+            elif _is_plain_view(u) and (sub := self.low_readers(u)) is not None:
+                dtypes |= sub
+            else:
+                return None
+        return dtypes or None
+
+    def rule(self, n: fx.Node) -> tuple[str, torch.dtype]:
+        """(rule, low dtype) for `n`: its table rule, turned `early` when only low ops read it
+        and `explicit` when the model chose a dtype itself."""
+        rule = self.rules.get(op_name(n), "keep")
+        low = self.low_of(n)
+        if rule == "keep" and self.early and op_name(n) in _EARLY_CAST_OPS \
+                and n not in self.constant:
+            readers = self.low_readers(n)
+            if readers is not None and len(readers) == 1:
+                rule, low = "early", readers.pop()  # only low ops read it: store it low
+        if "dtype" in n.kwargs or op_name(n) == "_to_copy":
+            rule = "explicit"  # the model chose this dtype itself
+        return rule, low
+
+    def wanted(self, n: fx.Node, rule: str, low: torch.dtype) -> dict[fx.Node, torch.dtype]:
+        """The dtype each float input of `n` (an old-graph node) must be cast to by `rule`."""
+        env, constant = self.env, self.constant
+        floats = [a for a in n.all_input_nodes if _is_float(env[a].meta.get("val"))]
+        if rule == "low":
+            return {a: low for a in floats}
+        if rule == "early":
+            # activation inputs cast down (so the backward saves them in low precision);
+            # parameters stay fp32, so the op itself still computes and rounds once in fp32
+            return {a: low for a in floats if a.name not in self.params and a not in constant}
+        if rule == "fp32":
+            return {a: torch.float32 for a in floats
+                    if env[a].meta["val"].dtype in (torch.bfloat16, torch.float16)}
+        if rule in ("keep", "acc") and self.cast_constants:
+            acts = {env[a].meta["val"].dtype for a in floats if a not in constant}
+            if len(acts) == 1:
+                act = acts.pop()
+                return {a: act for a in floats if a in constant
+                        and env[a].meta["val"].dtype.itemsize > act.itemsize}
+        return {}
+
+    def visit(self, n: fx.Node) -> None:
+        """Copy `n` into the new graph, with its inputs cast as its rule says."""
+        env = self.env
+        if n.op != "call_function":
+            env[n] = self.new.node_copy(n, lambda a: env[a])
+            return
+        rule, low = self.rule(n)
+        args = fx.map_arg(n.args, lambda a: env[a])
+        kwargs = fx.map_arg(n.kwargs, lambda a: env[a])
+        want = self.wanted(n, rule, low)
+        node = _emit(self.new, n, args, kwargs, {env[a]: d for a, d in want.items()}, self.cast,
+                     self.fake_mode)
+        env[n] = node
+        val = node.meta["val"]
+        first = val[0] if isinstance(val, (tuple, list)) else val
+        if isinstance(first, torch.Tensor) and first.is_floating_point():
+            name = _NAMES.get(first.dtype, str(first.dtype))
+            self.counts[name] = self.counts.get(name, 0) + 1
+
+    def finish(self) -> None:
+        """Emit the output (the loss and buffers keep their captured dtype) and install the
+        new graph in the program's module."""
+        old, env = self.old, self.env
+        out = old.output_node() if hasattr(old, "output_node") else \
+            next(n for n in old.nodes if n.op == "output")
+        fixed = []
+        for r in out.args[0]:
+            v = env[r]
+            want_dtype = r.meta["val"].dtype
+            fixed.append(self.cast(v, want_dtype, r) if v.meta["val"].dtype != want_dtype else v)
+        self.new.output(tuple(fixed))
+        self.program.gm.graph = self.new
+        self.program.gm.recompile()
+
+
 def assign(program: ForwardProgram, rules: Mapping[str, str], modules: Mapping[str, str],
            default: torch.dtype, early: bool = True,
            cast_constants: bool = False) -> tuple[list[Cast], dict[str, int]]:
     """Rewrite `program` in place: casts before the ops whose rule needs them. With `early`, a
     pointwise op read only by low-precision ops computes in the low dtype itself (its output
     is stored once, in low precision, instead of in fp32 plus a low-precision copy)."""
-    old = program.graph
-    fake_mode = detect_fake_mode([n.meta.get("val") for n in old.nodes])
-    constant = _constant_like(program)
-    targets = dict(zip([n.name for n in old.nodes if n.op == "placeholder"],
-                       [s.target for s in program.inputs]))
-    params = {name for name, spec in zip(targets, program.inputs) if spec.role is Role.PARAMETER}
-    new = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    cache: dict[tuple[fx.Node, torch.dtype], fx.Node] = {}
-    casts: list[Cast] = []
-    counts: dict[str, int] = {}
-
-    def cast(value: fx.Node, dtype: torch.dtype, reader: fx.Node) -> fx.Node:
-        src = value.meta["val"].dtype
-        if src == dtype:
-            return value
-        key = (value, dtype)
-        if key in cache:
-            return cache[key]
-        if _is_plain_view(value):  # cast the base once and view the cast: one copy per base
-            base = cast(value.args[0], dtype, reader)
-            v = new.call_function(value.target, (base, *value.args[1:]), dict(value.kwargs))
-            v.meta = dict(value.meta)
-            with fake_mode:
-                v.meta["val"] = value.target(base.meta["val"], *value.args[1:], **value.kwargs)
-            cache[key] = v
-            return v
-        if key not in cache:
-            c = new.call_function(aten._to_copy.default, (value,), {"dtype": dtype})
-            with fake_mode:
-                c.meta["val"] = value.meta["val"].to(dtype)
-            c.meta["glmc"] = TrainGraph.info(reader).replace(spec=None, created_by="precision")
-            for k in ("stack_trace", "nn_module_stack", "seq_nr"):
-                if k in reader.meta:
-                    c.meta[k] = reader.meta[k]
-            cache[key] = c
-            info = TrainGraph.info(reader)
-            casts.append(Cast(targets.get(value.name, value.name), _NAMES.get(src, str(src)),
-                              _NAMES.get(dtype, str(dtype)), op_name(reader),
-                              info.source or info.module, c.name))
-        return cache[key]
-
-    def low_of(n: fx.Node) -> torch.dtype:
-        return _module_dtype(TrainGraph.info(n).module, modules, default)
-
-    def low_readers(n: fx.Node) -> set[torch.dtype] | None:
-        """The low dtypes of the ops reading `n` (through views) if all of them are low ops."""
-        dtypes: set[torch.dtype] = set()
-        for u in n.users:
-            if u.op == "call_function" and rules.get(op_name(u)) == "low" \
-                    and low_of(u) != torch.float32:
-                dtypes.add(low_of(u))
-            elif _is_plain_view(u) and (sub := low_readers(u)) is not None:
-                dtypes |= sub
-            else:
-                return None
-        return dtypes or None
-
-    for n in old.nodes:
-        if n.op != "call_function":
-            env[n] = new.node_copy(n, lambda a: env[a])
-            continue
-        rule = rules.get(op_name(n), "keep")
-        low = low_of(n)
-        if rule == "keep" and early and op_name(n) in _EARLY_CAST_OPS and n not in constant:
-            readers = low_readers(n)
-            if readers is not None and len(readers) == 1:
-                rule, low = "early", readers.pop()  # only low ops read it: store it low
-        if "dtype" in n.kwargs or op_name(n) == "_to_copy":
-            rule = "explicit"  # the model chose this dtype itself
-        args = fx.map_arg(n.args, lambda a: env[a])
-        kwargs = fx.map_arg(n.kwargs, lambda a: env[a])
-        floats = [a for a in n.all_input_nodes if _is_float(env[a].meta.get("val"))]
-        want: dict[fx.Node, torch.dtype] = {}
-        if rule == "low":
-            want = {a: low for a in floats}
-        elif rule == "early":
-            # activation inputs cast down (so the backward saves them in low precision);
-            # parameters stay fp32, so the op itself still computes and rounds once in fp32
-            want = {a: low for a in floats if a.name not in params and a not in constant}
-        elif rule == "fp32":
-            want = {a: torch.float32 for a in floats
-                    if env[a].meta["val"].dtype in (torch.bfloat16, torch.float16)}
-        elif rule in ("keep", "acc") and cast_constants:
-            acts = {env[a].meta["val"].dtype for a in floats if a not in constant}
-            if len(acts) == 1:
-                act = acts.pop()
-                want = {a: act for a in floats if a in constant
-                        and env[a].meta["val"].dtype.itemsize > act.itemsize}
-        node = _emit(new, n, args, kwargs, {env[a]: d for a, d in want.items()}, cast, fake_mode)
-        env[n] = node
-        val = node.meta["val"]
-        first = val[0] if isinstance(val, (tuple, list)) else val
-        if isinstance(first, torch.Tensor) and first.is_floating_point():
-            name = _NAMES.get(first.dtype, str(first.dtype))
-            counts[name] = counts.get(name, 0) + 1
-    out = old.output_node() if hasattr(old, "output_node") else \
-        next(n for n in old.nodes if n.op == "output")
-    results = list(out.args[0])
-    fixed = []
-    for i, r in enumerate(results):
-        v = env[r]
-        want_dtype = r.meta["val"].dtype  # the loss and buffers keep their captured dtype
-        fixed.append(cast(v, want_dtype, r) if v.meta["val"].dtype != want_dtype else v)
-    new.output(tuple(fixed))
-    program.gm.graph = new
-    program.gm.recompile()
-    return casts, counts
-
-
-def _is_plain_view(n: fx.Node) -> bool:
-    """A view op of one tensor whose other arguments are not graph values (t, view, slice...)."""
-    return (is_view(n) and n.target is not operator.getitem and bool(n.args)
-            and isinstance(n.args[0], fx.Node) and len(n.all_input_nodes) == 1
-            and isinstance(n.target, torch._ops.OpOverload) and not n.target._schema.is_mutable)
+    a = _Assigner(program, rules, modules, default, early, cast_constants)
+    for n in a.old.nodes:
+        a.visit(n)
+    a.finish()
+    return a.casts, a.counts
 
 
 def _emit(g: fx.Graph, n: fx.Node, args: Any, kwargs: Any, want: dict[fx.Node, torch.dtype],
@@ -452,146 +549,6 @@ def _step_dtypes(graph: TrainGraph) -> dict[str, dict[str, int]]:
 def _node_dtypes(graph: TrainGraph) -> list[list[str]]:
     return [[n.name, op_name(n), TrainGraph.info(n).phase.value, _dtype_name(n) or "-"]
             for n in graph.compute_nodes()]
-
-
-def fuse_loss(program: ForwardProgram, require_cast: bool = True) -> int:
-    """`nll_loss(log_softmax(cast_fp32(logits_low)))` -> `glmc::cross_entropy(logits_low)`: the
-    same fp32 loss without fp32 copies of the logits and log-probabilities (glmc.kernels).
-    With `require_cast=False` (the fusion pass) fp32 logits qualify too."""
-    g = program.graph
-    fused = 0
-    for nll in [n for n in g.nodes if op_name(n) == "nll_loss_forward"]:
-        logp, target, weight, reduction, ignore = nll.args[:5]
-        if weight is not None or reduction not in (1, 2) or op_name(logp) != "_log_softmax":
-            continue
-        if len(logp.users) != 1 or logp.meta["val"].dim() != 2 or logp.args[1] not in (1, -1):
-            continue
-        users = list(nll.users)
-        if any(u.target is not operator.getitem or u.args[1] != 0 for u in users):
-            continue  # total_weight is read elsewhere
-        views, x = [], logp.args[0]
-        while _is_plain_view(x) and len(x.users) == 1:
-            views.append(x)
-            x = x.args[0]
-        if op_name(x) == "_to_copy" and len(x.users) == 1 and \
-                x.args[0].meta["val"].dtype in (torch.bfloat16, torch.float16):
-            low = x.args[0]
-        elif not require_cast and x.meta["val"].dtype == torch.float32:
-            low = x
-        else:
-            continue
-        with g.inserting_before(nll):
-            absorbed = _absorb_row_slice(g, low, target, ignore, nll.meta)
-            if absorbed is not None:
-                value, target = absorbed
-            else:
-                value = low
-                for v in reversed(views):
-                    value = g.call_function(v.target, (value, *v.args[1:]), dict(v.kwargs))
-                    value.meta = dict(v.meta)
-            ce = g.call_function(torch.ops.glmc.cross_entropy.default,
-                                 (value, target, ignore, reduction))
-            ce.meta = dict(nll.meta)
-            loss = g.call_function(operator.getitem, (ce, 0))
-            loss.meta = dict(users[0].meta) if users else dict(nll.meta)
-        for u in users:
-            u.replace_all_uses_with(loss)
-            g.erase_node(u)
-        for dead in (nll, logp, *views, x):
-            if not dead.users:
-                g.erase_node(dead)
-        fused += 1
-    g.eliminate_dead_code(is_impure_node=is_impure)
-    program.gm.recompile()
-    return fused
-
-
-def fuse_head(program: ForwardProgram, fp32: bool) -> int:
-    """`glmc::cross_entropy(mm(x, t(w)))` -> `glmc::linear_cross_entropy(x, w)`: the logits are
-    made chunk by chunk inside the loss and never stored; with `fp32` they are fp32 matmuls of
-    the uncast activations and weight (the loss sees no low-precision rounding of the logits,
-    its largest error source), else matmuls in the low dtype as autocast does."""
-    g = program.graph
-    fused = 0
-    for ce in [n for n in g.nodes if n.target is torch.ops.glmc.cross_entropy.default]:
-        logits, target, ignore, reduction = ce.args
-        chain, v = [], logits
-        while op_name(v) in ("view", "_unsafe_view", "reshape") and len(v.users) == 1:
-            chain.append(v)
-            v = v.args[0]
-        if op_name(v) != "mm" or len(v.users) != 1:
-            continue
-        x, wt = v.args
-        val = logits.meta.get("val")
-        shape = list(val.shape) if val is not None else list(logits.args[1])
-        if op_name(wt) != "t" or len(wt.users) != 1 or len(shape) != 2 or \
-                shape[-1] != v.meta["val"].shape[-1]:
-            continue  # same row count: a 2-D view of the (N, V) product with the same V
-        w = wt.args[0]
-        with g.inserting_before(ce):
-            x_in = _uncast(g, x) if fp32 else x
-            new = g.call_function(torch.ops.glmc.linear_cross_entropy.default,
-                                  (x_in, _uncast(g, w), target, ignore, reduction, fp32))
-        new.meta = dict(ce.meta)
-        ce.replace_all_uses_with(new)
-        g.erase_node(ce)
-        for dead in (*chain, v, wt, w, x):
-            if dead.op == "call_function" and not dead.users:
-                g.erase_node(dead)
-        fused += 1
-    program.gm.recompile()
-    return fused
-
-
-def _uncast(g: fx.Graph, v: fx.Node) -> fx.Node:
-    """The value `v` was cast from (through views of the cast, replayed on the source)."""
-    views = []
-    while _is_plain_view(v):
-        views.append(v)
-        v = v.args[0]
-    if op_name(v) != "_to_copy":
-        return views[0] if views else v
-    v = v.args[0]
-    for view in reversed(views):
-        nv = g.call_function(view.target, (v, *view.args[1:]), dict(view.kwargs))
-        nv.meta = {k: x for k, x in view.meta.items() if k != "val"}
-        v = nv
-    return v
-
-
-def _absorb_row_slice(g: fx.Graph, low: fx.Node, target: Any, ignore: int,
-                      meta: dict) -> tuple[fx.Node, fx.Node] | None:
-    """Shifted-LM losses read `logits[:, :-1].reshape(-1, V)`: a copy of nearly all logits,
-    and a zero-filled full-size gradient in the backward. Instead, feed the whole logits and
-    mark the sliced-off rows' targets `ignore_index` — the same loss and gradient, exactly."""
-    node = low
-    if op_name(node) == "clone":
-        node = node.args[0]
-    if op_name(node) != "slice" or not isinstance(target, fx.Node):
-        return None
-    base, dim, start, end = (list(node.args) + [0, None])[:4]
-    step = node.args[4] if len(node.args) > 4 else 1
-    bval, sval = base.meta.get("val"), node.meta.get("val")
-    if bval is None or sval is None or step != 1 or not bval.is_contiguous():
-        return None
-    dim = dim % bval.dim()
-    if dim == bval.dim() - 1 or target.meta["val"].numel() != sval.shape[:-1].numel():
-        return None
-    tval = target.meta["val"]
-
-    def call(op: Any, *args: Any, **kwargs: Any) -> fx.Node:
-        n = g.call_function(op, args, kwargs)
-        n.meta = {k: v for k, v in meta.items() if k != "val"}
-        return n
-
-    rows = call(aten.view.default, target, list(sval.shape[:-1]))
-    full = call(aten.full.default, list(bval.shape[:-1]), ignore, dtype=tval.dtype,
-                device=tval.device)
-    end = bval.shape[dim] if end is None else end
-    placed = call(aten.slice_scatter.default, full, rows, dim, start, end)
-    flat_target = call(aten.view.default, placed, [-1])
-    flat_logits = call(aten.view.default, base, [-1, bval.shape[-1]])
-    return flat_logits, flat_target
 
 
 def recast_in_backward(graph: TrainGraph) -> int:
@@ -674,77 +631,28 @@ def _fp16_preferred(prefer: str, device: str, profile_spec: Any = None) -> tuple
     return False, note + "; fp16 is slower than bf16: every module takes bf16"
 
 
-@dataclass
-class _Range:
-    absmax: float = 0.0
-    tiny: int = 0
-    nonzero: int = 0
-
-    def add(self, t: torch.Tensor, scale: float) -> None:
-        a = t.detach().abs().float()
-        finite = a[torch.isfinite(a)]
-        if finite.numel():
-            self.absmax = max(self.absmax, float(finite.max()) * scale)
-        nz = finite[finite > 0]
-        self.nonzero += nz.numel()
-        self.tiny += int((nz * scale < FP16_MIN_NORMAL).sum())
-
-    @property
-    def fraction(self) -> float:
-        return self.tiny / self.nonzero if self.nonzero else 0.0
-
-
-def calibrate(graph: TrainGraph, grad_scale: float) -> dict[str, tuple[_Range, _Range]]:
-    """Run the (fp32) step once on the example batch; per module, the range of its forward
-    values and of its gradients times `grad_scale` (the loss scale they would carry).
-    Functional: no parameter, buffer, optimizer or RNG state changes."""
-    from glmc.runtime import input_getters
-
-    source = source_of(graph, "precision=auto")
-    args, kwargs = source.batch
-    leaves = [*args, *kwargs.values()]
-    inputs = [get(leaves) for get in input_getters(graph, source.model, source.optimizer)]
-    ranges: dict[str, tuple[_Range, _Range]] = {}
-
-    class Recorder(fx.Interpreter):
-        def run_node(self, n: fx.Node) -> Any:
-            out = super().run_node(n)
-            info = n.meta.get("glmc")
-            if info is None or info.module is None or info.phase not in (Phase.FORWARD,
-                                                                         Phase.BACKWARD):
-                return out
-            fwd, bwd = ranges.setdefault(info.module, (_Range(), _Range()))
-            for t in (out if isinstance(out, (tuple, list)) else (out,)):
-                if _is_float(t):
-                    if info.phase is Phase.FORWARD:
-                        fwd.add(t, 1.0)
-                    else:
-                        bwd.add(t, grad_scale)
-            return out
-
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        Recorder(graph.gm).run(*inputs)
-    return ranges
-
-
 def choose_layers(graph: TrainGraph, program: ForwardProgram, init_scale: float,
                   fp16: bool, note: str) -> list[LayerChoice]:
-    """bf16 or fp16 for every module that owns a low-precision (matmul-class) op."""
+    """bf16 or fp16 for every module that owns a low-precision (matmul-class) op, from the
+    value ranges recorded on the example batch (`glmc.valuestats`, graph.meta)."""
     owners = sorted({TrainGraph.info(n).module or "" for n in program.graph.nodes
                      if n.op == "call_function" and DEFAULT_RULES.get(op_name(n)) == "low"})
-    ranges = calibrate(graph, init_scale)
+    ranges: ValueStats = graph.meta["value_stats"]
     limit = FP16_MAX / HEADROOM
     out = []
     for mod in owners:
-        fwd, bwd = ranges.get(mod, (_Range(), _Range()))
-        grad_absmax, grad_under = bwd.absmax, bwd.fraction
-        facts = dict(act_absmax=fwd.absmax, act_underflow=fwd.fraction, grad_absmax=grad_absmax,
+        entry = ranges.get(mod, ModuleStats())
+        fwd_under = entry.forward.fraction_below(FP16_MIN_NORMAL)
+        fwd = entry.forward
+        grad_absmax = entry.gradient.absmax * init_scale
+        grad_under = entry.gradient.fraction_below(FP16_MIN_NORMAL / init_scale)
+        facts = dict(act_absmax=fwd.absmax, act_underflow=fwd_under, grad_absmax=grad_absmax,
                      grad_underflow=grad_under)
         if fwd.absmax > limit:
             out.append(LayerChoice(mod, "bf16", f"forward values reach {fwd.absmax:.3g}, above "
                                    f"fp16's {FP16_MAX:.0f}/{HEADROOM:.0f}", **facts))
-        elif fwd.fraction > UNDERFLOW_FRACTION:
-            out.append(LayerChoice(mod, "bf16", f"{fwd.fraction:.1%} of forward values are below "
+        elif fwd_under > UNDERFLOW_FRACTION:
+            out.append(LayerChoice(mod, "bf16", f"{fwd_under:.1%} of forward values are below "
                                    "fp16's smallest normal", **facts))
         elif grad_under > UNDERFLOW_FRACTION:
             out.append(LayerChoice(mod, "bf16", f"{grad_under:.1%} of gradients times the loss "

@@ -38,8 +38,10 @@ from glmc.analysis import graph_device
 from glmc.cost import value_bytes, get_profile, is_view, node_time, op_cost
 from glmc.errors import BudgetError, ConfigError
 from glmc.ir import RANDOM_OPS, Phase, TrainGraph, op_name
-from glmc.memory import FusionGroups, simulate
-from glmc.passmanager import Pass, PassContext, PassResult
+from glmc.memory import simulate
+from glmc.passmanager import Effect, Need, Pass, PassContext, PassResult
+from glmc.target import BackendTraits, FusionModel
+from glmc.writeback import lower_writeback
 from glmc.remat import Plan, Problem, Unit, evaluate, greedy, milp, plan_cost
 
 _UNITS = {"k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 1 << 10, "mi": 1 << 20,
@@ -102,6 +104,37 @@ class RecomputeStats:
     pareto: list = field(default_factory=list)  #: (budget, peak bytes, extra seconds)
     notes: list = field(default_factory=list)
 
+    def report_section(self, ctx: Any) -> Any:
+        """The report's recompute section (a glmc.report_parts.ReportSection for the
+        SectionContext `ctx`): budget against planned, predicted and measured peak, the solver,
+        the largest recomputed and kept values, the Pareto curve."""
+        from glmc.report_parts import MiB, LinePlot, ReportSection, Table, Text, mib, ms
+        budget = f"{self.budget} ({mib(self.budget_bytes)})" if self.budget_bytes is not None \
+            else self.budget
+        gap = f", MILP gap {self.milp_gap:.2g}" if self.milp_gap is not None else ""
+        blocks: list[Any] = [Text(
+            f"Budget {budget}; peak without recompute {mib(self.baseline_peak)}; "
+            f"planned {mib(self.planned_peak)}, predicted (full simulation) "
+            f"{mib(self.predicted_peak)}, measured {mib(ctx.measured_peak_bytes)}. "
+            f"{self.recomputed} of {self.candidates} values recomputed, {self.kept} kept for the "
+            f"backward; +{self.extra_flops / 1e9:.3f} GFLOP, +{ms(self.extra_seconds)} "
+            f"predicted. Solver: {self.solver} in {self.solve_seconds:.2f} s{gap}; heuristic's "
+            f"plan: +{ms(self.greedy_seconds_extra)}.")]
+        if self.notes:
+            blocks.append(Text("; ".join(str(n) for n in self.notes), "note"))
+        for title, values in (("recomputed value", self.recomputed_values),
+                              ("kept for the backward", self.kept_values)):
+            blocks.append(Table((f"{title} (largest)", "size", "source"),
+                                tuple((n, mib(b), src or "") for n, b, src in values), "lrl"))
+        if self.pareto:
+            blocks.append(LinePlot(
+                "runtime-memory Pareto curve (budget sweep, greedy)", "predicted peak (MiB)",
+                "predicted recompute (ms)", tuple(p[1] / MiB for p in self.pareto),
+                tuple(p[2] * 1e3 for p in self.pareto), tuple(str(p[0]) for p in self.pareto)))
+        return ReportSection("Recompute", tuple(blocks),
+                             f"budget {budget}: predicted "
+                             f"{mib(self.predicted_peak)}, measured {mib(ctx.measured_peak_bytes)}")
+
 
 @dataclass(frozen=True)
 class RecomputePass(Pass):
@@ -115,19 +148,24 @@ class RecomputePass(Pass):
     pareto: bool = True
     margin: int = 0  #: bytes kept free below the budget (set by the trainer's measured retry)
 
-    def run(self, graph: TrainGraph, ctx: PassContext) -> PassResult:
-        from glmc.backends import get_backend
-        from glmc.backends.base import lower_writeback
+    def needs(self) -> frozenset[Need]:
+        # a joint graph (torch.compile drop-in) is partitioned after the passes: the
+        # partitioner would move the copies, which read forward values only, into the forward
+        return frozenset({Need.STEP})
 
+    def effects(self) -> frozenset[Effect]:
+        return frozenset({Effect.EDITS_BACKWARD})
+
+    def run(self, graph: TrainGraph, ctx: PassContext) -> PassResult:
         if self.solver not in ("auto", "milp", "greedy"):
             raise ConfigError(f"recompute: solver must be auto, milp or greedy, not "
                               f"{self.solver!r}")
-        spec = ctx.memory_budget if ctx.memory_budget is not None else self.budget
+        spec = self.budget
         budget = Budget.parse(spec)
-        backend = get_backend(ctx.backend)
-        profile = get_profile(getattr(ctx, "profile", None), graph_device(graph))
+        backend = ctx.traits
+        profile = get_profile(ctx.profile, graph_device(graph))
         lowered = lower_writeback(graph, backend.early_writeback).graph
-        problem, units = build_problem(lowered, backend.fuses, profile)
+        problem, units = build_problem(lowered, backend, profile)
         baseline_peak = int(problem.base.max())
         budget_bytes = target = budget.target(baseline_peak, problem.persistent)
         if target is not None and self.margin:
@@ -168,7 +206,7 @@ class RecomputePass(Pass):
         pareto = self._pareto(problem, baseline_peak) if self.pareto else []
         changed = bool(plan.recompute)
         if changed:
-            rewrite(graph, {units[i] for i in plan.recompute}, backend.fuses)
+            rewrite(graph, {units[i] for i in plan.recompute}, backend)
         rec = sorted(plan.recompute, key=lambda i: -problem.units[i].size)
         kept = sorted((i for i, u in enumerate(problem.units)
                        if u.needed and i not in plan.recompute),
@@ -236,7 +274,7 @@ def _phase(n: fx.Node) -> Phase | None:
     return info.phase if info is not None else None
 
 
-def _transparent(n: fx.Node, groups: FusionGroups | None) -> bool:
+def _transparent(n: fx.Node, groups: FusionModel | None) -> bool:
     if n.op != "call_function":
         return False
     t = n.target
@@ -254,11 +292,12 @@ def _key_name(key: tuple[fx.Node, int | None]) -> str:
     return node.name if k is None else f"{node.name}#{k}"
 
 
-def build_problem(lowered: fx.Graph, fused: bool, profile: Any) -> tuple[Problem, list[str]]:
+def build_problem(lowered: fx.Graph, traits: BackendTraits,
+                  profile: Any) -> tuple[Problem, list[str]]:
     """Units (forward values owning storage; each output of a multi-output op is its own unit)
     of the lowered step, with sizes, recompute seconds, read times, and the baseline liveness
     timeline. Returns the problem and the unit names (`node` or `node#k`)."""
-    groups = FusionGroups(lowered) if fused else None
+    groups = traits.fusion(lowered) if traits.fusion is not None else None
     nodes = list(lowered.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     is_unit = {n: (n.op == "call_function" and _phase(n) is Phase.FORWARD
@@ -302,7 +341,7 @@ def build_problem(lowered: fx.Graph, fused: bool, profile: Any) -> tuple[Problem
                 bwd[key].append(index[n])
                 if ph is not Phase.BACKWARD:
                     blocked.add(key[0])  # read by the optimizer update or the output
-    overhead = profile.kernel_overhead_s if fused else profile.op_overhead_s
+    overhead = profile.kernel_overhead_s if traits.fuses else profile.op_overhead_s
     units = []
     for key in keys:
         n, k = key
@@ -320,7 +359,7 @@ def build_problem(lowered: fx.Graph, fused: bool, profile: Any) -> tuple[Problem
             produced=index[n], last_fwd=fwd_last[key], bwd_reads=tuple(sorted(set(bwd[key]))),
             inputs=tuple(sorted(kidx[u] for u in inputs if u[0] is not n)),
             recomputable=recomputable, source=getattr(info, "source", None)))
-    mem = simulate(lowered, fused)
+    mem = simulate(lowered, traits)
     base = [sum(v.values()) for _, v in mem.timeline]
     return Problem(units, base, mem.persistent_bytes), [u.name for u in units]
 
@@ -333,11 +372,11 @@ def _flops(lowered: fx.Graph, names: set[str]) -> float:
 # ---- rewrite ----------------------------------------------------------------------------------
 
 
-def rewrite(graph: TrainGraph, recompute: set[str], fused: bool) -> int:
+def rewrite(graph: TrainGraph, recompute: set[str], traits: BackendTraits) -> int:
     """Give every backward reader of a recomputed value a copy made right before the first
     such reader (copies of views and inlined ops over recomputed values come along)."""
     g = graph.graph
-    groups = FusionGroups(g) if fused else None
+    groups = traits.fusion(g) if traits.fusion is not None else None
     memo: dict[fx.Node, bool] = {}
 
     tuple_units = {name.split("#")[0] for name in recompute if "#" in name}
@@ -388,12 +427,10 @@ def rewrite(graph: TrainGraph, recompute: set[str], fused: bool) -> int:
 def _simulate_with(graph: TrainGraph, units: list[str], recompute: frozenset[int],
                    backend: Any) -> int:
     """Predicted peak of the step with this plan applied (on a scratch copy of the graph)."""
-    from glmc.backends.base import lower_writeback
     scratch = clone(graph)
     if recompute:
-        rewrite(scratch, {units[i] for i in recompute}, backend.fuses)
-    return simulate(lower_writeback(scratch, backend.early_writeback).graph,
-                    backend.fuses).peak_bytes
+        rewrite(scratch, {units[i] for i in recompute}, backend)
+    return simulate(lower_writeback(scratch, backend.early_writeback).graph, backend).peak_bytes
 
 
 def clone(graph: TrainGraph) -> TrainGraph:

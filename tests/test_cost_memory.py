@@ -1,7 +1,10 @@
 """Cost model (FLOPs, bytes, profiles) and memory model (liveness; predicted vs measured)."""
 from __future__ import annotations
 
+import ast
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,12 +12,17 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import glmc
+from glmc import calibration
 from glmc.analysis import predict
+from glmc.backends.inductor_model import FusionGroups
 from glmc.capture import split_batch
 from glmc.cost import (BUILTIN, DeviceProfile, _interp, estimate_time, get_profile,
-                       host_profile, kind_of, op_cost)
+                       gpu_profile, host_profile, kind_of, op_cost)
 from glmc.errors import ConfigError
-from glmc.memory import measure_peak, simulate
+from glmc.memory import measure_peak, simulate, state_bytes
+from glmc.report import CompileRecord
+from glmc.target import EAGER, BackendTraits
+from glmc.writeback import lower_writeback
 from tests.models import CASES
 
 aten = torch.ops.aten
@@ -52,7 +60,7 @@ def test_views_cost_nothing_and_pointwise_weights() -> None:
 
 def test_unknown_ops_are_counted_not_free() -> None:
     g = _trace(lambda a: torch.linalg.cholesky(a @ a.t() + torch.eye(4)), torch.randn(4, 4))
-    est = estimate_time(g, FLAT, fused=False)
+    est = estimate_time(g, FLAT)
     assert "linalg_cholesky_ex" in est.unknown
     node = _node(g, "linalg_cholesky_ex")
     assert est.node_seconds[node.name] > 0
@@ -66,7 +74,7 @@ def test_conv_flops_from_torch_formula() -> None:
 
 def test_roofline_takes_the_slower_of_compute_and_memory() -> None:
     g = _trace(lambda a, b: torch.mm(a, b), torch.randn(64, 64), torch.randn(64, 64))
-    est = estimate_time(g, FLAT, fused=False)
+    est = estimate_time(g, FLAT)
     flops, nbytes = 2 * 64 ** 3, 3 * 64 * 64 * 4
     assert est.seconds == pytest.approx(max(flops, nbytes) / 1e9)
 
@@ -87,14 +95,102 @@ def test_builtin_profiles_and_errors() -> None:
         get_profile("tpu")
 
 
-def test_host_profile_is_cached(tmp_path, monkeypatch) -> None:
+# ---- calibration ---------------------------------------------------------------------------
+
+
+def _measured(bandwidth: float = 1e10) -> DeviceProfile:
+    return DeviceProfile("host CPU: test", "cpu", {"float32": ((1e6, 5e10),)}, 5e9,
+                         ((1e6, bandwidth), (1e8, bandwidth)), 5e-6, 2e-6, "test")
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """An empty calibration cache; `calls` counts measurements (none really run)."""
     monkeypatch.setenv("GLMC_CACHE_DIR", str(tmp_path))
-    calls = []
-    monkeypatch.setattr("glmc.cost.calibrate", lambda: calls.append(1) or FLAT)
-    assert host_profile() == FLAT and host_profile() == FLAT
-    assert len(calls) == 1
+    monkeypatch.delenv("GLMC_CALIBRATE", raising=False)
+    calls: list[int] = []
+    monkeypatch.setattr(calibration, "measure_once", lambda: calls.append(1) or _measured())
+    return tmp_path, calls
+
+
+def test_host_profile_is_cached_with_provenance(cache) -> None:
+    tmp_path, calls = cache
+    first, second = host_profile(), host_profile()
+    assert first == second == _measured() and len(calls) == 1
+    assert first.provenance.source == "calibrated" and second.provenance.source == "cache"
     (cached,) = tmp_path.glob("cpu-profile-*.json")
-    assert json.loads(cached.read_text())["name"] == "flat"
+    data = json.loads(cached.read_text())
+    assert data["machine"]["cpu"] and data["machine"]["torch"] == torch.__version__
+    assert data["date"] and second.provenance.cache_path == str(cached)
+    assert second.provenance.machine["threads"] == torch.get_num_threads()
+    calibration.calibrate(force=True)  # `glmc calibrate`: measures again
+    assert len(calls) == 2
+
+
+def test_implausible_measurement_is_redone(cache, monkeypatch) -> None:
+    """A calibration taken under load (the 33 MB/s incident) is measured again, figure by
+    figure keeping the best; it never reaches the cache."""
+    _, calls = cache
+    runs = iter([_measured(bandwidth=33e6), _measured()])
+    monkeypatch.setattr(calibration, "measure_once", lambda: calls.append(1) or next(runs))
+    prof = host_profile()
+    assert len(calls) == 2 and prof.bandwidth_at(1e7) == 1e10
+    assert any("implausible" in n for n in prof.provenance.notes)
+
+
+def test_hopeless_calibration_falls_back_to_generic_with_warning(cache, monkeypatch) -> None:
+    tmp_path, _ = cache
+    monkeypatch.setattr(calibration, "measure_once", lambda: _measured(bandwidth=33e6))
+    with pytest.warns(UserWarning, match="implausible.*generic-cpu"):
+        prof = host_profile()
+    assert prof == BUILTIN["generic-cpu"] and prof.provenance.source == "fallback"
+    assert not list(tmp_path.glob("cpu-profile-*.json"))
+
+
+def test_bad_caches_are_measured_again(cache) -> None:
+    tmp_path, calls = cache
+    host_profile()
+    (path,) = tmp_path.glob("cpu-profile-*.json")
+    good = json.loads(path.read_text())
+    bad = json.loads(path.read_text())
+    bad["profile"]["bandwidth"] = [[1e6, 33e6]]  # taken under load
+    path.write_text(json.dumps(bad))
+    with pytest.warns(UserWarning, match="implausible"):
+        assert host_profile().provenance.source == "calibrated"
+    path.write_text("{not json")
+    with pytest.warns(UserWarning, match="unreadable"):
+        host_profile()
+    other = dict(good, machine=dict(good["machine"], cpu="Some Other CPU"))
+    path.write_text(json.dumps(other))  # e.g. a home directory shared across machines
+    prof = host_profile()
+    assert prof.provenance.source == "calibrated" and "another machine" in \
+        prof.provenance.notes[0]
+    assert len(calls) == 4
+
+
+def test_calibration_can_be_turned_off(cache, monkeypatch) -> None:
+    _, calls = cache
+    monkeypatch.setenv("GLMC_CALIBRATE", "0")
+    prof = get_profile(None, "cpu")
+    assert prof == BUILTIN["generic-cpu"] and not calls
+    assert "GLMC_CALIBRATE=0" in prof.describe_provenance()
+    assert get_profile("generic-cpu").provenance.source == "builtin"
+
+
+def test_plausibility_bounds() -> None:
+    assert calibration.check_plausible(_measured()) == []
+    assert calibration.check_plausible(BUILTIN["kunpeng920"]) == []
+    slow = DeviceProfile("x", "cpu", {"float32": ((1e6, 5e8),)}, 5e9, ((1.0, 1e10),), 5e-6,
+                         2e-6, "test")
+    assert any("float32 matmul" in p for p in calibration.check_plausible(slow))
+
+
+def test_unknown_gpu_warns_and_names_the_stand_in() -> None:
+    assert gpu_profile("NVIDIA H200") is BUILTIN["h200"]
+    with pytest.warns(UserWarning, match=r"'Tesla T4'.*'h100'.*profile="):
+        prof = gpu_profile("Tesla T4")
+    assert prof == BUILTIN["h100"] and prof.provenance.source == "fallback"
+    assert "Tesla T4" in prof.describe_provenance()
 
 
 # ---- memory model --------------------------------------------------------------------------
@@ -117,30 +213,91 @@ def test_liveness_frees_after_last_use_and_views_keep_bases_alive() -> None:
     assert sum(mem.timeline[-1][1].values()) < 2 * 4096
 
 
-def test_measure_peak_sees_allocations() -> None:
+def test_measure_peak_sees_allocations_and_touches_nothing_global(monkeypatch) -> None:
     def f():
         a = torch.empty(MiB // 4)  # 1 MiB
         b = torch.empty(MiB // 2)  # 2 MiB, a still alive
         del a, b
         return torch.zeros(())
+
+    dup2, opened, real_dup2, real_open = [], [], os.dup2, open
+    monkeypatch.setattr(os, "dup2", lambda *a, **k: dup2.append(a) or real_dup2(*a, **k))
+    monkeypatch.setattr("builtins.open", lambda f, *a, **k: opened.append(str(f))
+                        or real_open(f, *a, **k))
     _, m = measure_peak(f)
+    monkeypatch.undo()  # pytest's own output capture redirects fds
+    assert not dup2, "measure_peak must not redirect file descriptors"
     assert m.peak_bytes >= 3 * MiB - 64 and m.peak_bytes < 3 * MiB + 4096
-    assert "c10" in m.source
+    assert "c10" in m.source and m.persistent_bytes is None
+    assert not any("clear_refs" in f for f in opened)
 
 
-@pytest.mark.parametrize("case,backend,tol", [
-    ("mlp", "eager", 0.01), ("glm", "eager", 0.01), ("cnn", "eager", 0.01),
-    ("cnn", "inductor", 0.15),
+def test_measured_state_is_the_real_tensors_once_per_storage() -> None:
+    w = torch.zeros(256, 256)  # 256 KiB
+    tied = w.view(-1)  # the same storage again (tied weights, views)
+    x = torch.zeros(1024, dtype=torch.float64)  # 8 KiB
+    assert state_bytes([w, tied, x, 3]) == (256 * 1024 + 8192, 3)
+    _, m = measure_peak(lambda: w.sum(), state=[w, tied, x])
+    assert m.persistent_bytes == 256 * 1024 + 8192
+    assert m.total_peak_bytes == m.persistent_bytes + m.peak_bytes
+    assert m.to_dict()["in_step_peak_bytes"] == m.peak_bytes
+
+
+def test_errors_separate_state_from_in_step_memory() -> None:
+    """The measured peak is measured state + measured in-step peak, not predicted state +
+    measured in-step: a wrong state prediction shows as a peak error (regression)."""
+    mem = {"peak_bytes": 1000, "persistent_bytes": 600, "transient_bytes": 400}
+    pred = {"memory": mem, "time": {"seconds": 1.0}}
+    rec = CompileRecord("(x)", "eager", 0, 0, 0, 1, 1, [], [], None, pred,
+                        {"peak_bytes": 500, "persistent_bytes": 800, "seconds": 1.0,
+                         "source": "test"}, [2.0, 2.0])
+    d = rec.to_dict()
+    assert d["measured_peak_bytes"] == 1300 and d["measured_state_from"] == "tensors"
+    err = d["errors"]
+    assert err["transient_memory"] == pytest.approx(400 / 500 - 1)
+    assert err["persistent_memory"] == pytest.approx(600 / 800 - 1)
+    assert err["peak_memory"] == pytest.approx(1000 / 1300 - 1)
+    assert err["step_time"] == pytest.approx(-0.5)
+    # an old measurement without the state: the state part is not claimed as measured
+    rec.measured = {"peak_bytes": 500, "seconds": 1.0, "source": "test"}
+    d = rec.to_dict()
+    assert d["measured_state_from"] == "prediction" and d["errors"]["persistent_memory"] is None
+
+
+def test_predicted_state_matches_the_real_state_tensors() -> None:
+    from glmc.runtime import input_getters
+    model, x, loss_fn, opt = CASES["glm"].make()
+    trainer = glmc.optimize(model, x, loss_fn=loss_fn, optimizer=opt, backend="eager",
+                            measure=False)
+    leaves = list(split_batch(x)[0]) + list(split_batch(x)[1].values())
+    real = [get(leaves) for get in input_getters(trainer.graph, model, opt)]
+    measured, _ = state_bytes(real)
+    predicted = trainer.report.compiles[-1].predicted["memory"]["persistent_bytes"]
+    assert measured == pytest.approx(predicted, rel=0.01)
+
+
+@pytest.mark.parametrize("case,backend,passes,tol", [
+    ("mlp", "eager", "cleanup", 0.01), ("glm", "eager", "cleanup", 0.01),
+    ("cnn", "eager", "cleanup", 0.01), ("cnn", "inductor", "cleanup", 0.15),
+    # glmc's fused ops (rms_norm, gated, chunked loss) allocate workspaces the model does not
+    # see: GLM tiny measured 16% more in-step memory than predicted (8% of the whole peak)
+    ("glm", "eager", None, 0.10),
 ])
-def test_predicted_peak_matches_measured(case: str, backend: str, tol: float) -> None:
+def test_predicted_peak_matches_measured(case: str, backend: str, passes: str | None,
+                                         tol: float) -> None:
     model, x, loss_fn, opt = CASES[case].make()
-    trainer = glmc.optimize(model, x, loss_fn=loss_fn, optimizer=opt, backend=backend)
+    trainer = glmc.optimize(model, x, loss_fn=loss_fn, optimizer=opt, backend=backend,
+                            passes=passes)
     args, kwargs = split_batch(x)
     for _ in range(2):  # the second step runs under the memory profiler
         trainer.step(*args, **kwargs)
     rec = trainer.report.compiles[-1].to_dict()
     assert rec["measured"]["peak_bytes"] > 0
-    assert abs(rec["errors"]["peak_memory"]) <= tol, rec["errors"]
+    # the state part is measured from the step's real tensors, not copied from the prediction
+    assert rec["measured_state_from"] == "tensors", rec["measured"]
+    err = rec["errors"]
+    assert abs(err["peak_memory"]) <= tol and abs(err["persistent_memory"]) <= 0.01, err
+    assert abs(err["transient_memory"]) <= 2 * tol, err
     assert rec["predicted"]["memory"]["at_peak"]["parameters"] > 0
 
 
@@ -148,7 +305,6 @@ def test_early_writeback_lowers_eager_peak() -> None:
     model, x, loss_fn, opt = CASES["glm"].make()
     trainer = glmc.optimize(model, x, loss_fn=loss_fn, optimizer=opt, backend="eager",
                             measure=False)
-    from glmc.backends.base import lower_writeback
     early = simulate(lower_writeback(trainer.graph, early=True).graph)
     late = simulate(lower_writeback(trainer.graph, early=False).graph)
     assert early.peak_bytes <= late.peak_bytes
@@ -164,7 +320,54 @@ def test_prediction_categories_sum_to_peak() -> None:
     model, x, loss_fn, opt = CASES["glm"].make()
     trainer = glmc.optimize(model, x, loss_fn=loss_fn, optimizer=opt, backend="eager",
                             measure=False)
-    p = predict(trainer.graph, "eager", FLAT)
+    p = predict(trainer.graph, EAGER, FLAT)
     assert sum(p.memory.at_peak.values()) == p.memory.peak_bytes
     assert p.memory.at_peak["activations"] > 0
     assert p.time.seconds > 0 and p.time.kernels > 100
+
+
+def test_fusion_model_comes_from_the_backend_traits() -> None:
+    """A chain of pointwise ops: eager allocates each result; with Inductor's fusion model
+    (handed in through BackendTraits) the inlined ones allocate nothing and are no kernels."""
+    g = _trace(lambda a: ((a * 2).exp() + 1).sum(), torch.randn(256, 256))
+    inductor = BackendTraits("inductor", fusion=FusionGroups)
+    eager_mem, fused_mem = simulate(g), simulate(g, inductor)
+    assert fused_mem.peak_bytes < eager_mem.peak_bytes and fused_mem.fused
+    eager_t, fused_t = estimate_time(g, FLAT), estimate_time(g, FLAT, inductor)
+    assert fused_t.kernels < eager_t.kernels and fused_t.bytes < eager_t.bytes
+
+
+def test_prediction_carries_the_profile_provenance() -> None:
+    g = _trace(lambda a: a.exp(), torch.randn(8, 8))
+    est = estimate_time(g, BUILTIN["a100"]).to_dict()
+    assert est["profile_provenance"].startswith("builtin") and "datasheet" in \
+        est["profile_provenance"]
+    assert est["profile_provenance_record"]["source"] == "builtin"
+    assert "user-supplied" in estimate_time(g, FLAT).to_dict()["profile_provenance"]
+
+
+_CORE = ("cost", "memory", "analysis", "profiles", "calibration", "report", "report_html",
+         "report_parts")
+#: what each core module may import of glmc's: only modules below it
+_BELOW = {"report_parts": set(), "profiles": set(), "calibration": {"profiles"},
+          "cost": {"profiles", "calibration", "errors", "ir", "target"},
+          "memory": {"cost", "ir", "target"},
+          "analysis": {"cost", "memory", "ir", "target", "writeback"},
+          "report_html": {"memory", "report_parts"},
+          "report": {"errors", "passmanager", "report_html", "report_parts"}}
+
+
+@pytest.mark.parametrize("module", _CORE)
+def test_core_analyses_import_only_downward(module: str) -> None:
+    """No cycles (cost <-> memory, report <-> report_html), no backend, no Inductor — also not
+    lazily inside functions."""
+    tree = ast.parse((Path(glmc.__file__).parent / f"{module}.py").read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            imported.add(node.module)
+        elif isinstance(node, ast.Import):
+            imported.update(a.name for a in node.names)
+    assert not {m for m in imported if m.startswith("torch._inductor")}
+    ours = {m.split(".", 1)[1] for m in imported if m.startswith("glmc.")}
+    assert ours <= _BELOW[module], ours - _BELOW[module]

@@ -29,19 +29,59 @@ def test_report_files_are_complete_and_self_contained(tmp_path: Path) -> None:
     json_path, html_path = trainer.write_report(str(tmp_path))
     data = json.loads(Path(json_path).read_text())
     c = data["compiles"][0]
-    cleanup = c["passes"][0]
-    assert cleanup["name"] == "cleanup" and cleanup["changed"]
-    assert cleanup["predicted"]["peak_bytes"] <= c["predicted_captured"]["memory"]["peak_bytes"]
+    cleanup = next(r for r in c["passes"] if r["name"] == "cleanup")
+    assert cleanup["changed"]
+    assert cleanup["predicted"]["peak_bytes"] <= c["passes"][0]["predicted"]["peak_bytes"]
     assert c["measured"]["peak_bytes"] > 0 and c["steps_run"] == 3
     assert c["predicted"]["memory"]["timeline"] and c["errors"]["peak_memory"] is not None
+    assert c["errors"]["transient_memory"] is not None
+    assert c["predicted"]["time"]["profile_provenance"]
     html = Path(html_path).read_text()
     assert html.count("<svg") >= 2 and "cleanup" in html and "measured peak" in html
     # offline: no scripts, stylesheets or images fetched from anywhere
     # (matplotlib's clip paths use in-document url(#id) references only)
     assert not re.search(r"<script|<link|<img|@import|url\((?!#)", html)
+    # every pass section the stats wrote is in report.json and drawn
+    for r in c["passes"]:
+        if r.get("section"):
+            assert f"<h3>{r['section']['title']}</h3>" in html
     dumps = sorted(p.name for p in (tmp_path / "graphs").iterdir())
-    assert dumps == ["00_captured.py", "01_cleanup.py"]
-    assert "torch.ops.aten.mm" in (tmp_path / "graphs" / "01_cleanup.py").read_text()
+    assert dumps[0] == "00_captured.py" and len(dumps) == len(c["passes"]) + 1
+    assert any(d.endswith("_cleanup.py") for d in dumps)
+    assert "torch.ops.aten.mm" in (tmp_path / "graphs" / dumps[-1]).read_text()
+
+
+def test_report_sections_come_from_the_passes(tmp_path: Path) -> None:
+    """report_html knows no pass: a section is data the pass's stats return, stored in
+    report.json, and drawn from there (also by `glmc report` on a saved file). Rendering
+    touches no global matplotlib state."""
+    import matplotlib
+    from glmc.report_html import render_html
+    from glmc.report_parts import LinePlot, ReportSection, Table, Text
+    source = (ROOT / "glmc" / "report_html.py").read_text()
+    assert not re.search(r"recompute|precision|fusion|cleanup", source)
+    section = ReportSection("My pass", (Text("did <things>", "note"),
+                                        Table(("value", "size"), (("a", 1), ("b", 2))),
+                                        LinePlot("curve", "x", "y", (1.0, 2.0), (3.0, 4.0),
+                                                 ("p", "q"))), "summary line")
+    assert ReportSection.from_dict(json.loads(json.dumps(section.to_dict()))) == section
+    data = {"created": "now", "machine": "m", "torch": "t", "compiles": [{
+        "batch": "(x)", "backend": "eager", "capture_seconds": 0, "passes_seconds": 0,
+        "backend_seconds": 0, "nodes_captured": 1, "nodes_final": 1, "fallbacks": [],
+        "passes": [{"name": "mine", "options": {}, "changed": True, "stats": {"n": 1},
+                    "seconds": 0, "nodes_before": 1, "nodes_after": 1, "skipped": False,
+                    "predicted": None, "section": section.to_dict()}],
+        "predicted_captured": None, "predicted": None, "measured": None, "steps_run": 0,
+        "measured_step_seconds": None, "errors": {}, "warnings": []}]}
+    backend = matplotlib.rcParams._get_backend_or_none()
+    pyplot = sys.modules.get("matplotlib.pyplot")
+    figures = pyplot.get_fignums() if pyplot else []
+    html = render_html(data)
+    assert matplotlib.rcParams._get_backend_or_none() == backend  # no matplotlib.use()
+    assert (pyplot.get_fignums() if pyplot else []) == figures  # no pyplot figures left
+    assert "<h3>My pass</h3>" in html and "did &lt;things&gt;" in html and "<svg" in html
+    del data["compiles"][0]["passes"][0]["section"]  # a report.json from before sections
+    assert "<h3>My pass</h3>" not in render_html(data)
 
 
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="needs a headless chromium")

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import glmc
 from glmc.capture import capture
 from glmc.errors import ConfigError, PipelineError
+from glmc.backends import get_backend
 from glmc.ir import Phase, TrainGraph, op_name
 from glmc.passes.fusion import FusionPass
 from glmc.passmanager import PassContext
@@ -33,7 +34,7 @@ def test_all_patterns_fire_on_glm_and_the_attention_matrix_is_gone():
     model, x, lf, opt = CASES["glm"].make()
     cfg = model.cfg
     g = capture(model, x, lf, opt)
-    stats = FusionPass().run(g, PassContext(backend="inductor")).stats
+    stats = FusionPass().run(g, PassContext(get_backend("inductor").traits())).stats
     assert stats.counts == {"attention": cfg.layers, "norm": 2 * cfg.layers + 1,
                             "mlp": cfg.layers, "loss": 1, "optimizer": 1}
     assert FusionPass().selected("eager") == ["attention", "norm", "mlp", "loss"]

@@ -46,7 +46,13 @@ def _graph(policy: str = "bf16", model: nn.Module | None = None, **opts) -> tupl
         torch.manual_seed(0)
         model = TwoLayer()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    g = capture(model, _batch(), optimizer=opt)
+    batch = _batch()
+    g = capture(model, batch, optimizer=opt)
+    if policy == "auto":  # what the runtime records before the passes (Need.VALUE_STATS)
+        from glmc.runtime import input_getters
+        from glmc.valuestats import record_value_stats
+        g.meta["value_stats"] = record_value_stats(
+            g.gm, [get(list(batch)) for get in input_getters(g, model, opt)])
     res = PrecisionPass(policy=policy, **opts).run(g, PassContext())
     return g, res.stats
 
@@ -147,12 +153,12 @@ def test_fp32_policy_is_a_no_op():
 
 def test_pipeline_order_and_option_conflicts():
     from glmc.pipeline import parse_pipeline
-    with pytest.raises(PipelineError, match="before 'recompute'"):
+    with pytest.raises(PipelineError, match="would undo 'recompute'"):
         parse_pipeline("recompute{budget=0.5},precision")
-    with pytest.raises(PipelineError, match="give it once"):
+    with pytest.raises(PipelineError, match="give it in one place"):
         parse_pipeline("precision{policy=fp16}", precision="bf16")
     names = [p.name for p in parse_pipeline(None, memory_budget=0.5, precision="bf16")]
-    assert names == ["precision", "cleanup", "recompute"]
+    assert names == ["fusion", "precision", "cleanup", "recompute"]
 
 
 def test_fused_cross_entropy_matches_reference():
@@ -350,7 +356,7 @@ def test_precision_on_the_drop_in_path_is_a_typed_error():
     with pytest.raises(Exception) as info:
         compiled(*_batch()).backward()
     chain = [info.value, *_causes(info.value)]
-    assert any(isinstance(e, ConfigError) and "drop-in" in str(e) for e in chain), chain
+    assert any(isinstance(e, PipelineError) and "drop-in" in str(e) for e in chain), chain
 
 
 def _causes(e: BaseException) -> list[BaseException]:
@@ -361,15 +367,50 @@ def _causes(e: BaseException) -> list[BaseException]:
     return out
 
 
-@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
-def test_bf16_backends_agree(backend):
+@pytest.mark.slow
+def test_bf16_eager_and_inductor_agree():
     """The same bf16 step on two backends: losses within bf16 tolerance of each other."""
     (m, x, lf, opt), (m2, _, _, opt2) = twin(CASES["mlp"].make)
     a = glmc.optimize(m, x, loss_fn=lf, optimizer=opt, backend="eager", precision="bf16")
-    b = glmc.optimize(m2, x, loss_fn=lf, optimizer=opt2, backend=backend, precision="bf16")
+    b = glmc.optimize(m2, x, loss_fn=lf, optimizer=opt2, backend="inductor", precision="bf16")
     for _ in range(3):
         la, lb = a.step(*x), b.step(*x)
         torch.testing.assert_close(la, lb, rtol=1e-2, atol=1e-2)
+
+
+#: one bf16 rounding, relative (bf16 keeps 8 significant bits)
+BF16_RTOL = 2.0 ** -8
+
+
+def test_bf16_step_tracks_fp64_and_autocast():
+    """5 MLP steps of glmc bf16 (eager backend) against two references glmc does not compute:
+    the fp64 model and torch.autocast(bf16). Each loss lies within one bf16 rounding of both
+    (measured: 2e-4 relative to fp64, 5e-4 to autocast); the parameters end within 2e-3 of
+    fp64 (measured 3.6e-4; autocast's own 4.1e-4)."""
+    steps = 5
+    (m, x, lf, opt), (m2, _, _, opt2) = twin(CASES["mlp"].make)
+    m64 = copy.deepcopy(m2).double()
+    opt64 = torch.optim.SGD(m64.parameters(), **opt.defaults)
+    trainer = glmc.optimize(m, x, loss_fn=lf, optimizer=opt, backend="eager", precision="bf16")
+    got = [trainer.step(*x).item() for _ in range(steps)]
+    refs: dict[str, list[float]] = {"autocast": [], "fp64": []}
+    for _ in range(steps):
+        for name, model, o, inputs in (("autocast", m2, opt2, x[0]), ("fp64", m64, opt64,
+                                                                        x[0].double())):
+            o.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=name == "autocast"):
+                loss = lf(model(inputs), x[1])
+            loss.backward()
+            o.step()
+            refs[name].append(loss.item())
+    assert max(abs(a - b) for a, b in zip(got, refs["fp64"])) > 1e-5  # it ran in bf16
+    for name, want in refs.items():
+        torch.testing.assert_close(torch.tensor(got, dtype=torch.float64),
+                                   torch.tensor(want, dtype=torch.float64),
+                                   rtol=BF16_RTOL, atol=0, msg=lambda msg: f"{name}: {msg}")
+    p_err = max(float((a.detach().double() - b.detach()).abs().max())
+                for a, b in zip(m.parameters(), m64.parameters()))
+    assert p_err < 2e-3
 
 
 def test_unfused_bf16_forward_is_autocasts_bit_for_bit():

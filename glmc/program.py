@@ -1,0 +1,650 @@
+"""Programs that span devices: an SPMD step over a device mesh, and a pipeline of stages.
+
+Plumbing only: the IR says *where* values live and *what* crosses devices; later passes decide
+sharding and schedules. torch's vocabulary throughout: DTensor placements (`Replicate()`,
+`Shard(d)`, `Partial(op)`) on `TensorSpec.placements`; communication nodes are torch's
+functional collectives (`torch.ops._c10d_functional.*`), each read through a `wait_tensor`.
+
+* `SpmdProgram` — one `TrainGraph` every rank runs, plus the `MeshSpec` it runs on. A
+  collective names a mesh *dim* (`CommInfo.mesh_dim`); its process-group argument is bound at
+  run time (`bind_mesh`), so a program is not tied to one process:
+
+      before:  g = mm(...)                                  ; new_w = sub(w, mul(lr, g))
+      after:   g = mm(...)                                  # Partial(avg) on dp
+               r = all_reduce(g, "avg", "glmc-unbound:dp")  # CommInfo(all_reduce, dp, avg)
+               gw = wait_tensor(r)                          # Replicate() on dp
+               new_w = sub(w, mul(lr, gw))
+
+* `StagedProgram` — one `Stage` per pipeline stage, each three graphs (forward F, backward B,
+  optimizer update), explicit `Boundary` values between stages (activations forward, their
+  gradients back), and a schedule as data (`glmc.schedule`), run by one generic executor.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from glmc.errors import CaptureError, ConfigError, PassError
+from glmc.ir import (CommInfo, InputSpec, MeshSpec, NodeInfo, OutputKind, OutputSpec, Phase,
+                     Role, TensorSpec, TrainGraph, comm_ops, is_collective, op_name)
+from glmc.optim import ensure_state, rule_for
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.placement_types import Placement
+
+    from glmc.schedule import Schedule
+
+#: the process-group argument of a collective before `bind_mesh`: this prefix + the mesh dim
+UNBOUND = "glmc-unbound:"
+
+Values = dict[tuple[Role, str], torch.Tensor]  #: step inputs by (role, target)
+
+
+# ---- collectives -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Collective:
+    """How one functional collective reads and writes placements on its mesh dim."""
+
+    src: Callable[[str | None], "Placement"]  #: what the input must be (given the reduce op)
+    dst: Callable[[], "Placement"]  #: what the output is
+    local_shape: Callable[[tuple[int, ...], int], tuple[int, ...]]  #: (shape, group size)
+    args: Callable[[str | None, int, str], tuple]  #: (reduce op, group size, group) -> args
+
+
+def _collectives() -> dict[str, _Collective]:
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    def scatter(s: tuple[int, ...], n: int) -> tuple[int, ...]:
+        return (s[0] // n, *s[1:])
+
+    def gather(s: tuple[int, ...], n: int) -> tuple[int, ...]:
+        return (s[0] * n, *s[1:])
+
+    return {  # functional reduce_scatter / all_gather work on dim 0
+        "all_reduce": _Collective(lambda op: Partial(op), Replicate, lambda s, n: s,
+                                  lambda op, n, g: (op, g)),
+        "reduce_scatter_tensor": _Collective(lambda op: Partial(op), lambda: Shard(0), scatter,
+                                             lambda op, n, g: (op, n, g)),
+        "all_gather_into_tensor": _Collective(lambda op: Shard(0), Replicate, gather,
+                                              lambda op, n, g: (n, g)),
+    }
+
+
+def _op(name: str) -> Any:
+    return next(op for op, n in comm_ops().items() if n == name)
+
+
+def _placements(spec: TensorSpec | None, mesh: MeshSpec) -> "tuple[Placement, ...]":
+    from torch.distributed.tensor import Replicate
+
+    if spec is not None and spec.placements is not None:
+        return tuple(spec.placements)
+    return tuple(Replicate() for _ in mesh.shape)
+
+
+def insert_collective(graph: TrainGraph, value: fx.Node, collective: str, mesh: MeshSpec,
+                      mesh_dim: str, reduce_op: str | None = None,
+                      readers: Iterable[fx.Node] | None = None) -> fx.Node:
+    """Communicate `value` over `mesh_dim` right after it is computed: inserts the collective
+    and its `wait_tensor`, points `readers` (default: every reader of `value`) at the wait, and
+    returns the wait. Both new nodes get `value`'s phase and role, a spec with placements, a
+    `CommInfo` and `meta["val"]`; `value` is marked with the placement the collective expects
+    (`Partial(reduce_op)` or `Shard(0)`) where it has none. The group argument stays unbound
+    (`UNBOUND + mesh_dim`) until `bind_mesh`."""
+    table = _collectives()
+    if collective not in table:
+        raise PassError(f"program: unknown collective {collective!r}; known: {sorted(table)}")
+    if (reduce_op is None) != (collective == "all_gather_into_tensor"):
+        raise PassError(f"program: {collective} {'needs' if reduce_op is None else 'takes no'} "
+                        "reduce_op")
+    rule, i, size = table[collective], mesh.dim(mesh_dim), mesh.size(mesh_dim)
+    readers = list(value.users) if readers is None else list(readers)
+    src = _mark_source(value, rule.src(reduce_op), mesh, i)
+    dst = tuple(rule.dst() if k == i else p for k, p in enumerate(src))
+    g = graph.graph
+    with g.inserting_after(value):
+        coll = g.call_function(_op(collective),
+                               (value, *rule.args(reduce_op, size, UNBOUND + mesh_dim)))
+    with g.inserting_after(coll):
+        wait = g.call_function(_op("wait_tensor"), (coll,))
+    spec = TrainGraph.info(value).spec
+    shape = rule.local_shape(spec.shape, size) if spec is not None else None
+    _annotate_comm(coll, value, shape, dst, CommInfo(collective, mesh_dim, reduce_op))
+    _annotate_comm(wait, value, shape, dst, CommInfo("wait_tensor", mesh_dim))
+    for r in readers:
+        r.replace_input_with(value, wait)
+    return wait
+
+
+def _mark_source(value: fx.Node, want: "Placement", mesh: MeshSpec, i: int) -> tuple:
+    """`value`'s placements, after giving it `want` on mesh dim `i` if it had none; raises if
+    it has another placement there."""
+    info = TrainGraph.info(value)
+    src = list(_placements(info.spec, mesh))
+    if info.spec is None:
+        return tuple(src)
+    if info.spec.placements is not None:
+        if src[i] != want:
+            raise PassError(f"program: the collective over {mesh.dim_names[i]!r} needs "
+                            f"{want!r} there; '{value.name}' is {_fmt(src)}")
+        return tuple(src)
+    src[i] = want
+    value.meta["glmc"] = info.replace(spec=dataclasses.replace(info.spec, placements=tuple(src)))
+    return tuple(src)
+
+
+def _annotate_comm(node: fx.Node, value: fx.Node, shape: tuple[int, ...] | None,
+                   placements: tuple, comm: CommInfo) -> None:
+    info = TrainGraph.info(value)
+    val = value.meta.get("val")
+    if isinstance(val, torch.Tensor) and shape is not None:
+        node.meta["val"] = val.new_empty(shape)
+    spec = None
+    if info.spec is not None and shape is not None:
+        spec = TensorSpec(shape, info.spec.dtype, info.spec.device, placements)
+    node.meta["glmc"] = NodeInfo(info.phase, info.role, spec, source=info.source,
+                                 module=info.module, created_by="insert_collective",
+                                 comm=comm, stage=info.stage)
+
+
+def update_gradients(graph: TrainGraph) -> list[fx.Node]:
+    """The backward values the optimizer update reads (the gradients), in graph order."""
+    def reads_in_update(n: fx.Node) -> bool:
+        return any(u.op == "call_function" and TrainGraph.info(u).phase is Phase.OPTIMIZER
+                   for u in n.users)
+    return [n for n in graph.compute_nodes()
+            if TrainGraph.info(n).phase is Phase.BACKWARD and reads_in_update(n)]
+
+
+def all_reduce_gradients(graph: TrainGraph, mesh: MeshSpec, mesh_dim: str,
+                         reduce_op: str = "avg") -> list[fx.Node]:
+    """Data parallelism by hand: all-reduce every gradient over `mesh_dim` before the update
+    reads it. Returns the waits."""
+    waits = []
+    for grad in update_gradients(graph):
+        readers = [u for u in grad.users if TrainGraph.info(u).phase is Phase.OPTIMIZER]
+        waits.append(insert_collective(graph, grad, "all_reduce", mesh, mesh_dim, reduce_op,
+                                       readers))
+    graph.gm.recompile()
+    return waits
+
+
+def comm_nodes(graph: TrainGraph) -> list[fx.Node]:
+    """Every communication node (collectives and waits), in program order."""
+    return [n for n in graph.compute_nodes() if n.target in comm_ops()
+            or TrainGraph.info(n).comm is not None]
+
+
+def bind_mesh(graph: TrainGraph, mesh: "DeviceMesh") -> TrainGraph:
+    """A copy of `graph` whose collectives name `mesh`'s process groups (from
+    `mesh.get_group(dim).group_name`); `graph` itself stays unbound."""
+    spec = MeshSpec.of(mesh)
+    bound = graph.copy()
+    for n in bound.compute_nodes():
+        comm = TrainGraph.info(n).comm
+        if comm is None or not is_collective(n):
+            continue
+        group = mesh.get_group(comm.mesh_dim)
+        if spec.size(comm.mesh_dim) != group.size():
+            raise PassError(f"program: mesh dim {comm.mesh_dim!r} has {spec.size(comm.mesh_dim)}"
+                            f" ranks but its group has {group.size()}")
+        n.args = (*n.args[:-1], group.group_name)
+    bound.gm.recompile()
+    return bound
+
+
+# ---- SPMD --------------------------------------------------------------------------------------
+
+@dataclass
+class SpmdProgram:
+    """One step every rank of `mesh` runs on its own data; collectives are its only
+    communication. `verify()` guarantees every communication node has a `CommInfo` naming a
+    known mesh dim, every collective is read only through its own wait, and placements follow
+    the collective (e.g. all_reduce: Partial(op) -> Replicate on its dim)."""
+
+    graph: TrainGraph
+    mesh: MeshSpec
+
+    def verify(self) -> None:
+        self.graph.verify()
+        for n in comm_nodes(self.graph):
+            _verify_comm(n, self.mesh)
+
+    def bind(self, mesh: "DeviceMesh") -> TrainGraph:
+        """The runnable step for this process (see `bind_mesh`); `mesh` must match."""
+        if MeshSpec.of(mesh) != self.mesh:
+            raise ConfigError(f"program: the DeviceMesh {MeshSpec.of(mesh)} differs from the "
+                              f"program's {self.mesh}")
+        return bind_mesh(self.graph, mesh)
+
+    def code(self) -> str:
+        """The step's Python, headed by the mesh and one line per communication node."""
+        mesh = ", ".join(f"{d}={n}" for d, n in zip(self.mesh.dim_names, self.mesh.shape))
+        lines = [f"# SPMD program on mesh ({mesh}) of {self.mesh.device_type}",
+                 "# communication:"]
+        lines += [f"#   {_describe_comm(n)}" for n in comm_nodes(self.graph)]
+        return "\n".join(lines) + "\n" + self.graph.code()
+
+    __str__ = code
+
+
+def _describe_comm(n: fx.Node) -> str:
+    """"w = wait_tensor(r) over 'dp': (Replicate()) -> (Replicate())"."""
+    info, comm = TrainGraph.info(n), TrainGraph.info(n).comm
+    if comm is None:
+        return f"{n.name} = {op_name(n)}(...) WITHOUT CommInfo"
+    src = n.args[0] if isinstance(n.args[0], fx.Node) else None
+    before = TrainGraph.info(src).spec if src is not None else None
+    reduce = f", {comm.reduce_op}" if comm.reduce_op else ""
+    return (f"{n.name} = {comm.collective}({src}{reduce}) over {comm.mesh_dim!r}: "
+            f"{_fmt(before and before.placements)} -> {_fmt(info.spec and info.spec.placements)}")
+
+
+def _fmt(placements: Any) -> str:
+    return "single-device" if placements is None else "(" + ", ".join(map(repr, placements)) + ")"
+
+
+def _verify_comm(n: fx.Node, mesh: MeshSpec) -> None:
+    info, name = TrainGraph.info(n), comm_ops().get(n.target)
+    where = f"program: communication node '{n.name}'"
+    if info.comm is None or name != info.comm.collective:
+        raise PassError(f"{where} ({op_name(n)}) needs CommInfo({name!r}, mesh_dim, reduce_op)")
+    mesh.dim(info.comm.mesh_dim)  # raises on an unknown dim
+    placements = info.spec.placements if info.spec is not None else None
+    if placements is None or len(placements) != mesh.ndim:
+        raise PassError(f"{where} needs placements, one per mesh dim ({mesh.ndim})")
+    src = n.args[0]
+    src_info = TrainGraph.info(src) if isinstance(src, fx.Node) else None
+    if name == "wait_tensor":
+        if src_info is None or src_info.comm is None or src_info.spec != info.spec:
+            raise PassError(f"{where}: a wait must read a collective and keep its spec")
+        return
+    readers = list(n.users)
+    if len(readers) != 1 or comm_ops().get(readers[0].target) != "wait_tensor":
+        raise PassError(f"{where} must be read by exactly one wait_tensor, not {readers}")
+    if name != "all_reduce" and n.args[-2] != mesh.size(info.comm.mesh_dim):
+        raise PassError(f"{where}: group size {n.args[-2]} differs from mesh dim "
+                        f"{info.comm.mesh_dim!r}'s {mesh.size(info.comm.mesh_dim)}")
+    before = src_info.spec.placements if src_info and src_info.spec else None
+    _verify_transition(where, _collectives()[name], info.comm, mesh, before, placements)
+
+
+def _verify_transition(where: str, rule: _Collective, comm: CommInfo, mesh: MeshSpec,
+                       before: tuple | None, after: tuple) -> None:
+    """On its mesh dim the collective turns `rule.src` into `rule.dst`; other dims keep."""
+    i = mesh.dim(comm.mesh_dim)
+    want = rule.src(comm.reduce_op)
+    if before is not None and (before[i] != want or len(before) != len(after)):
+        raise PassError(f"{where}: input is {_fmt(before)}, {comm.collective} over "
+                        f"{comm.mesh_dim!r} needs {want!r} there")
+    expected = tuple(rule.dst() if k == i else p for k, p in enumerate(before or after))
+    if after != expected:
+        raise PassError(f"{where}: output is {_fmt(after)}, expected {_fmt(expected)}")
+
+
+# ---- running a step against a module and its optimizer ----------------------------------------
+
+def state_values(module: nn.Module, optimizer: torch.optim.Optimizer) -> Values:
+    """The state a step reads, by (role, target): parameters, buffers, optimizer state and
+    learning rates (float64 scalars, as `glmc.runtime` passes them)."""
+    ensure_state(optimizer)
+    names = {id(p): n for n, p in module.named_parameters()}
+    values: Values = {(Role.PARAMETER, n): p.detach() for n, p in module.named_parameters()}
+    values.update({(Role.BUFFER, n): b for n, b in module.named_buffers()})
+    for gi, group in enumerate(optimizer.param_groups):
+        values[(Role.HYPERPARAM, f"lr:{gi}")] = torch.tensor(float(group["lr"]),
+                                                             dtype=torch.float64)
+        for p in group["params"]:
+            for key, t in optimizer.state[p].items():
+                if isinstance(t, torch.Tensor) and id(p) in names:
+                    values[(Role.OPTIMIZER_STATE, f"{key}:{names[id(p)]}")] = t
+    return values
+
+
+def batch_values(batch: Sequence[torch.Tensor]) -> Values:
+    return {(Role.INPUT, f"input:{i}"): t for i, t in enumerate(batch)}
+
+
+def gather(graph: TrainGraph, *sources: Values) -> list[torch.Tensor]:
+    """The graph's inputs in signature order, each from the first source that has it."""
+    out = []
+    for spec in graph.inputs:
+        key = (spec.role, spec.target)
+        found = next((s[key] for s in sources if key in s), None)
+        if found is None:
+            raise ConfigError(f"program: no value for input {spec.role.value} {spec.target!r}")
+        out.append(found)
+    return out
+
+
+def write_back(graph: TrainGraph, outputs: Sequence[torch.Tensor], module: nn.Module,
+               optimizer: torch.optim.Optimizer) -> dict[tuple[OutputKind, str], torch.Tensor]:
+    """Copies new parameters, buffers and optimizer state into the user's tensors; returns the
+    other outputs (loss, sent values, saved values, gradients) by (kind, target)."""
+    params = dict(module.named_parameters())
+    buffers = dict(module.named_buffers())
+    rest = {}
+    with torch.no_grad():
+        for spec, value in zip(graph.outputs, outputs):
+            if spec.kind is OutputKind.PARAM:
+                params[spec.target].copy_(value)
+            elif spec.kind is OutputKind.BUFFER:
+                buffers[spec.target].copy_(value)
+            elif spec.kind is OutputKind.STATE:
+                key, _, name = spec.target.partition(":")
+                optimizer.state[params[name]][key].copy_(value)
+            else:
+                rest[(spec.kind, spec.target)] = value
+    return rest
+
+
+def run_step(graph: TrainGraph, module: nn.Module, optimizer: torch.optim.Optimizer,
+             batch: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """One step of a (bound) step graph on `batch`, updating `module` and `optimizer`;
+    returns the loss."""
+    inputs = gather(graph, state_values(module, optimizer), batch_values(batch))
+    rest = write_back(graph, graph.gm(*inputs), module, optimizer)
+    return rest.get((OutputKind.LOSS, ""))
+
+
+# ---- pipeline stages ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Boundary:
+    """A value that crosses from stage `src_stage` to `dst_stage` once per microbatch: a
+    forward activation (src < dst, F to F) or its gradient (src > dst, B to B). `spec` is one
+    microbatch's value."""
+
+    name: str
+    src_stage: int
+    dst_stage: int
+    spec: TensorSpec
+
+    @property
+    def is_gradient(self) -> bool:
+        return self.src_stage > self.dst_stage
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage as three graphs, one per action kind:
+
+    forward   params, batch leaves, received activations -> sent activations | loss, saved
+    backward  saved, cotangents (received gradients; the loss seed `(GRADIENT, "")`)
+                                          -> parameter gradients, sent input gradients
+    update    params, accumulated gradients, lr, optimizer state -> new params, new state
+    """
+
+    index: int
+    forward: TrainGraph
+    backward: TrainGraph
+    update: TrainGraph
+
+    def graphs(self) -> dict[Phase, TrainGraph]:
+        return {Phase.FORWARD: self.forward, Phase.BACKWARD: self.backward,
+                Phase.OPTIMIZER: self.update}
+
+
+@dataclass
+class StagedProgram:
+    """A pipeline: stages, the boundary values between them, and a schedule (data; see
+    `glmc.schedule`). `verify()` guarantees every stage graph is well formed, every sent value
+    is received by exactly one stage with the same spec (and vice versa), and the schedule is
+    acyclic and runs every stage's F and B for every microbatch and its update once."""
+
+    stages: tuple[Stage, ...]
+    boundaries: tuple[Boundary, ...]
+    schedule: "Schedule"
+
+    def links(self) -> set[tuple[int, int]]:
+        """(sender, receiver) stage pairs of forward activations."""
+        return {(b.src_stage, b.dst_stage) for b in self.boundaries if not b.is_gradient}
+
+    def verify(self) -> None:
+        if [s.index for s in self.stages] != list(range(len(self.stages))):
+            raise PassError("program: stages must be numbered 0, 1, ... in order")
+        for stage in self.stages:
+            for graph in stage.graphs().values():
+                graph.verify()
+        sends, recvs = _endpoints(self.stages)
+        names = [b.name for b in self.boundaries]
+        if len(set(names)) != len(names) or set(names) != set(sends) or set(names) != set(recvs):
+            raise PassError(f"program: boundaries {sorted(names)} must name each sent value "
+                            f"{sorted(sends)} and received value {sorted(recvs)} exactly once")
+        for b in self.boundaries:
+            _verify_boundary(b, sends[b.name], recvs[b.name])
+        self.schedule.verify(len(self.stages), self.links())
+
+    def code(self) -> str:
+        """The boundaries, every stage's graphs with their typed signatures, the schedule."""
+        lines = [f"# staged program: {len(self.stages)} stages, "
+                 f"{self.schedule.num_microbatches} microbatches", "# boundaries:"]
+        for b in self.boundaries:
+            lines.append(f"#   {b.name}: stage {b.src_stage} -> stage {b.dst_stage} "
+                         f"{'(gradient) ' if b.is_gradient else ''}{list(b.spec.shape)} "
+                         f"{str(b.spec.dtype)[6:]}")
+        for stage in self.stages:
+            for phase, graph in stage.graphs().items():
+                lines.append(f"# ---- stage {stage.index}: {_LABEL[phase]} ----")
+                lines.append(_signature_code(graph))
+        lines.append(str(self.schedule))
+        return "\n".join(lines)
+
+    __str__ = code
+
+
+_LABEL = {Phase.FORWARD: "forward (F)", Phase.BACKWARD: "backward (B)",
+          Phase.OPTIMIZER: "update (UPDATE)"}
+
+
+def _signature_code(graph: TrainGraph) -> str:
+    lines = [f"#   in  {ph.name}: {s.role.value} {s.target!r}"
+             for ph, s in zip(graph.placeholders(), graph.inputs)]
+    lines += [f"#   out {s.kind.value} {s.target!r}" for s in graph.outputs]
+    return "\n".join(lines + [graph.code().strip("\n")])
+
+
+def _endpoints(stages: Sequence[Stage]) -> tuple[dict, dict]:
+    """name -> (stage, phase, spec) of every sent output and every received input."""
+    sends: dict[str, tuple[int, Phase, TensorSpec | None]] = {}
+    recvs: dict[str, tuple[int, Phase, TensorSpec | None]] = {}
+    for stage in stages:
+        for phase, graph in stage.graphs().items():
+            ends = [(sends, o.target, v) for o, v in zip(graph.outputs, graph.output_values())
+                    if o.kind is OutputKind.SEND]
+            ends += [(recvs, i.target, ph) for i, ph in zip(graph.inputs, graph.placeholders())
+                     if i.role is Role.BOUNDARY]
+            for table, name, node in ends:
+                if name in table:
+                    raise PassError(f"program: two stages send or receive {name!r}; a boundary "
+                                    "value has one sender and one receiver")
+                table[name] = (stage.index, phase, TrainGraph.info(node).spec)
+    return sends, recvs
+
+
+def _verify_boundary(b: Boundary, send: tuple, recv: tuple) -> None:
+    phase = Phase.BACKWARD if b.is_gradient else Phase.FORWARD
+    for (stage, ph, spec), want, side in ((send, b.src_stage, "sent"),
+                                          (recv, b.dst_stage, "received")):
+        if stage != want or ph is not phase:
+            raise PassError(f"program: boundary {b.name!r} is {side} by stage {stage} "
+                            f"({ph.value}); expected stage {want} ({phase.value})")
+        if spec != b.spec:
+            raise PassError(f"program: boundary {b.name!r} is {spec} where {side}, but the "
+                            f"boundary says {b.spec}")
+
+
+def link(stages: Sequence[Stage]) -> tuple[Boundary, ...]:
+    """The boundaries between `stages`, from what each sends and receives by name (the spec
+    is the sender's)."""
+    sends, recvs = _endpoints(stages)
+    missing = sorted(set(sends) ^ set(recvs))
+    if missing:
+        raise PassError(f"program: values {missing} are sent but not received, or received but "
+                        "not sent")
+    return tuple(Boundary(name, src, recvs[name][0], spec)
+                 for name, (src, _, spec) in sends.items())
+
+
+# ---- capturing a stage -------------------------------------------------------------------------
+
+StageArg = tuple["int | str", torch.Tensor]  #: (batch leaf index | received boundary, example)
+
+
+def capture_stage(index: int, module: nn.Module, optimizer: torch.optim.Optimizer,
+                  args: Sequence[StageArg], *, send: Sequence[str] = (), loss_fn: Any = None,
+                  target: tuple[int, torch.Tensor] | None = None) -> Stage:
+    """Stage `index` of a pipeline: `module(*args)` then either sends its outputs under the
+    names `send`, or (last stage) computes `loss_fn(output, target)`. An arg is `(i, example)`
+    for leaf `i` of the microbatch, or `(name, example)` for a value received from the stage
+    that sends `name`; its gradient is sent back as `"grad:" + name`. AOTAutograd's default
+    partition decides what the forward saves for the backward; the update is the optimizer's
+    glmc rule (`glmc.optim`), so it matches torch.optim exactly."""
+    if any(True for _ in module.buffers()):
+        raise ConfigError(f"capture_stage: stage {index} has buffers; stages with buffers are "
+                          "not supported yet")
+    last = loss_fn is not None
+    if last != (target is not None) or last == bool(send):
+        raise ConfigError(f"capture_stage: stage {index} needs either send= (names of its "
+                          "outputs) or loss_fn= and target= (the last stage)")
+    names = [n for n, _ in module.named_parameters()]
+    leaves = list(args) + ([target] if target is not None else [])
+
+    def step(*flat: torch.Tensor) -> Any:
+        out = torch.func.functional_call(module, dict(zip(names, flat[:len(names)])),
+                                         tuple(flat[len(names):len(names) + len(args)]))
+        return loss_fn(out, flat[-1]) if loss_fn is not None else out
+
+    examples = [p.detach().requires_grad_() for p in module.parameters()]
+    examples += [t.detach().requires_grad_(isinstance(k, str)) for k, t in leaves]
+    fw, bw, n_out = _aot_graphs(step, examples)
+    if n_out != max(len(send), 1):
+        raise ConfigError(f"capture_stage: stage {index} returns {n_out} values but send= "
+                          f"names {len(send)}")
+    ins = [InputSpec(Role.PARAMETER, n) for n in names]
+    ins += [InputSpec(Role.BOUNDARY, k) if isinstance(k, str) else InputSpec(Role.INPUT,
+            f"input:{k}") for k, _ in leaves]
+    n_saved = len(_output_args(fw)) - n_out
+    outs = [OutputSpec(OutputKind.SEND, n) for n in send] or [OutputSpec(OutputKind.LOSS, "")]
+    forward = _retype(fw, ins, [*outs, *(OutputSpec(OutputKind.SAVED, f"saved:{k}")
+                                         for k in range(n_saved))], Phase.FORWARD, index)
+    backward = _backward(index, bw, names, leaves, send, n_saved)
+    return Stage(index, forward, backward, _update_graph(index, module, optimizer))
+
+
+def _aot_graphs(fn: Callable, examples: list[torch.Tensor]
+                ) -> tuple[fx.GraphModule, fx.GraphModule, int]:
+    """AOTAutograd's forward and backward graphs of `fn` (run once on `examples`)."""
+    from functorch.compile import aot_function, make_boxed_func
+    from torch._functorch.partitioners import default_partition
+
+    got: dict[str, fx.GraphModule] = {}
+
+    def keep(kind: str) -> Callable:
+        def compiler(gm: fx.GraphModule, _: Any) -> Callable:
+            got[kind] = gm
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    compiled = aot_function(fn, fw_compiler=keep("F"), bw_compiler=keep("B"),
+                            partition_fn=default_partition)
+    out = compiled(*examples)
+    outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+    torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+    return got["F"], got["B"], len(outs)
+
+
+def _output_args(gm: fx.GraphModule) -> list[Any]:
+    return list(next(n for n in gm.graph.nodes if n.op == "output").args[0])
+
+
+def _backward(index: int, bw: fx.GraphModule, names: list[str], leaves: list,
+              send: Sequence[str], n_saved: int) -> TrainGraph:
+    ins = [InputSpec(Role.SAVED, f"saved:{k}") for k in range(n_saved)]
+    ins += [InputSpec(Role.BOUNDARY, f"grad:{n}") for n in send] or [InputSpec(Role.GRADIENT,
+                                                                               "")]
+    grads = _output_args(bw)
+    for n, g in zip(names, grads):
+        if g is None:
+            raise CaptureError(f"capture_stage: parameter {n!r} of stage {index} gets no "
+                               "gradient; drop it from the stage")
+    outs: list[OutputSpec | None] = [OutputSpec(OutputKind.GRADIENT, n) for n in names]
+    outs += [OutputSpec(OutputKind.SEND, f"grad:{k}") if isinstance(k, str) else None
+             for k, _ in leaves]
+    return _retype(bw, ins, outs, Phase.BACKWARD, index)
+
+
+def _retype(gm: fx.GraphModule, inputs: list[InputSpec], outputs: Sequence[OutputSpec | None],
+            phase: Phase, stage: int) -> TrainGraph:
+    """A TrainGraph over a copy of `gm`: its placeholders become `inputs`, its outputs (by
+    position; None drops one) `outputs`, and every node gets `phase`'s NodeInfo."""
+    role = {Phase.FORWARD: Role.ACTIVATION, Phase.BACKWARD: Role.GRADIENT,
+            Phase.OPTIMIZER: Role.UPDATE}[phase]
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(inputs):
+        raise CaptureError(f"capture_stage: AOTAutograd's {phase.value} graph of stage {stage} "
+                           f"takes {len(placeholders)} inputs, expected {len(inputs)}")
+    g, env = fx.Graph(), {}
+    specs = iter(inputs)
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            spec = next(specs)
+            env[n] = g.placeholder(f"{spec.role.value}_{len(env)}")
+            info = NodeInfo(Phase.INPUT, spec.role, target=spec.target, stage=stage)
+        elif n.op == "output":
+            picked = [(o, v) for o, v in zip(outputs, _output_args(gm)) if o is not None]
+            g.output(tuple(env[v] for _, v in picked))
+            break
+        else:
+            env[n] = g.node_copy(n, lambda a: env[a])
+            info = NodeInfo(phase, role, created_by="capture_stage", stage=stage)
+        env[n].meta = {"val": n.meta.get("val"),
+                       "glmc": info.replace(spec=TensorSpec.of(n.meta.get("val")))}
+    graph = TrainGraph(fx.GraphModule(gm, g), list(inputs), [o for o, _ in picked],
+                       meta={"stage": stage, "phase": phase.value})
+    graph.verify()
+    return graph
+
+
+def _update_graph(index: int, module: nn.Module, optimizer: torch.optim.Optimizer
+                  ) -> TrainGraph:
+    """(lr per group, then per parameter: param, gradient, state...) -> (param, state...)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    rule = rule_for(optimizer)
+    ensure_state(optimizer)
+    names = {id(p): n for n, p in module.named_parameters()}
+    groups = optimizer.param_groups
+    ins = [InputSpec(Role.HYPERPARAM, f"lr:{gi}") for gi in range(len(groups))]
+    examples = [torch.tensor(float(g["lr"]), dtype=torch.float64) for g in groups]
+    entries, outs = [], []
+    for gi, group in enumerate(groups):
+        for p in group["params"]:
+            if id(p) not in names:
+                raise ConfigError(f"capture_stage: stage {index}'s optimizer holds a tensor "
+                                  "that is not a parameter of the stage's module")
+            name, keys = names[id(p)], rule.state_keys(group)
+            entries.append((gi, group, keys))
+            ins += [InputSpec(Role.PARAMETER, name), InputSpec(Role.GRADIENT, name)]
+            ins += [InputSpec(Role.OPTIMIZER_STATE, f"{k}:{name}") for k in keys]
+            examples += [p.detach(), torch.zeros_like(p), *(optimizer.state[p][k] for k in keys)]
+            outs += [OutputSpec(OutputKind.PARAM, name)]
+            outs += [OutputSpec(OutputKind.STATE, f"{k}:{name}") for k in keys]
+
+    def update(*flat: torch.Tensor) -> list[torch.Tensor]:
+        rest, new = list(flat[len(groups):]), []
+        for gi, group, keys in entries:
+            (p, g, *state), rest = rest[:2 + len(keys)], rest[2 + len(keys):]
+            new_p, new_s = rule.update(p, g, dict(zip(keys, state)), flat[gi], group)
+            new += [new_p, *(new_s[k] for k in keys)]
+        return new
+
+    gm = make_fx(update, tracing_mode="fake")(*examples)
+    return _retype(gm, ins, outs, Phase.OPTIMIZER, index)

@@ -1,0 +1,87 @@
+"""The write-back form of a step: new state copied into its inputs, in place.
+
+`lower_writeback` is an IR-to-IR transform the runtime applies for backends that update state
+in place (eager, Inductor); functional backends run the step as it is and the runtime copies
+the outputs. The cost and memory models predict the form the backend will run.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from glmc.cost import is_view
+from glmc.ir import OutputKind, Phase, Role, TrainGraph
+
+
+def lower_writeback(graph: TrainGraph, early: bool = True) -> fx.GraphModule:
+    """The step as `f(*inputs) -> (loss,)` that copies every new state value into its input
+    (a joint graph without state keeps its outputs).
+
+    Each copy is placed right after both the new value exists and the last read of the old
+    value (through any view of it) — `early=True`, so a new parameter or optimizer-state tensor
+    is freed as soon as it is written back instead of living to the end of the step; with
+    `early=False` all copies go last. Inductor turns these input mutations into stores inside
+    its kernels; eager runs them as `copy_`. Node metadata is shared with `graph` (shallow).
+    """
+    old = graph.graph
+    new = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    order = [n for n in old.nodes if n.op != "output"]
+    for n in order:
+        env[n] = new.node_copy(n, lambda a: env[a])
+    position = {n: i for i, n in enumerate(order)}
+    placeholders = {ph.meta["glmc"].target: ph for ph in order if ph.op == "placeholder"}
+    kept: list[fx.Node] = []  #: the loss, and a joint graph's forward/gradient outputs
+    copies: list[tuple[int, fx.Node, fx.Node]] = []
+    for spec, value in zip(graph.outputs, graph.output_values()):
+        if spec.kind not in _STATE_KINDS:
+            kept.append(value)
+            continue
+        dest = placeholders[spec.target]
+        if value is dest or _alias_root(value) is dest:
+            continue
+        at = len(order) - 1
+        if early:
+            at = max(position[value], *(position[r] for r in _alias_readers(dest)))
+        copies.append((at, dest, value))
+    for at, dest, value in sorted(copies, key=lambda c: -c[0]):
+        with new.inserting_after(env[order[at]]):
+            c = new.call_function(torch.ops.aten.copy_.default, (env[dest], env[value]))
+        c.meta = {"val": dest.meta.get("val"),
+                  "glmc": dest.meta["glmc"].replace(phase=Phase.OPTIMIZER, role=Role.UPDATE,
+                                                   created_by="writeback")}
+    new.output(tuple(env[v] if isinstance(v, fx.Node) else v for v in kept))
+    new.lint()
+    return fx.GraphModule(graph.gm, new)
+
+
+_STATE_KINDS = (OutputKind.PARAM, OutputKind.BUFFER, OutputKind.STATE)
+
+
+def copy_graph(graph: TrainGraph) -> fx.GraphModule:
+    """A GraphModule over a copy of `graph`'s fx graph (node metadata shared, shallowly), for
+    backends that rewrite what they compile."""
+    new = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in graph.graph.nodes:
+        env[n] = new.node_copy(n, lambda a: env[a])
+    return fx.GraphModule(graph.gm, new)
+
+
+def _alias_root(n: fx.Node) -> fx.Node:
+    while n.op == "call_function" and is_view(n) and n.args and isinstance(n.args[0], fx.Node):
+        n = n.args[0]
+    return n
+
+
+def _alias_readers(n: fx.Node) -> list[fx.Node]:
+    """Every node that reads `n`'s storage: its users, and the users of its views."""
+    out, stack = [], [n]
+    while stack:
+        for u in stack.pop().users:
+            if u.op == "output":
+                continue
+            out.append(u)
+            if is_view(u):
+                stack.append(u)
+    return out or [n]

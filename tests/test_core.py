@@ -1,0 +1,264 @@
+"""The core's contracts: pass declarations, pipeline validation, spellings, option precedence,
+layering (no import cycles, no upward imports), no hidden global effects, function size."""
+from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
+
+import networkx as nx
+import pytest
+import torch
+
+import glmc
+from glmc.errors import ConfigError, PipelineError
+from glmc.passmanager import Effect, Need, check_needs
+from glmc.pipeline import parse_pipeline, registry
+from tests.models import CASES, glmc_losses, twin
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: non-default options for every registered pass, to check that spellings parse back
+_OPTIONS = {
+    "cleanup": {"cse": False},
+    "fusion": {"patterns": "norm+mlp", "attention": False},
+    "precision": {"policy": "fp16", "ops": {"_softmax": "fp32", "mm": "low"},
+                  "modules": {"head": "fp32"}, "init_scale": 1024.0, "growth_interval": 100,
+                  "head": "low", "recast": False},
+    "recompute": {"budget": "2GiB", "solver": "greedy", "time_limit": 2.5, "pareto": False},
+}
+
+
+@pytest.mark.parametrize("name", sorted(registry()))
+def test_every_spelling_parses_back_to_the_same_pass(name: str) -> None:
+    cls = registry()[name]
+    for p in (cls(), cls(**_OPTIONS[name])):
+        (again,) = parse_pipeline(p.spelling())
+        assert again.spelling() == p.spelling()
+        assert {k: str(v) for k, v in again.options().items()} == \
+            {k: str(v) for k, v in p.options().items()} or again.options() == p.options()
+
+
+def test_every_registered_pass_is_covered_by_the_spelling_test() -> None:
+    assert set(_OPTIONS) == set(registry())
+
+
+def test_contracts_come_from_declarations() -> None:
+    reg = registry()
+    assert reg["fusion"]().effects() == {Effect.REDERIVES}
+    assert Effect.EDITS_BACKWARD in reg["recompute"]().effects()
+    assert Need.VALUE_STATS in reg["precision"](policy="auto").needs()
+    assert Need.VALUE_STATS not in reg["precision"](policy="bf16").needs()
+    assert Effect.ADDS_STATE in reg["precision"](policy="fp16").effects()
+    assert reg["precision"](policy="bf16").changes_signature is False
+    assert reg["cleanup"]().effects() == frozenset()
+
+
+@pytest.mark.parametrize("bad", ["cleanup,recompute,fusion", "precision,fusion",
+                                 "recompute{budget=0.5},precision{policy=bf16}"])
+def test_a_rederiving_pass_may_not_undo_an_earlier_backward_edit(bad: str) -> None:
+    with pytest.raises(PipelineError, match="re-derives the backward and would undo"):
+        parse_pipeline(bad)
+
+
+def test_needs_are_checked_before_any_pass_runs() -> None:
+    passes = parse_pipeline("fusion,precision{policy=auto},cleanup")
+    with pytest.raises(PipelineError) as e:
+        check_needs(passes, frozenset())
+    assert "fusion" in str(e.value) and "recorded value ranges" in str(e.value)
+    check_needs(passes, frozenset({Need.STEP, Need.VALUE_STATS}))
+
+
+def test_memory_budget_next_to_a_pipeline_naming_recompute_is_an_error() -> None:
+    with pytest.raises(PipelineError, match="give it in one place"):
+        parse_pipeline("cleanup,recompute{budget=0.3}", memory_budget=0.9)
+    with pytest.raises(PipelineError, match="give it in one place"):
+        parse_pipeline("precision{policy=fp16},cleanup", precision="bf16")
+    (m, x, loss_fn, opt), _ = twin(CASES["mlp"].make)
+    with pytest.raises(PipelineError, match="recompute"):
+        glmc.optimize(m, x, loss_fn=loss_fn, optimizer=opt, backend="eager",
+                      passes="cleanup,recompute{budget=0.3}", memory_budget=0.9)
+
+
+def test_option_and_pipeline_spellings_give_the_same_pipeline() -> None:
+    """`fusion=True, precision=...` is exactly the pipeline `fusion,precision{...},cleanup`:
+    no pass reads another pass's option."""
+    by_option = parse_pipeline(None, precision="bf16", fusion=True)
+    by_string = parse_pipeline("fusion,precision{policy=bf16},cleanup")
+    assert [p.spelling() for p in by_option] == [p.spelling() for p in by_string]
+
+
+def test_default_pipeline_is_fusion_and_cleanup() -> None:
+    assert [p.spelling() for p in parse_pipeline(None)] == ["fusion", "cleanup"]
+    assert [p.spelling() for p in parse_pipeline(None, fusion=False)] == ["cleanup"]
+    low = [p.spelling() for p in parse_pipeline(None, precision="bf16", device="cpu")]
+    assert low == ["fusion{attention=False}", "precision", "cleanup"]
+
+
+def test_default_pipeline_trains_with_parity_and_reports_it() -> None:
+    (m, x, loss_fn, opt), (m2, x2, loss_fn2, opt2) = twin(CASES["glm"].make)
+    trainer = glmc.optimize(m, x, loss_fn=loss_fn, optimizer=opt, backend="eager")
+    assert [r.name for r in trainer.report.compiles[0].history] == ["fusion", "cleanup"]
+    from tests.models import eager_losses
+    torch.testing.assert_close(torch.tensor(glmc_losses(trainer, x, 3)),
+                               torch.tensor(eager_losses(m2, x2, loss_fn2, opt2, 3)),
+                               rtol=1e-5, atol=0)
+
+
+def test_dropin_recompute_says_what_to_do() -> None:
+    """Drop-in `passes="cleanup,recompute{budget=0.5}"` used to fail with `PassError:
+    recompute: failed: '0'`. The joint graph is partitioned after glmc's passes, and the
+    partitioner would move the copies into the forward: a typed error says where it works."""
+    torch._dynamo.reset()
+    model, x, loss_fn, _ = CASES["mlp"].make()
+    compiled = torch.compile(model, backend="glmc", options={
+        "backend": "eager", "passes": "cleanup,recompute{budget=0.5}"})
+    with pytest.raises(Exception) as e:
+        loss_fn(compiled(x[0]), x[1]).backward()
+    assert "glmc.optimize" in str(e.value) and "recompute" in str(e.value)
+    assert "KeyError" not in str(e.value)
+
+
+def test_dropin_rejects_unknown_options_and_whole_step_passes() -> None:
+    torch._dynamo.reset()
+    model, x, loss_fn, _ = CASES["mlp"].make()
+    with pytest.raises(Exception) as e:
+        torch.compile(model, backend="glmc", options={"precision": "bf16"})(x[0])
+    assert isinstance(e.value, ConfigError) or isinstance(e.value.__cause__, ConfigError) \
+        or "unknown option" in str(e.value)
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as e:
+        compiled = torch.compile(model, backend="glmc",
+                                 options={"backend": "eager", "passes": "fusion,cleanup"})
+        loss_fn(compiled(x[0]), x[1]).backward()
+    assert "whole training step" in str(e.value)
+
+
+# ---- layering --------------------------------------------------------------------------------
+
+#: layer of each module (lower imports nothing from higher). passes and backends sit on the
+#: IR and analyses; the runtime, API, CLI, report and export on top.
+def _layer(module: str) -> int:
+    if module.startswith("glmc.passes.") or module.startswith("glmc.backends."):
+        return 2
+    top = {"glmc.runtime", "glmc.api", "glmc.cli", "glmc.export", "glmc.report",
+           "glmc.report_html", "glmc.dynamo_backend", "glmc.workload", "glmc",
+           "glmc.__main__", "glmc.passes", "glmc.backends"}
+    return 3 if module in top else 1
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for folder, package in (("glmc", "glmc"), ("passes", "glmc.passes"),
+                            ("backends", "glmc.backends")):
+        for f in (ROOT / folder).glob("*.py"):
+            name = package if f.stem == "__init__" else f"{package}.{f.stem}"
+            out[name] = f
+    return out
+
+
+def _imports(path: Path, known: set[str]) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        found |= {n for n in names if n in known}
+    return found
+
+
+def test_import_graph_has_no_cycles_and_no_upward_imports() -> None:
+    mods = _modules()
+    g = nx.DiGraph()
+    for name, path in mods.items():
+        g.add_node(name)
+        for dep in _imports(path, set(mods)):
+            if dep != name and not name.startswith(dep + "."):
+                g.add_edge(name, dep)
+    cycles = list(nx.simple_cycles(g))
+    assert not cycles, f"import cycles: {cycles[:5]}"
+    upward = [(a, b) for a, b in g.edges if _layer(b) > _layer(a)]
+    assert not upward, f"upward imports: {upward}"
+    sideways = [(a, b) for a, b in g.edges if _layer(a) == _layer(b) == 2
+                and a.split(".")[1] == b.split(".")[1] == "passes"]
+    assert not sideways, f"passes importing passes: {sideways}"
+    core = [(a, b) for a, b in g.edges if _layer(a) == 1 and b.startswith("glmc.backends")]
+    assert not core, f"core importing backends: {core}"
+
+
+def test_no_function_over_80_lines() -> None:
+    long = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > 80:
+                    long.append(f"{name}.{node.name}: {n} lines")
+    assert not long, long
+
+
+def test_core_modules_do_not_import_inductor_internals() -> None:
+    for name, path in _modules().items():
+        if _layer(name) == 1:
+            assert "torch._inductor" not in path.read_text(), name
+
+
+# ---- no hidden global effects ----------------------------------------------------------------
+
+def test_running_glmc_leaves_global_state_alone(tmp_path, monkeypatch) -> None:
+    import os
+
+    import matplotlib
+    before = matplotlib.get_backend()
+    calls = []
+    monkeypatch.setattr(os, "dup2", lambda *a: calls.append(("dup2", a)))
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: calls.append(("dynamo.reset",)))
+    (m, x, loss_fn, opt), _ = twin(CASES["mlp"].make)
+    attrs = set(vars(opt))
+    trainer = glmc.optimize(m, x, loss_fn=loss_fn, optimizer=opt, backend="eager")
+    glmc_losses(trainer, x, 2)
+    trainer.write_report(str(tmp_path / "r"))
+    assert matplotlib.get_backend() == before
+    assert calls == []
+    assert set(vars(opt)) == attrs  # no private attributes set on the user's optimizer
+
+
+def test_capture_failure_does_not_reset_dynamo(monkeypatch) -> None:
+    calls = []
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: calls.append(1))
+
+    class Breaks(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            if x.sum().item() > 0:  # data-dependent control flow: a graph break
+                return self.lin(x).sum()
+            return self.lin(x).mean()
+
+    with pytest.raises(glmc.CaptureError):
+        glmc.capture(Breaks(), (torch.ones(2, 4),))
+    assert calls == []
+
+
+def test_lr_scheduler_sees_compiled_steps_without_warnings() -> None:
+    import warnings
+    (m, x, loss_fn, opt), _ = twin(CASES["mlp"].make)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    trainer = glmc.optimize(m, x, loss_fn=loss_fn, optimizer=opt, backend="eager",
+                            measure=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            trainer.step(*x)
+            sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(sched.base_lrs[0] * 0.25)
+
+
+def test_passes_get_only_target_facts_from_the_context() -> None:
+    from glmc.passmanager import PassContext
+    fields = {f.name for f in dataclasses.fields(PassContext)}
+    assert fields == {"traits", "profile"}
