@@ -4,7 +4,7 @@
 bandwidth over problem sizes (caches matter on CPUs), vector FLOP/s, the per-op dispatch cost
 and the rates of a few kernels that run below bandwidth. Guarantees:
 
-* robust: every figure is the best of several repetitions (load only ever slows a kernel),
+* robust: every figure is the best of many repetitions (load only ever slows a call down),
   and a calibration whose figures are physically implausible for a CPU (`check_plausible`:
   e.g. memory bandwidth below 1 GB/s, fp32 matmul below 1 GFLOP/s) is measured again, keeping
   the best of each figure; if it still fails, `calibrate` warns and returns the `generic-cpu`
@@ -241,7 +241,10 @@ def _best_of(a: DeviceProfile, b: DeviceProfile) -> DeviceProfile:
 
 
 def _best(fn: Callable[[], Any], reps: int) -> float:
-    """The fastest of `reps` timed calls after one warm-up (load only ever adds time)."""
+    """Seconds per call: the fastest of `reps` timed calls after one warm-up. Contention only
+    ever slows a call down, and on a shared machine it delays most calls (2 busy cores: the
+    median of a 256 KiB elementwise op measured 40x its minimum), so the minimum is the one
+    statistic that does not drift with load."""
     fn()
     best = float("inf")
     for _ in range(reps):

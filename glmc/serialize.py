@@ -183,6 +183,11 @@ def _enc(v: Any) -> Any:
         return {"torch": str(v)[6:]}
     if isinstance(v, enum.Enum):
         return {"enum": type(v).__name__, "value": v.value}
+    if isinstance(v, _placement_types()):
+        fields = {"dim": v.dim} if hasattr(v, "dim") else {}
+        if hasattr(v, "reduce_op"):
+            fields["reduce_op"] = v.reduce_op
+        return {"placement": type(v).__name__, "fields": fields}
     if dataclasses.is_dataclass(v):
         return {"dc": type(v).__name__,
                 "fields": {f.name: _enc(getattr(v, f.name)) for f in dataclasses.fields(v)}}
@@ -209,10 +214,19 @@ def _dec(v: Any, env: dict | None = None) -> Any:
         return getattr(torch, v["torch"])
     if "enum" in v:
         return getattr(ir, v["enum"])(v["value"])
+    if "placement" in v:
+        from torch.distributed.tensor import Partial, Replicate, Shard
+        cls = {"Replicate": Replicate, "Shard": Shard, "Partial": Partial}[v["placement"]]
+        return cls(**v["fields"])
     if "dc" in v:
         cls = _DATACLASSES.get(v["dc"]) or _ir_dataclass(v["dc"])
         return cls(**{k: _dec(x, env) for k, x in v["fields"].items()})
     raise InputError(f"load_graph: unknown value {v!r}")
+
+
+def _placement_types() -> tuple[type, ...]:
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    return (Replicate, Shard, Partial)
 
 
 def _ir_dataclass(name: str) -> type:

@@ -141,7 +141,7 @@ def test_dropin_rejects_unknown_options_and_whole_step_passes() -> None:
 def _layer(module: str) -> int:
     if module.startswith("glmc.passes.") or module.startswith("glmc.backends."):
         return 2
-    top = {"glmc.runtime", "glmc.api", "glmc.cli", "glmc.export", "glmc.report",
+    top = {"glmc.runtime", "glmc.api", "glmc.cli", "glmc.export", "glmc.report", "glmc.pipeline",
            "glmc.report_html", "glmc.dynamo_backend", "glmc.workload", "glmc",
            "glmc.__main__", "glmc.passes", "glmc.backends"}
     return 3 if module in top else 1
@@ -158,8 +158,15 @@ def _modules() -> dict[str, Path]:
 
 
 def _imports(path: Path, known: set[str]) -> set[str]:
+    """Modules `path` imports at run time (imports under `if TYPE_CHECKING:` are types only)."""
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                   and "TYPE_CHECKING" in ast.unparse(block.test)
+                   for stmt in block.body for n in ast.walk(stmt)}
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         names = []
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
