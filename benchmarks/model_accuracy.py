@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_step import MiB, ROOT, WORKLOADS, run_meta, write_result  # noqa: E402
 
 import glmc  # noqa: E402
+from glmc.backends import get_backend  # noqa: E402
 from glmc.analysis import predict  # noqa: E402
 from glmc.capture import split_batch  # noqa: E402
 from glmc.cost import get_profile, measure_node_times  # noqa: E402
@@ -36,11 +37,11 @@ def measure(name: str, backend: str, steps: int) -> dict:
     entry = next(reversed(trainer._cache.values()))
     inputs = [get(_leaves(trainer.example)) for get in entry.getters]
     t0 = time.perf_counter()
-    guided = predict(trainer.graph, backend, get_profile(),
+    guided = predict(trainer.graph, get_backend(backend).traits(), get_profile(),
                      measure_node_times(trainer.graph.gm, inputs))
     guided_s = time.perf_counter() - t0
     measured_step = rec["measured_step_seconds"]
-    measured_peak = rec["predicted"]["memory"]["persistent_bytes"] + rec["measured"]["peak_bytes"]
+    measured_peak = rec["measured_peak_bytes"]
     return {
         "model": name, "backend": backend,
         "measured_step_ms": round(measured_step * 1e3, 2),
@@ -55,7 +56,7 @@ def measure(name: str, backend: str, steps: int) -> dict:
         "measured_in_step_mib": round(rec["measured"]["peak_bytes"] / MiB, 2),
         "predicted_in_step_mib": round(rec["predicted"]["memory"]["transient_bytes"] / MiB, 2),
         "in_step_error": round(rec["errors"]["transient_memory"], 4),
-        "rss_growth_mib": round((rec["measured"]["rss_peak_bytes"] or 0) / MiB, 1),
+        "state_error": rec["errors"].get("persistent_memory"),
         "unknown_ops": rec["predicted"]["time"]["unknown_ops"],
     }
 

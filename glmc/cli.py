@@ -28,7 +28,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--report-dir", default=None,
                    help="write report.json, report.html and graphs/ (the step after each pass)")
     c.add_argument("--profile", default=None,
-                   help="cost-model device: host (default) | h100 | h200 | a100 | kunpeng920")
+                   help="cost-model device: host (default, calibrated) | generic-cpu "
+                        "(no measurement) | h100 | h200 | a100 | kunpeng920")
     c.add_argument("--profile-guided", action="store_true",
                    help="time every node on real tensors instead of the cost formulas")
     c.add_argument("--export-dir", default=None,
@@ -44,13 +45,17 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="print a saved report's summary and re-render report.html")
     r.add_argument("dir", metavar="DIR")
     r.add_argument("--debug", action="store_true")
+    cal = sub.add_parser("calibrate", help="measure this CPU again for the cost model and cache it")
+    cal.add_argument("--debug", action="store_true")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return {"compile": _compile, "check": _check, "report": _report}[args.command](args)
+        commands = {"compile": _compile, "check": _check, "report": _report,
+                    "calibrate": _calibrate}
+        return commands[args.command](args)
     except GlmcError as e:
         if args.debug:
             traceback.print_exc()
@@ -62,6 +67,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"glmc: internal error: {type(e).__name__}: {e} (rerun with --debug)",
               file=sys.stderr)
         return 1
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from glmc.calibration import calibrate
+    from glmc.profiles import describe_profile
+    print(describe_profile(calibrate(force=True)))
+    return 0
 
 
 def _compile(args: argparse.Namespace) -> int:

@@ -126,7 +126,10 @@ def test_export_reproduces_the_next_steps(tmp_path: Path, case: str, onnx: bool)
     if onnx:
         pytest.importorskip("onnxruntime")
         pytest.importorskip("onnxscript")
-    trainer, x = _trainer(case, predict=False, measure=False)
+    # ONNX: torch's exporter has no function for the fused attention's backward (capability
+    # matrix), so the ONNX cases export the unfused step
+    extra = {"fusion": False} if onnx else {}
+    trainer, x = _trainer(case, predict=False, measure=False, **extra)
     glmc_losses(trainer, x, 2)
     files = trainer.export(str(tmp_path), onnx=onnx)
     assert {Path(f).name for f in files} >= {"step.py", "state.safetensors", "signature.json"}
