@@ -1,11 +1,17 @@
 """Functional optimizer updates, traced into the step graph.
 
-Each rule reproduces the single-tensor update of its `torch.optim` class exactly (same ATen ops,
-same scalar rounding: bias corrections are computed in float64 as torch does in Python and
-rounded once to the parameter dtype), reads the hyperparameters of the user's param group, and
-uses the user's `optimizer.state` tensors so that `optimizer.state_dict()` stays the truth.
-The learning rate is a graph input so LR schedulers work without recompiling; the other
-hyperparameters are baked in and guarded (`OptimizerRule.guard`).
+Each rule reproduces the single-tensor update of its `torch.optim` class (capturable=False) op
+for op and bit for bit on every ATen CPU kernel set (DEFAULT, AVX2, AVX-512): the same ATen
+ops in the same order, and the same scalar rounding — torch computes step counts, bias
+corrections and step sizes as Python floats (float64, `**` is libm's `pow`), and each kernel
+rounds a float argument once to its opmath dtype. The learning rate arrives as a float64 0-d
+tensor, and ATen takes no tensor for `alpha=` or `value=`; where that matters the rule uses an
+op that rounds the same (`_add_scaled`, `_addcdiv`). tests/test_parity.py checks every
+configuration against torch.optim with `torch.equal` (bf16/fp16 SGD, which cannot be exact,
+within 2 ulps: see `_add_scaled`). The rules read the hyperparameters of the
+user's param group and the user's `optimizer.state` tensors, so `optimizer.state_dict()` stays
+the truth. The learning rate is a graph input so LR schedulers work without recompiling; the
+other hyperparameters are baked in and guarded (`OptimizerRule.guard`).
 """
 from __future__ import annotations
 
@@ -164,8 +170,7 @@ def _adam_update(p: Tensor, g: Tensor, s: State, lr: Tensor, group: dict,
         second = torch.maximum(s["max_exp_avg_sq"], exp_avg_sq)
         new["max_exp_avg_sq"] = second
     denom = (second.sqrt() / _scalar(bc2_sqrt, p)).add(eps)
-    # param.addcdiv_(exp_avg, denom, value=-step_size): the kernel computes
-    # p + (value * exp_avg) / denom with value rounded to the param dtype
+    # param.addcdiv_(exp_avg, denom, value=-step_size)
     return _addcdiv(p, exp_avg, denom, _scalar(-(lr / bc1), p)), new
 
 

@@ -64,6 +64,15 @@ class PassContext:
 
 
 @dataclass(frozen=True)
+class Verdict:
+    """A pass's answer to a measurement of the compiled step: a replacement to compile again
+    with (None: keep the plan), and a note for the report."""
+
+    rerun: "Pass | None" = None
+    note: str | None = None
+
+
+@dataclass(frozen=True)
 class PassResult:
     changed: bool
     stats: Any = None  #: a small dataclass per pass, shown by the report
@@ -88,6 +97,12 @@ class Pass:
 
     def effects(self) -> frozenset[Effect]:
         return frozenset()
+
+    def after_measure(self, stats: Any, measured_peak: int, retried: bool) -> Verdict:
+        """Given this pass's own stats and the measured peak bytes of the compiled step (state
+        included): whether to compile again with other options. `retried`: this compile is
+        already a rerun. Default: nothing to do."""
+        return Verdict()
 
     @property
     def changes_signature(self) -> bool:

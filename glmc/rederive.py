@@ -84,7 +84,9 @@ class _Replay(nn.Module):
         for ph, spec in zip(graph.placeholders(), graph.inputs):
             if spec.role not in (Role.PARAMETER, Role.BUFFER):
                 continue
-            owner, _, leaf = self._owner(spec.target)
+            # under "model.", as capture's LossModule holds the user's model: the step
+            # builder strips that prefix, and the model's own names may start with "model."
+            owner, _, leaf = self._owner(f"model.{spec.target}")
             value = fake_of(TrainGraph.info(ph).spec, mode)
             if spec.role is Role.PARAMETER:
                 owner.register_parameter(leaf, nn.Parameter(value, spec.target in updated))
@@ -102,8 +104,8 @@ class _Replay(nn.Module):
 
     def forward(self, *leaves: torch.Tensor) -> tuple[torch.Tensor]:
         program: ForwardProgram = self.program  # type: ignore[assignment]
-        params = dict(self.named_parameters())
-        buffers = dict(self.named_buffers())
+        params = {k[len("model."):]: v for k, v in self.named_parameters()}
+        buffers = {k[len("model."):]: v for k, v in self.named_buffers()}
         args = []
         mutated = set(program.buffers)
         for spec in program.inputs:

@@ -29,7 +29,6 @@ from glmc.report import CompileRecord, Report
 from glmc.valuestats import record_value_stats
 
 
-BUDGET_TOLERANCE = 0.01  #: measured peak may exceed a memory budget by this fraction
 
 
 @dataclass
@@ -38,8 +37,9 @@ class _Entry:
     step: CompiledStep
     getters: list[Callable[[list[torch.Tensor]], torch.Tensor]]  #: batch leaves -> input
     record: CompileRecord
+    pipeline: list[Pass] = field(default_factory=list)  #: the passes this entry ran
     calls: int = 0
-    retried: bool = False  #: compiled again because the measured peak missed the budget
+    retried: bool = False  #: compiled again because a pass asked after measurement
 
 
 @dataclass
@@ -169,31 +169,24 @@ class Trainer:
         return entry
 
     def _check_budget(self, batch: Batch, entry: _Entry) -> None:
-        """The memory budget holds on *measured* memory: if the measured peak exceeds the
-        recompute target (ops' internal workspaces, backend buffer decisions), compile again
-        once with the target lowered by the overshoot; if that still misses, say so."""
-        stats = next((r.stats for r in entry.record.history if r.name == "recompute"
-                      and r.stats is not None), None)
-        if stats is None or stats.budget_bytes is None:
+        """Passes that plan on predicted memory see the measured peak (`Pass.after_measure`,
+        e.g. recompute against its budget) and may ask to be run again with other options;
+        the step is then compiled once more with those passes. The runtime reads no pass's
+        stats and sets no pass's options: each pass decides from its own."""
+        measured = entry.record.measured.get("total_peak_bytes")
+        if measured is None:
             return
-        measured = entry.record.measured.get("total_peak_bytes") or \
-            stats.persistent_bytes + entry.record.measured["peak_bytes"]
-        over = measured - stats.budget_bytes
-        if over <= BUDGET_TOLERANCE * stats.budget_bytes:
-            return
-        if entry.retried:
-            entry.record.warnings.append(
-                f"recompute: measured peak {measured:,} bytes is over the budget's "
-                f"{stats.budget_bytes:,} by {over:,} after one retry")
-            return
-        entry.record.warnings.append(
-            f"recompute: measured peak {measured:,} bytes exceeded the budget's "
-            f"{stats.budget_bytes:,}; recompiled with the target lowered by {over:,} bytes")
-        pipeline = [dataclasses.replace(p, margin=p.margin + over) if p.name == "recompute"  # type: ignore[attr-defined]
-                    else p for p in self._pipeline]
-        key = self._key(batch)
-        self._cache[key] = self._compile(batch, pipeline)
-        self._cache[key].retried = True
+        pipeline, again = [], False
+        for p, rec in zip(entry.pipeline, entry.record.history):
+            verdict = p.after_measure(rec.stats, measured, entry.retried)
+            if verdict.note:
+                entry.record.warnings.append(verdict.note)
+            pipeline.append(verdict.rerun or p)
+            again |= verdict.rerun is not None
+        if again and not entry.retried:
+            key = self._key(batch)
+            self._cache[key] = self._compile(batch, pipeline)
+            self._cache[key].retried = True
 
     def _compile(self, batch: Batch, pipeline: list[Pass] | None = None) -> _Entry:
         t0 = time.perf_counter()
@@ -241,7 +234,7 @@ class Trainer:
             predicted_captured=predictions[0].to_dict() if predictions else None,
             predicted=predictions[-1].to_dict() if predictions else None)
         self.report.compiles.append(record)
-        return _Entry(graph, compiled, getters, record)
+        return _Entry(graph, compiled, getters, record, list(pipeline))
 
     def _saved_graph(self, batch: Batch) -> TrainGraph | None:
         """The saved step (options.graph_path) for the example batch's shapes, checked against

@@ -25,6 +25,8 @@ keeps the cheaper valid plan; the report says which produced it and the MILP's g
 """
 from __future__ import annotations
 
+import dataclasses
+
 import operator
 import re
 import time
@@ -39,10 +41,12 @@ from glmc.cost import value_bytes, get_profile, is_view, node_time, op_cost
 from glmc.errors import BudgetError, ConfigError
 from glmc.ir import RANDOM_OPS, Phase, TrainGraph, op_name
 from glmc.memory import simulate
-from glmc.passmanager import Effect, Need, Pass, PassContext, PassResult
+from glmc.passmanager import Effect, Need, Pass, PassContext, PassResult, Verdict
 from glmc.target import BackendTraits, FusionModel
 from glmc.writeback import lower_writeback
 from glmc.remat import Plan, Problem, Unit, evaluate, greedy, milp, plan_cost
+
+BUDGET_TOLERANCE = 0.01  #: measured peak may exceed a memory budget by this fraction
 
 _UNITS = {"k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 1 << 10, "mi": 1 << 20,
           "gi": 1 << 30, "ti": 1 << 40}
@@ -155,6 +159,23 @@ class RecomputePass(Pass):
 
     def effects(self) -> frozenset[Effect]:
         return frozenset({Effect.EDITS_BACKWARD})
+
+    def after_measure(self, stats: Any, measured_peak: int, retried: bool) -> Verdict:
+        """The budget holds on *measured* memory: when the measured peak exceeds it (ops'
+        internal workspaces, backend buffer choices), plan again once with the target lowered
+        by the overshoot; if that still misses, say so."""
+        if not isinstance(stats, RecomputeStats) or stats.budget_bytes is None:
+            return Verdict()
+        over = measured_peak - stats.budget_bytes
+        if over <= BUDGET_TOLERANCE * stats.budget_bytes:
+            return Verdict()
+        if retried:
+            return Verdict(note=f"recompute: measured peak {measured_peak:,} bytes is over the "
+                                f"budget's {stats.budget_bytes:,} by {over:,} after one retry")
+        return Verdict(dataclasses.replace(self, margin=self.margin + over),
+                       f"recompute: measured peak {measured_peak:,} bytes exceeded the budget's "
+                       f"{stats.budget_bytes:,}; recompiled with the target lowered by "
+                       f"{over:,} bytes")
 
     def run(self, graph: TrainGraph, ctx: PassContext) -> PassResult:
         if self.solver not in ("auto", "milp", "greedy"):

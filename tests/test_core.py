@@ -269,3 +269,27 @@ def test_passes_get_only_target_facts_from_the_context() -> None:
     from glmc.passmanager import PassContext
     fields = {f.name for f in dataclasses.fields(PassContext)}
     assert fields == {"traits", "profile"}
+
+
+def test_runtime_reads_no_pass_stats_or_options() -> None:
+    """Measurement feedback goes through `Pass.after_measure`: the runtime names no pass and
+    touches no stats or option fields."""
+    text = (ROOT / "glmc" / "runtime.py").read_text()
+    for word in ("budget_bytes", "margin", '"recompute"', '"precision"', '"fusion"',
+                 "dataclasses.replace"):
+        assert word not in text, word
+
+
+def test_recompute_asks_for_a_rerun_when_measured_over_budget() -> None:
+    from glmc.passes.recompute import RecomputePass, RecomputeStats
+    stats = RecomputeStats(budget="0.5", budget_bytes=1000, target_bytes=1000, baseline_peak=2000,
+                           persistent_bytes=500, planned_peak=990, predicted_peak=990,
+                           solver="greedy", solve_seconds=0.0, milp_gap=None,
+                           greedy_seconds_extra=None, recomputed=1, kept=1, extra_flops=1.0,
+                           extra_seconds=0.0, candidates=2)
+    p = RecomputePass(budget="0.5")
+    assert p.after_measure(stats, 1005, False).rerun is None  # within 1%
+    verdict = p.after_measure(stats, 1100, False)
+    assert verdict.rerun == RecomputePass(budget="0.5", margin=100) and "lowered" in verdict.note
+    late = p.after_measure(stats, 1100, True)
+    assert late.rerun is None and "after one retry" in late.note
