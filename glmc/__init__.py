@@ -1,8 +1,8 @@
 """glmc: a compiler for PyTorch training steps."""
 from glmc.api import optimize
 from glmc.capture import capture
-from glmc.errors import (BudgetError, CaptureError, ConfigError, GlmcError, InputError,
-                         PassError, PipelineError, UnsupportedOpError)
+from glmc.errors import (BudgetError, CaptureError, ConfigError, GlmcError, GraphBreakError,
+                         InputError, PassError, PipelineError, UnsupportedOpError)
 from glmc.ir import NodeInfo, Phase, Role, TrainGraph
 from glmc.passmanager import Pass, PassContext, PassManager, PassResult
 from glmc.serialize import load_graph, save_graph
@@ -10,6 +10,6 @@ from glmc.serialize import load_graph, save_graph
 __version__ = "0.1.0"
 
 __all__ = ["optimize", "capture", "save_graph", "load_graph", "TrainGraph", "NodeInfo", "Phase", "Role", "Pass",
-           "PassContext", "PassManager", "PassResult", "GlmcError", "CaptureError",
+           "PassContext", "PassManager", "PassResult", "GlmcError", "CaptureError", "GraphBreakError",
            "ConfigError", "InputError", "PassError", "PipelineError", "BudgetError",
            "UnsupportedOpError"]

@@ -14,7 +14,7 @@ import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 
-from glmc.errors import CaptureError, InputError, Offense
+from glmc.errors import CaptureError, GraphBreakError, InputError, Offense
 from glmc.ir import TrainGraph
 from glmc.optim import ensure_state, rule_for
 from glmc.step import (OptimizerSpec, StepSpec, build_step, first_line, joint_export,
@@ -106,7 +106,19 @@ def step_spec(model: nn.Module, optimizer: torch.optim.Optimizer) -> StepSpec:
         for name in group.params:
             for key in spec.state_keys(group):
                 state[f"{key}:{name}"] = optimizer.state[params[name]][key]
-    return StepSpec(spec, state)
+    return StepSpec(spec, state, aliases=_aliases(model))
+
+
+def _aliases(model: nn.Module) -> dict[str, str]:
+    """Every other name of a tied parameter or buffer -> its first name."""
+    first: dict[int, str] = {}
+    out = {}
+    for name, t in [*model.named_parameters(remove_duplicate=False),
+                    *model.named_buffers(remove_duplicate=False)]:
+        canonical = first.setdefault(id(t), name)
+        if canonical != name:
+            out[name] = canonical
+    return out
 
 
 def _check_loss_convention(batch: Batch, loss_fn: Any) -> None:
@@ -128,11 +140,55 @@ def _dynamo_capture(wrapper: LossModule, batch: Batch) -> fx.GraphModule:
 
     args, kwargs = batch
     try:
-        return dynamo_graph_capture_for_export(wrapper)(*args, **kwargs)
+        with torch._dynamo.config.patch(ignore_logging_functions=_logging_functions()):
+            return dynamo_graph_capture_for_export(wrapper)(*args, **kwargs)
     except Exception as e:  # Dynamo raises many internal types; all become one CaptureError
-        offenses = _explain_breaks(wrapper, batch) or [Offense(first_line(e), user_frame(e))]
+        breaks = _explain_breaks(wrapper, batch)
+        if breaks:
+            raise GraphBreakError("capture: the model breaks into several graphs at these "
+                                  "locations; rewrite or move that code out of the forward, "
+                                  "or let glmc compile the pieces (strict=False)", breaks) from e
         raise CaptureError("capture: the model cannot be captured as one graph; rewrite or move "
-                           "the code at these locations out of the model forward", offenses) from e
+                           "the code at this location out of the model forward",
+                           [Offense(plain_reason(first_line(e)), user_frame(e))]) from e
+
+
+def _logging_functions() -> set[Any]:
+    """Logging and warning calls Dynamo should skip inside a forward, as torch.compile users
+    expect (transformers' `logger.warning_once` in GPT-2's forward broke capture)."""
+    import logging
+    import warnings
+
+    names = ("debug", "info", "warning", "warn", "error", "exception", "critical", "log",
+             "warning_once", "info_once")  # the last two: added to Logger by transformers
+    return {getattr(logging.Logger, n) for n in names if hasattr(logging.Logger, n)} | \
+        {warnings.warn}
+
+
+#: Dynamo's reason strings -> what they mean in the user's code
+_PLAIN = (
+    ("generic_jump", "control flow (`if`/`while`) on a tensor's value"),
+    ("data-dependent", "control flow or shapes that depend on a tensor's value"),
+    ("data dependent", "control flow or shapes that depend on a tensor's value"),
+    (".item()", "a tensor converted to a Python number (`.item()`)"),
+    ("tolist", "a tensor converted to a Python list (`.tolist()`)"),
+    ("print", "a `print` call"),
+    ("logging", "a logging call"),
+    ("step_unsupported", "a Python statement Dynamo cannot trace (e.g. a call into an "
+                         "unsupported library function)"),
+    ("numpy", "a conversion to or from NumPy"),
+    ("graph_break", "an explicit `torch._dynamo.graph_break()`"),
+    ("skip", "a call to a function Dynamo is told to skip"),
+)
+
+
+def plain_reason(reason: str) -> str:
+    """Dynamo's reason for a graph break, in plain words (Dynamo's own text after it)."""
+    low = reason.lower()
+    for key, words in _PLAIN:
+        if key in low:
+            return f"{words} [Dynamo: {reason[:160]}]"
+    return reason
 
 
 def _explain_breaks(wrapper: nn.Module, batch: Batch) -> list[Offense]:
@@ -155,13 +211,14 @@ def _explain_breaks(wrapper: nn.Module, batch: Batch) -> list[Offense]:
 
     args, kwargs = batch
     try:
-        with torch.no_grad():
+        with torch.no_grad(), \
+                torch._dynamo.config.patch(ignore_logging_functions=_logging_functions()):
             torch.compile(copy.deepcopy(wrapper), backend=record, dynamic=False)(*args, **kwargs)
-    except Exception as e:
-        return [Offense(first_line(e), user_frame(e))]
+    except Exception:
+        return []
     offenses = []
     for br in reasons:
         frame = br.user_stack[-1] if br.user_stack else None
         where = f"{frame.filename}:{frame.lineno} in {frame.name}" if frame else "<unknown>"
-        offenses.append(Offense(first_line(br.reason), where))
+        offenses.append(Offense(plain_reason(first_line(br.reason)), where))
     return list(dict.fromkeys(offenses))

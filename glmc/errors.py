@@ -28,6 +28,12 @@ class CaptureError(GlmcError):
         super().__init__("\n".join(lines))
 
 
+class GraphBreakError(CaptureError):
+    """The model breaks into several graphs (Dynamo graph breaks); `offenses` lists each break
+    with its reason in plain words and the user's line. Without `strict`, the Trainer falls
+    back to compiling the pieces."""
+
+
 class UnsupportedOpError(GlmcError):
     """A backend in strict mode met ops it cannot compile. `offenses` names them all."""
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -19,11 +20,12 @@ from glmc.analysis import Prediction, predict
 from glmc.backends import CompiledStep, get_backend
 from glmc.capture import Batch, batch_leaves, capture_step, split_batch
 from glmc.cost import get_profile, measure_node_times
-from glmc.errors import CaptureError, ConfigError, InputError
+from glmc.errors import CaptureError, ConfigError, GraphBreakError, InputError
 from glmc.ir import OutputKind, Role, TrainGraph
 from glmc.memory import MeasurementUnavailable, measure_peak
 from glmc.optim import ensure_state, rule_for
-from glmc.passmanager import Need, Pass, PassContext, PassManager
+from glmc.passmanager import Need, Pass, PassContext, PassManager, PassRecord
+from glmc.pieces import PieceStep, fallback_warning
 from glmc.pipeline import parse_pipeline
 from glmc.report import CompileRecord, Report
 from glmc.valuestats import record_value_stats
@@ -38,6 +40,7 @@ class _Entry:
     getters: list[Callable[[list[torch.Tensor]], torch.Tensor]]  #: batch leaves -> input
     record: CompileRecord
     pipeline: list[Pass] = field(default_factory=list)  #: the passes this entry ran
+    pieces: PieceStep | None = None  #: the model breaks into several graphs (glmc.pieces)
     calls: int = 0
     retried: bool = False  #: compiled again because a pass asked after measurement
 
@@ -87,6 +90,11 @@ class Trainer:
         """One training step on this batch; returns the (detached) loss."""
         batch = self._normalize(args, kwargs)
         entry = self._entry(batch)
+        if entry.pieces is not None:
+            t0 = time.perf_counter()
+            loss = entry.pieces(batch)
+            entry.record.step_seconds.append(time.perf_counter() - t0)
+            return loss
         leaves = _leaves(batch)
         inputs = [get(leaves) for get in entry.getters]
         entry.calls += 1
@@ -120,7 +128,8 @@ class Trainer:
 
     @property
     def graph(self) -> TrainGraph:
-        """The optimized step graph of the most recent compile."""
+        """The optimized step graph of the most recent compile (None when the model breaks
+        into several graphs and was compiled in pieces: see glmc.pieces)."""
         return next(reversed(self._cache.values())).graph
 
     def export(self, directory: str, onnx: bool = False) -> list[str]:
@@ -198,6 +207,8 @@ class Trainer:
                 raise InputError(
                     f"step: the batch {_describe(batch)} differs from example_inputs "
                     f"{_describe(self.example)} and the model cannot run on it:\n{e}") from e
+            if isinstance(e, GraphBreakError) and not self.options.strict:
+                return self._pieces_entry(batch, e, time.perf_counter() - t0)
             raise
         t1 = time.perf_counter()
         predictions: list[Prediction] = []
@@ -235,6 +246,23 @@ class Trainer:
             predicted=predictions[-1].to_dict() if predictions else None)
         self.report.compiles.append(record)
         return _Entry(graph, compiled, getters, record, list(pipeline))
+
+    def _pieces_entry(self, batch: Batch, error: GraphBreakError, seconds: float) -> _Entry:
+        """The model breaks into several graphs: compile the pieces (glmc.pieces), say so in
+        one warning and in the report, with the passes that could not run."""
+        limited = [p.spelling() for p in self._pipeline
+                   if Need.STEP in p.needs() and p.name not in self.options.disable]
+        message = fallback_warning(error, limited)
+        warnings.warn(f"glmc: {message}", stacklevel=3)
+        history = [PassRecord(p.name, p.options(), False, None, 0.0, 0, 0,
+                              skipped=Need.STEP in p.needs()) for p in self._pipeline]
+        record = CompileRecord(
+            batch=_describe(batch), backend=self._backend.name, capture_seconds=seconds,
+            passes_seconds=0.0, backend_seconds=0.0, nodes_captured=0, nodes_final=0,
+            history=history, fallbacks=list(error.offenses), warnings=[message])
+        self.report.compiles.append(record)
+        pieces = PieceStep(self.model, self.loss_fn, self.optimizer, self._backend.name)
+        return _Entry(None, None, [], record, [], pieces=pieces)  # type: ignore[arg-type]
 
     def _saved_graph(self, batch: Batch) -> TrainGraph | None:
         """The saved step (options.graph_path) for the example batch's shapes, checked against

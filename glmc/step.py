@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -141,6 +141,9 @@ class StepSpec:
     state: dict[str, Any]
     scaling: LossScaling | None = None
     foreach: bool = False
+    #: tied weights: every other name of a shared parameter or buffer -> its first name (the
+    #: one `named_parameters()` and the optimizer use); all names become one step input
+    aliases: dict[str, str] = field(default_factory=dict)
 
 
 def _strip(target: str) -> str:
@@ -167,6 +170,10 @@ class _StepBuilder:
         self.inputs.append(InputSpec(role, target))
         return node
 
+    def _name(self, target: str) -> str:
+        name = _strip(target)
+        return self.spec.aliases.get(name, name)
+
     def _fake(self, value: Any) -> Any:
         if getattr(value, "fake_mode", None) is self.fake_mode:
             return value
@@ -179,12 +186,16 @@ class _StepBuilder:
             if n.op == "placeholder":
                 by_desc.setdefault(type(n.meta["desc"]).__name__, []).append(n)
         for n in by_desc.get("ParamAOTInput", []):
-            name = _strip(n.meta["desc"].target)
-            self.env[n] = self.param_nodes[name] = self.placeholder(Role.PARAMETER, name,
-                                                                    n.meta["val"])
+            name = self._name(n.meta["desc"].target)
+            if name not in self.param_nodes:
+                self.param_nodes[name] = self.placeholder(Role.PARAMETER, name, n.meta["val"])
+            self.env[n] = self.param_nodes[name]
+        buffers: dict[str, fx.Node] = {}
         for n in by_desc.get("BufferAOTInput", []):
-            self.env[n] = self.placeholder(Role.BUFFER, _strip(n.meta["desc"].target),
-                                           n.meta["val"])
+            name = self._name(n.meta["desc"].target)
+            if name not in buffers:
+                buffers[name] = self.placeholder(Role.BUFFER, name, n.meta["val"])
+            self.env[n] = buffers[name]
         updates = self._state_placeholders()
         if self.spec.scaling is not None:
             for key, value in self.spec.scaling.initial_state().items():
@@ -263,10 +274,19 @@ class _StepBuilder:
                 if type(target).__name__ != "BufferAOTInput":
                     raise CaptureError("capture: the model mutates a parameter or an input in "
                                        f"place ({target}); only buffers may be mutated")
-                buffers.append((_strip(target.target), self.env[v]))
+                buffers.append((self._name(target.target), self.env[v]))
             elif kind == "GradAOTOutput" and v is not None:
-                grads[_strip(d.grad_of.target)] = self.env[v]
+                name = self._name(d.grad_of.target)
+                grads[name] = self._sum(grads[name], self.env[v]) if name in grads \
+                    else self.env[v]
         return buffers, grads
+
+    def _sum(self, a: fx.Node, b: fx.Node) -> fx.Node:
+        """Two gradients of one shared parameter (its uses under two names) added."""
+        total = self.graph.call_function(torch.ops.aten.add.Tensor, (a, b))
+        total.meta["val"] = a.meta["val"]
+        total.meta["glmc"] = TrainGraph.info(a).replace(source=None)
+        return total
 
     def _bind_tangent(self, tangent: fx.Node, loss_joint: fx.Node) -> None:
         """The backward's seed: d loss / d loss = 1, or the loss scale under loss scaling."""

@@ -1,0 +1,165 @@
+"""A zoo of real architectures from transformers, built from tiny configs with random weights.
+
+Every case builds `(model, example_inputs, loss_fn, optimizer)` deterministically (seeded) and
+without any download: models come from config objects. Sizes are tiny (hidden 32-64, 1-2 layers,
+vocabulary 256, sequence 16, batch 2, 32x32 images) so that an eager compile and three steps
+take a few seconds. Models keep their configs' defaults where it matters to glmc (tied
+embeddings, dropout, the default attention implementation), since that is what users run.
+
+timm is not in the zoo: its only torchvision that accepts torch 2.13 on PyPI is a CUDA build
+whose `_C` extension needs `libtorch_cuda.so`, so `import timm` fails on the CPU torch this
+project pins. The vision cases use transformers' ViT, ResNet, MobileNetV2 and ConvNeXt.
+
+Used by tests/test_zoo.py and benchmarks/zoo_table.py.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+BATCH, SEQ, VOCAB, IMAGE, LABELS = 2, 16, 256, 32, 10
+
+Workload = tuple[torch.nn.Module, dict[str, torch.Tensor], Any, torch.optim.Optimizer]
+
+
+@dataclass(frozen=True)
+class ZooCase:
+    """One architecture. `source` names the class it instantiates ("transformers.X");
+    `zero_grad_params` are name fragments of parameters whose exact gradient is zero (see
+    tests.models.assert_state_close); `dropout` says whether its forward draws random masks."""
+    name: str
+    source: str
+    make: Callable[[], Workload]
+    requires: str = "transformers"
+    zero_grad_params: tuple[str, ...] = ()
+    dropout: bool = False
+    tags: frozenset[str] = field(default_factory=frozenset)
+
+
+def _tokens(n: int = SEQ, vocab: int = VOCAB, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab, (BATCH, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _hf(model_cls: str, config_cls: str, config: dict[str, Any],
+        inputs: Callable[[], dict[str, torch.Tensor]], lr: float = 1e-3) -> Callable[[], Workload]:
+    """A builder: transformers' `config_cls(**config)` -> `model_cls`, seeded; loss from the model."""
+    def make() -> Workload:
+        tf = importlib.import_module("transformers")
+        torch.manual_seed(0)
+        model = getattr(tf, model_cls)(getattr(tf, config_cls)(**config))
+        model.train()
+        return model, inputs(), None, torch.optim.AdamW(model.parameters(), lr=lr)
+    return make
+
+
+def _lm_inputs() -> dict[str, torch.Tensor]:
+    ids = _tokens()
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _seq2seq_inputs() -> dict[str, torch.Tensor]:
+    return {"input_ids": _tokens(), "labels": _tokens(seed=2)}
+
+
+def _cls_inputs() -> dict[str, torch.Tensor]:
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    mask[1, SEQ - 4:] = 0  # one padded row: the attention mask is really used
+    labels = torch.tensor([0, 2])
+    return {"input_ids": _tokens(), "attention_mask": mask, "labels": labels}
+
+
+def _image_inputs() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return {"pixel_values": torch.randn(BATCH, 3, IMAGE, IMAGE, generator=g),
+            "labels": torch.randint(0, LABELS, (BATCH,), generator=g)}
+
+
+def _whisper_inputs() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    # the encoder's two convolutions halve 2 * max_source_positions frames to max_source_positions
+    return {"input_features": torch.randn(BATCH, 16, 32, generator=g), "labels": _tokens(8, seed=2)}
+
+
+DECODER = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+
+_CASES = [
+    ZooCase("gpt2", "transformers.GPT2LMHeadModel", _hf(
+        "GPT2LMHeadModel", "GPT2Config",
+        dict(vocab_size=VOCAB, n_positions=64, n_embd=64, n_layer=2, n_head=4, bos_token_id=0,
+             eos_token_id=0),
+        _lm_inputs), dropout=True, tags=frozenset({"tied"})),
+    ZooCase("t5", "transformers.T5ForConditionalGeneration", _hf(
+        "T5ForConditionalGeneration", "T5Config",
+        dict(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+             decoder_start_token_id=0, pad_token_id=0),
+        _seq2seq_inputs), dropout=True, tags=frozenset({"tied"})),
+    ZooCase("bert_cls", "transformers.BertForSequenceClassification", _hf(
+        "BertForSequenceClassification", "BertConfig",
+        dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+             intermediate_size=128, max_position_embeddings=64, num_labels=3,
+             hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1),
+        _cls_inputs), zero_grad_params=("key.bias",), dropout=True),
+    ZooCase("llama", "transformers.LlamaForCausalLM", _hf(
+        "LlamaForCausalLM", "LlamaConfig", DECODER, _lm_inputs)),
+    ZooCase("qwen2_tied", "transformers.Qwen2ForCausalLM", _hf(
+        "Qwen2ForCausalLM", "Qwen2Config", dict(DECODER, tie_word_embeddings=True), _lm_inputs),
+        zero_grad_params=("k_proj.bias",), tags=frozenset({"tied"})),
+    ZooCase("mixtral", "transformers.MixtralForCausalLM", _hf(
+        "MixtralForCausalLM", "MixtralConfig",
+        dict(DECODER, num_local_experts=4, num_experts_per_tok=2), _lm_inputs),
+        tags=frozenset({"moe"})),
+    ZooCase("qwen2_moe", "transformers.Qwen2MoeForCausalLM", _hf(
+        "Qwen2MoeForCausalLM", "Qwen2MoeConfig",
+        dict(DECODER, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+             num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1),
+        _lm_inputs), zero_grad_params=("k_proj.bias",), tags=frozenset({"moe"})),
+    ZooCase("gemma", "transformers.GemmaForCausalLM", _hf(
+        "GemmaForCausalLM", "GemmaConfig", dict(DECODER, head_dim=16), _lm_inputs),
+        tags=frozenset({"tied"})),
+    ZooCase("phi", "transformers.PhiForCausalLM", _hf(
+        "PhiForCausalLM", "PhiConfig", dict(DECODER, resid_pdrop=0.1), _lm_inputs),
+        dropout=True),
+    ZooCase("whisper", "transformers.WhisperForConditionalGeneration", _hf(
+        "WhisperForConditionalGeneration", "WhisperConfig",
+        dict(vocab_size=VOCAB, num_mel_bins=16, d_model=64, encoder_layers=1, decoder_layers=1,
+             encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+             decoder_ffn_dim=128, max_source_positions=16, max_target_positions=32,
+             pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
+             suppress_tokens=None, begin_suppress_tokens=None),
+        _whisper_inputs), tags=frozenset({"tied"})),
+    ZooCase("distilbert_cls", "transformers.DistilBertForSequenceClassification", _hf(
+        "DistilBertForSequenceClassification", "DistilBertConfig",
+        dict(vocab_size=VOCAB, dim=64, n_layers=2, n_heads=4, hidden_dim=128,
+             max_position_embeddings=64, num_labels=3),
+        _cls_inputs), zero_grad_params=("k_lin.bias",), dropout=True),
+    ZooCase("vit", "transformers.ViTForImageClassification", _hf(
+        "ViTForImageClassification", "ViTConfig",
+        dict(image_size=IMAGE, patch_size=8, hidden_size=64, num_hidden_layers=2,
+             num_attention_heads=4, intermediate_size=128, num_labels=LABELS),
+        _image_inputs), zero_grad_params=("key.bias",), tags=frozenset({"vision"})),
+    ZooCase("resnet", "transformers.ResNetForImageClassification", _hf(
+        "ResNetForImageClassification", "ResNetConfig",
+        dict(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic",
+             num_labels=LABELS),
+        _image_inputs), tags=frozenset({"vision"})),
+    ZooCase("mobilenet_v2", "transformers.MobileNetV2ForImageClassification", _hf(
+        "MobileNetV2ForImageClassification", "MobileNetV2Config",
+        dict(image_size=IMAGE, depth_multiplier=0.25, finegrained_output=False, num_labels=LABELS),
+        _image_inputs), dropout=True, tags=frozenset({"vision"})),
+    ZooCase("convnext", "transformers.ConvNextForImageClassification", _hf(
+        "ConvNextForImageClassification", "ConvNextConfig",
+        dict(num_channels=3, hidden_sizes=[16, 32], depths=[1, 1], num_stages=2, image_size=IMAGE,
+             num_labels=LABELS),
+        _image_inputs), tags=frozenset({"vision"})),
+]
+
+ZOO: dict[str, ZooCase] = {case.name: case for case in _CASES}
+
+
+def param_count(model: torch.nn.Module) -> int:
+    """Distinct parameters (tied weights once), as `model.parameters()` yields them."""
+    return sum(p.numel() for p in model.parameters())
