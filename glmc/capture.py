@@ -7,6 +7,7 @@ forward and backward; the optimizer rule (glmc.optim) is traced on fake tensors 
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import Any
 
 import torch
@@ -140,9 +141,16 @@ def _dynamo_capture(wrapper: LossModule, batch: Batch) -> fx.GraphModule:
 
     args, kwargs = batch
     try:
-        with torch._dynamo.config.patch(ignore_logging_functions=_logging_functions()):
+        # static shapes: glmc compiles one step per shape signature
+        with torch._dynamo.config.patch(ignore_logging_functions=_logging_functions(),
+                                        automatic_dynamic_shapes=False), \
+                _quiet_fake_tensor_errors():
             return dynamo_graph_capture_for_export(wrapper)(*args, **kwargs)
     except Exception as e:  # Dynamo raises many internal types; all become one CaptureError
+        failed = _model_failure(e)
+        if failed is not None:
+            raise InputError(f"capture: the model cannot run on the batch {describe(batch)}: "
+                             f"{failed}; pass tensors of the sizes the model expects") from e
         breaks = _explain_breaks(wrapper, batch)
         if breaks:
             raise GraphBreakError("capture: the model breaks into several graphs at these "
@@ -151,6 +159,46 @@ def _dynamo_capture(wrapper: LossModule, batch: Batch) -> fx.GraphModule:
         raise CaptureError("capture: the model cannot be captured as one graph; rewrite or move "
                            "the code at this location out of the model forward",
                            [Offense(plain_reason(first_line(e)), user_frame(e))]) from e
+
+
+def describe(batch: Batch) -> str:
+    """The batch's shapes, e.g. "((4, 9), (4,))"."""
+    args, kwargs = batch
+    parts = [f"{tuple(t.shape)}" for t in args] + [f"{k}={tuple(v.shape)}"
+                                                   for k, v in kwargs.items()]
+    return "(" + ", ".join(parts) + ")"
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_errors() -> Any:
+    """FakeTensor logs a full traceback (~90 lines) at ERROR before Dynamo raises the same
+    failure; glmc reports it once, typed. The filter is removed on exit."""
+    import logging
+
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    drop = logging.Filter("glmc-never-matches")  # rejects every record of this logger
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
+
+
+def _model_failure(e: BaseException) -> str | None:
+    """When the model itself fails on the batch (a shape mismatch found while tracing on fake
+    tensors), what failed and where in the user's code; else None."""
+    text = str(e)
+    if "when making fake tensor call" not in text:
+        return None
+    m = re.search(r"got (\w+)\('(.*?)'\)", text, re.S) or re.search(r"got (\w+)\(\"(.*?)\"\)",
+                                                                     text, re.S)
+    what = m.group(2).rstrip(".") if m else first_line(e)
+    stack = [f for f in getattr(e, "real_stack", None) or []
+             if "/torch/" not in f.filename and "/glmc/" not in f.filename]
+    if stack:
+        frame = stack[-1]
+        what += f" (at {frame.filename}:{frame.lineno} in {frame.name})"
+    return what
 
 
 def _logging_functions() -> set[Any]:

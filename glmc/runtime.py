@@ -108,7 +108,7 @@ class Trainer:
                 entry.record.warnings.append(f"memory not measured: {e}")
         if not measured:
             t0 = time.perf_counter()
-            outs = entry.step(inputs)
+            outs = _run(entry.step, inputs, batch)
             if self._device == "cuda":
                 torch.cuda.synchronize()
             entry.record.step_seconds.append(time.perf_counter() - t0)
@@ -393,6 +393,21 @@ def input_getters(graph: TrainGraph, model: nn.Module, opt: torch.optim.Optimize
             getters.append(leaf(int(spec.target.split(":")[1])))
     ensure_state(opt)
     return getters
+
+
+def _run(step: CompiledStep, inputs: list[torch.Tensor], batch: Batch) -> list[torch.Tensor]:
+    """Run a compiled step; a kernel rejecting the batch's values (a label out of range, an
+    index past an embedding) is an InputError. The state is untouched: such checks fail in the
+    forward, before any new state exists, and write-back happens only after."""
+    try:
+        return step(inputs)
+    except (RuntimeError, IndexError) as e:
+        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if "out of bounds" not in text and "out of range" not in text:
+            raise
+        raise InputError(f"step: the step failed on the batch {_describe(batch)}: {text}; check "
+                         "the batch's values (e.g. labels within [0, number of classes), "
+                         "token ids within the vocabulary)") from e
 
 
 def _write_back(graph: TrainGraph, inputs: list[torch.Tensor],

@@ -23,8 +23,8 @@ class DataDependent(nn.Module):
 
 
 def test_untraceable_model_lists_every_location() -> None:
-    with pytest.raises(CaptureError) as info:
-        glmc.optimize(DataDependent(), (torch.randn(2, 4),), backend="eager")
+    with pytest.raises(CaptureError) as info:  # strict: no fallback to compiling the pieces
+        glmc.optimize(DataDependent(), (torch.randn(2, 4),), backend="eager", strict=True)
     err = info.value
     assert len(err.offenses) >= 2
     lines = {o.location for o in err.offenses}
@@ -37,7 +37,7 @@ def test_wrong_batch_shape() -> None:
     model, x, loss_fn, opt = CASES["mlp"].make()
     trainer = glmc.optimize(model, x, loss_fn=loss_fn, optimizer=opt, backend="eager")
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(InputError, match="differs from example_inputs"):
+    with pytest.raises(InputError, match=r"cannot run on the batch.*\[16, 7\] X \[32, 64\]"):
         trainer.step(torch.randn(16, 7), x[1])
     with pytest.raises(InputError, match="same rank and dtype"):
         trainer.step(torch.randn(16), x[1])
@@ -79,3 +79,21 @@ def test_strict_backend_lists_unsupported_ops(monkeypatch) -> None:
     assert len(info.value.offenses) == 2  # gelu forward and gelu_backward
     trainer = glmc.optimize(model, x, loss_fn=loss_fn, optimizer=opt, backend="eager")
     assert len(trainer.report.compiles[0].fallbacks) == 2
+
+
+def test_wrong_feature_size_says_what_was_expected_and_what_came() -> None:
+    import glmc
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    labels = torch.randint(0, 4, (4,))
+    trainer = glmc.optimize(model, (torch.randn(4, 8), labels),
+                            loss_fn=torch.nn.functional.cross_entropy, optimizer=opt,
+                            backend="eager", measure=False)
+    with pytest.raises(glmc.InputError, match=r"\[4, 9\] X \[8, 16\]") as e:
+        trainer.step(torch.randn(4, 9), labels)
+    assert "(4, 9)" in str(e.value) and "capture.py" not in str(e.value)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(glmc.InputError, match="out of bounds.*labels within"):
+        trainer.step(torch.randn(4, 8), torch.tensor([0, 1, 2, 9]))
+    for a, b in zip(before, model.parameters()):  # a failed step leaves the state as it was
+        assert torch.equal(a, b)
