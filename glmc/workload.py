@@ -1,7 +1,8 @@
 """Loading a user's FILE for the CLI.
 
 A FILE defines either `model` and `example_inputs` (optionally `loss_fn` and `optimizer`), or a
-function `workload()` returning `(model, example_inputs, loss_fn, optimizer)`.
+function `workload()` returning `(model, example_inputs, loss_fn, optimizer)`. As with
+`python FILE`, the FILE's directory is on `sys.path`, so it can import the modules next to it.
 """
 from __future__ import annotations
 
@@ -24,11 +25,20 @@ class Workload:
     optimizer: Any = None
 
 
+def _importable_siblings(file: Path) -> None:
+    """Put the FILE's directory first on sys.path, as `python FILE` does. It stays there: the
+    model may import its siblings lazily (inside `forward`, `workload()`, or when unpickled)."""
+    here = str(file.resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+
+
 def load_workload(path: str) -> Workload:
     file = Path(path)
     if not file.is_file():
         raise ConfigError(f"{path}: no such file; pass a Python file that defines `model` and "
                           "`example_inputs`, or `workload()`")
+    _importable_siblings(file)
     name = f"glmc_workload_{file.stem}"
     spec = importlib.util.spec_from_file_location(name, file)
     module = importlib.util.module_from_spec(spec)

@@ -36,12 +36,15 @@ GLM example: `early_cast` (a pointwise op read only by low-precision ops takes a
 copy of its activation input, so the backward saves that copy) and `cast_constants` (buffers such
 as rotary tables are cast down to the activation's dtype instead of promoting it).
 
-`auto` runs one calibration step in fp32 on the example batch and measures, per module, the
-range of its forward values and gradients. Modules whose values would overflow fp16 (|x| above
+`auto` reads, per module, the range of its forward values and gradients from the statistics
+the runtime records on the example batch before the passes run (`glmc.valuestats`; the pass
+declares `Need.VALUE_STATS` and never runs the model itself). Modules whose values would overflow fp16 (|x| above
 65504 / headroom) or underflow it (more than 1% of nonzero values, gradients times the initial
 loss scale, below fp16's smallest normal) take bf16; the others take fp16 when fp16 is the
-faster type on the device (the cost model's device profile decides; `prefer=fp16` forces the per-module
-choice, `prefer=bf16` picks bf16 everywhere). The report gives each module's dtype and reason.
+faster type on the device (the cost model's device profile decides; `prefer=fp16` forces the
+per-module choice, `prefer=bf16` picks bf16 everywhere). Where neither bf16 nor fp16 matmuls
+are faster than fp32 on the device, `auto` keeps fp32 — training must not get slower —
+unless `prefer=memory` (or fp16/bf16) asks for the memory saving. The report says why.
 
 Option spellings in a pipeline string: `precision{policy=bf16,ops=_softmax:fp32;mm:low,
 modules=head:fp32}`; from Python, `ops` and `modules` may be dicts.
@@ -206,7 +209,9 @@ class PrecisionPass(Pass):
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
     growth_interval: int = 2000
-    prefer: str = "speed"  #: auto: "speed" | "fp16" | "bf16"
+    #: auto: "speed" (fp32 where neither bf16 nor fp16 is faster) | "memory" (low precision
+    #: even when not faster) | "fp16" | "bf16" (force that dtype where its range suffices)
+    prefer: str = "speed"
     fuse_loss: bool = True  #: fp32 cross-entropy read straight from low-precision logits
     head: str = "fp32"  #: LM head feeding the loss: "fp32" | "low" (chunked, fused) | "off"
     early_cast: bool = False  #: pointwise ops read only by low-precision ops store low input
@@ -224,8 +229,9 @@ class PrecisionPass(Pass):
                               "fp16 or auto")
         if self.head not in ("fp32", "low", "off"):
             raise ConfigError(f"precision: head={self.head!r}; use fp32, low or off")
-        if self.prefer not in ("speed", "fp16", "bf16"):
-            raise ConfigError(f"precision: prefer={self.prefer!r}; use speed, fp16 or bf16")
+        if self.prefer not in ("speed", "memory", "fp16", "bf16"):
+            raise ConfigError(f"precision: prefer={self.prefer!r}; use speed, memory, fp16 or "
+                              "bf16")
         for op, rule in _parse_map(self.ops, "ops").items():
             if rule not in RULES:
                 raise ConfigError(f"precision: rule {rule!r} for op {op!r}; use one of {RULES}")
@@ -261,7 +267,12 @@ class PrecisionPass(Pass):
         modules = _parse_map(self.modules, "modules")
         default = self.policy if self.policy in DTYPES else "bf16"
         if self.policy == "auto":
-            choose_fp16, note = _fp16_preferred(self.prefer, device, ctx.profile)
+            choose_fp16, note, faster = _fp16_preferred(self.prefer, device, ctx.profile)
+            if not faster and self.prefer == "speed" and not modules:
+                # training must not get slower: keep fp32 (prefer=memory takes the saving)
+                return PassResult(False, PrecisionStats(
+                    "auto", device_note=note + "; auto keeps fp32 for speed "
+                    "(prefer=memory: low precision for its memory saving)"))
             layers = choose_layers(graph, program, self.init_scale, choose_fp16, note)
             modules = {**{c.module: c.dtype for c in layers}, **modules}
         rules = {**DEFAULT_RULES, **_parse_map(self.ops, "ops")}
@@ -611,24 +622,26 @@ def _chain(v: fx.Node) -> list[fx.Node]:
 _RATE_FLOPS = 2.0 * 1024 ** 3  #: a large matmul: where the profile's curves flatten out
 
 
-def _fp16_preferred(prefer: str, device: str, profile_spec: Any = None) -> tuple[bool, str]:
-    """Whether fp16 is the faster low-precision type, from the cost model's device profile
-    (the calibrated host CPU measures bf16 and fp16 matmul curves; GPU profiles are published
-    figures)."""
+def _fp16_preferred(prefer: str, device: str,
+                    profile_spec: Any = None) -> tuple[bool, str, bool]:
+    """Whether fp16 is the faster low-precision type, and whether either is faster than fp32
+    at all, from the cost model's device profile (the calibrated host CPU measures bf16 and
+    fp16 matmul curves; GPU profiles are published figures)."""
     if prefer == "bf16":
-        return False, "prefer=bf16: every module takes bf16"
+        return False, "prefer=bf16: every module takes bf16", True
     profile = get_profile(profile_spec, device)
     rates = {k: profile.matmul_rate(str(DTYPES[k]).replace("torch.", ""), _RATE_FLOPS) / 1e12
              for k in ("fp32", "bf16", "fp16")}
     measured = ", ".join(f"{k} {v:.2f}" for k, v in rates.items())
     note = f"matmul TFLOP/s on {profile.name} ({profile.source}): {measured}"
-    if max(rates["bf16"], rates["fp16"]) < 1.1 * rates["fp32"]:
+    faster = max(rates["bf16"], rates["fp16"]) >= 1.1 * rates["fp32"]
+    if not faster:
         note += "; neither bf16 nor fp16 is faster than fp32 here, low precision saves memory only"
     if prefer == "fp16":
-        return True, note + "; prefer=fp16: fp16 wherever its range suffices"
+        return True, note + "; prefer=fp16: fp16 wherever its range suffices", faster
     if rates["fp16"] >= 0.9 * rates["bf16"]:
-        return True, note + "; fp16 is as fast as bf16: fp16 wherever its range suffices"
-    return False, note + "; fp16 is slower than bf16: every module takes bf16"
+        return True, note + "; fp16 is as fast as bf16: fp16 wherever its range suffices", faster
+    return False, note + "; fp16 is slower than bf16: every module takes bf16", faster
 
 
 def choose_layers(graph: TrainGraph, program: ForwardProgram, init_scale: float,

@@ -344,9 +344,33 @@ def test_auto_picks_bf16_for_the_overflowing_layer_and_fp16_elsewhere():
 
 def test_auto_reports_device_speed_choice():
     torch.manual_seed(0)
-    _, stats = _graph("auto", model=Hot())
+    _, stats = _graph("auto", model=Hot(), prefer="memory")
     assert "matmul TFLOP/s" in stats.device_note
-    assert all(c["dtype"] in ("bf16", "fp16") and c["reason"] for c in stats.layers)
+    assert stats.layers and all(c["dtype"] in ("bf16", "fp16") and c["reason"]
+                                for c in stats.layers)
+
+
+@pytest.mark.parametrize("profile,low", [("generic-cpu", False), ("h100", True)])
+def test_auto_keeps_fp32_where_low_precision_is_not_faster(profile, low):
+    """`precision=auto` must not make training slower: on a profile whose bf16/fp16 matmuls
+    are no faster than fp32 it keeps fp32 and says why; on a GPU profile it goes low."""
+    from glmc.cost import get_profile
+    prof = get_profile(profile)
+    rates = [prof.matmul_rate(d, 2.0 * 1024 ** 3) for d in ("float32", "bfloat16", "float16")]
+    assert (max(rates[1:]) >= 1.1 * rates[0]) is low  # what the profile says
+    torch.manual_seed(0)
+    model = TwoLayer()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = _batch()
+    g = capture(model, batch, optimizer=opt)
+    from glmc.runtime import input_getters
+    from glmc.valuestats import record_value_stats
+    g.meta["value_stats"] = record_value_stats(
+        g.gm, [get(list(batch)) for get in input_getters(g, model, opt)])
+    res = PrecisionPass(policy="auto").run(g, PassContext(profile=profile))
+    assert res.changed is low
+    if not low:
+        assert "keeps fp32" in res.stats.device_note and not res.stats.layers
 
 
 def test_precision_on_the_drop_in_path_is_a_typed_error():
