@@ -12,19 +12,46 @@
 * with `onnx=True`, `step.onnx` — the same functional step as an ONNX model (ATen ops decomposed
   to the core set first), saved at IR version 10 so onnxruntime >= 1.19 loads it;
   `python step.py --onnx` runs it with onnxruntime. Random ops (dropout) draw from ONNX
-  Runtime's generator there, so only dropout-free steps reproduce torch's losses.
+  Runtime's generator there, so only dropout-free steps reproduce torch's losses (a warning
+  says so).
+
+An export that cannot succeed fails before anything is written: `onnx_export_offenses(trainer)`
+lists every op torch's ONNX exporter has no function for (on fake tensors, in seconds), and
+`export_step` raises `OnnxExportError` with them. The files are written into a temporary
+directory next to `dir` and moved into place at the end, so a failed export leaves nothing.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
+import os
+import re
+import shutil
+import uuid
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.fx as fx
 
-from glmc.errors import ConfigError, GlmcError
+from glmc.errors import ConfigError, GlmcError, Offense, UnsupportedOpError
 from glmc.ir import RANDOM_OPS, Role, TrainGraph, op_name
+
+#: every file an export may write; a new export into the same directory replaces them all
+EXPORT_FILES = ("step.py", "signature.json", "state.safetensors", "batch.safetensors",
+                "constants.safetensors", "step.onnx")
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+class OnnxExportError(UnsupportedOpError):
+    """torch's ONNX exporter cannot take the step. `offenses` names every op it has no
+    function for, with source lines (empty when the exporter failed for another reason)."""
+
+    def __init__(self, summary: str, offenses: list[Offense] | None = None) -> None:
+        self.offenses = list(offenses or [])
+        GlmcError.__init__(self, "\n".join([summary] + [str(o) for o in self.offenses]))
 
 _ALLOWED_GLOBALS = {"inf": "from math import inf", "nan": "from math import nan",
                     "NoneType": "NoneType = type(None)", "torch": "import torch",
@@ -107,15 +134,32 @@ def _step_inputs(trainer: Any) -> list[torch.Tensor]:
 
 
 def export_step(trainer: Any, directory: str, onnx: bool = False) -> list[str]:
-    from safetensors.torch import save_file
-
     from glmc.kernels import lower_to_aten
 
     graph: TrainGraph = trainer.graph
     graph = TrainGraph(lower_to_aten(graph.gm), graph.inputs, graph.outputs, graph.meta)
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
     inputs = _step_inputs(trainer)
+    random_ops = _random_ops(graph)
+    if onnx:
+        _require_onnx()
+        offenses = onnx_offenses(graph, inputs)
+        if offenses:
+            raise _unsupported(offenses)
+        if random_ops:
+            warnings.warn(f"export: the step has random ops ({', '.join(random_ops)}); step.onnx "
+                          "draws their masks from ONNX Runtime's generator, so its losses differ "
+                          "from torch's (step.py --seed reproduces torch's); export with dropout "
+                          "off for matching losses", stacklevel=3)
+    out = Path(directory)
+    with _staging(out) as tmp:
+        written = _write(graph, inputs, random_ops, tmp, onnx)
+    return [str(out / p.name) for p in written]
+
+
+def _write(graph: TrainGraph, inputs: list[torch.Tensor], random_ops: list[str], out: Path,
+           onnx: bool) -> list[Path]:
+    from safetensors.torch import save_file
+
     state, batch = {}, {}
     for spec, value in zip(graph.inputs, inputs):
         dest = batch if spec.role is Role.INPUT else state
@@ -129,7 +173,6 @@ def export_step(trainer: Any, directory: str, onnx: bool = False) -> list[str]:
     if consts:
         save_file(consts, str(out / "constants.safetensors"))
         written.append(out / "constants.safetensors")
-    random_ops = sorted({op_name(n) for n in graph.compute_nodes() if op_name(n) in RANDOM_OPS})
     sig = {"inputs": [{"role": s.role.value, "target": s.target} for s in graph.inputs],
            "outputs": [{"kind": s.kind.value, "target": s.target} for s in graph.outputs],
            "random_ops": random_ops}
@@ -137,7 +180,47 @@ def export_step(trainer: Any, directory: str, onnx: bool = False) -> list[str]:
     if onnx:
         export_onnx(graph, inputs, out / "step.onnx")
         written.append(out / "step.onnx")
-    return [str(p) for p in written]
+    return written
+
+
+def _random_ops(graph: TrainGraph) -> list[str]:
+    return sorted({op_name(n) for n in graph.compute_nodes() if op_name(n) in RANDOM_OPS})
+
+
+@contextlib.contextmanager
+def _staging(out: Path) -> Iterator[Path]:
+    """A fresh directory next to `out` to write into; when the body succeeds it becomes `out`
+    (or its files replace an earlier export's in `out`), when it fails it is removed, with any
+    parent directories made for it: a failed export leaves nothing behind."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"export: {out} exists and is not a directory; pass a directory")
+    made = [p for p in [out.parent, *out.parent.parents] if not p.exists()]  # deepest first
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.glmc-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        _publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for d in made:
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        raise
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    if not out.exists():
+        tmp.rename(out)
+        return
+    # an existing directory (maybe the cwd, so never replaced itself): move the files in,
+    # replacing an earlier export's and keeping the user's own
+    written = {f.name for f in tmp.iterdir()}
+    for name in written:
+        os.replace(tmp / name, out / name)
+    for name in set(EXPORT_FILES) - written:  # stale: step.onnx of an earlier onnx=True export
+        (out / name).unlink(missing_ok=True)
+    tmp.rmdir()
 
 
 def _constants(graph: TrainGraph) -> dict[str, torch.Tensor]:
@@ -175,24 +258,36 @@ def _source(graph: TrainGraph) -> str:
     return header + code.src + _RUNNER
 
 
-def export_onnx(graph: TrainGraph, inputs: list[torch.Tensor], path: Path) -> Path:
-    """The functional step as ONNX: decompose to core ATen, torch.export, dynamo ONNX exporter."""
+def _require_onnx() -> None:
     import importlib.util
     missing = [m for m in ("onnx", "onnxscript") if importlib.util.find_spec(m) is None]
     if missing:
         raise ConfigError(f"export: ONNX export needs {', '.join(missing)} (pip install "
                           "'glmc[onnx]')")
+
+
+def _decompose(gm: fx.GraphModule, inputs: list[torch.Tensor], fake: bool) -> fx.GraphModule:
+    """The step in core ATen, as `export_onnx` hands it to the exporter; `fake` traces it on
+    fake tensors (nothing computed)."""
     from torch._decomp import core_aten_decompositions
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from glmc.kernels import decompositions
 
-    real = [t.detach().clone() for t in inputs]
-    rng = torch.get_rng_state()
     table = {**core_aten_decompositions(), **decompositions()}
+    rng = torch.get_rng_state()
     with torch.no_grad():
-        decomposed = make_fx(graph.gm, decomposition_table=table)(*real)
+        decomposed = make_fx(gm, decomposition_table=table,
+                             tracing_mode="fake" if fake else "real")(*inputs)
     torch.set_rng_state(rng)
+    return decomposed
+
+
+def export_onnx(graph: TrainGraph, inputs: list[torch.Tensor], path: Path) -> Path:
+    """The functional step as ONNX: decompose to core ATen, torch.export, dynamo ONNX exporter."""
+    _require_onnx()
+    real = [t.detach().clone() for t in inputs]
+    decomposed = _decompose(graph.gm, real, fake=False)
 
     class _Step(torch.nn.Module):
         def __init__(self) -> None:
@@ -207,11 +302,118 @@ def export_onnx(graph: TrainGraph, inputs: list[torch.Tensor], path: Path) -> Pa
         onnx_program = torch.onnx.export(program, (), dynamo=True, optimize=False,
                                          verify=False, verbose=False)
     except Exception as e:
-        raise GlmcError(f"export: the ONNX exporter failed on the step: {e}") from e
+        raise OnnxExportError(f"export: torch's ONNX exporter failed on the step: "
+                              f"{_exporter_message(e)}") from e
     onnx_program.model.ir_version = 10  # onnxruntime 1.19 loads IR <= 10
     onnx_program.save(str(path))
     _check_outputs(graph, path)
     return path
+
+
+def _exporter_message(e: Exception) -> str:
+    """The exporter's message without its terminal colours and boilerplate."""
+    text = _ANSI.sub("", str(e))
+    _, found, summary = text.partition("## Exception summary")
+    text = summary if found else text
+    text = text.replace("(Refer to the full stack trace above for more information.)", "")
+    return text.strip()
+
+
+# ---- what the ONNX exporter cannot take ----------------------------------------------------------
+
+def onnx_export_offenses(trainer: Any) -> list[Offense]:
+    """Every op of the trainer's optimized step that `export(dir, onnx=True)` would fail on."""
+    from glmc.kernels import lower_to_aten
+
+    graph: TrainGraph = trainer.graph
+    graph = TrainGraph(lower_to_aten(graph.gm), graph.inputs, graph.outputs, graph.meta)
+    return onnx_offenses(graph, _step_inputs(trainer))
+
+
+def check_onnx_export(trainer: Any) -> None:
+    """Raise `OnnxExportError` (or ConfigError without onnx/onnxscript) now, before training,
+    if `trainer.export(dir, onnx=True)` could not succeed."""
+    _require_onnx()
+    offenses = onnx_export_offenses(trainer)
+    if offenses:
+        raise _unsupported(offenses)
+
+
+def _unsupported(offenses: list[Offense]) -> OnnxExportError:
+    return OnnxExportError(f"export: {len(offenses)} op(s) torch's ONNX exporter cannot take; "
+                           "nothing was written. Export the step without the pass named below "
+                           "or change the model:", offenses)
+
+
+def onnx_offenses(graph: TrainGraph, inputs: list[torch.Tensor]) -> list[Offense]:
+    """Every op of the ATen-lowered `graph` that torch's ONNX exporter has no function for, once
+    the decompositions `export_onnx` and the exporter apply are done, with the source lines of
+    the nodes it comes from. Traces on fake tensors: seconds, not the export's minutes. Empty
+    when this torch has no exporter registry to ask (the export then fails or succeeds)."""
+    known = _onnx_registry()
+    if known is None:
+        return []
+    registry, exporter_decomposes = known
+    decomposed = _decompose(graph.gm, inputs, fake=True)
+    missing: dict[Any, set[Any]] = {}  # op of the step -> ops without a function it became
+    for n in decomposed.graph.nodes:
+        t = n.target
+        if n.op != "call_function" or not isinstance(t, torch._ops.OpOverload) or \
+                registry.is_registered(t) or t in exporter_decomposes:
+            continue
+        missing.setdefault(n.meta.get("original_aten") or t, set()).add(t)
+    offenses = []
+    for origin, leaves in missing.items():
+        offenses += _offenses_of(graph, origin, leaves)
+    return offenses
+
+
+def _offenses_of(graph: TrainGraph, origin: Any, leaves: set[Any]) -> list[Offense]:
+    """One offense per source line (and creating pass) of the step's nodes calling `origin`."""
+    name = str(origin)
+    via = "" if leaves == {origin} else f" (it decomposes to {', '.join(sorted(map(str, leaves)))})"
+    sites: dict[tuple[str, str], int] = {}
+    for n in graph.compute_nodes():
+        if n.target == origin:
+            info = n.meta.get("glmc")
+            where = (info.source or info.module) if info is not None else None
+            key = (where or n.name, info.created_by if info is not None else "capture")
+            sites[key] = sites.get(key, 0) + 1
+    offenses = []
+    for (where, created_by), count in (sites or {("<step>", "capture"): 1}).items():
+        times = f" [{count} nodes]" if count > 1 else ""
+        offenses.append(Offense(f"{name}: no ONNX function in torch's exporter{via}{times}; "
+                                f"{_fix(origin, created_by)}", where))
+    return offenses
+
+
+def _fix(origin: Any, created_by: str) -> str:
+    glmc_op = getattr(origin, "namespace", "") == "glmc"
+    if created_by == "capture":
+        return "the model's own op: replace it in the model, or register an ONNX function for it"
+    why = " (glmc's op has no ATen decomposition; please file a glmc issue)" if glmc_op else ""
+    return (f"created by the '{created_by}' pass{why}: export the step without it "
+            f"(disable=('{created_by}',), --disable {created_by})")
+
+
+@functools.lru_cache(maxsize=1)
+def _onnx_registry() -> tuple[Any, frozenset] | None:
+    """torch's ONNX function registry (torchlib), and the ops the exporter decomposes itself
+    before it looks functions up (`_fx_passes.decompose_with_registry`)."""
+    import logging
+    try:  # private to torch; without it the exporter's own error is what the user gets
+        from torch.onnx._internal.exporter._registration import ONNXRegistry
+    except ImportError:
+        return None
+    log = logging.getLogger("torch.onnx._internal.exporter._registration")
+    level = log.level
+    log.setLevel(logging.ERROR)  # "torchvision is not installed. Skipping torchvision::nms"
+    try:
+        registry = ONNXRegistry.from_torchlib()
+    finally:
+        log.setLevel(level)
+    decomposes = set(torch.export.default_decompositions()) | set(torch._decomp.decomposition_table)
+    return registry, frozenset(decomposes)
 
 
 def _check_outputs(graph: TrainGraph, path: Path) -> None:

@@ -8,6 +8,7 @@ those seen before is captured and compiled again (one cache entry per signature)
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -62,6 +63,7 @@ class TrainerOptions:
     dump_dir: str | None = None  #: write the step's Python after capture and after each pass
     #: a step saved by glmc.save_graph to use instead of capturing the example batch's shapes
     graph_path: str | None = None
+    progress: bool = False  #: say on stderr what the compile is doing (capture, passes, backend)
 
 
 @dataclass
@@ -197,7 +199,12 @@ class Trainer:
             self._cache[key] = self._compile(batch, pipeline)
             self._cache[key].retried = True
 
+    def _say(self, text: str) -> None:
+        if self.options.progress:
+            print(f"glmc: {text}", file=sys.stderr, flush=True)
+
     def _compile(self, batch: Batch, pipeline: list[Pass] | None = None) -> _Entry:
+        self._say(f"capturing the training step for batch {_describe(batch)} ...")
         t0 = time.perf_counter()
         try:
             graph = self._saved_graph(batch) or capture_step(self.model, batch, self.loss_fn,
@@ -232,11 +239,15 @@ class Trainer:
             graph.meta["value_stats"] = record_value_stats(
                 graph.gm, [get(leaves) for get in self._getters(graph)])
         nodes_captured = len(graph.graph.nodes)
+        self._say(f"captured {nodes_captured} nodes in {t1 - t0:.1f} s; running passes "
+                  f"{', '.join(p.spelling() for p in pipeline)} ...")
         manager.run(graph, PassContext(self._traits, self.options.profile))
         getters = self._getters(graph)
         t2 = time.perf_counter()
+        self._say(f"passes done in {t2 - t1:.1f} s; compiling with {self._backend.name} ...")
         compiled = self._backend.compile(graph, strict=self.options.strict,
                                          inplace=self._traits.inplace)
+        self._say(f"{self._backend.name} compile done in {compiled.compile_seconds:.1f} s")
         record = CompileRecord(
             batch=_describe(batch), backend=self._backend.name, capture_seconds=t1 - t0,
             passes_seconds=t2 - t1, backend_seconds=compiled.compile_seconds,
