@@ -315,7 +315,8 @@ def _exporter_message(e: Exception) -> str:
     text = _ANSI.sub("", str(e))
     _, found, summary = text.partition("## Exception summary")
     text = summary if found else text
-    text = text.replace("(Refer to the full stack trace above for more information.)", "")
+    for noise in ("(Refer to the full stack trace above for more information.)", "⬆️"):
+        text = text.replace(noise, "")
     return text.strip()
 
 
@@ -388,12 +389,12 @@ def _offenses_of(graph: TrainGraph, origin: Any, leaves: set[Any]) -> list[Offen
 
 
 def _fix(origin: Any, created_by: str) -> str:
-    glmc_op = getattr(origin, "namespace", "") == "glmc"
     if created_by == "capture":
-        return "the model's own op: replace it in the model, or register an ONNX function for it"
-    why = " (glmc's op has no ATen decomposition; please file a glmc issue)" if glmc_op else ""
-    return (f"created by the '{created_by}' pass{why}: export the step without it "
-            f"(disable=('{created_by}',), --disable {created_by})")
+        return "the model's own op: change the model, or register an ONNX function for it"
+    why = " (glmc's op has no ATen decomposition; please file a glmc issue)" \
+        if getattr(origin, "namespace", "") == "glmc" else ""
+    return (f"from the '{created_by}' pass{why}: export the step without it (--disable "
+            f"{created_by}, disable=('{created_by}',)), or change the model if it has the op too")
 
 
 @functools.lru_cache(maxsize=1)

@@ -61,11 +61,7 @@ _STATE_KINDS = (OutputKind.PARAM, OutputKind.BUFFER, OutputKind.STATE)
 def copy_graph(graph: TrainGraph) -> fx.GraphModule:
     """A GraphModule over a copy of `graph`'s fx graph (node metadata shared, shallowly), for
     backends that rewrite what they compile."""
-    new = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for n in graph.graph.nodes:
-        env[n] = new.node_copy(n, lambda a: env[a])
-    return fx.GraphModule(graph.gm, new)
+    return graph.copy().gm
 
 
 def _alias_root(n: fx.Node) -> fx.Node:

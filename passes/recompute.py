@@ -448,20 +448,10 @@ def rewrite(graph: TrainGraph, recompute: set[str], traits: BackendTraits) -> in
 def _simulate_with(graph: TrainGraph, units: list[str], recompute: frozenset[int],
                    backend: Any) -> int:
     """Predicted peak of the step with this plan applied (on a scratch copy of the graph)."""
-    scratch = clone(graph)
+    scratch = graph.copy()
     if recompute:
         rewrite(scratch, {units[i] for i in recompute}, backend)
     return simulate(lower_writeback(scratch, backend.early_writeback).graph, backend).peak_bytes
-
-
-def clone(graph: TrainGraph) -> TrainGraph:
-    """A TrainGraph over a copy of the fx graph (node metadata shared, shallowly)."""
-    new = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for n in graph.graph.nodes:
-        env[n] = new.node_copy(n, lambda a: env[a])
-    return TrainGraph(fx.GraphModule(graph.gm, new), list(graph.inputs), list(graph.outputs),
-                      dict(graph.meta))
 
 
 __all__ = ["RecomputePass", "Budget", "build_problem", "rewrite", "evaluate", "plan_cost"]

@@ -101,3 +101,25 @@ def assert_state_close(model_a, model_b, opt_a, opt_b, zero_grad_params: tuple =
         for key in sb.get(k, {}):
             torch.testing.assert_close(sa[k][key], sb[k][key], rtol=RTOL, atol=ATOL,
                                        msg=lambda m: f"state {k}.{key}: {m}")
+
+
+def train_side_by_side(model, batch, loss_fn, backend: str = "eager", steps: int = 3,
+                       lr: float = 1e-2, **options):
+    """`steps` AdamW steps of `model` through glmc and of a copy in eager PyTorch, comparing
+    the losses at every step; returns (trainer, model, reference, optimizer, its reference)."""
+    import glmc
+    import pytest
+
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=lr)
+    trainer = glmc.optimize(model, batch, loss_fn=loss_fn, optimizer=opt, backend=backend,
+                            measure=False, **options)
+    for _ in range(steps):
+        got = trainer.step(*batch).item()
+        opt_ref.zero_grad()
+        want = loss_fn(ref(*batch[:-1]), batch[-1])
+        want.backward()
+        opt_ref.step()
+        assert got == pytest.approx(want.item(), rel=1e-5)
+    return trainer, ref, opt, opt_ref

@@ -3,7 +3,6 @@ back to compiling the pieces (with a warning naming the line and the reason in p
 and strict=True keeps the hard error."""
 from __future__ import annotations
 
-import copy
 import logging
 
 import pytest
@@ -11,6 +10,7 @@ import torch
 import torch.nn as nn
 
 import glmc
+from tests.models import train_side_by_side
 
 log = logging.getLogger("glmc-test-model")
 
@@ -40,21 +40,10 @@ class Branches(nn.Module):
 
 def _train(model: nn.Module, backend: str = "eager", **options):
     torch.manual_seed(0)
-    ref = copy.deepcopy(model)
     batch = (torch.randn(6, 8, generator=torch.Generator().manual_seed(1)),
              torch.randint(0, 4, (6,), generator=torch.Generator().manual_seed(2)))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    loss_fn = nn.functional.cross_entropy
-    trainer = glmc.optimize(model, batch, loss_fn=loss_fn, optimizer=opt, backend=backend,
-                            measure=False, **options)
-    for _ in range(3):
-        got = trainer.step(*batch).item()
-        opt_ref.zero_grad()
-        want = loss_fn(ref(batch[0]), batch[1])
-        want.backward()
-        opt_ref.step()
-        assert got == pytest.approx(want.item(), rel=1e-5)
+    trainer, ref, _, _ = train_side_by_side(model, batch, nn.functional.cross_entropy, backend,
+                                            **options)
     for a, b in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     return trainer

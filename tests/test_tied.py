@@ -2,15 +2,13 @@
 optimizer state, whatever name the shared tensor is reached by first."""
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn as nn
 
 import glmc
 from glmc.ir import Role
-from tests.models import assert_state_close
+from tests.models import assert_state_close, train_side_by_side
 
 
 class Tied(nn.Module):
@@ -37,21 +35,9 @@ class Tied(nn.Module):
 def test_tied_weights_train_like_eager(backend: str, head_first: bool) -> None:
     torch.manual_seed(0)
     model = Tied(head_first)
-    ref = copy.deepcopy(model)
     ids = torch.randint(0, 50, (4, 8), generator=torch.Generator().manual_seed(1))
-    batch = (ids, ids.flatten())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    loss_fn = nn.functional.cross_entropy
-    trainer = glmc.optimize(model, batch, loss_fn=loss_fn, optimizer=opt, backend=backend,
-                            measure=False)
-    for _ in range(3):
-        got = trainer.step(*batch).item()
-        opt_ref.zero_grad()
-        want = loss_fn(ref(batch[0]), batch[1])
-        want.backward()
-        opt_ref.step()
-        assert got == pytest.approx(want.item(), rel=1e-5)
+    trainer, ref, opt, opt_ref = train_side_by_side(model, (ids, ids.flatten()),
+                                                    nn.functional.cross_entropy, backend)
     shared = [s.target for s in trainer.graph.inputs if s.role is Role.PARAMETER]
     assert len(shared) == 3  # embed/head weight once, mid.weight, mid.bias
     assert model.head.weight is model.embed.weight  # still tied, updated in place
