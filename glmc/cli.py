@@ -1,61 +1,116 @@
-"""The `glmc` command line. Exit codes: 0 ok, 1 failure (short message), 2 usage error."""
+"""The `glmc` command line. Exit codes: 0 ok, 1 failure (short message), 2 usage error.
+
+Every option is checked with glmc's own parsers before FILE is loaded (a real model can take
+minutes to build), so a typo exits 2 at once, as argparse's own errors do. With `--export-onnx`
+the compiled step is checked against the ONNX exporter before any training step runs.
+"""
 from __future__ import annotations
 
 import argparse
 import sys
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
+from glmc import __version__
 from glmc.errors import GlmcError
 
+if TYPE_CHECKING:
+    from glmc.workload import Workload
 
-def _parser() -> argparse.ArgumentParser:
+_BUDGET_HELP = ("adds the recompute pass with this budget for the step's peak memory: a fraction "
+                "(0.5: state + half of the memory the step needs on top of it), a size of the "
+                "whole peak (2GiB, 500MB, 1e9 bytes), or min (the smallest reachable peak)")
+
+
+def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    from glmc.backends import BACKENDS
+    from glmc.pipeline import PRECISIONS
+    from glmc.profiles import BUILTIN
+
+    backends = " | ".join(BACKENDS)
     p = argparse.ArgumentParser(prog="glmc", description="Compile PyTorch training steps.")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("compile", help="capture, optimize, compile and run N training steps",
                        description="FILE defines `model` and `example_inputs` (optionally "
                        "`loss_fn`, `optimizer`) or `workload()` returning them.")
     c.add_argument("file", metavar="FILE")
-    c.add_argument("--backend", default="inductor", help="eager | inductor (default inductor)")
-    c.add_argument("--passes", default=None, help='pipeline, e.g. "cleanup"')
-    c.add_argument("--disable", action="append", default=[], help="skip a pass by name")
-    c.add_argument("--memory-budget", default=None, help="recompute budget (fraction or bytes)")
-    c.add_argument("--precision", default=None, help="fp32 | bf16 | fp16 | auto")
-    c.add_argument("--fusion", action=argparse.BooleanOptionalAction, default=None,
-                   help="the fusion pass (attention, norms, gated MLP, LM head+loss, "
-                        "optimizer); on in the default pipeline, --no-fusion turns it off")
-    c.add_argument("--steps", type=int, default=10, help="training steps to run (default 10)")
-    c.add_argument("--report-dir", default=None,
+    c.add_argument("--backend", default="inductor", metavar="NAME",
+                   help=f"{backends} (default inductor)")
+    _pipeline_args(c, PRECISIONS)
+    c.add_argument("--steps", type=_steps, default=10, metavar="N",
+                   help="training steps to run (default 10)")
+    c.add_argument("--report-dir", default=None, metavar="DIR",
                    help="write report.json, report.html and graphs/ (the step after each pass)")
-    c.add_argument("--profile", default=None,
-                   help="cost-model device: host (default, calibrated) | generic-cpu "
-                        "(no measurement) | h100 | h200 | a100 | kunpeng920")
+    c.add_argument("--profile", default=None, metavar="NAME",
+                   help="cost-model device: host (default: this CPU, calibrated) or a "
+                        f"built-in profile: {' | '.join(BUILTIN)} (generic-cpu: fixed "
+                        "figures, no measurement)")
     c.add_argument("--profile-guided", action="store_true",
                    help="time every node on real tensors instead of the cost formulas")
-    c.add_argument("--export-dir", default=None,
+    c.add_argument("--export-dir", default=None, metavar="DIR",
                    help="export the optimized step here (Python + safetensors)")
     c.add_argument("--export-onnx", action="store_true",
-                   help="with --export-dir: also write step.onnx (needs the onnx extra)")
+                   help="with --export-dir: also write step.onnx (needs the onnx extra); the "
+                        "step is checked against the exporter before training")
     c.add_argument("--strict", action="store_true", help="fail on ops the backend cannot take")
     c.add_argument("--debug", action="store_true", help="print tracebacks")
-    k = sub.add_parser("check", help="list every op the backend cannot take, with source lines")
+    k = sub.add_parser("check", help="list every op the backend (or the ONNX export) cannot "
+                                     "take, with source lines")
     k.add_argument("file", metavar="FILE")
-    k.add_argument("--backend", default="inductor")
+    k.add_argument("--backend", default="inductor", metavar="NAME",
+                   help=f"{backends} (default inductor)")
+    k.add_argument("--export", choices=["onnx"], default=None,
+                   help="also optimize the step (with the pipeline options below) and list "
+                        "the ops the ONNX exporter cannot take")
+    _pipeline_args(k, PRECISIONS)
     k.add_argument("--debug", action="store_true")
     r = sub.add_parser("report", help="print a saved report's summary and re-render report.html")
     r.add_argument("dir", metavar="DIR")
     r.add_argument("--debug", action="store_true")
     cal = sub.add_parser("calibrate", help="measure this CPU again for the cost model and cache it")
     cal.add_argument("--debug", action="store_true")
-    return p
+    return p, {"compile": c, "check": k, "report": r, "calibrate": cal}
+
+
+def _pipeline_args(c: argparse.ArgumentParser, precisions: tuple[str, ...]) -> None:
+    from glmc.pipeline import registry
+
+    passes = registry()
+    c.add_argument("--passes", default=None, metavar="PIPELINE",
+                   help='passes and their options, e.g. "cleanup,recompute{budget=0.5}"; '
+                        f"registered passes: {', '.join(passes)}")
+    c.add_argument("--disable", action="append", default=[], metavar="PASS",
+                   help=f"skip a pass by name ({', '.join(passes)})")
+    c.add_argument("--memory-budget", default=None, metavar="B", help=_BUDGET_HELP)
+    c.add_argument("--precision", default=None, metavar="POLICY",
+                   help=f"{' | '.join(precisions)}: adds the precision pass")
+    c.add_argument("--fusion", action=argparse.BooleanOptionalAction, default=None,
+                   help="the fusion pass (attention, norms, gated MLP, LM head+loss, "
+                        "optimizer); on in the default pipeline, --no-fusion turns it off")
+
+
+def _steps(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
+    return n
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser, commands = _parser()
+    args = parser.parse_args(argv)
+    problems = _usage_problems(args)
+    if problems:
+        commands[args.command].error("\n  ".join(problems))  # exits 2
     try:
-        commands = {"compile": _compile, "check": _check, "report": _report,
-                    "calibrate": _calibrate}
-        return commands[args.command](args)
+        run = {"compile": _compile, "check": _check, "report": _report,
+               "calibrate": _calibrate}
+        return run[args.command](args)
     except GlmcError as e:
         if args.debug:
             traceback.print_exc()
@@ -67,6 +122,51 @@ def main(argv: list[str] | None = None) -> int:
         print(f"glmc: internal error: {type(e).__name__}: {e} (rerun with --debug)",
               file=sys.stderr)
         return 1
+
+
+def _usage_problems(args: argparse.Namespace) -> list[str]:
+    """Every usage error of the options, found by glmc's own parsers without loading FILE."""
+    if args.command not in ("compile", "check"):
+        return []
+    from glmc.backends import get_backend
+    from glmc.cost import get_profile
+    from glmc.passes.recompute import Budget
+    from glmc.pipeline import parse_pipeline, registry
+
+    problems: list[str] = []
+
+    def check(label: str, parse: Callable[[], object]) -> bool:
+        try:
+            parse()
+            return True
+        except GlmcError as e:
+            problems.append(f"{label}{e}")
+            return False
+
+    check("--backend: ", lambda: get_backend(args.backend))
+    budget = args.memory_budget
+    if budget is not None and not check("--memory-budget: ", lambda: Budget.parse(budget)):
+        budget = None
+    precision = args.precision
+    if precision is not None and \
+            not check("", lambda: parse_pipeline("", precision=precision)):
+        precision = None
+    check("", lambda: [Budget.parse(p.budget) for p in parse_pipeline(  # budget= in --passes
+        args.passes, memory_budget=budget, precision=precision, fusion=args.fusion)
+        if p.name == "recompute"])
+    unknown = [d for d in args.disable if d not in registry()]
+    if unknown:
+        problems.append(f"--disable: unknown pass(es) {', '.join(unknown)}; known: "
+                        f"{', '.join(registry())}")
+    if args.command == "compile":
+        if args.profile is not None and args.profile.lower() not in ("host", "cpu"):
+            check("--profile: ", lambda: get_profile(args.profile))  # host would calibrate
+        if args.export_onnx and not args.export_dir:
+            problems.append("--export-onnx needs --export-dir DIR")
+        out = Path(args.export_dir) if args.export_dir else None
+        if out is not None and out.exists() and not out.is_dir():
+            problems.append(f"--export-dir: {out} exists and is not a directory")
+    return problems
 
 
 def _calibrate(args: argparse.Namespace) -> int:
@@ -81,33 +181,33 @@ def _compile(args: argparse.Namespace) -> int:
 
     import glmc
     from glmc.capture import split_batch
+    from glmc.export import check_onnx_export, require_onnx
     from glmc.workload import load_workload
 
-    if args.steps < 0:
-        raise glmc.ConfigError("--steps must be >= 0")
+    if args.export_onnx:
+        require_onnx()  # before the model loads
     work = load_workload(args.file)
     trainer = glmc.optimize(work.model, work.example_inputs, loss_fn=work.loss_fn,
                             optimizer=work.optimizer, backend=args.backend, passes=args.passes,
-                            memory_budget=args.memory_budget, precision=args.precision, fusion=args.fusion,
-                            strict=args.strict, disable=tuple(args.disable),
-                            profile=args.profile, profile_guided=args.profile_guided,
+                            memory_budget=args.memory_budget, precision=args.precision,
+                            fusion=args.fusion, strict=args.strict,
+                            disable=tuple(args.disable), profile=args.profile,
+                            profile_guided=args.profile_guided,
                             dump_dir=str(Path(args.report_dir) / "graphs") if args.report_dir
                             else None)
+    if args.export_onnx:
+        check_onnx_export(trainer)  # an export that cannot succeed fails before training
     batch_args, batch_kwargs = split_batch(work.example_inputs)
-    losses = []
     bar = tqdm(range(args.steps), desc=f"glmc[{args.backend}]", unit="step",
                disable=not sys.stderr.isatty())
     for i in bar:
         loss = trainer.step(*batch_args, **batch_kwargs).item()
-        losses.append(loss)
         bar.set_postfix(loss=f"{loss:.6f}")
         print(f"step {i:4d}  loss {loss:.6f}")
     print(trainer.report.summary())
     if args.report_dir:
         for path in trainer.write_report(args.report_dir):
             print(f"report: {path}")
-    if args.export_onnx and not args.export_dir:
-        raise glmc.ConfigError("--export-onnx needs --export-dir DIR")
     if args.export_dir:
         for path in trainer.export(args.export_dir, onnx=args.export_onnx):
             print(f"exported: {path}")
@@ -137,12 +237,39 @@ def _check(args: argparse.Namespace) -> int:
     offenses = get_backend(args.backend).unsupported(graph)
     if not offenses:
         print(f"{args.file}: every op is supported by backend '{args.backend}'")
-        return 0
-    print(f"{args.file}: {len(offenses)} op(s) backend '{args.backend}' cannot compile "
-          "(they run as eager fallbacks):")
-    for o in offenses:
-        print(o)
-    return 1
+    else:
+        print(f"{args.file}: {len(offenses)} op(s) backend '{args.backend}' cannot compile "
+              "(they run as eager fallbacks):")
+        for o in offenses:
+            print(o)
+    export_ok = _check_onnx(args, work) if args.export == "onnx" else True
+    return 0 if not offenses and export_ok else 1
+
+
+def _check_onnx(args: argparse.Namespace, work: Workload) -> bool:
+    """Optimize the step as `glmc compile` would and list what the ONNX exporter cannot take."""
+    import glmc
+    from glmc.export import onnx_export_offenses, random_ops, require_onnx
+
+    require_onnx()
+    trainer = glmc.optimize(work.model, work.example_inputs, loss_fn=work.loss_fn,
+                            optimizer=work.optimizer, backend=args.backend, passes=args.passes,
+                            memory_budget=args.memory_budget, precision=args.precision,
+                            fusion=args.fusion, disable=tuple(args.disable), predict=False,
+                            measure=False)
+    offenses = onnx_export_offenses(trainer)
+    if not offenses:
+        print(f"{args.file}: the ONNX exporter takes every op of the optimized step")
+    else:
+        print(f"{args.file}: {len(offenses)} op(s) of the optimized step the ONNX exporter "
+              "cannot take (--export-onnx would fail):")
+        for o in offenses:
+            print(o)
+    random = random_ops(trainer.graph)
+    if random:
+        print(f"note: the step has random ops ({', '.join(random)}); step.onnx draws their "
+              "masks from ONNX Runtime's generator, so its losses differ from torch's")
+    return not offenses
 
 
 if __name__ == "__main__":

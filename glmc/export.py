@@ -139,24 +139,24 @@ def export_step(trainer: Any, directory: str, onnx: bool = False) -> list[str]:
     graph: TrainGraph = trainer.graph
     graph = TrainGraph(lower_to_aten(graph.gm), graph.inputs, graph.outputs, graph.meta)
     inputs = _step_inputs(trainer)
-    random_ops = _random_ops(graph)
+    randoms = random_ops(graph)
     if onnx:
-        _require_onnx()
+        require_onnx()
         offenses = onnx_offenses(graph, inputs)
         if offenses:
             raise _unsupported(offenses)
-        if random_ops:
-            warnings.warn(f"export: the step has random ops ({', '.join(random_ops)}); step.onnx "
+        if randoms:
+            warnings.warn(f"export: the step has random ops ({', '.join(randoms)}); step.onnx "
                           "draws their masks from ONNX Runtime's generator, so its losses differ "
                           "from torch's (step.py --seed reproduces torch's); export with dropout "
                           "off for matching losses", stacklevel=3)
     out = Path(directory)
     with _staging(out) as tmp:
-        written = _write(graph, inputs, random_ops, tmp, onnx)
+        written = _write(graph, inputs, randoms, tmp, onnx)
     return [str(out / p.name) for p in written]
 
 
-def _write(graph: TrainGraph, inputs: list[torch.Tensor], random_ops: list[str], out: Path,
+def _write(graph: TrainGraph, inputs: list[torch.Tensor], randoms: list[str], out: Path,
            onnx: bool) -> list[Path]:
     from safetensors.torch import save_file
 
@@ -175,7 +175,7 @@ def _write(graph: TrainGraph, inputs: list[torch.Tensor], random_ops: list[str],
         written.append(out / "constants.safetensors")
     sig = {"inputs": [{"role": s.role.value, "target": s.target} for s in graph.inputs],
            "outputs": [{"kind": s.kind.value, "target": s.target} for s in graph.outputs],
-           "random_ops": random_ops}
+           "random_ops": randoms}
     (out / "signature.json").write_text(json.dumps(sig, indent=1))
     if onnx:
         export_onnx(graph, inputs, out / "step.onnx")
@@ -183,7 +183,7 @@ def _write(graph: TrainGraph, inputs: list[torch.Tensor], random_ops: list[str],
     return written
 
 
-def _random_ops(graph: TrainGraph) -> list[str]:
+def random_ops(graph: TrainGraph) -> list[str]:
     return sorted({op_name(n) for n in graph.compute_nodes() if op_name(n) in RANDOM_OPS})
 
 
@@ -258,7 +258,7 @@ def _source(graph: TrainGraph) -> str:
     return header + code.src + _RUNNER
 
 
-def _require_onnx() -> None:
+def require_onnx() -> None:
     import importlib.util
     missing = [m for m in ("onnx", "onnxscript") if importlib.util.find_spec(m) is None]
     if missing:
@@ -285,7 +285,7 @@ def _decompose(gm: fx.GraphModule, inputs: list[torch.Tensor], fake: bool) -> fx
 
 def export_onnx(graph: TrainGraph, inputs: list[torch.Tensor], path: Path) -> Path:
     """The functional step as ONNX: decompose to core ATen, torch.export, dynamo ONNX exporter."""
-    _require_onnx()
+    require_onnx()
     real = [t.detach().clone() for t in inputs]
     decomposed = _decompose(graph.gm, real, fake=False)
 
@@ -334,7 +334,7 @@ def onnx_export_offenses(trainer: Any) -> list[Offense]:
 def check_onnx_export(trainer: Any) -> None:
     """Raise `OnnxExportError` (or ConfigError without onnx/onnxscript) now, before training,
     if `trainer.export(dir, onnx=True)` could not succeed."""
-    _require_onnx()
+    require_onnx()
     offenses = onnx_export_offenses(trainer)
     if offenses:
         raise _unsupported(offenses)

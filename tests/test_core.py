@@ -142,7 +142,7 @@ def _layer(module: str) -> int:
     if module.startswith("glmc.passes.") or module.startswith("glmc.backends."):
         return 2
     top = {"glmc.runtime", "glmc.api", "glmc.cli", "glmc.export", "glmc.report", "glmc.pipeline",
-           "glmc.report_html", "glmc.dynamo_backend", "glmc.workload", "glmc",
+           "glmc.report_html", "glmc.dynamo_backend", "glmc.workload", "glmc", "glmc.pieces",
            "glmc.__main__", "glmc.passes", "glmc.backends"}
     return 3 if module in top else 1
 

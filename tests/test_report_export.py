@@ -180,3 +180,72 @@ def test_export_save_continues_training(tmp_path: Path) -> None:
     first = _run_export(tmp_path, "--steps", "2", "--save")
     second = _run_export(tmp_path, "--steps", "2")
     assert second[0] < first[0] and second[0] != first[1]
+
+
+def test_onnx_export_of_an_unsupported_step_fails_typed_and_writes_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every op the exporter cannot take is found on fake tensors before anything is written:
+    the fused attention's backward, and a glmc op without an ATen decomposition."""
+    pytest.importorskip("onnxscript")
+    import glmc.kernels
+    from glmc.export import OnnxExportError, onnx_export_offenses
+
+    trainer, _ = _trainer("glm", predict=False, measure=False)
+    with pytest.raises(OnnxExportError) as e:
+        trainer.export(str(tmp_path / "new" / "export"), onnx=True)
+    assert isinstance(e.value, glmc.UnsupportedOpError)
+    (offense,) = e.value.offenses
+    assert offense.reason.startswith("aten._scaled_dot_product_flash_attention_for_cpu_backward")
+    assert re.search(r"examples/glm\.py:\d+ in forward", offense.location)
+    assert "--disable fusion" in str(e.value) and "\x1b" not in str(e.value)
+    assert list(tmp_path.iterdir()) == []  # no directory, not even the parent
+
+    full = glmc.kernels.decompositions
+    monkeypatch.setattr(glmc.kernels, "decompositions",
+                        lambda: {k: v for k, v in full().items() if "rms_norm" not in str(k)})
+    reasons = [o.reason for o in onnx_export_offenses(trainer)]
+    assert {r.split(":")[0] for r in reasons} == {
+        "aten._scaled_dot_product_flash_attention_for_cpu_backward.default",
+        "glmc.rms_norm.default", "glmc.rms_norm_backward.default"}
+    assert all("file a glmc issue" in r for r in reasons if r.startswith("glmc."))
+
+
+def test_failed_onnx_export_leaves_the_directory_as_it_was(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exporter failure: a typed error without the exporter's terminal colours, and the
+    earlier export in the directory untouched (files are staged, then moved in)."""
+    pytest.importorskip("onnxscript")
+    from glmc.export import OnnxExportError
+
+    trainer, _ = _trainer("mlp", predict=False, measure=False)
+    trainer.export(str(tmp_path))
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("Failed to convert. \x1b[96mThis is step 3/3\x1b[0m of exporting.\n"
+                           "## Exception summary\n\nDispatchError: \x1b[1mno function\x1b[0m")
+    monkeypatch.setattr(torch.onnx, "export", fail)
+    with pytest.raises(OnnxExportError, match="DispatchError: no function") as e:
+        trainer.export(str(tmp_path), onnx=True)
+    assert "\x1b" not in str(e.value)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_onnx_export_with_dropout_warns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import warnings
+
+    import glmc.export
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.1),
+                                torch.nn.Linear(8, 1))
+    trainer = glmc.optimize(model, (torch.randn(4, 8), torch.randn(4, 1)),
+                            loss_fn=torch.nn.functional.mse_loss, backend="eager",
+                            predict=False, measure=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        trainer.export(str(tmp_path / "py"))  # step.py reproduces torch's masks: no warning
+    pytest.importorskip("onnxscript")
+    monkeypatch.setattr(glmc.export, "export_onnx", lambda g, i, path: path.write_bytes(b""))
+    with pytest.warns(UserWarning, match="native_dropout.*ONNX Runtime's generator"):
+        trainer.export(str(tmp_path / "onnx"), onnx=True)

@@ -10,15 +10,20 @@ timm is not in the zoo: its only torchvision that accepts torch 2.13 on PyPI is 
 whose `_C` extension needs `libtorch_cuda.so`, so `import timm` fails on the CPU torch this
 project pins. The vision cases use transformers' ViT, ResNet, MobileNetV2 and ConvNeXt.
 
-Used by tests/test_zoo.py and benchmarks/zoo_table.py.
+`run(case, mode)` trains one case for three steps through glmc and through plain PyTorch;
+`check(run)` asserts what "works" means for that mode. Used by tests/test_zoo.py and
+benchmarks/zoo_table.py (which classifies the AssertionError as "partial", any other error as "no").
 """
 from __future__ import annotations
 
 import importlib
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+
+from tests.models import ATOL, RTOL, assert_state_close, eager_losses, glmc_losses, twin
 
 BATCH, SEQ, VOCAB, IMAGE, LABELS = 2, 16, 256, 32, 10
 
@@ -122,7 +127,7 @@ _CASES = [
         tags=frozenset({"tied"})),
     ZooCase("phi", "transformers.PhiForCausalLM", _hf(
         "PhiForCausalLM", "PhiConfig", dict(DECODER, resid_pdrop=0.1), _lm_inputs),
-        dropout=True),
+        zero_grad_params=("k_proj.bias",), dropout=True),
     ZooCase("whisper", "transformers.WhisperForConditionalGeneration", _hf(
         "WhisperForConditionalGeneration", "WhisperConfig",
         dict(vocab_size=VOCAB, num_mel_bins=16, d_model=64, encoder_layers=1, decoder_layers=1,
@@ -140,7 +145,7 @@ _CASES = [
         "ViTForImageClassification", "ViTConfig",
         dict(image_size=IMAGE, patch_size=8, hidden_size=64, num_hidden_layers=2,
              num_attention_heads=4, intermediate_size=128, num_labels=LABELS),
-        _image_inputs), zero_grad_params=("key.bias",), tags=frozenset({"vision"})),
+        _image_inputs), zero_grad_params=("k_proj.bias",), tags=frozenset({"vision"})),
     ZooCase("resnet", "transformers.ResNetForImageClassification", _hf(
         "ResNetForImageClassification", "ResNetConfig",
         dict(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic",
@@ -163,3 +168,90 @@ ZOO: dict[str, ZooCase] = {case.name: case for case in _CASES}
 def param_count(model: torch.nn.Module) -> int:
     """Distinct parameters (tied weights once), as `model.parameters()` yields them."""
     return sum(p.numel() for p in model.parameters())
+
+
+# ---- one case in one mode -------------------------------------------------------------------
+
+STEPS = 3
+#: glmc.optimize options per mode. The zoo checks numerics, not the cost model: no prediction
+#: and no profiled step (they add seconds per model and are tested on their own).
+MODES: dict[str, dict[str, Any]] = {
+    "eager": dict(backend="eager", fusion=False),  # capture + backend alone: the reference
+    "fusion": dict(backend="eager"),  # the default pipeline: fusion (auto patterns), cleanup
+    "bf16": dict(backend="eager", fusion=False, precision="bf16"),
+    "inductor": dict(backend="inductor"),  # the default pipeline on Inductor
+}
+#: bf16 at step 0: within this relative distance of the fp32 loss
+BF16_RTOL = 0.05
+
+
+@dataclass
+class Run:
+    """Losses of glmc and of eager PyTorch (fp32) over STEPS steps, and both sides' state."""
+    case: ZooCase
+    mode: str
+    losses: list[float]
+    reference: list[float]
+    trainer: Any
+    glmc_side: Workload
+    eager_side: Workload
+
+    @property
+    def max_loss_diff(self) -> float:
+        return max(abs(a - b) for a, b in zip(self.losses, self.reference))
+
+    @property
+    def fused(self) -> dict[str, int]:
+        """Regions fused per pattern in the last compile ({} without the fusion pass)."""
+        history = self.trainer.report.compiles[-1].history
+        return next((dict(r.stats.counts) for r in history
+                     if r.name == "fusion" and r.stats is not None), {})
+
+
+def run(case: ZooCase, mode: str, steps: int = STEPS) -> Run:
+    """Twin copies of the case: one trained by glmc in `mode`, one by plain PyTorch, each step
+    under the same seed (dropout draws the same masks)."""
+    import glmc
+
+    (m, x, lf, opt), (m2, _, _, opt2) = twin(case.make)
+    trainer = glmc.optimize(m, x, loss_fn=lf, optimizer=opt, measure=False, predict=False,
+                            **MODES[mode])
+    got = glmc_losses(trainer, x, steps)
+    want = eager_losses(m2, x, lf, opt2, steps)
+    return Run(case, mode, got, want, trainer, (m, x, lf, opt), (m2, x, lf, opt2))
+
+
+def check(r: Run) -> None:
+    """What "works" means: one whole-step graph, then for fp32 modes losses at rtol 1e-4 and
+    parameters and optimizer state within tests.models' tolerances; for bf16 finite losses
+    that fall, the first within BF16_RTOL of fp32."""
+    compiles = r.trainer.report.compiles
+    assert all(c.nodes_captured for c in compiles), (
+        "compiled in pieces (graph breaks): "
+        + "; ".join(f"{f.reason} at {f.location}" for c in compiles for f in c.fallbacks))
+    if r.mode == "bf16":
+        assert all(math.isfinite(v) for v in r.losses), f"non-finite bf16 loss: {r.losses}"
+        rel = abs(r.losses[0] - r.reference[0]) / abs(r.reference[0])
+        assert rel <= BF16_RTOL, f"bf16 loss {r.losses[0]:.4f} vs fp32 {r.reference[0]:.4f}"
+        assert r.losses[-1] < r.losses[0], f"bf16 loss does not fall: {r.losses}"
+        return
+    torch.testing.assert_close(torch.tensor(r.losses), torch.tensor(r.reference),
+                               rtol=RTOL, atol=ATOL, msg=lambda m: f"losses: {m}")
+    assert r.losses[0] != r.losses[-1], "training must change the loss"
+    (m, _, _, opt), (m2, _, _, opt2) = r.glmc_side, r.eager_side
+    # without rewrites the step is bit-identical; rewritten steps round differently, which
+    # Adam turns into lr-sized steps where the exact gradient is zero
+    stray = _state_mismatch(m, opt, opt2)
+    assert not stray, f"optimizer state on one side only: {'; '.join(stray)}"
+    zero = r.case.zero_grad_params if r.mode != "eager" else ()
+    assert_state_close(m, m2, opt, opt2, zero_grad_params=zero)
+
+
+def _state_mismatch(model: torch.nn.Module, opt_a: torch.optim.Optimizer,
+                    opt_b: torch.optim.Optimizer) -> list[str]:
+    """Parameters that have optimizer state on one side only (torch.optim creates it at the
+    first step with a gradient)."""
+    names = [n for n, _ in model.named_parameters()]
+    a, b = opt_a.state_dict()["state"], opt_b.state_dict()["state"]
+    return [f"{names[k]} (glmc: {sorted(a.get(k, {}))}, torch: {sorted(b.get(k, {}))})"
+            for k in sorted(set(a) | set(b)) if set(a.get(k, {})) != set(b.get(k, {}))]
