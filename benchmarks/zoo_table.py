@@ -40,8 +40,8 @@ def cell(name: str, mode: str) -> tuple[str, str, float]:
     figure = f"max |loss diff| {r.max_loss_diff:.1e}"
     if mode == "bf16":
         rel = abs(r.losses[0] - r.reference[0]) / abs(r.reference[0])
-        figure = f"step-0 loss {rel:.1%} from fp32"
-    fused = ", ".join(f"{k} {v}" for k, v in r.fused.items() if v)
+        figure = f"step-0 loss {rel:.2%} from fp32"
+    fused = ", ".join(f"{k} {v}" for k, v in r.counts("fusion").items() if v)
     if fused:
         figure += f"; fused: {fused}"
     try:

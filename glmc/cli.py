@@ -192,7 +192,7 @@ def _compile(args: argparse.Namespace) -> int:
                             memory_budget=args.memory_budget, precision=args.precision,
                             fusion=args.fusion, strict=args.strict,
                             disable=tuple(args.disable), profile=args.profile,
-                            profile_guided=args.profile_guided,
+                            profile_guided=args.profile_guided, progress=True,
                             dump_dir=str(Path(args.report_dir) / "graphs") if args.report_dir
                             else None)
     if args.export_onnx:
@@ -230,8 +230,11 @@ def _report(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> int:
     from glmc.backends import get_backend
     from glmc.capture import capture
+    from glmc.export import require_onnx
     from glmc.workload import load_workload
 
+    if args.export == "onnx":
+        require_onnx()  # before the model loads
     work = load_workload(args.file)
     graph = capture(work.model, work.example_inputs, work.loss_fn, work.optimizer)
     offenses = get_backend(args.backend).unsupported(graph)
@@ -249,9 +252,8 @@ def _check(args: argparse.Namespace) -> int:
 def _check_onnx(args: argparse.Namespace, work: Workload) -> bool:
     """Optimize the step as `glmc compile` would and list what the ONNX exporter cannot take."""
     import glmc
-    from glmc.export import onnx_export_offenses, random_ops, require_onnx
+    from glmc.export import onnx_export_offenses, random_ops
 
-    require_onnx()
     trainer = glmc.optimize(work.model, work.example_inputs, loss_fn=work.loss_fn,
                             optimizer=work.optimizer, backend=args.backend, passes=args.passes,
                             memory_budget=args.memory_budget, precision=args.precision,

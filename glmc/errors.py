@@ -44,6 +44,15 @@ class UnsupportedOpError(GlmcError):
         super().__init__("\n".join([head] + [str(o) for o in offenses]))
 
 
+class ExportError(UnsupportedOpError):
+    """An export (ONNX) cannot take the step. `offenses` names every op it has no function
+    for, with source lines (empty when the exporter failed for another reason)."""
+
+    def __init__(self, summary: str, offenses: list[Offense] | None = None) -> None:
+        self.offenses = list(offenses or [])
+        GlmcError.__init__(self, "\n".join([summary] + [str(o) for o in self.offenses]))
+
+
 class PassError(GlmcError):
     """A pass failed or left the graph malformed. The message starts with the pass name."""
 

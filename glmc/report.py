@@ -49,7 +49,7 @@ class CompileRecord:
     warnings: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        steps = self.step_seconds[1:] or self.step_seconds  # the first call warms caches
+        steps = self.step_seconds[1:]  # the first call warms caches: never a measurement
         out = {"batch": self.batch, "backend": self.backend,
                "capture_seconds": round(self.capture_seconds, 4),
                "passes_seconds": round(self.passes_seconds, 4),
@@ -59,7 +59,7 @@ class CompileRecord:
                "fallbacks": [{"op": f.reason, "where": f.location} for f in self.fallbacks],
                "predicted_captured": self.predicted_captured, "predicted": self.predicted,
                "measured": dict(self.measured) if self.measured else None,
-               "steps_run": len(self.step_seconds),
+               "steps_run": len(self.step_seconds), "steps_timed": len(steps),
                "measured_step_seconds": statistics.median(steps) if steps else None,
                "warnings": list(self.warnings)}
         out["measured_peak_bytes"], out["measured_state_from"] = measured_peak(out)
@@ -203,8 +203,10 @@ def _prediction_lines(c: dict[str, Any]) -> list[str]:
         state = meas.get("persistent_bytes") if meas else None
         state_text = mib(state) if state is not None else \
             ("not measured" if state_from != "prediction" else "predicted")
+        timed = c.get("steps_timed", max(c["steps_run"] - 1, 0))
+        when = f"median of {timed}" if timed else "not timed: only the warm-up step ran"
         lines.append(f"  measured:  step {ms(c.get('measured_step_seconds'))} "
-                     f"(median of {max(c['steps_run'] - 1, 0)}), peak {mib(total)} "
+                     f"({when}), peak {mib(total)} "
                      f"({state_text} state + {mib(meas['peak_bytes']) if meas else '-'} during "
                      f"the step)")
         lines.append(f"  error:     time {pct(err.get('step_time'))}, peak "

@@ -51,7 +51,6 @@ modules=head:fp32}`; from Python, `ops` and `modules` may be dicts.
 """
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -60,7 +59,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from glmc import kernels  # noqa: F401  (registers glmc's fused ops)
-from glmc.cost import get_profile, is_view
+from glmc.cost import get_profile
 from glmc.errors import ConfigError, PassError
 from glmc.ir import REMAT, Phase, Role, TrainGraph, op_name
 from glmc.passmanager import Effect, Need, Pass, PassContext, PassResult

@@ -152,6 +152,12 @@ class RecomputePass(Pass):
     pareto: bool = True
     margin: int = 0  #: bytes kept free below the budget (set by the trainer's measured retry)
 
+    def __post_init__(self) -> None:
+        Budget.parse(self.budget)  # a bad budget fails when the pipeline is parsed
+        if self.solver not in ("auto", "milp", "greedy"):
+            raise ConfigError(f"recompute: solver must be auto, milp or greedy, not "
+                              f"{self.solver!r}")
+
     def needs(self) -> frozenset[Need]:
         # a joint graph (torch.compile drop-in) is partitioned after the passes: the
         # partitioner would move the copies, which read forward values only, into the forward

@@ -6,7 +6,6 @@ import pytest
 import torch
 import torch.nn as nn
 
-import glmc
 from glmc.ir import Role
 from tests.models import assert_state_close, train_side_by_side
 
