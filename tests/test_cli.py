@@ -168,7 +168,7 @@ def test_few_steps_print_no_median_of_0(steps: str) -> None:
     assert "median of 0" not in r.stdout
     if steps == "2":  # step 2 is the memory-measured one: no timed step
         assert "only the warm-up step ran" in r.stdout
-    assert "time -" not in r.stdout  # no step-time error against a warm-up step
+    assert not re.search(r"time -\d", r.stdout)  # no step-time error against a warm-up step
     assert "glmc: capturing the training step" in r.stderr  # progress while compiling
 
 
