@@ -83,7 +83,9 @@ def main() -> None:
         rows.append({"model": model, "glmc_s": round(med["glmc"], 2),
                      "torch_compile_plus_compiled_optimizer_s": round(med["torch"], 2),
                      "ratio": round(med["glmc"] / med["torch"], 3), "glmc_split_s": split,
-                     "repeats": a.repeats})
+                     "repeats": a.repeats,
+                     "runs_s": {who: [round(r["seconds"], 2) for r in rs]
+                                for who, rs in runs.items()}})
         print(json.dumps(rows[-1]))
     meta = {"date": datetime.date.today().isoformat(), "machine": platform.processor() or
             platform.machine(), "threads": __import__("torch").get_num_threads(),
