@@ -1,8 +1,11 @@
 """Host CPU calibration: measured, checked, cached per machine, and traceable.
 
-`calibrate()` returns the profile of this machine's CPU. It measures matmul FLOP/s and memory
-bandwidth over problem sizes (caches matter on CPUs), vector FLOP/s, the per-op dispatch cost
-and the rates of a few kernels that run below bandwidth. Guarantees:
+`calibrate()` returns the profile of this machine's CPU. It measures matmul FLOP/s (operands
+cold, as in a step) and memory bandwidth (fresh memory, and over data just touched) over
+problem sizes (caches matter on CPUs), vector FLOP/s, the FLOP/s of flash attention and
+convolution over problem size, overheads (an op dispatched by the step, a compiled kernel's
+launch, an ATen call from a fused op's Python body, a Python custom op's dispatch) and the
+rates of a few kernels that run below bandwidth. Guarantees:
 
 * robust: every figure is the best of many repetitions (load only ever slows a call down),
   and a calibration whose figures are physically implausible for a CPU (`check_plausible`:
@@ -21,6 +24,7 @@ and the rates of a few kernels that run below bandwidth. Guarantees:
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import json
 import os
@@ -32,11 +36,12 @@ from typing import Any, Callable
 
 import torch
 
-from glmc.profiles import BUILTIN, Curve, DeviceProfile, Provenance
+from glmc.profiles import (ATTENTION_BACKWARD_FACTOR, BUILTIN, Curve, DeviceProfile, Provenance,
+                           attention_flops)
 
 aten = torch.ops.aten
 
-CALIBRATION_VERSION = 5  #: bump when calibration measures differently; old caches are redone
+CALIBRATION_VERSION = 7  #: bump when calibration measures differently; old caches are redone
 ATTEMPTS = 3  #: measurements of the whole calibration before giving up on plausibility
 #: (low, high) plausible for any CPU: bytes/s, FLOP/s, seconds
 PLAUSIBLE = {"bandwidth": (1e9, 2e12), "matmul_fp32": (1e9, 1e15),
@@ -198,15 +203,23 @@ def check_plausible(prof: DeviceProfile) -> list[str]:
         lo, hi = PLAUSIBLE[bounds]
         if not (lo <= value <= hi):  # also catches NaN
             problems.append(f"{what} {value:.3g} outside [{lo:.0e}, {hi:.0e}]")
-    for size, rate in prof.bandwidth:
+    for size, rate in prof.bandwidth + prof.reuse_bandwidth:
         check(f"bandwidth at {size:.0f} B (B/s)", rate, "bandwidth")
     for dtype, curve in prof.matmul.items():
         bounds = "matmul_fp32" if dtype == "float32" else "matmul_low"
         check(f"{dtype} matmul peak (FLOP/s)", max(r for _, r in curve), bounds)
+        # a stalled thread pool (another job spinning on the same cores) can slow every call
+        # of the smallest size 1000-fold while the peak still looks right
+        check(f"{dtype} matmul at {curve[0][0]:.0f} FLOPs (FLOP/s)", curve[0][1], "matmul_low")
     check("vector FLOP/s", prof.vector_flops, "vector")
     check("op overhead (s)", prof.op_overhead_s, "overhead")
+    check("kernel launch overhead (s)", prof.kernel_overhead_s, "overhead")
+    check("call overhead (s)", prof.call_overhead_s, "overhead")
+    check("custom op overhead (s)", prof.custom_op_overhead_s, "overhead")
     for name, rate in prof.kernel_rates.items():
         check(f"{name} rate (B/s)", rate, "kernel_rate")
+    for name, curve in prof.kernel_flops.items():
+        check(f"{name} peak (FLOP/s)", max(r for _, r in curve), "matmul_low")
     return problems
 
 
@@ -233,11 +246,18 @@ def _best_of(a: DeviceProfile, b: DeviceProfile) -> DeviceProfile:
     """Figure by figure, the faster of two measurements of the same machine."""
     def curve(x: Curve, y: Curve) -> Curve:
         return tuple((s, max(r1, r2)) for (s, r1), (_, r2) in zip(x, y))
+
+    def least(x: float, y: float) -> float:  # 0 is a failed measurement, not a fast one
+        return min(x, y) if x > 0 and y > 0 else max(x, y)
     return DeviceProfile(
         a.name, a.kind, {k: curve(v, b.matmul[k]) for k, v in a.matmul.items()},
         max(a.vector_flops, b.vector_flops), curve(a.bandwidth, b.bandwidth),
-        min(a.op_overhead_s, b.op_overhead_s), min(a.kernel_overhead_s, b.kernel_overhead_s),
-        a.source, {k: max(v, b.kernel_rates.get(k, v)) for k, v in a.kernel_rates.items()})
+        least(a.op_overhead_s, b.op_overhead_s), least(a.kernel_overhead_s, b.kernel_overhead_s),
+        a.source, {k: max(v, b.kernel_rates.get(k, v)) for k, v in a.kernel_rates.items()},
+        {k: curve(v, b.kernel_flops.get(k, v)) for k, v in a.kernel_flops.items()},
+        least(a.call_overhead_s, b.call_overhead_s),
+        least(a.custom_op_overhead_s, b.custom_op_overhead_s),
+        curve(a.reuse_bandwidth, b.reuse_bandwidth))
 
 
 def _best(fn: Callable[[], Any], reps: int) -> float:
@@ -259,30 +279,42 @@ def measure_once() -> DeviceProfile:
     with torch.no_grad():
         curves = {str(dt).replace("torch.", ""): _matmul_curve(dt)
                   for dt in (torch.float32, torch.bfloat16, torch.float16)}  # AMX/AVX512 differ
-        bandwidth = tuple((2.0 * nbytes, _write_bandwidth(nbytes))
-                          for nbytes in (1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26))
+        sizes = (1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26)
+        bandwidth = tuple((2.0 * nbytes, _write_bandwidth(nbytes)) for nbytes in sizes)
+        reuse = tuple((2.0 * nbytes, _reuse_bandwidth(nbytes)) for nbytes in sizes)
         x = torch.randn(1 << 22)
         vector = 8 * x.numel() / _best(lambda: torch.exp(x), 5)  # exp: 8 FLOP/element here
-        overhead = _dispatch_overhead()
         rates = _kernel_rates()
+        matmul_like = _kernel_flop_curves()
     return DeviceProfile(
         name=f"host CPU: {_cpu_model()}, {torch.get_num_threads()} threads", kind="cpu",
-        matmul=curves, vector_flops=vector, bandwidth=bandwidth, op_overhead_s=overhead,
-        kernel_overhead_s=overhead / 2, source="glmc.calibration (best of repeated timings)",
-        kernel_rates=rates)
+        matmul=curves, vector_flops=vector, bandwidth=bandwidth,
+        op_overhead_s=_dispatch_overhead(), kernel_overhead_s=_launch_overhead(),
+        source="glmc.calibration (best of repeated timings)", kernel_rates=rates,
+        kernel_flops=matmul_like, call_overhead_s=_call_overhead(),
+        custom_op_overhead_s=_custom_op_overhead(), reuse_bandwidth=reuse)
 
 
 def _matmul_curve(dtype: torch.dtype) -> Curve:
+    """FLOP/s of square matmuls over size, with operands cycled through a pool larger than
+    the caches: in a step a matmul's operands were written by other kernels or are weights last
+    read long before (cache-hot operands measured 15-25% faster below 256x256)."""
     points = []
     for n in (32, 64, 128, 256, 512, 1024):
-        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        count = max(2, _POOL_BYTES // (2 * n * n * 4))
+        a = torch.full((count, n, n), 0.5, dtype=dtype)
+        b = torch.full((count, n, n), 0.25, dtype=dtype)
+        it = iter(range(1 << 62))
+
+        def mm(a: torch.Tensor = a, b: torch.Tensor = b, count: int = count) -> None:
+            i = next(it) % count
+            torch.mm(a[i], b[i])
         reps = max(3, min(200, int(2e8 / n ** 3)))
-        points.append((2.0 * n ** 3, 2.0 * n ** 3 / _best(lambda: torch.mm(a, b), reps)))
-    out, best = [], 0.0
-    for size, rate in points:  # a larger matmul is never slower per FLOP
-        best = max(best, rate)
-        out.append((size, best))
-    return tuple(out)
+        points.append((2.0 * n ** 3, 2.0 * n ** 3 / _best(mm, reps)))
+    return _monotone(points)
+
+
+_POOL_BYTES = 32 << 20  #: operand pool of the matmul curve: beyond a server CPU's L2 and most L3
 
 
 def _dispatch_overhead() -> float:
@@ -292,6 +324,94 @@ def _dispatch_overhead() -> float:
              lambda: aten._to_copy.default(one, dtype=f64), lambda: aten.sqrt.default(one),
              lambda: aten.div.Tensor(one, one)]
     return _best(lambda: [f() for _ in range(40) for f in small], 20) / 200
+
+
+def _launch_overhead() -> float:
+    """Seconds per compiled kernel beyond its work: the generated wrapper allocates the output
+    buffer and calls the kernel on it (measured as empty_strided + one out= call on 64
+    elements: 2.4 us on a 2-core EPYC VM, where Inductor's CPU kernels measured 2.0 us more
+    than their work in a chain of 20)."""
+    a = torch.ones(64)
+
+    def launch() -> None:
+        torch.add(a, a, out=torch.empty_strided((64,), (1,)))
+    return _best(lambda: [launch() for _ in range(40)], 20) / 40
+
+
+def _call_overhead() -> float:
+    """Seconds per ATen call made from the Python body of a fused op, on tensors small enough
+    that the work is nothing: the statements of a chunked loss (slices, a fp32 copy,
+    logsumexp, gather, masks, reductions; 16 calls), as glmc's kernels make them."""
+    logits, target = torch.randn(8, 16), torch.randint(0, 16, (8,))
+
+    def body() -> None:
+        c = logits[0:8].float()
+        lse = torch.logsumexp(c, dim=-1)
+        t = target[0:8].clamp(min=0)
+        picked = c.gather(1, t.unsqueeze(1)).squeeze(1)
+        valid = target != -100
+        nll = torch.where(valid, lse - picked, torch.zeros_like(lse))
+        nll.sum() / valid.sum().to(torch.float32)
+    return _best(lambda: [body() for _ in range(10)], 20) / 160
+
+
+@functools.cache
+def _probe_op() -> Callable[[torch.Tensor], torch.Tensor]:
+    """A Python custom op whose body is one clone (registered on first use)."""
+    @torch.library.custom_op("glmc_calibration::clone", mutates_args=())
+    def probe(x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+    return torch.ops.glmc_calibration.clone.default
+
+
+def _custom_op_overhead() -> float:
+    """Seconds a Python custom op (torch.library) adds to its body: the op called as the step
+    calls it, minus its body called directly (11-15 us on a 2-core EPYC VM)."""
+    op, x = _probe_op(), torch.ones(64)
+    call = _best(lambda: [op(x) for _ in range(20)], 20) / 20
+    body = _best(lambda: [x.clone() for _ in range(20)], 20) / 20
+    return max(call - body, 0.0)  # 0 (noise) is implausible and measured again
+
+
+def _kernel_flop_curves() -> dict[str, Curve]:
+    """FLOP/s over problem size of matmul-like kernels that are not one BLAS call, and run
+    well below the matmul rate at the same FLOPs: CPU flash attention (blocked GEMMs with
+    softmax between; causal, as decoders use it) and convolution (oneDNN), forward and
+    backward (1 thread here: attention 23 GFLOP/s at 1 MFLOP and 56 at 200 MFLOP, 3x3
+    convolution 30 and 55, against the matmul's 75 and 100)."""
+    fwd = aten._scaled_dot_product_flash_attention_for_cpu.default
+    bwd = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    points: dict[str, list[tuple[float, float]]] = {}
+
+    def add(name: str, flops: float, call: Callable[[], Any]) -> None:
+        reps = max(3, min(50, int(2e8 / flops)))
+        points.setdefault(name, []).append((flops, flops / _best(call, reps)))
+    for b, h, s, d in ((2, 4, 32, 16), (2, 8, 128, 64), (2, 8, 512, 64)):
+        q, k, v = (torch.randn(b, h, s, d) for _ in range(3))
+        out, lse = fwd(q, k, v, 0.0, True)
+        flops = attention_flops(b, h, s, s, d, d, True)
+        add(fwd.__name__.split(".")[0], flops, lambda q=q, k=k, v=v: fwd(q, k, v, 0.0, True))
+        add(bwd.__name__.split(".")[0], ATTENTION_BACKWARD_FACTOR * flops,
+            lambda q=q, k=k, v=v, o=out, m=lse: bwd(o, q, k, v, o, m, 0.0, True))
+    for n, c_in, c_out, hw in ((8, 3, 16, 16), (8, 16, 32, 16), (16, 32, 64, 32)):
+        x, w = torch.randn(n, c_in, hw, hw), torch.randn(c_out, c_in, 3, 3)
+        grad = torch.randn(n, c_out, hw, hw)
+        flops = 2.0 * n * c_out * hw * hw * c_in * 9  # torch.utils.flop_counter's count
+        add("convolution", flops, lambda x=x, w=w: aten.convolution.default(
+            x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1))
+        add("convolution_backward", 2 * flops, lambda g=grad, x=x, w=w:
+            aten.convolution_backward.default(g, x, w, [0], [1, 1], [1, 1], [1, 1], False,
+                                              [0, 0], 1, [True, True, False]))
+    return {name: _monotone(pts) for name, pts in points.items()}
+
+
+def _monotone(points: list[tuple[float, float]]) -> Curve:
+    """A larger problem is never slower per FLOP (the best rate so far)."""
+    out, best = [], 0.0
+    for size, rate in points:
+        best = max(best, rate)
+        out.append((size, best))
+    return tuple(out)
 
 
 def _write_bandwidth(nbytes: int) -> float:
@@ -310,6 +430,15 @@ def _write_bandwidth(nbytes: int) -> float:
             kept.pop(0)
     reps = max(3, min(100, int(4e9 / nbytes)))
     return 2.0 * nbytes / _best(op, reps)
+
+
+def _reuse_bandwidth(nbytes: int) -> float:
+    """Bytes/s of an elementwise op over data it touched just before, into a buffer it wrote
+    just before: the passes inside a fused op's body (cache speed up to the cache's size)."""
+    x = torch.randn(nbytes // 4)
+    out = torch.empty_like(x)
+    reps = max(3, min(100, int(4e9 / nbytes)))
+    return 2.0 * nbytes / _best(lambda: torch.mul(x, 1.0001, out=out), reps)
 
 
 def _kernel_cases() -> dict[str, tuple[Callable[[], Any], Any, Any]]:

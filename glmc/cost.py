@@ -16,6 +16,14 @@ summed over the kernels of the step in execution order (one device stream, no ov
   stated efficiency. `get_profile` picks one; every profile says where it came from.
 * overhead is the per-op dispatch cost (Python + ATen dispatcher) for `eager`, the per-kernel
   launch cost for fused backends.
+* What each op costs (kind, FLOPs, bytes, overheads) is `glmc.opcost`'s rules. Fused ops have
+  rules of their own there: flash attention (FLOPs from the shapes, at the attention rate the
+  profile measured) and glmc's kernels, which run as Python custom ops: the ATen kernels their
+  bodies run (chunk by chunk for the losses; passes over data just touched at the cache's
+  speed), plus the profile's overhead per ATen call they make and per custom-op dispatch. On
+  Inductor the elementwise ones are one generated kernel instead, and generated kernels
+  between two extern calls share a launch (`glmc.backends.inductor_model`).
+* On a backend that dispatches op by op, a view moves nothing but is still one dispatch.
 
 Ops the model has no rule for are costed by the generic bytes rule, counted and reported as
 `unknown` — never silently zero. A profile-guided mode (`measure_node_times`) times every node
@@ -23,7 +31,6 @@ on real tensors and replaces the formulas.
 """
 from __future__ import annotations
 
-import operator
 import statistics
 import time
 import warnings
@@ -35,181 +42,13 @@ import torch.fx as fx
 
 from glmc.calibration import calibrate, default_cpu_profile, host_profile
 from glmc.errors import ConfigError
-from glmc.ir import op_name
+from glmc.opcost import OpCost, is_view, kind_of, op_cost, value_bytes
 from glmc.profiles import BUILTIN, GPU_FALLBACK, GPU_KEYS, DeviceProfile, Provenance, _interp
 from glmc.target import EAGER, BackendTraits
 
 __all__ = ["BUILTIN", "DeviceProfile", "Provenance", "calibrate", "host_profile", "_interp",
-           "get_profile", "estimate_time", "op_cost", "kind_of", "is_view", "node_time"]
-
-aten = torch.ops.aten
-
-# ---- op classification ------------------------------------------------------------------------
-
-#: FLOPs per output element of pointwise ops that are not a single add/mul (transcendentals etc.)
-_POINTWISE_WEIGHT = {
-    "exp": 8, "log": 8, "sqrt": 4, "rsqrt": 4, "pow": 8, "tanh": 10, "sigmoid": 10, "silu": 12,
-    "silu_backward": 16, "gelu": 16, "gelu_backward": 24, "erf": 10, "div": 4, "lerp": 3,
-    "addcmul": 3, "addcdiv": 4, "sin": 8, "cos": 8, "native_dropout_backward": 2,
-}
-#: non-pointwise, non-matmul ops with a known cost rule: name -> FLOPs per element of the
-#: largest input (bytes come from inputs + outputs)
-_KNOWN = {
-    "_softmax": 5, "_softmax_backward_data": 3, "_log_softmax": 5, "_log_softmax_backward_data": 3,
-    "nll_loss_forward": 1, "nll_loss_backward": 1, "embedding": 0, "embedding_dense_backward": 1,
-    "native_layer_norm": 8, "native_layer_norm_backward": 12,
-    "_native_batch_norm_legit_functional": 8,
-    "native_batch_norm": 8, "native_batch_norm_backward": 12, "_native_batch_norm_legit": 8,
-    "_native_batch_norm_legit_no_training": 4, "max_pool2d_with_indices": 1,
-    "max_pool2d_with_indices_backward": 1, "avg_pool2d": 1, "avg_pool2d_backward": 1,
-    "cross_entropy": 6, "cross_entropy_backward": 5,  # glmc.kernels: chunked fp32 loss
-    "cat": 0, "stack": 0, "clone": 0, "_to_copy": 0, "copy": 0, "copy_": 0, "triu": 1, "tril": 1,
-    "slice_backward": 0, "select_backward": 0, "slice_scatter": 0, "index_select": 0,
-    "gather": 0, "scatter": 0,
-    "scatter_add": 1, "index": 0, "index_put": 0, "index_add": 1, "native_dropout": 4,
-    "bernoulli": 4, "rand": 4, "randn": 8, "rand_like": 4, "randn_like": 8, "where": 1,
-    "zeros": 0, "ones": 0, "full": 0, "empty": 0, "zeros_like": 0, "ones_like": 0,
-    "full_like": 0, "empty_like": 0, "scalar_tensor": 0, "arange": 1, "cumsum": 1,
-    "_unsafe_index": 0, "constant_pad_nd": 0, "fill": 0, "masked_fill": 1, "topk": 4, "sort": 8,
-    "_fused_adam": 16, "_fused_adamw": 16, "_fused_sgd": 4,
-}
-#: ops that allocate but never read their input's data (only its shape)
-_SHAPE_ONLY = {"zeros_like", "ones_like", "full_like", "empty_like", "zeros", "ones", "full",
-               "empty", "scalar_tensor", "arange", "rand", "randn", "rand_like", "randn_like"}
-
-
-def is_view(node: fx.Node) -> bool:
-    """True when the node's result aliases an input's storage (view ops, getitem, in-place)."""
-    if node.op != "call_function":
-        return False
-    target = node.target
-    if target is operator.getitem:
-        return True
-    if not isinstance(target, torch._ops.OpOverload):
-        return False
-    if target in (aten._unsafe_view.default,):
-        return True
-    returns = target._schema.returns
-    return bool(returns) and returns[0].alias_info is not None
-
-
-def kind_of(node: fx.Node) -> str:
-    """'view' | 'matmul' | 'pointwise' | 'reduction' | 'known' | 'unknown' | 'input'."""
-    if node.op in ("placeholder", "get_attr"):
-        return "input"
-    if node.op != "call_function":
-        return "view"
-    if is_view(node):
-        # in-place ops alias their input but still compute
-        t = node.target
-        if isinstance(t, torch._ops.OpOverload) and t._schema.is_mutable:
-            return "known"
-        return "view"
-    t = node.target
-    if not isinstance(t, torch._ops.OpOverload):
-        return "unknown"
-    if t.overloadpacket in _flop_registry():
-        return "matmul"
-    name = op_name(node)
-    if torch.Tag.pointwise in t.tags:
-        return "pointwise"
-    if name.startswith("_foreach_"):
-        return "known"  # multi-tensor pointwise: one pass over every tensor of the lists
-    if torch.Tag.reduction in t.tags:
-        return "reduction"
-    if name in _KNOWN:
-        return "known"
-    return "unknown"
-
-
-def _flop_registry() -> dict:
-    from torch.utils.flop_counter import flop_registry
-    return flop_registry
-
-
-def value_bytes(v: Any) -> int:
-    if isinstance(v, torch.Tensor):
-        return v.numel() * v.element_size()
-    if isinstance(v, (list, tuple)):
-        return sum(value_bytes(x) for x in v)
-    return 0
-
-
-def _val_numel(v: Any) -> int:
-    if isinstance(v, torch.Tensor):
-        return v.numel()
-    if isinstance(v, (list, tuple)):
-        return sum(_val_numel(x) for x in v)
-    return 0
-
-
-def _val_dtype(v: Any) -> torch.dtype | None:
-    if isinstance(v, torch.Tensor):
-        return v.dtype
-    if isinstance(v, (list, tuple)):
-        for x in v:
-            d = _val_dtype(x)
-            if d is not None:
-                return d
-    return None
-
-
-@dataclass(frozen=True)
-class OpCost:
-    kind: str
-    flops: float
-    bytes_read: int
-    bytes_written: int
-    dtype: str
-    name: str = ""
-
-    @property
-    def bytes(self) -> int:
-        return self.bytes_read + self.bytes_written
-
-
-def op_cost(node: fx.Node) -> OpCost:
-    """FLOPs and bytes of one node computed alone (no fusion)."""
-    kind = kind_of(node)
-    out = node.meta.get("val")
-    dtype = str(_val_dtype(out) or torch.float32).replace("torch.", "")
-    if kind in ("view", "input") or node.op != "call_function":
-        return OpCost(kind, 0.0, 0, 0, dtype, op_name(node))
-    ins = [a.meta.get("val") for a in node.all_input_nodes]
-    name = op_name(node)
-    read = 0 if name in _SHAPE_ONLY else sum(value_bytes(v) for v in ins)
-    written = value_bytes(out)
-    if kind == "matmul":
-        flops = _matmul_flops(node)
-    elif kind == "pointwise":
-        flops = _val_numel(out) * _POINTWISE_WEIGHT.get(name, 1)
-    elif kind == "reduction":
-        flops = max((_val_numel(v) for v in ins), default=0)
-    elif kind == "known":
-        if node.target._schema.is_mutable and is_view(node):  # copy_: reads src, writes dest
-            written = value_bytes(ins[1]) if len(ins) > 1 else written
-            read = written
-        flops = max((_val_numel(v) for v in ins), default=_val_numel(out)) * _KNOWN.get(name, 1)
-        if name.startswith("_foreach_"):
-            flops = _val_numel(out)
-    else:  # unknown: generic bytes rule, one FLOP per element
-        flops = max(_val_numel(out), max((_val_numel(v) for v in ins), default=0))
-    return OpCost(kind, float(flops), read, written, dtype, name)
-
-
-def _matmul_flops(node: fx.Node) -> float:
-    """FLOPs from torch.utils.flop_counter's formulas (they take tensors or shapes)."""
-    fn = _flop_registry()[node.target.overloadpacket]
-
-    def val(a: Any) -> Any:
-        if isinstance(a, fx.Node):
-            return a.meta.get("val")
-        if isinstance(a, (list, tuple)):
-            return type(a)(val(x) for x in a)
-        return a
-    return float(fn(*[val(a) for a in node.args], **{k: val(v) for k, v in node.kwargs.items()},
-                    out_val=node.meta.get("val")))
-
+           "get_profile", "estimate_time", "op_cost", "kind_of", "is_view", "node_time",
+           "OpCost", "value_bytes"]
 
 # ---- choosing a device profile -----------------------------------------------------------------
 
@@ -274,13 +113,25 @@ class CostEstimate:
 
 
 def node_time(c: OpCost, prof: DeviceProfile, overhead: float) -> float:
-    if c.kind == "matmul":
+    """Seconds of one op or kernel: its roofline (or its parts'), plus `overhead` per launch,
+    the custom-op dispatch of a Python op and the profile's call overhead per ATen call."""
+    body = sum(k * _roofline(p, prof) for p, k in c.parts) if c.parts else _roofline(c, prof)
+    own = prof.custom_op_overhead_s if c.python_op else overhead * c.launches
+    return body + own + c.calls * prof.call_overhead_s
+
+
+def _roofline(c: OpCost, prof: DeviceProfile) -> float:
+    if c.name in prof.kernel_flops:
+        compute = c.flops / _interp(prof.kernel_flops[c.name], c.flops)
+    elif c.kind == "matmul":
         compute = c.flops / prof.matmul_rate(c.dtype, c.flops)
     else:
         compute = c.flops / prof.vector_flops
     rate = prof.kernel_rates.get(c.name) if c.name else None
-    memory = c.bytes / (rate or prof.bandwidth_at(c.bytes))
-    return max(compute, memory) + overhead
+    memory = c.bytes / (rate or prof.bandwidth_at(c.bytes)) if c.bytes else 0.0
+    if c.reused:
+        memory += c.reused / prof.reuse_bandwidth_at(c.working_set or c.reused)
+    return max(compute, memory)
 
 
 def dispatch_overhead(prof: DeviceProfile, traits: BackendTraits) -> float:
@@ -303,7 +154,7 @@ class _Totals:
         self.seconds += t
         self.flops += c.flops
         self.bytes += c.bytes
-        self.kernels += 1
+        self.kernels += c.launches  # a kernel fused into another's launch is not one more
         self.by_kind[c.kind] = self.by_kind.get(c.kind, 0.0) + t
 
 
@@ -325,6 +176,8 @@ def estimate_time(graph: fx.Graph, prof: DeviceProfile, traits: BackendTraits = 
         if c.kind == "unknown":
             tot.unknown[c.name] = tot.unknown.get(c.name, 0) + 1
         if c.kind == "view":
+            if fusion is None and isinstance(n.target, torch._ops.OpOverload):
+                tot.add(n.name, c, overhead)  # moves nothing, but is dispatched like any op
             continue
         if fusion is not None:
             if fusion.inlined(n):

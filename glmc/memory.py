@@ -4,9 +4,12 @@ Predicted side (`simulate`): every non-view node allocates its output storage wh
 views, `getitem` and in-place ops alias their input's storage; a storage is freed right after
 the last node that reads it (through any alias) — which is what both the eager backend (fx
 frees a value after its last use) and Inductor (buffers are freed after their last kernel) do.
-Inputs and constants are live for the whole step. On a fusing backend (`BackendTraits.fusion`,
-e.g. Inductor's, in glmc.backends.inductor_model), ops inlined into their consumers never
-allocate, and their inputs stay live until the consumer runs.
+Inputs and constants are live for the whole step. An op that allocates and frees buffers inside
+(glmc's kernels: a chunk of logits, the temporaries of a norm's body; `OpCost.workspace` from
+the cost rules) holds them on top of what is live while it runs. On a fusing backend
+(`BackendTraits.fusion`, e.g. Inductor's, in glmc.backends.inductor_model), ops inlined into
+their consumers never allocate, and their inputs stay live until the consumer runs; the
+backend's `kernel_cost` says what workspace its kernels keep.
 
 Live bytes are split into parameters (and buffers/constants), optimizer state, inputs (the
 batch), activations (forward values read by the backward), gradients (backward values read by
@@ -27,7 +30,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.fx as fx
 
-from glmc.cost import is_view
+from glmc.cost import is_view, op_cost
 from glmc.ir import Phase, Role
 from glmc.target import EAGER, BackendTraits, FusionModel
 
@@ -97,7 +100,9 @@ def simulate(graph: fx.Graph, traits: BackendTraits = EAGER) -> MemoryEstimate:
     live = {c: 0 for c in CATEGORIES}
     for k in persistent:
         live[category[k]] += size[k]
-    timeline, peak_i = _timeline(nodes, storage, size, category, persistent, frees, live)
+    workspace = _workspaces(nodes, fusion)
+    timeline, peak_i = _timeline(nodes, storage, size, category, persistent, frees, live,
+                                 workspace)
     peak = sum(timeline[peak_i][1].values()) if timeline else sum(live.values())
     live_at_peak = sorted((k for k in size if k not in persistent
                            and index[k[0]] <= peak_i <= last_use.get(k, index[k[0]])),
@@ -165,11 +170,27 @@ def _last_uses(nodes: list[fx.Node], index: dict[fx.Node, int],
     return last_use, readers
 
 
+def _workspaces(nodes: list[fx.Node], fusion: FusionModel | None) -> dict[fx.Node, int]:
+    """Bytes each kernel allocates and frees inside (cost rules; the backend's say on its own
+    kernels)."""
+    out = {}
+    for n in nodes:
+        if n.op != "call_function" or is_view(n) or (fusion is not None and fusion.inlined(n)):
+            continue
+        c = op_cost(n)
+        if fusion is not None:
+            c = fusion.kernel_cost(n, c)
+        if c.workspace:
+            out[n] = c.workspace
+    return out
+
+
 def _timeline(nodes: list[fx.Node], storage: dict[fx.Node, list[Key]], size: dict[Key, int],
               category: dict[Key, str], persistent: set[Key], frees: dict[int, list[Key]],
-              live: dict[str, int]) -> tuple[list[tuple[int, dict[str, int]]], int]:
-    """Live bytes per category after each node is allocated (before its frees), and the index
-    of the peak."""
+              live: dict[str, int], workspace: dict[fx.Node, int]
+              ) -> tuple[list[tuple[int, dict[str, int]]], int]:
+    """Live bytes per category after each node is allocated (before its frees; its workspace
+    counted as temporaries), and the index of the peak."""
     timeline: list[tuple[int, dict[str, int]]] = []
     peak, peak_i = sum(live.values()), 0
     for i, n in enumerate(nodes):
@@ -177,9 +198,12 @@ def _timeline(nodes: list[fx.Node], storage: dict[fx.Node, list[Key]], size: dic
             for k in storage.get(n, []):
                 if k[0] is n and k not in persistent:
                     live[category[k]] += size[k]
-        timeline.append((i, dict(live)))
-        if sum(live.values()) > peak:
-            peak, peak_i = sum(live.values()), i
+        now = dict(live)
+        if n in workspace:
+            now["temporaries"] += workspace[n]
+        timeline.append((i, now))
+        if sum(now.values()) > peak:
+            peak, peak_i = sum(now.values()), i
         for k in frees.get(i, []):
             live[category[k]] -= size[k]
     return timeline, peak_i

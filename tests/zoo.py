@@ -1,9 +1,9 @@
 """A zoo of real architectures from transformers, built from tiny configs with random weights.
 
 Every case builds `(model, example_inputs, loss_fn, optimizer)` deterministically (seeded) and
-without any download: models come from config objects. Sizes are tiny (hidden 32-64, 1-2 layers,
-vocabulary 256, sequence 16, batch 2, 32x32 images) so that an eager compile and three steps
-take a few seconds. Models keep their configs' defaults where it matters to glmc (tied
+without any download: models come from config objects. Sizes are tiny (hidden 64 or less, 1-2
+layers, vocabulary 256, sequence 16, batch 2, 32x32 images) so that an eager compile and three
+steps take a few seconds. Models keep their configs' defaults where it matters to glmc (tied
 embeddings, dropout, the default attention implementation), since that is what users run.
 
 timm is not in the zoo: its only torchvision that accepts torch 2.13 on PyPI is a CUDA build
@@ -11,8 +11,8 @@ whose `_C` extension needs `libtorch_cuda.so`, so `import timm` fails on the CPU
 project pins. The vision cases use transformers' ViT, ResNet, MobileNetV2 and ConvNeXt.
 
 `run(case, mode)` trains one case for three steps through glmc and through plain PyTorch;
-`check(run)` asserts what "works" means for that mode. Used by tests/test_zoo.py and
-benchmarks/zoo_table.py (which classifies the AssertionError as "partial", any other error as "no").
+`check(run)` asserts what "works" means for that mode. Used by tests/test_zoo.py and by
+benchmarks/zoo_table.py, which calls a failed check "partial" and any other error "no".
 """
 from __future__ import annotations
 
@@ -32,13 +32,16 @@ Workload = tuple[torch.nn.Module, dict[str, torch.Tensor], Any, torch.optim.Opti
 
 @dataclass(frozen=True)
 class ZooCase:
-    """One architecture. `source` names the class it instantiates ("transformers.X"), `requires`
-    the package it needs; `dropout` says whether its forward draws random masks."""
+    """One architecture. `source` names the class it instantiates ("transformers.X");
+    `dropout` says whether its forward draws random masks."""
     name: str
     source: str
     make: Callable[[], Workload]
-    requires: str = "transformers"
     dropout: bool = False
+    #: why a rewritten step (fusion, Inductor) can only be compared at step 0: a model whose
+    #: training amplifies rounding (in plain PyTorch 1e-7 relative noise on the weights moves
+    #: its loss by 1e-2 or more after one step), so no two correct implementations agree after it
+    ill_conditioned: str = ""
     tags: frozenset[str] = field(default_factory=frozenset)
 
 
@@ -48,7 +51,8 @@ def _tokens(n: int = SEQ, vocab: int = VOCAB, seed: int = 1) -> torch.Tensor:
 
 def _hf(model_cls: str, config_cls: str, config: dict[str, Any],
         inputs: Callable[[], dict[str, torch.Tensor]], lr: float = 1e-3) -> Callable[[], Workload]:
-    """A builder: transformers' `config_cls(**config)` -> `model_cls`, seeded; loss from the model."""
+    """A builder: transformers' `model_cls(config_cls(**config))`, seeded; the model computes
+    its own loss."""
     def make() -> Workload:
         tf = importlib.import_module("transformers")
         torch.manual_seed(0)
@@ -109,7 +113,11 @@ _CASES = [
     ZooCase("llama", "transformers.LlamaForCausalLM", _hf(
         "LlamaForCausalLM", "LlamaConfig", DECODER, _lm_inputs)),
     ZooCase("qwen2_tied", "transformers.Qwen2ForCausalLM", _hf(
-        "Qwen2ForCausalLM", "Qwen2Config", dict(DECODER, tie_word_embeddings=True), _lm_inputs), tags=frozenset({"tied"})),
+        "Qwen2ForCausalLM", "Qwen2Config",
+        # eager attention (bmm, softmax, bmm): the one case where fusion's attention pattern
+        # has work to do; every other case uses transformers' default, SDPA
+        dict(DECODER, tie_word_embeddings=True, attn_implementation="eager"), _lm_inputs),
+        tags=frozenset({"tied"})),
     ZooCase("mixtral", "transformers.MixtralForCausalLM", _hf(
         "MixtralForCausalLM", "MixtralConfig",
         dict(DECODER, num_local_experts=4, num_experts_per_tok=2), _lm_inputs),
@@ -149,8 +157,11 @@ _CASES = [
         _image_inputs), tags=frozenset({"vision"})),
     ZooCase("mobilenet_v2", "transformers.MobileNetV2ForImageClassification", _hf(
         "MobileNetV2ForImageClassification", "MobileNetV2Config",
-        dict(image_size=IMAGE, depth_multiplier=0.25, finegrained_output=False, num_labels=LABELS),
-        _image_inputs), dropout=True, tags=frozenset({"vision"})),
+        dict(image_size=IMAGE, depth_multiplier=0.25, finegrained_output=False,
+             num_labels=LABELS),
+        _image_inputs), dropout=True, tags=frozenset({"vision"}),
+        ill_conditioned="17 BatchNorm'd blocks on 2 images: in plain PyTorch a 1e-7 relative "
+                        "change of the weights moves the loss by 4e-2 after one step"),
     ZooCase("convnext", "transformers.ConvNextForImageClassification", _hf(
         "ConvNextForImageClassification", "ConvNextConfig",
         dict(num_channels=3, hidden_sizes=[16, 32], depths=[1, 1], num_stages=2, image_size=IMAGE,
@@ -244,7 +255,8 @@ def run(case: ZooCase, mode: str, steps: int = STEPS) -> Run:
 def check(r: Run) -> None:
     """What "works" means: one whole-step graph; then for fp32 modes losses at rtol 1e-4 and
     parameters and optimizer state within tests.models' tolerances (the same parameters hold
-    state on both sides); for bf16 finite losses that fall, the first within BF16_RTOL of fp32."""
+    state on both sides), for an ill-conditioned case under a rewrite the step-0 loss; for bf16
+    some ops in bf16 and finite losses that fall, the first within BF16_RTOL of fp32."""
     compiles = r.trainer.report.compiles
     assert all(c.nodes_captured for c in compiles), (
         "compiled in pieces (graph breaks): "
@@ -256,6 +268,11 @@ def check(r: Run) -> None:
         rel = abs(r.losses[0] - r.reference[0]) / abs(r.reference[0])
         assert rel <= BF16_RTOL, f"bf16 loss {r.losses[0]:.4f} vs fp32 {r.reference[0]:.4f}"
         assert r.losses[-1] < r.losses[0], f"bf16 loss does not fall: {r.losses}"
+        return
+    if r.case.ill_conditioned and MODES[r.mode].sgd:
+        assert all(math.isfinite(v) for v in r.losses), f"non-finite loss: {r.losses}"
+        torch.testing.assert_close(r.losses[0], r.reference[0], rtol=RTOL, atol=ATOL,
+                                   msg=lambda m: f"step-0 loss: {m}")
         return
     torch.testing.assert_close(torch.tensor(r.losses), torch.tensor(r.reference),
                                rtol=RTOL, atol=ATOL, msg=lambda m: f"losses: {m}")

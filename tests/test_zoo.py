@@ -1,0 +1,128 @@
+"""Real architectures (tests/zoo.py: transformers models from tiny configs) train through glmc.
+
+Every case, eager backend without rewrites: three steps equal plain PyTorch's (losses,
+parameters, optimizer state), dropout masks included. The default pipeline (fusion), bf16 and
+Inductor run on a few cases by default and on all of them under `-m slow`. What "works" means
+per mode is `tests.zoo.check`; benchmarks/zoo_table.py prints the same checks as a table.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from tests.zoo import ZOO, check, run  # noqa: E402
+
+#: (case, mode) -> (the exception it raises today, why); strict, so a fix in the core shows up
+#: as XPASS and the entry goes
+_FROZEN = ("glmc/optim.py ensure_state (called from capture.py:85 and runtime.py:274/394) "
+           "creates optimizer state for every parameter of the param groups, frozen ones too "
+           "(Whisper's encoder.embed_positions has requires_grad=False); torch.optim creates it "
+           "only for parameters that receive a gradient. The frozen weight itself stays untouched")
+_CAT = ("Inductor's cat decomposition turns cat([empty(0), k]) (transformers' DynamicCache "
+        "update, built in training because use_cache defaults to True) into k.clone(), which "
+        "keeps k's transposed strides where ATen's cat returns a contiguous tensor; the captured "
+        "aten.view of its transpose then fails in compile_fx (backends/inductor.py:54), raised "
+        "raw instead of as a GlmcError. torch.compile trains the same model")
+KNOWN_FAILURES: dict[tuple[str, str], tuple[type[Exception], str]] = {
+    **{("whisper", mode): (AssertionError, _FROZEN) for mode in ("eager", "fusion", "inductor")},
+    ("gpt2", "inductor"): (ValueError, _CAT),
+    ("t5", "inductor"): (ValueError, _CAT),
+}
+
+#: regions fused per pattern by the default pipeline. Attention fires only on qwen2_tied:
+#: the other cases run transformers' default attention, SDPA, already one op; LayerNorm
+#: modules are one op already too (norm counts RMSNorm, and T5's own norm)
+FUSED = {
+    "gpt2": {"loss": 1}, "t5": {"norm": 12, "loss": 1}, "bert_cls": {"loss": 1},
+    "llama": {"norm": 5, "mlp": 2, "loss": 1},
+    "qwen2_tied": {"attention": 2, "norm": 5, "mlp": 2, "loss": 1},
+    "mixtral": {"norm": 5, "mlp": 2, "loss": 1}, "qwen2_moe": {"norm": 5, "mlp": 4, "loss": 1},
+    "gemma": {"norm": 5, "mlp": 2, "loss": 1}, "phi": {"loss": 1}, "whisper": {"loss": 1},
+    "distilbert_cls": {"loss": 1}, "vit": {"loss": 1}, "resnet": {"loss": 1},
+    "mobilenet_v2": {"loss": 1}, "convnext": {"loss": 1},
+}
+
+#: the cases each mode runs by default (the rest under -m slow): together about 3 minutes
+#: on 2 cores; each Inductor compile takes 20-50 s there
+DEFAULT = {
+    "fusion": {"llama", "qwen2_tied", "gemma", "bert_cls"},
+    "bf16": {"llama", "vit", "bert_cls"},
+    "inductor": {"resnet", "convnext"},
+}
+
+
+def cases(mode: str) -> list:
+    """Every zoo case for `mode`, those outside DEFAULT[mode] marked slow, the known failures
+    xfail(strict)."""
+    out = []
+    for name in ZOO:
+        marks = []
+        if mode in DEFAULT and name not in DEFAULT[mode]:
+            marks.append(pytest.mark.slow)
+        if (name, mode) in KNOWN_FAILURES:
+            raises, reason = KNOWN_FAILURES[name, mode]
+            marks.append(pytest.mark.xfail(strict=True, raises=raises, reason=reason))
+        out.append(pytest.param(name, marks=marks, id=name))
+    return out
+
+
+def test_zoo_covers_the_issue_list() -> None:
+    """At least 12 architectures, among them the ones the issue names."""
+    sources = {case.source.split(".")[-1] for case in ZOO.values()}
+    assert len(sources) >= 12
+    assert {"GPT2LMHeadModel", "T5ForConditionalGeneration", "BertForSequenceClassification",
+            "LlamaForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM",
+            "ViTForImageClassification", "ResNetForImageClassification",
+            "MobileNetV2ForImageClassification"} <= sources
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_case_builds_deterministically(name: str) -> None:
+    case = ZOO[name]
+    (m1, x1, _, opt1), (m2, x2, _, _) = case.make(), case.make()
+    assert type(m1).__name__ == case.source.split(".")[-1]
+    assert isinstance(opt1, torch.optim.AdamW)
+    for (key, a), b in zip(m1.state_dict().items(), m2.state_dict().values()):
+        assert torch.equal(a, b), key
+    assert x1.keys() == x2.keys() and all(torch.equal(x1[k], x2[k]) for k in x1)
+    if "tied" in case.tags:
+        assert m1.get_output_embeddings().weight is m1.get_input_embeddings().weight
+
+
+@pytest.mark.parametrize("name", cases("eager"))
+def test_eager_parity(name: str) -> None:
+    """No rewrites: three steps equal eager PyTorch's; dropout masks are drawn in eager's
+    order (bit-identical losses), tied weights stay one parameter."""
+    case = ZOO[name]
+    r = run(case, "eager")
+    check(r)
+    model = r.glmc_side[0]
+    if case.dropout:
+        rng = [n for n in r.trainer.graph.compute_nodes() if r.trainer.graph.info(n).rng]
+        assert rng, "a dropout model without random ops in its step"
+        assert r.losses == r.reference
+    if "tied" in case.tags:
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+
+
+@pytest.mark.parametrize("name", cases("fusion"))
+def test_fusion_parity(name: str) -> None:
+    """The default pipeline: the expected regions fused, and parity (under SGD: tests.zoo.Mode
+    says why)."""
+    r = run(ZOO[name], "fusion")
+    assert {k: v for k, v in r.counts("fusion").items() if v} == FUSED[name]
+    check(r)
+
+
+@pytest.mark.parametrize("name", cases("bf16"))
+def test_bf16_trains(name: str) -> None:
+    """precision="bf16": ops really run in bf16; the loss is finite, falls, and starts within
+    5% of fp32."""
+    check(run(ZOO[name], "bf16"))
+
+
+@pytest.mark.parametrize("name", cases("inductor"))
+def test_inductor_parity(name: str) -> None:
+    check(run(ZOO[name], "inductor"))
