@@ -48,6 +48,7 @@ class InductorBackend(Backend):
         # neighbours; what their backward saves was fixed when the step was derived
         gm = lower_to_aten(gm, only=ELEMENTWISE)
         _split_alpha(gm)
+        _views_as_reshapes(gm)
         example = [ph.meta["val"] for ph in gm.graph.nodes if ph.op == "placeholder"]
         # fallback_random: draw dropout masks with ATen's generator, exactly as eager does
         with torch.no_grad():
@@ -68,6 +69,22 @@ def _patches(graph: TrainGraph) -> dict[str, object]:
         # (GLM small, budget 0.5: 368 MiB measured with it, 298 MiB without; 310 predicted)
         patches["reorder_for_locality"] = False
     return patches
+
+
+def _views_as_reshapes(gm: fx.GraphModule) -> None:
+    """aten.view -> aten.reshape (the same values; a view wherever the strides allow).
+
+    The captured `view`s were valid for ATen's layouts, but Inductor may lay a value out
+    differently: its cat decomposition turns `cat([empty(0), k])` (transformers' KV cache,
+    built in training too) into `k.clone()`, which keeps k's transposed strides where ATen's
+    cat is contiguous, and the `view` of that then fails (GPT-2, T5). The step is functional
+    — nothing writes through these views — so reshape is exact and costs nothing where a view
+    works.
+    """
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.view.default:
+            node.target = torch.ops.aten.reshape.default
+    gm.recompile()
 
 
 def _split_alpha(gm: fx.GraphModule) -> None:

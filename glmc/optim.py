@@ -268,6 +268,8 @@ def ensure_state(optimizer: torch.optim.Optimizer) -> None:
     rule = rule_for(optimizer)
     for group in optimizer.param_groups:
         for p in group["params"]:
+            if not p.requires_grad:
+                continue  # frozen: torch.optim makes no state for it
             state = optimizer.state[p]
             keys = rule.state_keys(group)
             if keys and not all(k in state for k in keys):

@@ -61,6 +61,8 @@ class OptimizerSpec:
         for group in optimizer.param_groups:
             params = []
             for p in group["params"]:
+                if not p.requires_grad:
+                    continue  # frozen: torch.optim never steps it nor makes state for it
                 if id(p) not in names:
                     raise ConfigError("optimizer: it holds a tensor that is not a parameter of "
                                       "the model; build it from model.parameters()")

@@ -15,21 +15,11 @@ pytest.importorskip("transformers")
 from tests.zoo import ZOO, check, run  # noqa: E402
 
 #: (case, mode) -> (the exception it raises today, why); strict, so a fix in the core shows up
-#: as XPASS and the entry goes
-_FROZEN = ("glmc/optim.py ensure_state (called from capture.py:85 and runtime.py:274/394) "
-           "creates optimizer state for every parameter of the param groups, frozen ones too "
-           "(Whisper's encoder.embed_positions has requires_grad=False); torch.optim creates it "
-           "only for parameters that receive a gradient. The frozen weight itself stays untouched")
-_CAT = ("Inductor's cat decomposition turns cat([empty(0), k]) (transformers' DynamicCache "
-        "update, built in training because use_cache defaults to True) into k.clone(), which "
-        "keeps k's transposed strides where ATen's cat returns a contiguous tensor; the captured "
-        "aten.view of its transpose then fails in compile_fx (backends/inductor.py:54), raised "
-        "raw instead of as a GlmcError. torch.compile trains the same model")
-KNOWN_FAILURES: dict[tuple[str, str], tuple[type[Exception], str]] = {
-    **{("whisper", mode): (AssertionError, _FROZEN) for mode in ("eager", "fusion", "inductor")},
-    ("gpt2", "inductor"): (ValueError, _CAT),
-    ("t5", "inductor"): (ValueError, _CAT),
-}
+#: as XPASS and the entry goes. Fixed: Whisper's frozen embed_positions got optimizer state
+#: (glmc.optim.ensure_state now skips frozen parameters, as torch.optim does); GPT-2 and T5 on
+#: Inductor failed in a captured `view` of a clone Inductor lays out transposed (the
+#: Inductor backend now compiles views as reshapes)
+KNOWN_FAILURES: dict[tuple[str, str], tuple[type[Exception], str]] = {}
 
 #: regions fused per pattern by the default pipeline. Attention fires only on qwen2_tied:
 #: the other cases run transformers' default attention, SDPA, already one op; LayerNorm
