@@ -34,8 +34,8 @@ FUSED = {
     "mobilenet_v2": {"loss": 1}, "convnext": {"loss": 1},
 }
 
-#: the cases each mode runs by default (the rest under -m slow): together about 3 minutes
-#: on 2 cores; each Inductor compile takes 20-50 s there
+#: the cases each mode runs by default (the rest under -m slow): the default set took 1m53s
+#: on 2 otherwise idle cores (4m20s at load average 4.5); an Inductor compile takes 10-80 s
 DEFAULT = {
     "fusion": {"llama", "qwen2_tied", "gemma", "bert_cls"},
     "bf16": {"llama", "vit", "bert_cls"},
