@@ -72,7 +72,8 @@ def cross_entropy_backward(grad: Tensor, logits: Tensor, target: Tensor, lse: Te
         scale = scale / valid.sum().to(torch.float32)
     out = torch.empty_like(logits)
     for s in range(0, logits.shape[0], rows):
-        p = logits[s:s + rows].float().sub_(lse[s:s + rows, None]).exp_()
+        # out of place: .float() of fp32 logits is the input itself (declared not mutated)
+        p = logits[s:s + rows].float().sub(lse[s:s + rows, None]).exp_()
         t = target[s:s + rows]
         ok = valid[s:s + rows]
         p.scatter_add_(1, t.clamp(min=0).unsqueeze(1), -ok.to(p.dtype).unsqueeze(1))
