@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-from glmc.errors import ConfigError, Offense, UnsupportedOpError
+from glmc.errors import BackendError, ConfigError, GlmcError, Offense, UnsupportedOpError
 from glmc.ir import TrainGraph, op_name
 from glmc.target import BackendTraits
 from glmc.writeback import copy_graph, lower_writeback
@@ -73,7 +73,15 @@ class Backend(abc.ABC):
                               "the functional step and write the outputs back")
         start = time.perf_counter()
         gm = lower_writeback(graph, traits.early_writeback) if inplace else copy_graph(graph)
-        fn = self._compile(gm, graph)
+        try:
+            fn = self._compile(gm, graph)
+        except GlmcError:
+            raise
+        except Exception as e:  # the compiler's own exception types; one typed error out
+            text = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            raise BackendError(f"backend '{self.name}': compiling the step failed: "
+                               f"{type(e).__name__}: {text}; try backend='eager' or report "
+                               "it with the step (glmc.save_graph)") from e
         return CompiledStep(fn, self.name, inplace, fallbacks, time.perf_counter() - start)
 
     @abc.abstractmethod

@@ -53,6 +53,10 @@ class ExportError(UnsupportedOpError):
         GlmcError.__init__(self, "\n".join([summary] + [str(o) for o in self.offenses]))
 
 
+class BackendError(GlmcError):
+    """A backend failed to compile a step glmc handed it (a compiler bug or limit)."""
+
+
 class PassError(GlmcError):
     """A pass failed or left the graph malformed. The message starts with the pass name."""
 

@@ -97,3 +97,16 @@ def test_wrong_feature_size_says_what_was_expected_and_what_came() -> None:
         trainer.step(torch.randn(4, 8), torch.tensor([0, 1, 2, 9]))
     for a, b in zip(before, model.parameters()):  # a failed step leaves the state as it was
         assert torch.equal(a, b)
+
+
+def test_a_backend_compile_failure_is_a_typed_error(monkeypatch) -> None:
+    from glmc.backends.eager import EagerBackend
+    from glmc.errors import BackendError
+
+    def broken(self, gm, graph):
+        raise ValueError("Cannot view a tensor with shape [2, 4] as (8,)")
+
+    monkeypatch.setattr(EagerBackend, "_compile", broken)
+    model, x, loss_fn, opt = CASES["mlp"].make()
+    with pytest.raises(BackendError, match="backend 'eager'.*ValueError: Cannot view"):
+        glmc.optimize(model, x, loss_fn=loss_fn, optimizer=opt, backend="eager", measure=False)
