@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence
 
 import torch
 import torch.fx as fx
@@ -38,7 +38,14 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.placement_types import Placement
 
-    from glmc.schedule import Schedule
+class ScheduleLike(Protocol):
+    """What a StagedProgram needs of its schedule (`glmc.schedule.Schedule` is one). A
+    protocol, not an import: the executor in glmc.schedule imports this module."""
+
+    num_microbatches: int
+
+    def verify(self, num_stages: int, links: Any) -> None: ...
+
 
 #: the process-group argument of a collective before `bind_mesh`: this prefix + the mesh dim
 UNBOUND = "glmc-unbound:"
@@ -401,7 +408,7 @@ class StagedProgram:
 
     stages: tuple[Stage, ...]
     boundaries: tuple[Boundary, ...]
-    schedule: "Schedule"
+    schedule: ScheduleLike
 
     def links(self) -> set[tuple[int, int]]:
         """(sender, receiver) stage pairs of forward activations."""

@@ -158,15 +158,10 @@ def _modules() -> dict[str, Path]:
 
 
 def _imports(path: Path, known: set[str]) -> set[str]:
-    """Modules `path` imports at run time (imports under `if TYPE_CHECKING:` are types only)."""
-    tree = ast.parse(path.read_text())
-    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
-                   and "TYPE_CHECKING" in ast.unparse(block.test)
-                   for stmt in block.body for n in ast.walk(stmt)}
+    """Every glmc module `path` imports, under `if TYPE_CHECKING:` too (a typing-only import
+    is still a dependency a reader follows)."""
     found = set()
-    for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
+    for node in ast.walk(ast.parse(path.read_text())):
         names = []
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
