@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from glmc.analysis import Prediction, predict
 from glmc.backends import CompiledStep, get_backend
-from glmc.capture import Batch, batch_leaves, capture_step, split_batch
+from glmc.capture import Batch, batch_leaves, capture_step, describe, split_batch
 from glmc.cost import get_profile, measure_node_times
 from glmc.errors import CaptureError, ConfigError, GraphBreakError, InputError
 from glmc.ir import OutputKind, Role, TrainGraph
@@ -42,6 +42,7 @@ class _Entry:
     record: CompileRecord
     pipeline: list[Pass] = field(default_factory=list)  #: the passes this entry ran
     pieces: PieceStep | None = None  #: the model breaks into several graphs (glmc.pieces)
+    writeback: list[tuple[int, int]] = field(default_factory=list)  #: (output, input) pairs
     calls: int = 0
     retried: bool = False  #: compiled again because a pass asked after measurement
 
@@ -115,7 +116,7 @@ class Trainer:
                 torch.cuda.synchronize()
             entry.record.step_seconds.append(time.perf_counter() - t0)
         if not entry.step.inplace:
-            _write_back(entry.graph, inputs, outs)
+            _write_back(entry.writeback, inputs, outs)
         if measured:
             self._check_prediction(entry.record)
             self._check_budget(batch, entry)
@@ -204,7 +205,7 @@ class Trainer:
             print(f"glmc: {text}", file=sys.stderr, flush=True)
 
     def _compile(self, batch: Batch, pipeline: list[Pass] | None = None) -> _Entry:
-        self._say(f"capturing the training step for batch {_describe(batch)} ...")
+        self._say(f"capturing the training step for batch {describe(batch)} ...")
         t0 = time.perf_counter()
         try:
             graph = self._saved_graph(batch) or capture_step(self.model, batch, self.loss_fn,
@@ -212,8 +213,8 @@ class Trainer:
         except CaptureError as e:
             if batch is not self.example and self._key(batch)[0] != self._key(self.example)[0]:
                 raise InputError(
-                    f"step: the batch {_describe(batch)} differs from example_inputs "
-                    f"{_describe(self.example)} and the model cannot run on it:\n{e}") from e
+                    f"step: the batch {describe(batch)} differs from example_inputs "
+                    f"{describe(self.example)} and the model cannot run on it:\n{e}") from e
             if isinstance(e, GraphBreakError) and not self.options.strict:
                 return self._pieces_entry(batch, e, time.perf_counter() - t0)
             raise
@@ -249,14 +250,15 @@ class Trainer:
                                          inplace=self._traits.inplace)
         self._say(f"{self._backend.name} compile done in {compiled.compile_seconds:.1f} s")
         record = CompileRecord(
-            batch=_describe(batch), backend=self._backend.name, capture_seconds=t1 - t0,
+            batch=describe(batch), backend=self._backend.name, capture_seconds=t1 - t0,
             passes_seconds=t2 - t1, backend_seconds=compiled.compile_seconds,
             nodes_captured=nodes_captured, nodes_final=len(graph.graph.nodes),
             history=list(manager.history), fallbacks=list(compiled.fallbacks),
             predicted_captured=predictions[0].to_dict() if predictions else None,
             predicted=predictions[-1].to_dict() if predictions else None)
         self.report.compiles.append(record)
-        return _Entry(graph, compiled, getters, record, list(pipeline))
+        return _Entry(graph, compiled, getters, record, list(pipeline),
+                      writeback=writeback_pairs(graph))
 
     def _pieces_entry(self, batch: Batch, error: GraphBreakError, seconds: float) -> _Entry:
         """The model breaks into several graphs: compile the pieces (glmc.pieces), say so in
@@ -268,7 +270,7 @@ class Trainer:
         history = [PassRecord(p.name, p.options(), False, None, 0.0, 0, 0,
                               skipped=Need.STEP in p.needs()) for p in self._pipeline]
         record = CompileRecord(
-            batch=_describe(batch), backend=self._backend.name, capture_seconds=seconds,
+            batch=describe(batch), backend=self._backend.name, capture_seconds=seconds,
             passes_seconds=0.0, backend_seconds=0.0, nodes_captured=0, nodes_final=0,
             history=history, fallbacks=list(error.offenses), warnings=[message])
         self.report.compiles.append(record)
@@ -416,30 +418,28 @@ def _run(step: CompiledStep, inputs: list[torch.Tensor], batch: Batch) -> list[t
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if "out of bounds" not in text and "out of range" not in text:
             raise
-        raise InputError(f"step: the step failed on the batch {_describe(batch)}: {text}; check "
+        raise InputError(f"step: the step failed on the batch {describe(batch)}: {text}; check "
                          "the batch's values (e.g. labels within [0, number of classes), "
                          "token ids within the vocabulary)") from e
 
 
-def _write_back(graph: TrainGraph, inputs: list[torch.Tensor],
+def writeback_pairs(graph: TrainGraph) -> list[tuple[int, int]]:
+    """(output index, input index) of every new state value and the input it replaces."""
+    slot = {spec.target: i for i, spec in enumerate(graph.inputs)}
+    return [(k, slot[spec.target]) for k, spec in enumerate(graph.outputs)
+            if spec.kind in (OutputKind.PARAM, OutputKind.BUFFER, OutputKind.STATE)]
+
+
+def _write_back(pairs: list[tuple[int, int]], inputs: list[torch.Tensor],
                 outputs: list[torch.Tensor]) -> None:
     """Copy a functional step's new state into the tensors it was read from."""
-    slot = {spec.target: i for i, spec in enumerate(graph.inputs)}
     with torch.no_grad():
-        for spec, value in zip(graph.outputs, outputs):
-            if spec.kind in (OutputKind.PARAM, OutputKind.BUFFER, OutputKind.STATE):
-                dest = inputs[slot[spec.target]]
-                if dest is not value:
-                    dest.copy_(value)
+        for k, i in pairs:
+            if inputs[i] is not outputs[k]:
+                inputs[i].copy_(outputs[k])
 
 
 _leaves = batch_leaves
-
-
-def _describe(batch: Batch) -> str:
-    args, kwargs = batch
-    parts = [f"{tuple(t.shape)}" for t in args] + [f"{k}={tuple(v.shape)}" for k, v in kwargs.items()]
-    return "(" + ", ".join(parts) + ")"
 
 
 def make_trainer(model: nn.Module, example_inputs: Any, *, loss_fn: Any = None,

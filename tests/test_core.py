@@ -288,3 +288,21 @@ def test_recompute_asks_for_a_rerun_when_measured_over_budget() -> None:
     assert verdict.rerun == RecomputePass(budget="0.5", margin=100) and "lowered" in verdict.note
     late = p.after_measure(stats, 1100, True)
     assert late.rerun is None and "after one retry" in late.note
+
+
+def test_a_functional_backend_trains_through_the_runtime_write_back(monkeypatch) -> None:
+    """A backend that cannot update state in place gets the functional step (inputs ->
+    outputs) and the runtime writes the new state back: the same training as in place."""
+    from glmc.backends.eager import EagerBackend
+    from glmc.target import BackendTraits
+    from tests.models import assert_state_close, eager_losses
+
+    monkeypatch.setattr(EagerBackend, "traits", lambda self: BackendTraits("eager", inplace=False))
+    (m, x, loss_fn, opt), (m2, x2, loss_fn2, opt2) = twin(CASES["cnn"].make)
+    trainer = glmc.optimize(m, x, loss_fn=loss_fn, optimizer=opt, backend="eager")
+    assert not next(iter(trainer._cache.values())).step.inplace
+    got = glmc_losses(trainer, x, 3)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(eager_losses(m2, x2, loss_fn2,
+                                                                            opt2, 3)),
+                               rtol=1e-4, atol=1e-5)
+    assert_state_close(m, m2, opt, opt2)  # parameters, BatchNorm buffers, Adam state
