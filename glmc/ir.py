@@ -200,6 +200,23 @@ class OutputSpec:
 #: whether or not it is marked; mark copies made on purpose *within* one phase.
 REMAT = "glmc_remat"
 
+#: node.meta key on a backward value the optimizer update reads as a parameter's gradient: the
+#: parameter names (a tuple). Set by the step builder; a pass that replaces such a node by
+#: another carries it over (`replace_uses`). Sharding finds each gradient by it.
+GRAD_OF = "glmc_grad_of"
+
+#: node.meta key on a node one of whose int arguments is this process's coordinate on a mesh
+#: dim: (mesh dim, argument index). `glmc.program.bind_mesh` fills it in per process.
+RANK_ARG = "glmc_rank_arg"
+
+
+def replace_uses(old: fx.Node, new: fx.Node) -> None:
+    """`old.replace_all_uses_with(new)`, carrying `old`'s gradient marks (GRAD_OF) to `new`."""
+    marks = old.meta.get(GRAD_OF)
+    if marks:
+        new.meta[GRAD_OF] = tuple(dict.fromkeys((*new.meta.get(GRAD_OF, ()), *marks)))
+    old.replace_all_uses_with(new)
+
 RANDOM_OPS = frozenset({
     "native_dropout", "bernoulli", "rand", "rand_like", "randn", "randn_like", "randint",
     "randint_like", "normal", "uniform", "multinomial", "randperm", "exponential",

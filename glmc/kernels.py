@@ -23,6 +23,8 @@ import operator
 import torch
 from torch import Tensor
 
+from glmc.ir import replace_uses
+
 CHUNK_ELEMENTS = 1 << 18  #: fp32 elements per chunk of the loss alone (1 MiB)
 #: fp32 logits per chunk of the fused head (8 MiB): its matmuls need rows to be efficient
 #: (GLM small, 1016 x 384 x 8192: 32-row chunks 2.3x slower than unfused, 256 rows on par)
@@ -294,10 +296,10 @@ def lower_to_aten(gm: "torch.fx.GraphModule",
         if isinstance(result, (tuple, list)):
             for u in list(n.users):
                 if u.target is operator.getitem:
-                    u.replace_all_uses_with(result[u.args[1]])
+                    replace_uses(u, result[u.args[1]])
                     graph.erase_node(u)
         else:
-            n.replace_all_uses_with(result)
+            replace_uses(n, result)
         graph.erase_node(n)
     graph.eliminate_dead_code()
     return fx.GraphModule(gm, graph)

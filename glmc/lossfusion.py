@@ -14,7 +14,7 @@ import torch.fx as fx
 
 from glmc import kernels  # noqa: F401  (registers glmc's fused ops)
 from glmc.cost import is_view
-from glmc.ir import is_impure, op_name
+from glmc.ir import is_impure, op_name, replace_uses
 from glmc.rederive import ForwardProgram
 
 aten = torch.ops.aten
@@ -68,7 +68,7 @@ def fuse_loss(program: ForwardProgram, require_cast: bool = True) -> int:
             loss = g.call_function(operator.getitem, (ce, 0))
             loss.meta = dict(users[0].meta) if users else dict(nll.meta)
         for u in users:
-            u.replace_all_uses_with(loss)
+            replace_uses(u, loss)
             g.erase_node(u)
         for dead in (nll, logp, *views, x):
             if not dead.users:
@@ -106,7 +106,7 @@ def fuse_head(program: ForwardProgram, fp32: bool) -> int:
             new = g.call_function(torch.ops.glmc.linear_cross_entropy.default,
                                   (x_in, _uncast(g, w), target, ignore, reduction, fp32))
         new.meta = dict(ce.meta)
-        ce.replace_all_uses_with(new)
+        replace_uses(ce, new)
         g.erase_node(ce)
         for dead in (*chain, v, wt, w, x):
             if dead.op == "call_function" and not dead.users:

@@ -57,6 +57,7 @@ class PassContext:
 
     traits: BackendTraits = EAGER
     profile: Any = None  #: cost-model device profile (see glmc.cost.get_profile)
+    mesh: Any = None  #: the MeshSpec a data-parallel step runs on (None: one device)
 
     @property
     def backend(self) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from glmc.errors import PipelineError
-from glmc.passmanager import Pass, build_pass, check_order, split_pipeline
+from glmc.passmanager import Effect, Pass, build_pass, check_order, split_pipeline
 
 PRECISIONS = ("fp32", "bf16", "fp16", "auto")
 
@@ -15,8 +15,10 @@ def registry() -> dict[str, type[Pass]]:
     from glmc.passes.fusion import FusionPass
     from glmc.passes.precision import PrecisionPass
     from glmc.passes.recompute import RecomputePass
+    from glmc.passes.shard import ShardPass
 
-    return {cls.name: cls for cls in (FusionPass, PrecisionPass, CleanupPass, RecomputePass)}
+    return {cls.name: cls for cls in (FusionPass, PrecisionPass, CleanupPass, RecomputePass,
+                                      ShardPass)}
 
 
 def default_pipeline(memory_budget: Any = None, precision: str | None = None,
@@ -62,6 +64,19 @@ def parse_pipeline(spec: str | list[Pass] | None, memory_budget: Any = None,
         _add_option(passes, "fusion", fusion or None, "fusion", lambda: registry()["fusion"]())
     check_order(passes)
     return passes
+
+
+def with_pass(passes: list[Pass], extra: Pass) -> list[Pass]:
+    """`passes` with `extra` added where its effects allow: before a pass that edits the
+    backward in place (recompute plans memory on the step as it will run), else last. A
+    pipeline that already names `extra`'s pass keeps its own."""
+    if any(p.name == extra.name for p in passes):
+        return list(passes)
+    at = next((i for i, p in enumerate(passes) if Effect.EDITS_BACKWARD in p.effects()),
+              len(passes))
+    out = [*passes[:at], extra, *passes[at:]]
+    check_order(out)
+    return out
 
 
 def _add_option(passes: list[Pass], name: str, value: Any, option: str, make: Any,

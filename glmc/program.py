@@ -30,8 +30,8 @@ import torch.fx as fx
 import torch.nn as nn
 
 from glmc.errors import CaptureError, ConfigError, PassError
-from glmc.ir import (CommInfo, InputSpec, MeshSpec, NodeInfo, OutputKind, OutputSpec, Phase,
-                     Role, TensorSpec, TrainGraph, comm_ops, is_collective, op_name)
+from glmc.ir import (RANK_ARG, CommInfo, InputSpec, MeshSpec, NodeInfo, OutputKind, OutputSpec,
+                     Phase, Role, TensorSpec, TrainGraph, comm_ops, is_collective, op_name)
 from glmc.optim import ensure_state, rule_for
 
 if TYPE_CHECKING:
@@ -191,10 +191,14 @@ def comm_nodes(graph: TrainGraph) -> list[fx.Node]:
 
 def bind_mesh(graph: TrainGraph, mesh: "DeviceMesh") -> TrainGraph:
     """A copy of `graph` whose collectives name `mesh`'s process groups (from
-    `mesh.get_group(dim).group_name`); `graph` itself stays unbound."""
+    `mesh.get_group(dim).group_name`) and whose rank arguments (`RANK_ARG`) hold this
+    process's mesh coordinates; `graph` itself stays unbound."""
     spec = MeshSpec.of(mesh)
     bound = graph.copy()
     for n in bound.compute_nodes():
+        if RANK_ARG in n.meta:  # this process's coordinate on a mesh dim
+            dim, k = n.meta[RANK_ARG]
+            n.args = (*n.args[:k], mesh.get_local_rank(dim), *n.args[k + 1:])
         comm = TrainGraph.info(n).comm
         if comm is None or not is_collective(n):
             continue

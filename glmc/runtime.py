@@ -7,6 +7,7 @@ those seen before is captured and compiled again (one cache entry per signature)
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 import time
@@ -25,9 +26,10 @@ from glmc.errors import CaptureError, ConfigError, GraphBreakError, InputError
 from glmc.ir import OutputKind, Role, TrainGraph
 from glmc.memory import MeasurementUnavailable, measure_peak
 from glmc.optim import ensure_state, rule_for
+from glmc.parallel import DataParallel, Parallel
 from glmc.passmanager import Need, Pass, PassContext, PassManager, PassRecord
 from glmc.pieces import PieceStep, fallback_warning
-from glmc.pipeline import parse_pipeline
+from glmc.pipeline import parse_pipeline, with_pass
 from glmc.report import CompileRecord, Report
 from glmc.valuestats import record_value_stats
 
@@ -65,6 +67,8 @@ class TrainerOptions:
     #: a step saved by glmc.save_graph to use instead of capturing the example batch's shapes
     graph_path: str | None = None
     progress: bool = False  #: say on stderr what the compile is doing (capture, passes, backend)
+    #: data parallelism over torch.distributed (glmc.parallel.Parallel, a ZeRO stage, or a dict)
+    parallel: Any = None
 
 
 @dataclass
@@ -77,6 +81,7 @@ class Trainer:
     report: Report = field(default_factory=Report)
     scaler_state: dict[str, torch.Tensor] | None = None  #: loss scale + tracker (fp16)
     _cache: dict[Any, _Entry] = field(default_factory=dict)
+    parallel: DataParallel | None = None  #: this rank's data-parallel state (options.parallel)
 
     def __post_init__(self) -> None:
         rule_for(self.optimizer)  # fail early on an unsupported optimizer
@@ -85,13 +90,18 @@ class Trainer:
                                         self._device)
         self._backend = get_backend(self.options.backend)
         self._traits = self._backend.traits()
-        self._entry(self.example)
+        options = Parallel.of(self.options.parallel)
+        if options is not None:
+            self.parallel = DataParallel(options, self._device)
+            self.parallel.check_same(self.model, self.example, repr(self.options))
+            self._pipeline = with_pass(self._pipeline, options.shard_pass())
+        self._entry(self._local(self.example))
 
     # -- public ---------------------------------------------------------------------------------
 
     def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """One training step on this batch; returns the (detached) loss."""
-        batch = self._normalize(args, kwargs)
+        batch = self._local(self._normalize(args, kwargs))
         entry = self._entry(batch)
         if entry.pieces is not None:
             t0 = time.perf_counter()
@@ -143,6 +153,10 @@ class Trainer:
     def write_report(self, directory: str) -> list[str]:
         """report.json and the self-contained report.html (see glmc.report)."""
         return [str(p) for p in self.report.write(directory)]
+
+    def _local(self, batch: Batch) -> Batch:
+        """This rank's slice of the global batch (the batch itself on one process)."""
+        return self.parallel.local(batch) if self.parallel is not None else batch
 
     @property
     def _device(self) -> str:
@@ -208,8 +222,10 @@ class Trainer:
         self._say(f"capturing the training step for batch {describe(batch)} ...")
         t0 = time.perf_counter()
         try:
-            graph = self._saved_graph(batch) or capture_step(self.model, batch, self.loss_fn,
-                                                              self.optimizer)
+            with self.parallel.full_parameters(self.model) if self.parallel is not None \
+                    else contextlib.nullcontext():
+                graph = self._saved_graph(batch) or capture_step(self.model, batch,
+                                                                  self.loss_fn, self.optimizer)
         except CaptureError as e:
             if batch is not self.example and self._key(batch)[0] != self._key(self.example)[0]:
                 raise InputError(
@@ -242,11 +258,16 @@ class Trainer:
         nodes_captured = len(graph.graph.nodes)
         self._say(f"captured {nodes_captured} nodes in {t1 - t0:.1f} s; running passes "
                   f"{', '.join(p.spelling() for p in pipeline)} ...")
-        manager.run(graph, PassContext(self._traits, self.options.profile))
+        mesh = self.parallel.spec if self.parallel is not None else None
+        manager.run(graph, PassContext(self._traits, self.options.profile, mesh))
+        runnable = graph
+        if self.parallel is not None:
+            self.parallel.install(graph, self.model, self.optimizer)
+            runnable = self.parallel.bind(graph)
         getters = self._getters(graph)
         t2 = time.perf_counter()
         self._say(f"passes done in {t2 - t1:.1f} s; compiling with {self._backend.name} ...")
-        compiled = self._backend.compile(graph, strict=self.options.strict,
+        compiled = self._backend.compile(runnable, strict=self.options.strict,
                                          inplace=self._traits.inplace)
         self._say(f"{self._backend.name} compile done in {compiled.compile_seconds:.1f} s")
         record = CompileRecord(
@@ -298,7 +319,10 @@ class Trainer:
         scaling = graph.meta.get("loss_scaling")
         if scaling is not None and self.scaler_state is None:
             self.scaler_state = scaling.initial_state(self._device)
-        return input_getters(graph, self.model, self.optimizer, self.scaler_state)
+        getters = input_getters(graph, self.model, self.optimizer, self.scaler_state)
+        if self.parallel is not None:
+            getters = self.parallel.getters(graph, getters)
+        return getters
 
     # -- state ----------------------------------------------------------------------------------
 

@@ -22,8 +22,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from glmc import scaler as amp
 from glmc.errors import CaptureError, ConfigError, Offense
-from glmc.ir import (RANDOM_OPS, InputSpec, NodeInfo, OutputKind, OutputSpec, Phase, RngSite,
-                     Role, TensorSpec, TrainGraph, op_name)
+from glmc.ir import (GRAD_OF, RANDOM_OPS, InputSpec, NodeInfo, OutputKind, OutputSpec, Phase,
+                     RngSite, Role, TensorSpec, TrainGraph, op_name)
 from glmc.optim import RULES, OptimizerRule
 from glmc.scaler import SCALE, TRACKER, LossScaling
 
@@ -311,6 +311,7 @@ class _StepBuilder:
         placeholders: list[fx.Node] = []
         for name, _, states, lr in live:
             placeholders += [self.param_nodes[name], grads[name], lr, *states.values()]
+            grads[name].meta[GRAD_OF] = (*grads[name].meta.get(GRAD_OF, ()), name)
         if self.spec.scaling is not None:
             placeholders += [self.scaler_nodes[SCALE], self.scaler_nodes[TRACKER]]
         rule = self.spec.optimizer.rule

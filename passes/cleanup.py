@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from glmc.ir import REMAT, Phase, TrainGraph, is_collective, is_impure
+from glmc.ir import REMAT, Phase, TrainGraph, is_collective, is_impure, replace_uses
 from glmc.passmanager import Pass, PassContext, PassResult
 
 aten = torch.ops.aten
@@ -101,7 +101,7 @@ def _remove_noops(g: fx.Graph) -> int:
     count = 0
     for node in list(g.nodes):
         if _is_noop(node):
-            node.replace_all_uses_with(node.args[0])
+            replace_uses(node, node.args[0])
             g.erase_node(node)
             count += 1
     return count
@@ -127,7 +127,7 @@ def _cse(g: fx.Graph) -> int:
             continue
         key = _key(node)
         if key in seen:
-            node.replace_all_uses_with(seen[key])
+            replace_uses(node, seen[key])
             g.erase_node(node)
             merged += 1
         else:

@@ -39,7 +39,7 @@ import torch.fx as fx
 from glmc import kernels  # noqa: F401  (registers glmc's fused ops)
 from glmc.errors import ConfigError
 from glmc.ir import TrainGraph, op_name
-from glmc.ir import is_impure
+from glmc.ir import is_impure, replace_uses
 from glmc.lossfusion import fuse_head, fuse_loss
 from glmc.passmanager import Effect, Need, Pass, PassContext, PassResult
 from glmc.rederive import ForwardProgram, forward_program, rederive
@@ -172,7 +172,7 @@ def fuse_attention(program: ForwardProgram, regions: list) -> int:
                                 {"attn_mask": mask, "dropout_p": 0.0, "is_causal": causal,
                                  "scale": scale, "enable_gqa": gqa})
         o.meta = {k2: x for k2, x in sm.meta.items() if k2 != "val"}
-        out.replace_all_uses_with(o)
+        replace_uses(out, o)
         _region(regions, "attention", "scaled_dot_product_attention", sm, nodes)
         fused += 1
     return fused
@@ -330,7 +330,7 @@ def fuse_rms_norm(program: ForwardProgram, regions: list) -> int:
             out = g.call_function(operator.getitem, (rn, 0))
         for n in (rn, out):
             n.meta = {k: v for k, v in scale.meta.items() if k != "val"}
-        scale.replace_all_uses_with(out)
+        replace_uses(scale, out)
         _region(regions, "norm", "glmc::rms_norm", norm, [pw, mean, add, rs, norm, scale])
         fused += 1
     return fused
@@ -409,7 +409,7 @@ def fuse_layer_norm(program: ForwardProgram, regions: list) -> int:
             out = g.call_function(operator.getitem, (ln, 0))
         for n in (ln, out):
             n.meta = {k: val for k, val in end.meta.items() if k != "val"}
-        end.replace_all_uses_with(out)
+        replace_uses(end, out)
         _region(regions, "norm", "native_layer_norm", scale, pattern)
         fused += 1
     return fused
@@ -440,7 +440,7 @@ def fuse_gated(program: ForwardProgram, regions: list) -> int:
                 new = g.call_function(torch.ops.glmc.gated.default,
                                       (act_node.args[0], up, act))
             new.meta = {k: v for k, v in mul.meta.items() if k != "val"}
-            mul.replace_all_uses_with(new)
+            replace_uses(mul, new)
             _region(regions, "mlp", f"glmc::gated({act})", mul, [act_node, mul])
             fused += 1
             break

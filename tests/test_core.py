@@ -143,7 +143,7 @@ def _layer(module: str) -> int:
         return 2
     top = {"glmc.runtime", "glmc.api", "glmc.cli", "glmc.export", "glmc.report", "glmc.pipeline",
            "glmc.report_html", "glmc.dynamo_backend", "glmc.workload", "glmc", "glmc.pieces",
-           "glmc.__main__", "glmc.passes", "glmc.backends"}
+           "glmc.__main__", "glmc.passes", "glmc.backends", "glmc.parallel"}
     return 3 if module in top else 1
 
 
@@ -263,7 +263,7 @@ def test_lr_scheduler_sees_compiled_steps_without_warnings() -> None:
 def test_passes_get_only_target_facts_from_the_context() -> None:
     from glmc.passmanager import PassContext
     fields = {f.name for f in dataclasses.fields(PassContext)}
-    assert fields == {"traits", "profile"}
+    assert fields == {"traits", "profile", "mesh"}
 
 
 def test_runtime_reads_no_pass_stats_or_options() -> None:

@@ -1,0 +1,318 @@
+"""Data-parallel training on torch.distributed: the process group, the mesh, each rank's slice
+of the global batch, and the state the `shard` pass stores sharded.
+
+Every rank runs the same compiled step (an SPMD program, glmc.program) on its slice of the
+global batch; the step's functional collectives are the only communication. What ZeRO shards
+lives here between steps, as this rank's zero-padded rows (`Layout`): optimizer state for stages
+1-3, parameters too for stage 3. The user's tensors are views of those rows (the valid ones), so
+`optimizer.state` and, under stage 3, the module's parameters hold this rank's shard like FSDP2's
+local tensors; `sharded_state_dict()` presents them as DTensors for `torch.distributed.checkpoint`
+(save on N ranks, load on M), `full_state_dict()` gathers them.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from glmc.capture import Batch, batch_leaves, describe
+from glmc.errors import ConfigError, InputError
+from glmc.ir import MeshSpec, Role, TrainGraph
+from glmc.passes.shard import DIM, Layout, ShardPass, ShardPlan
+from glmc.program import bind_mesh
+
+ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """Data parallelism options: ZeRO stage (0 plain data parallel, 1 optimizer state, 2 and
+    gradients, 3 and parameters sharded), gradient bucket size, overlap of communication with
+    compute, and the timeout of every collective (a dead or hung rank fails the step after
+    it, naming the collective, instead of hanging)."""
+
+    zero: int = 0
+    bucket_mb: float = 25.0
+    overlap: bool = True
+    timeout_s: float = 300.0
+
+    @staticmethod
+    def of(value: Any) -> "Parallel | None":
+        """None; a Parallel; an int (the ZeRO stage); or a dict of the fields."""
+        if value is None or isinstance(value, Parallel):
+            return value
+        if isinstance(value, bool):
+            raise ConfigError("parallel: pass the ZeRO stage (0-3), a dict or glmc.Parallel")
+        if isinstance(value, int):
+            value = {"zero": value}
+        if not isinstance(value, dict):
+            raise ConfigError(f"parallel: expected a ZeRO stage, a dict or glmc.Parallel, got "
+                              f"{type(value).__name__}")
+        unknown = set(value) - {"zero", "bucket_mb", "overlap", "timeout_s"}
+        if unknown:
+            raise ConfigError(f"parallel: unknown option(s) {sorted(unknown)}; known: zero, "
+                              "bucket_mb, overlap, timeout_s")
+        p = Parallel(**value)
+        if p.zero not in (0, 1, 2, 3):
+            raise ConfigError(f"parallel: zero must be 0, 1, 2 or 3, got {p.zero}")
+        return p
+
+    def shard_pass(self) -> ShardPass:
+        return ShardPass(stage=self.zero, bucket_mb=self.bucket_mb, overlap=self.overlap)
+
+
+def init_distributed(device: str, timeout_s: float) -> None:
+    """The default process group from torchrun's environment, unless the user made one."""
+    if dist.is_initialized():
+        return
+    missing = [k for k in ENV if k not in os.environ]
+    if missing:
+        raise ConfigError(f"parallel: no process group and no {', '.join(missing)} in the "
+                          "environment; launch with `glmc compile FILE --nproc N`, `torchrun "
+                          "--nproc_per_node N ...`, or call torch.distributed.init_process_group")
+    backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+
+
+class DataParallel:
+    """One rank's view of a data-parallel trainer (see the module docstring)."""
+
+    def __init__(self, options: Parallel, device: str) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        init_distributed(device, options.timeout_s)
+        self.options = options
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.mesh = init_device_mesh(device, (self.world,), mesh_dim_names=(DIM,))
+        self.spec = MeshSpec.of(self.mesh)
+        self.plan: ShardPlan | None = None
+        self.store: dict[str, torch.Tensor] = {}  #: padded local shards by input target
+        self._owners: dict[str, tuple[Any, str]] = {}  #: target -> (container, key) of the view
+
+    # -- batches --------------------------------------------------------------------------------
+
+    def local(self, batch: Batch) -> Batch:
+        """This rank's slice (dim 0) of every tensor of the global batch."""
+        args, kwargs = batch
+
+        def cut(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor) or t.dim() == 0:
+                return t
+            if t.shape[0] % self.world:
+                raise InputError(f"parallel: the global batch {describe(batch)} has "
+                                 f"{t.shape[0]} rows, which do not divide by {self.world} "
+                                 f"ranks; pass a batch whose size is a multiple of {self.world}")
+            n = t.shape[0] // self.world
+            return t[self.rank * n:(self.rank + 1) * n]
+        return tuple(cut(t) for t in args), {k: cut(v) for k, v in kwargs.items()}
+
+    def check_same(self, model: nn.Module, batch: Batch, what: str) -> None:
+        """Every rank trains the same model on the same batch structure: a typed error naming
+        the ranks that differ, before any collective could hang on a mismatch."""
+        h = hashlib.sha256()
+        for name, p in model.named_parameters():
+            h.update(f"{name}{tuple(p.shape)}{p.dtype}".encode())
+        for t in batch_leaves(batch):
+            h.update(f"{tuple(t.shape)}{t.dtype}".encode())
+        h.update(what.encode())
+        mine = h.hexdigest()[:16]
+        every: list[Any] = [None] * self.world
+        dist.all_gather_object(every, mine)
+        odd = [r for r, v in enumerate(every) if v != every[0]]
+        if odd:
+            raise ConfigError(f"parallel: ranks {odd} have a different model, batch structure or "
+                              f"options than rank 0 (fingerprints {every}); every rank must run "
+                              "the same script on a batch of the same shapes")
+
+    # -- the compiled step ----------------------------------------------------------------------
+
+    def bind(self, graph: TrainGraph) -> TrainGraph:
+        return bind_mesh(graph, self.mesh)
+
+    def install(self, graph: TrainGraph, model: nn.Module, optimizer: torch.optim.Optimizer
+                ) -> None:
+        """Keep the state `graph` reads sharded as this rank's padded rows, and point the
+        user's tensors at their valid rows. Idempotent for a recompile with the same plan."""
+        plan: ShardPlan = graph.meta["sharding"]
+        if self.plan is not None:
+            if plan.layouts != self.plan.layouts:
+                raise ConfigError("parallel: a recompiled step shards the state differently "
+                                  "from the first; this is a glmc bug, please report it")
+            return
+        params = dict(model.named_parameters())
+        for target, lay in plan.layouts.items():
+            if ":" in target:
+                key, _, name = target.partition(":")
+                container, slot = optimizer.state[params[name]], key
+            else:
+                container, slot = params[target], None
+            full = container[slot] if slot is not None else container.detach()
+            if tuple(full.shape) != lay.shape:
+                raise ConfigError(f"parallel: {target!r} is {tuple(full.shape)}, the step "
+                                  f"shards {lay.shape}")
+            padded = lay.local(full.detach(), self.rank)
+            self.store[target] = padded
+            valid = padded[: lay.valid_rows(self.rank)] if lay.shape else padded
+            if slot is not None:
+                container[slot] = valid
+            else:
+                container.data = valid
+            self._owners[target] = (container, slot)
+        self.plan = plan
+
+    def getters(self, graph: TrainGraph, getters: list) -> list:
+        """`getters` with the sharded inputs read from the store."""
+        out = list(getters)
+        for i, spec in enumerate(graph.inputs):
+            if spec.target in self.store and spec.role in (Role.PARAMETER,
+                                                           Role.OPTIMIZER_STATE):
+                t = self.store[spec.target]
+                out[i] = lambda _, t=t: t
+        return out
+
+    @contextlib.contextmanager
+    def full_parameters(self, model: nn.Module) -> Iterator[None]:
+        """Under stage 3, the module's full parameters for the duration (to capture a new
+        batch shape); every rank must enter it together."""
+        if self.plan is None or not any(":" not in t for t in self.plan.layouts):
+            yield
+            return
+        params = dict(model.named_parameters())
+        saved = {}
+        for target, lay in self.plan.layouts.items():
+            if ":" in target:
+                continue
+            saved[target] = params[target].data
+            params[target].data = self._gather(target, lay)
+        try:
+            yield
+        finally:
+            for target, data in saved.items():
+                params[target].data = data
+
+    def _gather(self, target: str, lay: Layout) -> torch.Tensor:
+        shards = [torch.empty_like(self.store[target]) for _ in range(self.world)]
+        dist.all_gather(shards, self.store[target].contiguous())
+        return lay.full(shards)
+
+    # -- state ----------------------------------------------------------------------------------
+
+    def full_state(self, model: nn.Module, optimizer: torch.optim.Optimizer
+                   ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Full (gathered) model and optimizer state tensors on every rank: (model state_dict,
+        {"key:param": tensor})."""
+        model_sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        names = {id(p): n for n, p in model.named_parameters()}
+        optim = {f"{k}:{names[id(p)]}": v.detach().clone()
+                 for p, st in optimizer.state.items() if id(p) in names
+                 for k, v in st.items() if isinstance(v, torch.Tensor)}
+        layouts = self.plan.layouts if self.plan is not None else {}
+        for target, lay in layouts.items():
+            full = self._gather(target, lay)
+            (optim if ":" in target else model_sd)[target] = full
+        return model_sd, optim
+
+    def sharded_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer
+                           ) -> dict[str, dict[str, Any]]:
+        """{"model": ..., "optim": ...} with sharded tensors as DTensors (Shard(0) over the
+        mesh), the rest as plain tensors: what torch.distributed.checkpoint saves and loads in
+        place, resharding between world sizes."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        model_sd: dict[str, Any] = dict(model.state_dict())
+        names = {id(p): n for n, p in model.named_parameters()}
+        optim: dict[str, Any] = {f"{k}:{names[id(p)]}": v for p, st in optimizer.state.items()
+                                 if id(p) in names for k, v in st.items()
+                                 if isinstance(v, torch.Tensor)}
+        for table in (model_sd, optim):
+            for target, t in list(table.items()):
+                lay = self.plan.layouts.get(target) if self.plan is not None else None
+                if lay is not None and lay.shape:
+                    stride = torch.empty(lay.shape, device="meta").stride()
+                    table[target] = DTensor.from_local(
+                        self.store[target][: lay.valid_rows(self.rank)], self.mesh, [Shard(0)],
+                        run_check=False, shape=torch.Size(lay.shape), stride=stride)
+                elif lay is not None:  # a 0-d tensor: rank 0's row holds it
+                    table[target] = DTensor.from_local(self.store[target][0].clone(), self.mesh,
+                                                       [Replicate()], run_check=False)
+        return {"model": model_sd, "optim": optim}
+
+    def load_sharded(self, state: dict[str, dict[str, Any]], model: nn.Module,
+                     optimizer: torch.optim.Optimizer) -> None:
+        """Write a state dict loaded by DCP (shaped like `sharded_state_dict`) into the store
+        and the user's tensors (a 0-d sharded value goes back into its row)."""
+        from torch.distributed.tensor import DTensor
+
+        current = self.sharded_state_dict(model, optimizer)
+        with torch.no_grad():
+            for part in ("model", "optim"):
+                for target, value in state[part].items():
+                    dst = current[part][target]
+                    src = value.to_local() if isinstance(value, DTensor) else value
+                    if isinstance(dst, DTensor):
+                        lay = self.plan.layouts[target] if self.plan else None
+                        if lay is not None and not lay.shape:
+                            self.store[target][0].copy_(src)
+                            continue
+                        dst = dst.to_local()
+                    dst.copy_(src)
+
+
+# ---- checkpoints -------------------------------------------------------------------------------
+
+def save_checkpoint(trainer: Any, path: str) -> None:
+    """Save the trainer's sharded state with torch.distributed.checkpoint. Written to a staging
+    directory and renamed into place by rank 0 after every rank finished: an interrupted save
+    leaves the previous checkpoint at `path` whole."""
+    import torch.distributed.checkpoint as dcp
+
+    dp: DataParallel = _dp(trainer)
+    target = Path(path)
+    staging = target.with_name(target.name + ".saving")
+    if dp.rank == 0 and staging.exists():
+        shutil.rmtree(staging)
+    dist.barrier()
+    state = dp.sharded_state_dict(trainer.model, trainer.optimizer)
+    state["trainer"] = {k: v for k, v in trainer.state_dict().items()}
+    dcp.save(state, checkpoint_id=str(staging))
+    dist.barrier()
+    if dp.rank == 0:
+        old = target.with_name(target.name + ".old")
+        if target.exists():
+            target.rename(old)
+        staging.rename(target)
+        if old.exists():
+            shutil.rmtree(old)
+    dist.barrier()
+
+
+def load_checkpoint(trainer: Any, path: str) -> None:
+    """Load a checkpoint saved by `save_checkpoint` on any number of ranks (DCP reshards)."""
+    import torch.distributed.checkpoint as dcp
+
+    dp: DataParallel = _dp(trainer)
+    if not Path(path).exists():
+        raise ConfigError(f"load_checkpoint: no checkpoint at {path}")
+    state = dp.sharded_state_dict(trainer.model, trainer.optimizer)
+    state.pop("trainer", None)
+    dcp.load(state, checkpoint_id=str(path))
+    dp.load_sharded(state, trainer.model, trainer.optimizer)
+
+
+def _dp(trainer: Any) -> DataParallel:
+    dp = getattr(trainer, "parallel", None)
+    if dp is None:
+        raise ConfigError("checkpoint: the trainer is not data parallel; use model.state_dict() "
+                          "and optimizer.state_dict()")
+    return dp
