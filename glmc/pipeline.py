@@ -72,8 +72,10 @@ def with_pass(passes: list[Pass], extra: Pass) -> list[Pass]:
     pipeline that already names `extra`'s pass keeps its own."""
     if any(p.name == extra.name for p in passes):
         return list(passes)
-    at = next((i for i, p in enumerate(passes) if Effect.EDITS_BACKWARD in p.effects()),
-              len(passes))
+    after = max((i + 1 for i, p in enumerate(passes) if Effect.REDERIVES in p.effects()),
+                default=0)
+    at = next((i for i, p in enumerate(passes) if i >= after and
+               Effect.EDITS_BACKWARD in p.effects()), len(passes))
     out = [*passes[:at], extra, *passes[at:]]
     check_order(out)
     return out

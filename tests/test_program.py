@@ -6,18 +6,11 @@ processes (gloo on CPU) against single-process eager training.
 from __future__ import annotations
 
 import dataclasses
-import socket
-import time
-import traceback
-from datetime import timedelta
 from pathlib import Path
-from typing import Callable
 
 import networkx as nx
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -29,61 +22,29 @@ from glmc.passmanager import PassContext
 from glmc.program import (UNBOUND, SpmdProgram, StagedProgram, all_reduce_gradients,
                           capture_stage, comm_nodes, insert_collective, link, run_step)
 from glmc.schedule import Action, ActionKind, gpipe, run_stage
+from tests.distributed import result, run_parts, spawn
 
 MESH = MeshSpec((2,), ("dp",), "cpu")
 LR = 0.1
 STEPS = 2
-JOIN_TIMEOUT_S = 120
 
 
 # ---- launching ---------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn(worker: Callable, *args: object) -> None:
-    """Runs worker(rank, port, *args) in two processes; a failure or a hang fails the test."""
-    ctx = mp.start_processes(worker, args=(_free_port(), *args), nprocs=2, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
-    while not ctx.join(timeout=2):  # raises ProcessRaisedException with the child's traceback
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.terminate()
-            pytest.fail(f"distributed workers did not finish within {JOIN_TIMEOUT_S} s")
-
-
 def _worker(rank: int, port: int, out: str) -> None:
-    """Both programs in one pair of processes (process start-up dominates the test time);
-    each part's result or error is saved for its own test."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2, timeout=timedelta(seconds=60))
-    try:
-        for name, part in (("spmd", _spmd_part), ("pipeline", _pipeline_part)):
-            try:
-                result = part(rank)
-            except Exception:
-                result = {"error": traceback.format_exc()}
-            torch.save(result, Path(out) / f"{name}{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    """Both programs in one pair of processes (process start-up dominates the test time)."""
+    run_parts(rank, port, 2, out, [("spmd", lambda r, _: _spmd_part(r)),
+                                   ("pipeline", lambda r, _: _pipeline_part(r))])
 
 
 @pytest.fixture(scope="module")
 def distributed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("distributed")
-    _spawn(_worker, str(out))
+    spawn(_worker, str(out))
     return out
 
 
-def _result(out: Path, part: str, rank: int) -> dict:
-    result = torch.load(out / f"{part}{rank}.pt")
-    if "error" in result:
-        pytest.fail(f"rank {rank} failed:\n{result['error']}")
-    return result
+_result = result
 
 
 # ---- (a) SPMD: data parallelism by all-reduced gradients ---------------------------------------
