@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from glmc.comm import CommEstimate, LinkProfile, estimate_comm, has_comm
 from glmc.cost import CostEstimate, DeviceProfile, estimate_time, get_profile
 from glmc.ir import TrainGraph
 from glmc.memory import MemoryEstimate, simulate
@@ -19,26 +20,40 @@ from glmc.writeback import lower_writeback
 class Prediction:
     time: CostEstimate
     memory: MemoryEstimate
+    comm: CommEstimate | None = None  #: an SPMD step's communication (glmc.comm)
+
+    @property
+    def step_seconds(self) -> float:
+        """Compute plus the communication it does not hide."""
+        return self.comm.step_seconds if self.comm is not None else self.time.seconds
 
     def to_dict(self, points: int = 400) -> dict[str, Any]:
-        return {"time": self.time.to_dict(), "memory": self.memory.to_dict(points)}
+        out = {"time": self.time.to_dict(), "memory": self.memory.to_dict(points)}
+        if self.comm is not None:
+            out["communication"] = self.comm.to_dict()
+        return out
 
     def brief(self) -> dict[str, Any]:
-        return {"seconds": self.time.seconds, "peak_bytes": self.memory.peak_bytes,
+        return {"seconds": self.step_seconds, "peak_bytes": self.memory.peak_bytes,
                 "transient_bytes": self.memory.transient_bytes}
 
 
 def predict(graph: TrainGraph, traits: BackendTraits = EAGER,
             profile: DeviceProfile | str | None = None,
-            measured_node_times: dict[str, float] | None = None) -> Prediction:
+            measured_node_times: dict[str, float] | None = None,
+            link: LinkProfile | None = None, ranks: int = 1) -> Prediction:
     """Model the program a backend with `traits` runs, fused per `traits.fusion`: the
     write-back lowering of `graph` (copies early or late per `traits.early_writeback`) on a
-    backend that updates state in place, the functional step itself on one that does not."""
+    backend that updates state in place, the functional step itself on one that does not.
+    With a `link`, the step's collectives over `ranks` ranks too (glmc.comm)."""
     prof = get_profile(profile, device=graph_device(graph))
     lowered = lower_writeback(graph, traits.early_writeback).graph if traits.inplace \
         else graph.graph
-    return Prediction(estimate_time(lowered, prof, traits, measured_node_times),
-                      simulate(lowered, traits))
+    time = estimate_time(lowered, prof, traits, measured_node_times)
+    comm = None
+    if link is not None and has_comm(graph):
+        comm = estimate_comm(lowered, time.node_seconds, ranks, link)
+    return Prediction(time, simulate(lowered, traits), comm)
 
 
 def graph_device(graph: TrainGraph) -> str:

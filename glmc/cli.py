@@ -54,7 +54,19 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     c.add_argument("--export-onnx", action="store_true",
                    help="with --export-dir: also write step.onnx (needs the onnx extra); the "
                         "step is checked against the exporter before training")
+    c.add_argument("--export-ort-training", default=None, metavar="DIR",
+                   help="after training, write ONNX Runtime on-device training artifacts "
+                        "(training/eval/optimizer models, checkpoint, train.py) here")
     c.add_argument("--strict", action="store_true", help="fail on ops the backend cannot take")
+    c.add_argument("--nproc", type=_positive, default=None, metavar="N",
+                   help="train data parallel on N local processes (glmc launches them through "
+                        "torchrun; FILE's batch is the global batch, split over the ranks)")
+    c.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None, metavar="S",
+                   help="ZeRO stage when data parallel: 0 all-reduce, 1 shard optimizer state, "
+                        "2 and gradients, 3 and parameters (default 0; under torchrun this "
+                        "option turns data parallelism on)")
+    c.add_argument("--bucket-mb", type=float, default=None, metavar="M",
+                   help="gradient bucket size in MiB for data parallelism (default 25)")
     c.add_argument("--debug", action="store_true", help="print tracebacks")
     k = sub.add_parser("check", help="list every op the backend (or the ONNX export) cannot "
                                      "take, with source lines")
@@ -101,12 +113,21 @@ def _steps(text: str) -> int:
     return n
 
 
+def _positive(text: str) -> int:
+    n = _steps(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError("must be >= 1")
+    return n
+
+
 def main(argv: list[str] | None = None) -> int:
     parser, commands = _parser()
     args = parser.parse_args(argv)
     problems = _usage_problems(args)
     if problems:
         commands[args.command].error("\n  ".join(problems))  # exits 2
+    if args.command == "compile" and args.nproc is not None:
+        return _launch(args, sys.argv[1:] if argv is None else list(argv))
     try:
         run = {"compile": _compile, "check": _check, "report": _report,
                "calibrate": _calibrate}
@@ -122,6 +143,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"glmc: internal error: {type(e).__name__}: {e} (rerun with --debug)",
               file=sys.stderr)
         return 1
+    finally:
+        _leave_process_group()
+
+
+def _leave_process_group() -> None:
+    """Close a process group glmc opened (data parallel), so a failed rank exits cleanly."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _usage_problems(args: argparse.Namespace) -> list[str]:
@@ -166,6 +196,15 @@ def _usage_problems(args: argparse.Namespace) -> list[str]:
         out = Path(args.export_dir) if args.export_dir else None
         if out is not None and out.exists() and not out.is_dir():
             problems.append(f"--export-dir: {out} exists and is not a directory")
+        parallel = args.nproc is not None or args.zero is not None
+        if args.bucket_mb is not None and (not parallel or args.bucket_mb <= 0):
+            problems.append("--bucket-mb needs --nproc or --zero and a positive size")
+        if parallel and (args.export_dir or args.export_ort_training):
+            problems.append("--export-dir / --export-ort-training: exporting a data-parallel "
+                            "step is not supported yet; export from one process")
+        ort_dir = Path(args.export_ort_training) if args.export_ort_training else None
+        if ort_dir is not None and ort_dir.exists() and not ort_dir.is_dir():
+            problems.append(f"--export-ort-training: {ort_dir} exists and is not a directory")
     return problems
 
 
@@ -174,6 +213,35 @@ def _calibrate(args: argparse.Namespace) -> int:
     from glmc.profiles import describe_profile
     print(describe_profile(calibrate(force=True)))
     return 0
+
+
+def _launch(args: argparse.Namespace, argv: list[str]) -> int:
+    """`glmc compile FILE --nproc N ...`: N local processes through torchrun, each running
+    this command without --nproc (and with --zero, which turns data parallelism on)."""
+    import subprocess
+
+    rest, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            rest.append(a)
+    if args.zero is None:
+        rest += ["--zero", "0"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={args.nproc}", "-m", "glmc", *rest]
+    return subprocess.call(cmd)
+
+
+def _parallel(args: argparse.Namespace) -> dict | None:
+    if args.zero is None:
+        return None
+    out: dict = {"zero": args.zero}
+    if args.bucket_mb is not None:
+        out["bucket_mb"] = args.bucket_mb
+    return out
 
 
 def _compile(args: argparse.Namespace) -> int:
@@ -192,18 +260,23 @@ def _compile(args: argparse.Namespace) -> int:
                             memory_budget=args.memory_budget, precision=args.precision,
                             fusion=args.fusion, strict=args.strict,
                             disable=tuple(args.disable), profile=args.profile,
-                            profile_guided=args.profile_guided, progress=True,
+                            profile_guided=args.profile_guided, progress=_rank() == 0,
+                            parallel=_parallel(args),
                             dump_dir=str(Path(args.report_dir) / "graphs") if args.report_dir
-                            else None)
+                            and _rank() == 0 else None)
     if args.export_onnx:
         check_onnx_export(trainer)  # an export that cannot succeed fails before training
     batch_args, batch_kwargs = split_batch(work.example_inputs)
     bar = tqdm(range(args.steps), desc=f"glmc[{args.backend}]", unit="step",
-               disable=not sys.stderr.isatty())
+               disable=not sys.stderr.isatty() or _rank() != 0)
+    lead = _rank() == 0  # one rank speaks for all; the loss is the global batch's
     for i in bar:
         loss = trainer.step(*batch_args, **batch_kwargs).item()
         bar.set_postfix(loss=f"{loss:.6f}")
-        print(f"step {i:4d}  loss {loss:.6f}")
+        if lead:
+            print(f"step {i:4d}  loss {loss:.6f}", flush=True)
+    if not lead:
+        return 0
     print(trainer.report.summary())
     if args.report_dir:
         for path in trainer.write_report(args.report_dir):
@@ -211,7 +284,17 @@ def _compile(args: argparse.Namespace) -> int:
     if args.export_dir:
         for path in trainer.export(args.export_dir, onnx=args.export_onnx):
             print(f"exported: {path}")
+    if args.export_ort_training:
+        from glmc.export import export_ort_training
+        for path in export_ort_training(trainer, args.export_ort_training):
+            print(f"exported: {path}")
     return 0
+
+
+def _rank() -> int:
+    """This process's rank under torchrun (0 on one process)."""
+    import os
+    return int(os.environ.get("RANK", "0"))
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -241,8 +324,10 @@ def _check(args: argparse.Namespace) -> int:
     if not offenses:
         print(f"{args.file}: every op is supported by backend '{args.backend}'")
     else:
+        how = "no per-op fallback: compiling fails with an ExportError" \
+            if args.backend == "ort" else "they run as eager fallbacks"
         print(f"{args.file}: {len(offenses)} op(s) backend '{args.backend}' cannot compile "
-              "(they run as eager fallbacks):")
+              f"({how}):")
         for o in offenses:
             print(o)
     export_ok = _check_onnx(args, work) if args.export == "onnx" else True

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from glmc.ir import op_name
+from glmc.ir import comm_ops, op_name
 from glmc.kernels import CHUNK_ELEMENTS, HEAD_CHUNK_ELEMENTS
 from glmc.profiles import ATTENTION_BACKWARD_FACTOR, attention_flops
 
@@ -81,7 +81,8 @@ def is_view(node: fx.Node) -> bool:
 
 
 def kind_of(node: fx.Node) -> str:
-    """'view' | 'matmul' | 'pointwise' | 'reduction' | 'known' | 'unknown' | 'input'."""
+    """'view' | 'matmul' | 'pointwise' | 'reduction' | 'known' | 'comm' | 'unknown' |
+    'input'."""
     if node.op in ("placeholder", "get_attr"):
         return "input"
     if node.op != "call_function":
@@ -95,6 +96,8 @@ def kind_of(node: fx.Node) -> str:
     t = node.target
     if not isinstance(t, torch._ops.OpOverload):
         return "unknown"
+    if t in comm_ops():
+        return "comm"  # timed by the communication model (glmc.comm), not as compute
     if t._schema.name in _RULES:
         return _RULES[t._schema.name][0]
     if t.overloadpacket in _flop_registry():
@@ -183,6 +186,8 @@ def op_cost(node: fx.Node) -> OpCost:
     dtype = str(_val_dtype(out) or torch.float32).replace("torch.", "")
     if kind in ("view", "input") or node.op != "call_function":
         return OpCost(kind, 0.0, 0, 0, dtype, op_name(node))
+    if kind == "comm":
+        return OpCost(kind, 0.0, 0, 0, dtype, op_name(node), launches=0)
     rule = _RULES.get(node.target._schema.name) if isinstance(
         node.target, torch._ops.OpOverload) else None
     if rule is not None:

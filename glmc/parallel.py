@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from glmc.capture import Batch, batch_leaves, describe
+from glmc.comm import measure_link, measure_waits
 from glmc.errors import ConfigError, InputError
 from glmc.ir import MeshSpec, Role, TrainGraph
 from glmc.passes.shard import DIM, Layout, ShardPass, ShardPlan
@@ -97,6 +98,7 @@ class DataParallel:
         self.mesh = init_device_mesh(device, (self.world,), mesh_dim_names=(DIM,))
         self.spec = MeshSpec.of(self.mesh)
         self.plan: ShardPlan | None = None
+        self.link = measure_link(device=device)  #: this host's link, timed once
         self.store: dict[str, torch.Tensor] = {}  #: padded local shards by input target
         self._owners: dict[str, tuple[Any, str]] = {}  #: target -> (container, key) of the view
 
@@ -205,6 +207,11 @@ class DataParallel:
         shards = [torch.empty_like(self.store[target]) for _ in range(self.world)]
         dist.all_gather(shards, self.store[target].contiguous())
         return lay.full(shards)
+
+    def time_waits(self, run: Any) -> tuple[Any, float]:
+        """`run()`'s result and the seconds it spent blocked in collective waits: the
+        communication the step did not hide (glmc.comm.measure_waits)."""
+        return measure_waits(run)
 
     # -- state ----------------------------------------------------------------------------------
 

@@ -97,8 +97,17 @@ def _errors(c: dict[str, Any]) -> dict[str, float | None]:
         out["persistent_memory"] = _rel(mem["persistent_bytes"], meas.get("persistent_bytes"))
         out["peak_memory"] = _rel(mem["peak_bytes"], c.get("measured_peak_bytes"))
     if pred:
-        out["step_time"] = _rel(pred["time"]["seconds"], c.get("measured_step_seconds"))
+        out["step_time"] = _rel(predicted_step_seconds(pred), c.get("measured_step_seconds"))
+        comm, measured = pred.get("communication"), (meas or {}).get("exposed_comm_seconds")
+        if comm is not None and measured is not None:
+            out["exposed_comm"] = _rel(comm["exposed_seconds"], measured)
     return out
+
+
+def predicted_step_seconds(pred: dict[str, Any]) -> float:
+    """Compute, plus the communication the step waits for on a data-parallel step."""
+    comm = pred.get("communication")
+    return comm["step_seconds"] if comm else pred["time"]["seconds"]
 
 
 def _rel(predicted: float, measured: float | None) -> float | None:
@@ -190,11 +199,20 @@ def _prediction_lines(c: dict[str, Any]) -> list[str]:
     lines = []
     if pred:
         mem, t = pred["memory"], pred["time"]
-        lines.append(f"  predicted: step {ms(t['seconds'])}, peak {mib(mem['peak_bytes'])} "
+        lines.append(f"  predicted: step {ms(predicted_step_seconds(pred))}, peak "
+                     f"{mib(mem['peak_bytes'])} "
                      f"({mib(mem['persistent_bytes'])} state + {mib(mem['transient_bytes'])} "
                      f"during the step) on {t['profile']}")
         if t.get("profile_provenance"):
             lines.append(f"  cost profile: {t['profile_provenance']}")
+        comm = pred.get("communication")
+        if comm:
+            link = comm["link"]
+            lines.append(f"  communication: {comm['collectives']} collectives over "
+                         f"{comm['ranks']} ranks, {ms(comm['comm_seconds'])} on the link, "
+                         f"{ms(comm['exposed_seconds'])} exposed (compute "
+                         f"{ms(comm['compute_seconds'])}); link {link['name']}: "
+                         f"{link['latency_us']:.1f} us, {link['bandwidth_GBps']:.2f} GB/s")
         if t["unknown_ops"]:
             lines.append(f"  ops without a cost rule (generic bytes rule used): "
                          f"{t['unknown_ops']}")
@@ -209,6 +227,9 @@ def _prediction_lines(c: dict[str, Any]) -> list[str]:
                      f"({when}), peak {mib(total)} "
                      f"({state_text} state + {mib(meas['peak_bytes']) if meas else '-'} during "
                      f"the step)")
+        if meas and meas.get("exposed_comm_seconds") is not None:
+            lines.append(f"  measured communication: {ms(meas['exposed_comm_seconds'])} waiting "
+                         f"in collectives (error {pct(err.get('exposed_comm'))})")
         lines.append(f"  error:     time {pct(err.get('step_time'))}, peak "
                      f"{pct(err.get('peak_memory'))} (in-step {pct(err.get('transient_memory'))}"
                      f", state {pct(err.get('persistent_memory'))})")

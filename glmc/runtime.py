@@ -93,7 +93,9 @@ class Trainer:
         options = Parallel.of(self.options.parallel)
         if options is not None:
             self.parallel = DataParallel(options, self._device)
-            self.parallel.check_same(self.model, self.example, repr(self.options))
+            program = {k: v for k, v in dataclasses.asdict(self.options).items()
+                       if k not in ("progress", "dump_dir")}  # may differ between ranks
+            self.parallel.check_same(self.model, self.example, repr(program))
             self._pipeline = with_pass(self._pipeline, options.shard_pass())
         self._entry(self._local(self.example))
 
@@ -119,6 +121,10 @@ class Trainer:
                 measured = True
             except MeasurementUnavailable as e:  # e.g. the user's own profiler is running
                 entry.record.warnings.append(f"memory not measured: {e}")
+        if not measured and self.parallel is not None and entry.calls == 3:
+            outs, waited = self.parallel.time_waits(lambda: _run(entry.step, inputs, batch))
+            entry.record.measured["exposed_comm_seconds"] = waited
+            measured = True
         if not measured:
             t0 = time.perf_counter()
             outs = _run(entry.step, inputs, batch)
@@ -245,7 +251,9 @@ class Trainer:
                 node_times = None
                 if self.options.profile_guided:
                     node_times = measure_node_times(g.gm, [get(leaves) for get in self._getters(g)])
-                predictions.append(predict(g, self._traits, profile, node_times))
+                link, ranks = (self.parallel.link, self.parallel.world) if self.parallel \
+                    else (None, 1)
+                predictions.append(predict(g, self._traits, profile, node_times, link, ranks))
                 return predictions[-1].brief()
             observe = predict_step
         pipeline = pipeline or self._pipeline

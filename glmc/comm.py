@@ -1,0 +1,220 @@
+"""Communication cost: an alpha-beta model of each collective, and how much of it the compute
+hides.
+
+One collective of `B` bytes (the full buffer: the all-reduced tensor, the gathered output, the
+reduce-scatter input) over `N` ranks on a link of latency `alpha` and bandwidth `beta` takes,
+with ring algorithms (what gloo and NCCL use for large buffers):
+
+    all_reduce                 2 (N-1) alpha + 2 (N-1)/N  B / beta
+    all_gather, reduce_scatter   (N-1) alpha +   (N-1)/N  B / beta
+
+Links come from datasheets (NVLink, InfiniBand, Ethernet) or from timing this host's process
+group once (`measure_link`, like the compute calibration). `estimate_comm` replays the step in
+program order: compute advances a clock by each node's predicted time; a collective starts when
+it is issued and the link is free (one collective at a time per link); a wait blocks until its
+collective ends — that blocking is the *exposed* communication, the rest overlaps compute.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from glmc.errors import ConfigError
+from glmc.ir import TrainGraph, comm_ops
+
+
+@dataclass(frozen=True)
+class LinkProfile:
+    """One link between the ranks of a mesh dim: latency per message step and bytes/s."""
+
+    name: str
+    latency_s: float
+    bandwidth: float
+    source: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "latency_us": self.latency_s * 1e6,
+                "bandwidth_GBps": self.bandwidth / 1e9, "source": self.source}
+
+
+#: per-direction figures from the vendors' datasheets (bus bandwidth a ring can use)
+LINKS = {
+    "nvlink4": LinkProfile("nvlink4", 3e-6, 450e9, "NVIDIA H100/H200 SXM datasheet: NVLink 4, "
+                           "900 GB/s bidirectional per GPU"),
+    "infiniband-ndr": LinkProfile("infiniband-ndr", 5e-6, 50e9, "NVIDIA ConnectX-7 datasheet: "
+                                  "NDR 400 Gb/s per port"),
+    "roce-200g": LinkProfile("roce-200g", 8e-6, 25e9, "200 GbE RoCE (e.g. Huawei Ascend/Kunpeng "
+                             "clusters' 200G NICs)"),
+    "ethernet-25g": LinkProfile("ethernet-25g", 30e-6, 3.125e9, "25 GbE, TCP"),
+}
+
+#: ring factors: (latency steps, bandwidth share) as functions of the group size
+_FACTORS = {
+    "all_reduce": (lambda n: 2 * (n - 1), lambda n: 2 * (n - 1) / n),
+    "all_gather_into_tensor": (lambda n: n - 1, lambda n: (n - 1) / n),
+    "reduce_scatter_tensor": (lambda n: n - 1, lambda n: (n - 1) / n),
+}
+
+
+def collective_seconds(kind: str, nbytes: int, ranks: int, link: LinkProfile) -> float:
+    """The alpha-beta time of one collective on `nbytes` (the full buffer)."""
+    if ranks <= 1:
+        return 0.0
+    steps, share = _FACTORS[kind]
+    return steps(ranks) * link.latency_s + share(ranks) * nbytes / link.bandwidth
+
+
+def get_link(spec: Any) -> LinkProfile:
+    if isinstance(spec, LinkProfile):
+        return spec
+    if spec in LINKS:
+        return LINKS[spec]
+    raise ConfigError(f"link: unknown link profile {spec!r}; known: {', '.join(LINKS)}, or one "
+                      "measured by glmc.comm.measure_link")
+
+
+@dataclass
+class CommEstimate:
+    """Predicted communication of one rank's step."""
+
+    link: dict[str, Any]
+    ranks: int
+    collectives: int
+    bytes_by_kind: dict[str, int]
+    comm_seconds: float  #: the collectives' own time, back to back
+    exposed_seconds: float  #: the part the step waits for
+    compute_seconds: float
+    timeline: list[dict[str, Any]] = field(default_factory=list)  #: per collective
+
+    @property
+    def step_seconds(self) -> float:
+        return self.compute_seconds + self.exposed_seconds
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"link": self.link, "ranks": self.ranks, "collectives": self.collectives,
+                "bytes_by_kind": self.bytes_by_kind, "comm_seconds": self.comm_seconds,
+                "exposed_seconds": self.exposed_seconds,
+                "compute_seconds": self.compute_seconds, "step_seconds": self.step_seconds,
+                "timeline": self.timeline}
+
+
+def _full_bytes(n: fx.Node, kind: str) -> int:
+    """The collective's full buffer: its output for a gather, its input otherwise."""
+    v = n.meta.get("val") if kind == "all_gather_into_tensor" else n.args[0].meta.get("val")
+    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+
+
+def estimate_comm(graph: fx.Graph, node_seconds: dict[str, float], ranks: int,
+                  link: LinkProfile) -> CommEstimate:
+    """Replay the step (see the module docstring); `node_seconds`: predicted compute time of
+    each node by name (glmc.cost)."""
+    ops = comm_ops()
+    clock = link_free = comm = exposed = 0.0
+    ends: dict[fx.Node, float] = {}
+    volume: dict[str, int] = {}
+    timeline = []
+    for n in graph.nodes:
+        kind = ops.get(n.target) if n.op == "call_function" else None
+        if kind is None:
+            clock += node_seconds.get(n.name, 0.0)
+            continue
+        if kind == "wait_tensor":
+            end = ends.get(n.args[0], clock)
+            waited = max(0.0, end - clock)
+            exposed += waited
+            clock += waited
+            for entry in timeline:
+                if entry["node"] == n.args[0].name:
+                    entry["wait_s"] = clock
+            continue
+        nbytes = _full_bytes(n, kind)
+        volume[kind] = volume.get(kind, 0) + nbytes
+        seconds = collective_seconds(kind, nbytes, ranks, link)
+        start = max(clock, link_free)
+        link_free = ends[n] = start + seconds
+        comm += seconds
+        info = n.meta.get("glmc")
+        timeline.append({"node": n.name, "kind": kind, "bytes": nbytes, "issue_s": clock,
+                         "start_s": start, "end_s": start + seconds,
+                         "phase": info.phase.value if info is not None else None})
+    compute = sum(node_seconds.values())
+    return CommEstimate(link.to_dict(), ranks, len(timeline), volume, comm, exposed, compute,
+                        timeline)
+
+
+def measure_link(group: Any = None, device: str = "cpu", reps: int = 5) -> LinkProfile:
+    """This host's link between the ranks of `group`, fitted to the all-reduce formula from
+    the median time of a small (latency) and a large (bandwidth) all-reduce. Every rank of
+    the group must call it; each gets the same profile (rank 0's figures, broadcast)."""
+    import torch.distributed as dist
+
+    n = dist.get_world_size(group)
+    small, large = 1024, 8 << 20
+
+    def timed(nbytes: int) -> float:
+        t = torch.zeros(nbytes // 4, device=device)
+        dist.all_reduce(t, group=group)  # warm-up: connections, buffers
+        times = []
+        for _ in range(reps):
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            dist.all_reduce(t, group=group)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    t_small, t_large = timed(small), timed(large)
+    steps, share = _FACTORS["all_reduce"]
+    latency = max(t_small / steps(n), 1e-7)
+    bandwidth = share(n) * (large - small) / max(t_large - t_small, 1e-9)
+    figures = torch.tensor([latency, bandwidth], dtype=torch.float64)
+    dist.broadcast(figures, src=dist.get_global_rank(group, 0) if group is not None else 0,
+                   group=group)
+    return LinkProfile(f"measured-{dist.get_backend(group)}", float(figures[0]),
+                       float(figures[1]), f"timed all_reduce of {small} B and {large} B, median "
+                       f"of {reps}, on {n} ranks ({dist.get_backend(group)})")
+
+
+def measure_waits(run: Any) -> tuple[Any, float]:
+    """`run()`'s result and the seconds it spent blocked in collective waits: the durations
+    of `wait_tensor` calls, from the legacy (non-Kineto) profiler's CPU events — quiet, unlike
+    Kineto's start/stop lines — or torch.profiler where that is unavailable."""
+    try:
+        from torch._C._profiler import _ExperimentalConfig
+        from torch.autograd import (ProfilerConfig, ProfilerState, _disable_profiler_legacy,
+                                    _enable_profiler_legacy)
+    except ImportError:
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            out = run()
+        return out, sum(e.cpu_time_total for e in prof.key_averages()
+                        if e.key.endswith("wait_tensor")) / 1e6
+    config = ProfilerConfig(ProfilerState.CPU, False, False, False, False, False,
+                            _ExperimentalConfig())
+    _enable_profiler_legacy(config)
+    try:
+        out = run()
+    finally:
+        records = _disable_profiler_legacy()
+    waited = 0.0
+    for thread in records:
+        stack: list[Any] = []  # pops carry no name: they close the latest push
+        for e in thread:
+            if e.kind() == "push":
+                stack.append(e)
+            elif e.kind() == "pop" and stack:
+                push = stack.pop()
+                if push.name().endswith("wait_tensor"):
+                    waited += push.cpu_elapsed_us(e) / 1e6
+    return out, waited
+
+
+def has_comm(graph: TrainGraph) -> bool:
+    ops = comm_ops()
+    return any(n.target in ops for n in graph.compute_nodes())
