@@ -10,7 +10,7 @@ import argparse
 import sys
 import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from glmc import __version__
 from glmc.errors import GlmcError
@@ -270,8 +270,13 @@ def _compile(args: argparse.Namespace) -> int:
     bar = tqdm(range(args.steps), desc=f"glmc[{args.backend}]", unit="step",
                disable=not sys.stderr.isatty() or _rank() != 0)
     lead = _rank() == 0  # one rank speaks for all; the loss is the global batch's
+    # each rank of a data-parallel run traces its last step (compute vs communication)
+    trace_at = args.steps - 1 if args.report_dir and args.zero is not None else None
     for i in bar:
-        loss = trainer.step(*batch_args, **batch_kwargs).item()
+        if i == trace_at:
+            loss = _traced_step(trainer, batch_args, batch_kwargs, Path(args.report_dir))
+        else:
+            loss = trainer.step(*batch_args, **batch_kwargs).item()
         bar.set_postfix(loss=f"{loss:.6f}")
         if lead:
             print(f"step {i:4d}  loss {loss:.6f}", flush=True)
@@ -289,6 +294,17 @@ def _compile(args: argparse.Namespace) -> int:
         for path in export_ort_training(trainer, args.export_ort_training):
             print(f"exported: {path}")
     return 0
+
+
+def _traced_step(trainer: Any, args: tuple, kwargs: dict, out: Path) -> float:
+    """One step under torch.profiler, written as this rank's Chrome/Perfetto trace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        loss = trainer.step(*args, **kwargs).item()
+    out.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(out / f"trace-rank{_rank()}.json"))
+    return loss
 
 
 def _rank() -> int:

@@ -90,6 +90,9 @@ class CommEstimate:
     exposed_seconds: float  #: the part the step waits for
     compute_seconds: float
     timeline: list[dict[str, Any]] = field(default_factory=list)  #: per collective
+    #: compute as contiguous spans of one phase, split at collectives and waits:
+    #: {"phase", "start_s", "end_s"}; a wait that blocks shows as a gap
+    compute_spans: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def step_seconds(self) -> float:
@@ -100,7 +103,7 @@ class CommEstimate:
                 "bytes_by_kind": self.bytes_by_kind, "comm_seconds": self.comm_seconds,
                 "exposed_seconds": self.exposed_seconds,
                 "compute_seconds": self.compute_seconds, "step_seconds": self.step_seconds,
-                "timeline": self.timeline}
+                "timeline": self.timeline, "compute_spans": self.compute_spans}
 
 
 def _full_bytes(n: fx.Node, kind: str) -> int:
@@ -117,11 +120,19 @@ def estimate_comm(graph: fx.Graph, node_seconds: dict[str, float], ranks: int,
     clock = link_free = comm = exposed = 0.0
     ends: dict[fx.Node, float] = {}
     volume: dict[str, int] = {}
-    timeline = []
+    timeline: list[dict[str, Any]] = []
+    spans: list[dict[str, Any]] = []
     for n in graph.nodes:
         kind = ops.get(n.target) if n.op == "call_function" else None
         if kind is None:
-            clock += node_seconds.get(n.name, 0.0)
+            t = node_seconds.get(n.name, 0.0)
+            info = n.meta.get("glmc")
+            phase = info.phase.value if info is not None else "other"
+            if t and spans and spans[-1]["phase"] == phase and spans[-1]["end_s"] == clock:
+                spans[-1]["end_s"] = clock + t
+            elif t:
+                spans.append({"phase": phase, "start_s": clock, "end_s": clock + t})
+            clock += t
             continue
         if kind == "wait_tensor":
             end = ends.get(n.args[0], clock)
@@ -144,7 +155,26 @@ def estimate_comm(graph: fx.Graph, node_seconds: dict[str, float], ranks: int,
                          "phase": info.phase.value if info is not None else None})
     compute = sum(node_seconds.values())
     return CommEstimate(link.to_dict(), ranks, len(timeline), volume, comm, exposed, compute,
-                        timeline)
+                        timeline, spans)
+
+
+def chrome_trace(comm: dict[str, Any], rank: int = 0) -> dict[str, Any]:
+    """A predicted step (`CommEstimate.to_dict()`) as a Chrome / Perfetto trace: compute spans
+    on one track, each collective on another, from its start to its end."""
+    events: list[dict[str, Any]] = [
+        {"ph": "M", "name": "thread_name", "pid": rank, "tid": 0, "args": {"name": "compute"}},
+        {"ph": "M", "name": "thread_name", "pid": rank, "tid": 1,
+         "args": {"name": "communication"}}]
+    for s in comm["compute_spans"]:
+        events.append({"ph": "X", "name": s["phase"], "pid": rank, "tid": 0,
+                       "ts": s["start_s"] * 1e6, "dur": (s["end_s"] - s["start_s"]) * 1e6})
+    for c in comm["timeline"]:
+        events.append({"ph": "X", "name": c["kind"], "pid": rank, "tid": 1,
+                       "ts": c["start_s"] * 1e6, "dur": (c["end_s"] - c["start_s"]) * 1e6,
+                       "args": {"bytes": c["bytes"], "node": c["node"],
+                                "issued_us": c["issue_s"] * 1e6}})
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "otherData": {"predicted_by": "glmc.comm", "link": comm["link"]}}
 
 
 def measure_link(group: Any = None, device: str = "cpu", reps: int = 5) -> LinkProfile:
@@ -154,6 +184,8 @@ def measure_link(group: Any = None, device: str = "cpu", reps: int = 5) -> LinkP
     import torch.distributed as dist
 
     n = dist.get_world_size(group)
+    if n == 1:
+        return LinkProfile("none", 0.0, float("inf"), "one rank: nothing is communicated")
     small, large = 1024, 8 << 20
 
     def timed(nbytes: int) -> float:

@@ -57,6 +57,9 @@ class Role(enum.Enum):
     OUTPUT = "output"  #: the output node
     BOUNDARY = "boundary"  #: a value received from another pipeline stage (input)
     SAVED = "saved"  #: a forward value this stage's backward reads, kept per microbatch (input)
+    #: a value the runtime carries between the micro-batches of one step (accumulated
+    #: gradient buckets and loss, the 1/k scale; glmc.parallel)
+    ACCUMULATOR = "accumulator"
 
 
 class OutputKind(enum.Enum):
@@ -70,6 +73,7 @@ class OutputKind(enum.Enum):
     GRADIENT = "gradient"  #: a gradient output of a joint graph (drop-in torch.compile path)
     SEND = "send"  #: a value sent to another pipeline stage (target: the boundary's name)
     SAVED = "saved"  #: a forward value kept for this stage's backward (target: its name)
+    ACCUMULATOR = "accumulator"  #: a micro-batch's running sum (gradient bucket, loss)
 
 
 @dataclass(frozen=True)
@@ -208,6 +212,10 @@ GRAD_OF = "glmc_grad_of"
 #: node.meta key on a node one of whose int arguments is this process's coordinate on a mesh
 #: dim: (mesh dim, argument index). `glmc.program.bind_mesh` fills it in per process.
 RANK_ARG = "glmc_rank_arg"
+
+#: node.meta key on the running sums a micro-batch step outputs under gradient accumulation:
+#: the InputSpec target of the accumulator it feeds (see passes/shard.py)
+ACCUMULATES = "glmc_accumulates"
 
 
 def replace_uses(old: fx.Node, new: fx.Node) -> None:

@@ -12,6 +12,7 @@ local tensors; `sharded_state_dict()` presents them as DTensors for `torch.distr
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import os
 import shutil
@@ -27,7 +28,8 @@ import torch.nn as nn
 from glmc.capture import Batch, batch_leaves, describe
 from glmc.comm import measure_link, measure_waits
 from glmc.errors import ConfigError, InputError
-from glmc.ir import MeshSpec, Role, TrainGraph
+from glmc.ir import (ACCUMULATES, RANDOM_OPS, MeshSpec, OutputKind, OutputSpec, Role, TrainGraph,
+                     op_name)
 from glmc.passes.shard import DIM, Layout, ShardPass, ShardPlan
 from glmc.program import bind_mesh
 
@@ -45,6 +47,10 @@ class Parallel:
     bucket_mb: float = 25.0
     overlap: bool = True
     timeout_s: float = 300.0
+    #: micro-batches per step (gradient accumulation, one collective per bucket per step);
+    #: > 1 compiles the step with running sums, and `trainer.parallel.accumulate` may then
+    #: change between steps
+    accumulate: int = 1
 
     @staticmethod
     def of(value: Any) -> "Parallel | None":
@@ -58,17 +64,22 @@ class Parallel:
         if not isinstance(value, dict):
             raise ConfigError(f"parallel: expected a ZeRO stage, a dict or glmc.Parallel, got "
                               f"{type(value).__name__}")
-        unknown = set(value) - {"zero", "bucket_mb", "overlap", "timeout_s"}
+        known = {f.name for f in dataclasses.fields(Parallel)}
+        unknown = set(value) - known
         if unknown:
-            raise ConfigError(f"parallel: unknown option(s) {sorted(unknown)}; known: zero, "
-                              "bucket_mb, overlap, timeout_s")
+            raise ConfigError(f"parallel: unknown option(s) {sorted(unknown)}; known: "
+                              f"{', '.join(sorted(known))}")
         p = Parallel(**value)
         if p.zero not in (0, 1, 2, 3):
             raise ConfigError(f"parallel: zero must be 0, 1, 2 or 3, got {p.zero}")
+        if not isinstance(p.accumulate, int) or p.accumulate < 1:
+            raise ConfigError(f"parallel: accumulate must be a whole number >= 1, got "
+                              f"{p.accumulate!r}")
         return p
 
     def shard_pass(self) -> ShardPass:
-        return ShardPass(stage=self.zero, bucket_mb=self.bucket_mb, overlap=self.overlap)
+        return ShardPass(stage=self.zero, bucket_mb=self.bucket_mb, overlap=self.overlap,
+                         accumulate=self.accumulate > 1)
 
 
 def init_distributed(device: str, timeout_s: float) -> None:
@@ -98,6 +109,9 @@ class DataParallel:
         self.mesh = init_device_mesh(device, (self.world,), mesh_dim_names=(DIM,))
         self.spec = MeshSpec.of(self.mesh)
         self.plan: ShardPlan | None = None
+        #: micro-batches per step; may change between steps when compiled with accumulate > 1
+        self.accumulate = options.accumulate
+        self.sums: dict[str, torch.Tensor] = {}  #: running sums by accumulator input target
         self.link = measure_link(device=device)  #: this host's link, timed once
         self.store: dict[str, torch.Tensor] = {}  #: padded local shards by input target
         self._owners: dict[str, tuple[Any, str]] = {}  #: target -> (container, key) of the view
@@ -118,6 +132,63 @@ class DataParallel:
             n = t.shape[0] // self.world
             return t[self.rank * n:(self.rank + 1) * n]
         return tuple(cut(t) for t in args), {k: cut(v) for k, v in kwargs.items()}
+
+    def micro_batches(self, batch: Batch) -> list[Batch]:
+        """This rank's batch cut into `accumulate` micro-batches (dim 0)."""
+        k = self.accumulate
+        if k > 1 and not self.options.accumulate > 1:
+            raise ConfigError("parallel: accumulate > 1 needs a step compiled for it; pass "
+                              "parallel={'accumulate': k} with k > 1 when creating the trainer")
+        if k == 1:
+            return [batch]
+        args, kwargs = batch
+        leaves = [t for t in batch_leaves(batch) if t.dim() > 0]
+        rows = leaves[0].shape[0] if leaves else 0
+        if rows % k:
+            raise InputError(f"parallel: this rank's {rows} rows of the batch "
+                             f"{describe(batch)} do not split into accumulate={k} micro-batches;"
+                             f" pass a global batch whose size divides by ranks x {k}")
+        n = rows // k
+
+        def cut(t: Any, i: int) -> Any:
+            return t[i * n:(i + 1) * n] if isinstance(t, torch.Tensor) and t.dim() else t
+        return [(tuple(cut(t, i) for t in args), {key: cut(v, i) for key, v in kwargs.items()})
+                for i in range(k)]
+
+    def start_step(self, graph: TrainGraph) -> None:
+        """Zero the running sums and set 1/k for a step of `accumulate` micro-batches."""
+        plan: ShardPlan = graph.meta["sharding"]
+        for target, spec in plan.accumulators.items():
+            t = self.sums.get(target)
+            if t is None or tuple(t.shape) != spec.shape:
+                t = self.sums[target] = torch.zeros(spec.shape, dtype=spec.dtype,
+                                                    device=spec.device)
+            if target == "acc:scale":
+                t.fill_(1.0 / self.accumulate)
+            else:
+                t.zero_()
+
+    def carry(self, graph: TrainGraph, sums: list[torch.Tensor]) -> None:
+        """A micro-batch step's running sums become the next one's inputs."""
+        with torch.no_grad():
+            for spec, value in zip(graph.outputs, sums):
+                self.sums[spec.target].copy_(value)
+
+    def micro_program(self, graph: TrainGraph) -> TrainGraph:
+        """The step of a micro-batch that is not the last: forward and backward, the gradient
+        buckets and the loss added to their running sums; no collective on gradients, no
+        update (dead code, removed). Outputs the sums, one per accumulator."""
+        micro = graph.copy()
+        sums = {n.meta[ACCUMULATES]: n for n in micro.graph.nodes if ACCUMULATES in n.meta}
+        targets = [t for t in graph.meta["sharding"].accumulators if t in sums]
+        micro.output_node().args = (tuple(sums[t] for t in targets),)
+        micro.outputs = [OutputSpec(OutputKind.ACCUMULATOR, t) for t in targets]
+        micro.graph.eliminate_dead_code(
+            is_impure_node=lambda n: n.op in ("placeholder", "output")
+            or op_name(n) in RANDOM_OPS)  # every draw stays: the RNG stream is eager's
+        micro.gm.recompile()
+        micro.verify()
+        return micro
 
     def check_same(self, model: nn.Module, batch: Batch, what: str) -> None:
         """Every rank trains the same model on the same batch structure: a typed error naming
@@ -181,6 +252,8 @@ class DataParallel:
                                                            Role.OPTIMIZER_STATE):
                 t = self.store[spec.target]
                 out[i] = lambda _, t=t: t
+            elif spec.role is Role.ACCUMULATOR:
+                out[i] = lambda _, k=spec.target: self.sums[k]
         return out
 
     @contextlib.contextmanager

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from glmc.comm import chrome_trace
 from glmc.errors import Offense
 from glmc.passmanager import PassRecord
 from glmc.report_html import render_html
@@ -143,7 +144,12 @@ class Report:
         data = self.to_dict()
         (out / "report.json").write_text(json.dumps(data, indent=1, default=str))
         (out / "report.html").write_text(render_html(data))
-        return [out / "report.json", out / "report.html"]
+        written = [out / "report.json", out / "report.html"]
+        comm = ((data["compiles"] or [{}])[-1].get("predicted") or {}).get("communication")
+        if comm:  # the predicted compute/communication timeline, for Perfetto
+            (out / "timeline-predicted.json").write_text(json.dumps(chrome_trace(comm)))
+            written.append(out / "timeline-predicted.json")
+        return written
 
 
 def load(directory: str | Path) -> dict[str, Any]:

@@ -235,7 +235,8 @@ def _compile_section(i: int, c: dict[str, Any]) -> str:
              f"<p>capture {c['capture_seconds']:.2f}s, passes {c['passes_seconds']:.2f}s, "
              f"backend compile {c['backend_seconds']:.2f}s; nodes {c['nodes_captured']} &rarr; "
              f"{c['nodes_final']}.{profile}</p>",
-             _pass_table(c), "<h3>Memory timeline</h3>" + _timeline_plot(c), _pass_sections(c),
+             _pass_table(c), "<h3>Memory timeline</h3>" + _timeline_plot(c), _comm_plot(c),
+             _pass_sections(c),
              _pass_plot(c) or ""]
     if pred:
         parts.append(_peak_tables(pred))
@@ -247,6 +248,34 @@ def _compile_section(i: int, c: dict[str, Any]) -> str:
         parts.append("<h3 class=warn>Warnings</h3><ul>"
                      + "".join(f"<li>{_esc(w)}</li>" for w in c["warnings"]) + "</ul>")
     return "\n".join(parts)
+
+
+def _comm_plot(c: dict[str, Any]) -> str:
+    """The predicted timeline of one rank: compute by phase, collectives on the link."""
+    comm = (c.get("predicted") or {}).get("communication")
+    if not comm:
+        return ""
+    fig = _figure(12, 2.2)
+    ax = fig.subplots()
+    colors = {"forward": "tab:blue", "backward": "tab:orange", "optimizer": "tab:green"}
+    for s in comm["compute_spans"]:
+        ax.broken_barh([(s["start_s"] * 1e3, (s["end_s"] - s["start_s"]) * 1e3)], (1, 0.8),
+                       color=colors.get(s["phase"], "tab:gray"))
+    for k in comm["timeline"]:
+        ax.broken_barh([(k["start_s"] * 1e3, (k["end_s"] - k["start_s"]) * 1e3)], (0, 0.8),
+                       color="tab:red")
+    ax.set_yticks([0.4, 1.4], ["communication", "compute"])
+    ax.set_xlabel("ms (predicted)")
+    ax.set_title(f"one rank of {comm['ranks']}: {comm['collectives']} collectives, "
+                 f"{comm['exposed_seconds'] * 1e3:.2f} ms of {comm['comm_seconds'] * 1e3:.2f} ms "
+                 "exposed (blue forward, orange backward, green update, red collectives)",
+                 fontsize=9)
+    fig.tight_layout()
+    meas = (c.get("measured") or {}).get("exposed_comm_seconds")
+    note = (f"<p>Measured: {meas * 1e3:.2f} ms blocked in collective waits in one step. "
+            "timeline-predicted.json (next to this report) opens in Perfetto.</p>"
+            if meas is not None else "")
+    return "<h3>Compute and communication</h3>" + _svg(fig) + note
 
 
 def render_html(data: dict[str, Any]) -> str:

@@ -44,6 +44,8 @@ class _Entry:
     record: CompileRecord
     pipeline: list[Pass] = field(default_factory=list)  #: the passes this entry ran
     pieces: PieceStep | None = None  #: the model breaks into several graphs (glmc.pieces)
+    micro: CompiledStep | None = None  #: a micro-batch's step under gradient accumulation
+    micro_graph: TrainGraph | None = None  #: its program (glmc.parallel.micro_program)
     writeback: list[tuple[int, int]] = field(default_factory=list)  #: (output, input) pairs
     calls: int = 0
     retried: bool = False  #: compiled again because a pass asked after measurement
@@ -97,14 +99,21 @@ class Trainer:
                        if k not in ("progress", "dump_dir")}  # may differ between ranks
             self.parallel.check_same(self.model, self.example, repr(program))
             self._pipeline = with_pass(self._pipeline, options.shard_pass())
-        self._entry(self._local(self.example))
+        self._entry(self._micro_batches(self._local(self.example))[-1])
 
     # -- public ---------------------------------------------------------------------------------
 
     def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """One training step on this batch; returns the (detached) loss."""
-        batch = self._local(self._normalize(args, kwargs))
+        micro = self._micro_batches(self._local(self._normalize(args, kwargs)))
+        batch = micro[-1]
         entry = self._entry(batch)
+        if entry.micro is not None:  # gradient accumulation: all but the last micro-batch
+            self.parallel.start_step(entry.graph)
+            for mb in micro[:-1]:
+                leaves = _leaves(mb)
+                sums = _run(entry.micro, [get(leaves) for get in entry.getters], mb)
+                self.parallel.carry(entry.micro_graph, sums)
         if entry.pieces is not None:
             t0 = time.perf_counter()
             loss = entry.pieces(batch)
@@ -121,9 +130,11 @@ class Trainer:
                 measured = True
             except MeasurementUnavailable as e:  # e.g. the user's own profiler is running
                 entry.record.warnings.append(f"memory not measured: {e}")
-        if not measured and self.parallel is not None and entry.calls == 3:
+        if not measured and self.options.measure and self.parallel is not None and \
+                entry.calls == 3:  # the communication the step waits for, from profiler events
             outs, waited = self.parallel.time_waits(lambda: _run(entry.step, inputs, batch))
-            entry.record.measured["exposed_comm_seconds"] = waited
+            entry.record.measured = {**(entry.record.measured or {}),
+                                     "exposed_comm_seconds": waited}
             measured = True
         if not measured:
             t0 = time.perf_counter()
@@ -163,6 +174,9 @@ class Trainer:
     def _local(self, batch: Batch) -> Batch:
         """This rank's slice of the global batch (the batch itself on one process)."""
         return self.parallel.local(batch) if self.parallel is not None else batch
+
+    def _micro_batches(self, batch: Batch) -> list[Batch]:
+        return self.parallel.micro_batches(batch) if self.parallel is not None else [batch]
 
     @property
     def _device(self) -> str:
@@ -286,8 +300,12 @@ class Trainer:
             predicted_captured=predictions[0].to_dict() if predictions else None,
             predicted=predictions[-1].to_dict() if predictions else None)
         self.report.compiles.append(record)
+        micro, micro_graph = None, None
+        if self.parallel is not None and graph.meta["sharding"].accumulators:
+            micro_graph = self.parallel.micro_program(runnable)
+            micro = self._backend.compile(micro_graph, strict=self.options.strict)
         return _Entry(graph, compiled, getters, record, list(pipeline),
-                      writeback=writeback_pairs(graph))
+                      writeback=writeback_pairs(graph), micro=micro, micro_graph=micro_graph)
 
     def _pieces_entry(self, batch: Batch, error: GraphBreakError, seconds: float) -> _Entry:
         """The model breaks into several graphs: compile the pieces (glmc.pieces), say so in
@@ -429,6 +447,8 @@ def input_getters(graph: TrainGraph, model: nn.Module, opt: torch.optim.Optimize
             getters.append(state(key, params[name]))
         elif spec.role is Role.HYPERPARAM:
             getters.append(lr_tensor(int(spec.target.split(":")[1])))
+        elif spec.role is Role.ACCUMULATOR:  # glmc.parallel supplies the running sums
+            getters.append(lambda _, t=spec.target: _no_accumulator(t))
         elif spec.role is Role.SCALER:
             if scaler is None:
                 raise ConfigError("step: the step uses loss scaling but no scaler state is kept")
@@ -438,6 +458,11 @@ def input_getters(graph: TrainGraph, model: nn.Module, opt: torch.optim.Optimize
             getters.append(leaf(int(spec.target.split(":")[1])))
     ensure_state(opt)
     return getters
+
+
+def _no_accumulator(target: str) -> torch.Tensor:
+    raise ConfigError(f"step: the step takes the running sum {target!r} of gradient "
+                      "accumulation but runs without glmc.parallel")
 
 
 def _run(step: CompiledStep, inputs: list[torch.Tensor], batch: Batch) -> list[torch.Tensor]:

@@ -44,8 +44,8 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from glmc.errors import ConfigError, PassError
-from glmc.ir import (GRAD_OF, RANK_ARG, MeshSpec, NodeInfo, OutputKind, Phase, Role, TensorSpec,
-                     TrainGraph)
+from glmc.ir import (ACCUMULATES, GRAD_OF, RANK_ARG, InputSpec, MeshSpec, NodeInfo, OutputKind,
+                     Phase, Role, TensorSpec, TrainGraph)
 from glmc.passmanager import Effect, Need, Pass, PassContext, PassResult
 from glmc.program import SpmdProgram, insert_collective
 
@@ -132,6 +132,7 @@ class ShardPlan:
     layouts: dict[str, Layout] = field(default_factory=dict)
     grad_buckets: list[Bucket] = field(default_factory=list)
     gather_buckets: list[Bucket] = field(default_factory=list)  #: new params (1-2) / fwd (3)
+    accumulators: dict[str, TensorSpec] = field(default_factory=dict)  #: by input target
 
     @property
     def ranks(self) -> int:
@@ -157,11 +158,16 @@ class ShardPass(Pass):
     stage: int = 0
     bucket_mb: float = 25.0
     overlap: bool = True
+    #: gradient accumulation over micro-batches: the step takes running sums (one per bucket,
+    #: and the loss) and 1/k as inputs, so k may change between steps
+    accumulate: bool = False
 
     def needs(self) -> frozenset[Need]:
         return frozenset({Need.STEP})
 
     def effects(self) -> frozenset[Effect]:
+        if self.accumulate:  # the running sums and 1/k become step inputs
+            return frozenset({Effect.INSERTS_COMM, Effect.ADDS_STATE})
         return frozenset({Effect.INSERTS_COMM})
 
     def run(self, graph: TrainGraph, ctx: PassContext) -> PassResult:
@@ -211,6 +217,7 @@ class _Sharder:
         self.layout = {name: Layout(TrainGraph.info(ph).spec.shape, self.n)
                        for name, ph in self.params.items()}
         self.forward_full: dict[fx.Node, fx.Node] = {}  #: stage 3: param -> forward gather
+        self._scale: fx.Node | None = None
 
     # -- node building --
     def emit(self, op: Any, args: tuple, phase: Phase, role: Role, kwargs: dict | None = None,
@@ -295,6 +302,8 @@ class _Sharder:
                            if TrainGraph.info(u).phase is Phase.OPTIMIZER] for p in bucket.params}
             with self.g.inserting_before(last.next):
                 flat = self._flatten(bucket.params, nodes, scatter, Phase.BACKWARD, Role.GRADIENT)
+                if self.opts.accumulate:
+                    flat = self._accumulate(flat, f"acc:grad{len(out)}")
             wait = insert_collective(self.graph, flat, kind, self.mesh, DIM, "avg", readers=[])
             first = _earliest(self.g, [r for rs in readers.values() for r in rs])
             pieces = self._unflatten(bucket.params, wait, scatter, Phase.OPTIMIZER, Role.UPDATE,
@@ -304,6 +313,37 @@ class _Sharder:
                     r.replace_input_with(grads[p], piece)
                 out[p] = piece
         return out
+
+    def _accumulate(self, value: fx.Node, target: str) -> fx.Node:
+        """(value + running sum) * (1/k): the sum, marked ACCUMULATES, is what a micro-batch
+        step outputs; the scaled total is what this step communicates."""
+        val = value.meta["val"]
+        acc = self._input(target, val.shape, val.dtype, val.device)
+        total = self.emit(aten.add.Tensor, (value, acc), *_kind(value), like=value)
+        total.meta[ACCUMULATES] = target
+        return self.emit(aten.mul.Tensor, (total, self.scale), *_kind(value), like=value)
+
+    def _input(self, target: str, shape: Any, dtype: torch.dtype, device: Any) -> fx.Node:
+        """A new step input (Role.ACCUMULATOR), placed after the last placeholder."""
+        last = self.graph.placeholders()[-1]
+        with self.g.inserting_after(last):
+            ph = self.g.placeholder(target.replace(":", "_"))
+        with self.fake:
+            ph.meta["val"] = torch.empty(shape, dtype=dtype, device=device)
+        spec = TensorSpec.of(ph.meta["val"])
+        ph.meta["glmc"] = NodeInfo(Phase.INPUT, Role.ACCUMULATOR, spec, target=target,
+                                   created_by="shard")
+        self.graph.inputs.append(InputSpec(Role.ACCUMULATOR, target))
+        self.plan.accumulators[target] = spec
+        return ph
+
+    @property
+    def scale(self) -> fx.Node:
+        """The 1/k input (float32 0-d), made on first use."""
+        if self._scale is None:
+            device = self.graph.placeholders()[0].meta["val"].device
+            self._scale = self._input("acc:scale", (), torch.float32, device)
+        return self._scale
 
     def _flatten(self, names: list[str], nodes: list[fx.Node], rank_major: bool, phase: Phase,
                  role: Role) -> fx.Node:
@@ -518,6 +558,11 @@ class _Sharder:
         outs = self.graph.output_values()
         k = next(i for i, s in enumerate(self.graph.outputs) if s.kind is OutputKind.LOSS)
         loss = outs[k]
+        if self.opts.accumulate:  # the mean over the micro-batches
+            with self.g.inserting_before(self.graph.output_node()):
+                total = self._accumulate(loss, "acc:loss")
+            self.graph.output_node().replace_input_with(loss, total)
+            loss = total
         insert_collective(self.graph, loss, "all_reduce", self.mesh, DIM, "avg",
                           readers=[self.graph.output_node()])
 
@@ -538,6 +583,11 @@ def _settle_waits(graph: TrainGraph, overlap: bool) -> None:
 
 
 # ---- graph queries -----------------------------------------------------------------------------
+
+def _kind(node: fx.Node) -> tuple[Phase, Role]:
+    info = TrainGraph.info(node)
+    return info.phase, info.role
+
 
 def _position(g: fx.Graph, node: fx.Node) -> int:
     # a linear scan: called O(parameters) times on graphs of a few thousand nodes

@@ -64,6 +64,25 @@ def _stage_part(stage: int, precision: str | None = None, fusion: bool = False):
     return part
 
 
+def _accumulate_part(rank: int, out: Path) -> dict:
+    """4 micro-batches per rank and step: eager PyTorch on the whole (8-row) batch; then
+    the same trainer with 2 micro-batches of a 4-row batch: no recompile (same micro shape)."""
+    (model, batch, loss_fn, opt), (ref_model, ref_opt) = _case()
+    ids, labels = batch
+    big = (torch.cat([ids, ids.flip(0)]), torch.cat([labels, labels.flip(0)]))
+    ref = eager_losses(ref_model, big, loss_fn, ref_opt, STEPS)
+    trainer = glmc.optimize(model, big, loss_fn=loss_fn, optimizer=opt, backend="eager",
+                            fusion=False, predict=False,
+                            parallel={"zero": 2, "accumulate": 4, "bucket_mb": BUCKET_MB})
+    losses = [trainer.step(*big).item() for _ in range(STEPS)]
+    trainer.parallel.accumulate = 2
+    trainer.step(*batch)
+    params, _ = trainer.parallel.full_state(model, opt)
+    return {"losses": losses, "ref": ref, "compiles": len(trainer.report.compiles),
+            "params": params, "ref_params": {n: p.detach() for n, p in
+                                             ref_model.named_parameters()}}
+
+
 def _checkpoint_part(rank: int, out: Path) -> dict:
     """Train 2 steps, save, train 2 more; a fresh trainer loads the checkpoint and repeats
     those 2 steps. A stale staging directory from an interrupted save does not matter."""
@@ -108,7 +127,7 @@ def _errors_part(rank: int, out: Path) -> dict:
 def _worker(rank: int, port: int, out: str) -> None:
     parts = [(f"stage{s}", _stage_part(s, fusion=s == 2)) for s in (0, 1, 2, 3)]
     parts += [("stage3_bf16", _stage_part(3, "bf16")), ("checkpoint", _checkpoint_part),
-              ("errors", _errors_part)]
+              ("accumulate", _accumulate_part), ("errors", _errors_part)]
     run_parts(rank, port, 2, out, parts)
 
 
@@ -162,12 +181,36 @@ def test_buckets_follow_the_backward_and_the_bucket_size(runs: Path) -> None:
     assert all(b.nbytes <= limit or len(b.params) == 1 for b in plan.grad_buckets)
 
 
+def test_accumulating_four_micro_batches_equals_the_big_batch(runs: Path) -> None:
+    r = result(runs, "accumulate", 0)
+    torch.testing.assert_close(r["losses"], r["ref"][:len(r["losses"])], rtol=1e-4, atol=0)
+    assert r["compiles"] == 1  # k changed from 4 to 2 with the micro-batch shape unchanged
+
+
 # ---- checkpoints -------------------------------------------------------------------------------
 
 def test_dcp_checkpoint_resumes_to_the_same_losses(runs: Path) -> None:
     r = result(runs, "checkpoint", 0)
     assert r["resumed"] == r["after"]
     assert ".metadata" in r["files"]
+
+
+def _one_rank_worker(rank: int, port: int, out: str) -> None:
+    def part(rank: int, out: Path) -> dict:
+        (model, batch, loss_fn, opt), _ = _case()
+        args, kwargs = split_batch(batch)
+        trainer = glmc.optimize(model, batch, loss_fn=loss_fn, optimizer=opt, backend="eager",
+                                fusion=False, predict=False, measure=False,
+                                parallel={"zero": 3, "bucket_mb": BUCKET_MB})
+        load_checkpoint(trainer, str(out / "ckpt"))
+        return {"resumed": [trainer.step(*args, **kwargs).item() for _ in range(2)]}
+    run_parts(rank, port, 1, out, [("one_rank", part)])
+
+
+def test_a_two_rank_checkpoint_loads_on_one_rank(runs: Path) -> None:
+    spawn(_one_rank_worker, str(runs), nprocs=1)
+    after = result(runs, "checkpoint", 0)["after"]
+    torch.testing.assert_close(result(runs, "one_rank", 0)["resumed"], after, rtol=1e-5, atol=0)
 
 
 # ---- bad input ---------------------------------------------------------------------------------
