@@ -15,9 +15,15 @@ def _inductor() -> Backend:
     return InductorBackend()
 
 
+def _ort() -> Backend:
+    from glmc.backends.ort import OrtBackend
+    return OrtBackend()
+
+
 BACKENDS = {
     "eager": _eager,
     "inductor": _inductor,
+    "ort": _ort,
 }
 
 

@@ -23,10 +23,8 @@ directory next to `dir` and moved into place at the end, so a failed export leav
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
-import re
 import shutil
 import uuid
 import warnings
@@ -38,11 +36,13 @@ import torch.fx as fx
 
 from glmc.errors import ConfigError, ExportError, GlmcError, Offense
 from glmc.ir import RANDOM_OPS, Role, TrainGraph, op_name
+from glmc.onnx_lowering import (  # noqa: F401 (the lowering lives in the core; old names kept)
+    _ANSI, _check_outputs, _decompose, _exporter_message, _fix, _offenses_of, _onnx_registry,
+    export_onnx, onnx_offenses, require_onnx)
 
 #: every file an export may write; a new export into the same directory replaces them all
 EXPORT_FILES = ("step.py", "signature.json", "state.safetensors", "batch.safetensors",
                 "constants.safetensors", "step.onnx")
-_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
 #: the export's typed error (kept under this name for callers of glmc.export)
@@ -129,7 +129,10 @@ def _step_inputs(trainer: Any) -> list[torch.Tensor]:
     return [get(leaves) for get in entry.getters]
 
 
-def export_step(trainer: Any, directory: str, onnx: bool = False) -> list[str]:
+def export_step(trainer: Any, directory: str, onnx: bool = False,
+                ort_training: bool = False) -> list[str]:
+    """The step export (module docstring); with `ort_training`, ONNX Runtime's on-device
+    training artifacts of the model in `directory/ort_training` too (export_ort_training)."""
     from glmc.kernels import lower_to_aten
 
     graph: TrainGraph = trainer.graph
@@ -149,7 +152,10 @@ def export_step(trainer: Any, directory: str, onnx: bool = False) -> list[str]:
     out = Path(directory)
     with _staging(out) as tmp:
         written = _write(graph, inputs, randoms, tmp, onnx)
-    return [str(out / p.name) for p in written]
+    files = [str(out / p.name) for p in written]
+    if ort_training:
+        files += export_ort_training(trainer, str(out / "ort_training"))
+    return files
 
 
 def _write(graph: TrainGraph, inputs: list[torch.Tensor], randoms: list[str], out: Path,
@@ -184,7 +190,7 @@ def random_ops(graph: TrainGraph) -> list[str]:
 
 
 @contextlib.contextmanager
-def _staging(out: Path) -> Iterator[Path]:
+def _staging(out: Path, owned: tuple[str, ...] = EXPORT_FILES) -> Iterator[Path]:
     """A fresh directory next to `out` to write into; when the body succeeds it becomes `out`
     (or its files replace an earlier export's in `out`), when it fails it is removed, with any
     parent directories made for it: a failed export leaves nothing behind."""
@@ -196,7 +202,7 @@ def _staging(out: Path) -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
-        _publish(tmp, out)
+        _publish(tmp, out, owned)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         for d in made:
@@ -205,7 +211,7 @@ def _staging(out: Path) -> Iterator[Path]:
         raise
 
 
-def _publish(tmp: Path, out: Path) -> None:
+def _publish(tmp: Path, out: Path, owned: tuple[str, ...] = EXPORT_FILES) -> None:
     if not out.exists():
         tmp.rename(out)
         return
@@ -214,7 +220,7 @@ def _publish(tmp: Path, out: Path) -> None:
     written = {f.name for f in tmp.iterdir()}
     for name in written:
         os.replace(tmp / name, out / name)
-    for name in set(EXPORT_FILES) - written:  # stale: step.onnx of an earlier onnx=True export
+    for name in set(owned) - written:  # stale: step.onnx of an earlier onnx=True export
         (out / name).unlink(missing_ok=True)
     tmp.rmdir()
 
@@ -254,68 +260,6 @@ def _source(graph: TrainGraph) -> str:
     return header + code.src + _RUNNER
 
 
-def require_onnx() -> None:
-    import importlib.util
-    missing = [m for m in ("onnx", "onnxscript") if importlib.util.find_spec(m) is None]
-    if missing:
-        raise ConfigError(f"export: ONNX export needs {', '.join(missing)} (pip install "
-                          "'glmc[onnx]')")
-
-
-def _decompose(gm: fx.GraphModule, inputs: list[torch.Tensor], fake: bool) -> fx.GraphModule:
-    """The step in core ATen, as `export_onnx` hands it to the exporter; `fake` traces it on
-    fake tensors (nothing computed)."""
-    from torch._decomp import core_aten_decompositions
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    from glmc.kernels import decompositions
-
-    table = {**core_aten_decompositions(), **decompositions()}
-    rng = torch.get_rng_state()
-    with torch.no_grad():
-        decomposed = make_fx(gm, decomposition_table=table,
-                             tracing_mode="fake" if fake else "real")(*inputs)
-    torch.set_rng_state(rng)
-    return decomposed
-
-
-def export_onnx(graph: TrainGraph, inputs: list[torch.Tensor], path: Path) -> Path:
-    """The functional step as ONNX: decompose to core ATen, torch.export, dynamo ONNX exporter."""
-    require_onnx()
-    real = [t.detach().clone() for t in inputs]
-    decomposed = _decompose(graph.gm, real, fake=False)
-
-    class _Step(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.step = decomposed
-
-        def forward(self, *xs: torch.Tensor) -> Any:
-            return tuple(self.step(*xs))
-
-    try:
-        program = torch.export.export(_Step(), tuple(real))
-        onnx_program = torch.onnx.export(program, (), dynamo=True, optimize=False,
-                                         verify=False, verbose=False)
-    except Exception as e:
-        raise OnnxExportError(f"export: torch's ONNX exporter failed on the step: "
-                              f"{_exporter_message(e)}") from e
-    onnx_program.model.ir_version = 10  # onnxruntime 1.19 loads IR <= 10
-    onnx_program.save(str(path))
-    _check_outputs(graph, path)
-    return path
-
-
-def _exporter_message(e: Exception) -> str:
-    """The exporter's message without its terminal colours and boilerplate."""
-    text = _ANSI.sub("", str(e))
-    _, found, summary = text.partition("## Exception summary")
-    text = summary if found else text
-    for noise in ("(Refer to the full stack trace above for more information.)", "⬆️"):
-        text = text.replace(noise, "")
-    return text.strip()
-
-
 # ---- what the ONNX exporter cannot take ----------------------------------------------------------
 
 def onnx_export_offenses(trainer: Any) -> list[Offense]:
@@ -342,90 +286,32 @@ def _unsupported(offenses: list[Offense]) -> OnnxExportError:
                            "or change the model:", offenses)
 
 
-def onnx_offenses(graph: TrainGraph, inputs: list[torch.Tensor]) -> list[Offense]:
-    """Every op of the ATen-lowered `graph` that torch's ONNX exporter has no function for, once
-    the decompositions `export_onnx` and the exporter apply are done, with the source lines of
-    the nodes it comes from. Traces on fake tensors: seconds, not the export's minutes. Empty
-    when this torch has no exporter registry to ask (the export then fails or succeeds)."""
-    known = _onnx_registry()
-    if known is None:
-        return []
-    registry, exporter_decomposes = known
-    try:
-        decomposed = _decompose(graph.gm, inputs, fake=True)
-    except Exception as e:  # e.g. an op without a fake kernel: the export itself will tell
-        warnings.warn(f"export: could not check the step against the ONNX exporter ahead of "
-                      f"time ({type(e).__name__}: {e})", stacklevel=2)
-        return []
-    missing: dict[Any, set[Any]] = {}  # op of the step -> ops without a function it became
-    for n in decomposed.graph.nodes:
-        t = n.target
-        if n.op != "call_function" or not isinstance(t, torch._ops.OpOverload) or \
-                registry.is_registered(t) or t in exporter_decomposes:
-            continue
-        missing.setdefault(n.meta.get("original_aten") or t, set()).add(t)
-    offenses = []
-    for origin, leaves in missing.items():
-        offenses += _offenses_of(graph, origin, leaves)
-    return offenses
+# ---- ONNX Runtime on-device training artifacts -------------------------------------------------
+
+#: what export_ort_training writes (a new export into the same directory replaces them all)
+ORT_TRAINING_FILES = ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx",
+                      "checkpoint", "batch.npz", "config.json", "train.py")
 
 
-def _offenses_of(graph: TrainGraph, origin: Any, leaves: set[Any]) -> list[Offense]:
-    """One offense per source line (and creating pass) of the step's nodes calling `origin`."""
-    name = str(origin)
-    via = "" if leaves == {origin} else \
-        f" (it decomposes to {', '.join(sorted(map(str, leaves)))})"
-    sites: dict[tuple[str, str], int] = {}
-    for n in graph.compute_nodes():
-        if n.target == origin:
-            info = n.meta.get("glmc")
-            where = (info.source or info.module) if info is not None else None
-            key = (where or n.name, info.created_by if info is not None else "capture")
-            sites[key] = sites.get(key, 0) + 1
-    offenses = []
-    for (where, created_by), count in (sites or {("<step>", "capture"): 1}).items():
-        times = f" [{count} nodes]" if count > 1 else ""
-        offenses.append(Offense(f"{name}: no ONNX function in torch's exporter{via}{times}; "
-                                f"{_fix(origin, created_by)}", where))
-    return offenses
+def export_ort_training(trainer: Any, directory: str) -> list[str]:
+    """ONNX Runtime on-device training artifacts of the trainer's model (forward + loss):
+    `training_model.onnx`, `eval_model.onnx`, `optimizer_model.onnx` (AdamW with the torch
+    optimizer's betas, eps, weight decay and torch's update rule, `adam_mode=0`),
+    `checkpoint` (the model's current weights), `batch.npz` (the example batch),
+    `config.json` (learning rate, input names) and `train.py`, a runner that trains with
+    `onnxruntime.training.api` (CheckpointState, Module, Optimizer): `python train.py
+    --steps 5` prints the losses.
 
+    Partial: the forward is the model's own, exported by torch's TorchScript exporter;
+    glmc's forward passes are not applied (onnxruntime derives the backward itself). The
+    optimizer state starts fresh (zero moments, step 0); BatchNorm running statistics are not
+    updated by onnxruntime's training graph; dropout uses onnxruntime's generator.
+    """
+    from glmc.ort_training import write_ort_training
 
-def _fix(origin: Any, created_by: str) -> str:
-    if created_by == "capture":
-        return "the model's own op: change the model, or register an ONNX function for it"
-    why = " (glmc's op has no ATen decomposition; please file a glmc issue)" \
-        if getattr(origin, "namespace", "") == "glmc" else ""
-    return (f"from the '{created_by}' pass{why}: export the step without it (--disable "
-            f"{created_by}, disable=('{created_by}',)), or change the model if it has the op too")
-
-
-@functools.lru_cache(maxsize=1)
-def _onnx_registry() -> tuple[Any, frozenset] | None:
-    """torch's ONNX function registry (torchlib), and the ops the exporter decomposes itself
-    before it looks functions up (`_fx_passes.decompose_with_registry`)."""
-    import logging
-
-    import torch._decomp
-    try:  # private to torch; without it the exporter's own error is what the user gets
-        from torch.onnx._internal.exporter._registration import ONNXRegistry
-    except ImportError:
-        return None
-    log = logging.getLogger("torch.onnx._internal.exporter._registration")
-    level = log.level
-    log.setLevel(logging.ERROR)  # "torchvision is not installed. Skipping torchvision::nms"
-    try:
-        registry = ONNXRegistry.from_torchlib()
-    finally:
-        log.setLevel(level)
-    decomposes = {*torch.export.default_decompositions(), *torch._decomp.decomposition_table}
-    return registry, frozenset(decomposes)
-
-
-def _check_outputs(graph: TrainGraph, path: Path) -> None:
-    import onnx
-    model = onnx.load(str(path), load_external_data=False)
-    if len(model.graph.output) != len(graph.outputs) or \
-            len(model.graph.input) != len(graph.inputs):
-        raise GlmcError(f"export: step.onnx has {len(model.graph.input)} inputs / "
-                        f"{len(model.graph.output)} outputs, the step {len(graph.inputs)} / "
-                        f"{len(graph.outputs)}; the exporter dropped or merged some")
+    require_onnx()
+    out = Path(directory)
+    with _staging(out, ORT_TRAINING_FILES) as tmp:
+        write_ort_training(trainer.model, trainer.example, trainer.loss_fn, trainer.optimizer,
+                           tmp)
+    return [str(out / name) for name in ORT_TRAINING_FILES]

@@ -26,6 +26,7 @@ _OPTIONS = {
                   "modules": {"head": "fp32"}, "init_scale": 1024.0, "growth_interval": 100,
                   "head": "low", "recast": False},
     "recompute": {"budget": "2GiB", "solver": "greedy", "time_limit": 2.5, "pareto": False},
+    "shard": {"stage": 3, "bucket_mb": 8.0, "overlap": False, "accumulate": True},
 }
 
 
@@ -52,6 +53,9 @@ def test_contracts_come_from_declarations() -> None:
     assert Effect.ADDS_STATE in reg["precision"](policy="fp16").effects()
     assert reg["precision"](policy="bf16").changes_signature is False
     assert reg["cleanup"]().effects() == frozenset()
+    assert reg["shard"]().effects() == {Effect.INSERTS_COMM}
+    assert reg["shard"](accumulate=True).changes_signature  # running sums become inputs
+    assert Need.STEP in reg["shard"]().needs()
 
 
 @pytest.mark.parametrize("bad", ["cleanup,recompute,fusion", "precision,fusion",

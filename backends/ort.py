@@ -1,0 +1,276 @@
+"""`ort`: the whole functional step lowered to ONNX once per compile, run by ONNX Runtime.
+
+    step graph (after glmc's passes) --glmc.onnx_lowering--> step.onnx --> InferenceSession
+    every step: IO binding over the caller's tensors' memory, outputs into preallocated buffers
+
+Guarantees: the same ATen program as `eager` (glmc's fused ops and the fused attention's
+backward decomposed to plain ATen first), executed by ONNX Runtime's kernels; fp32 losses and
+state match eager to ~1e-6 relative (tests/test_ort.py). Nothing is copied through Python:
+inputs are bound by pointer (`bind_input(..., buffer_ptr=tensor.data_ptr())`, zero-copy) and
+ONNX Runtime writes new parameters and optimizer state straight into buffers this backend
+owns (bound once), which the runtime copies into the user's tensors (`_write_back`, one
+memcpy per state tensor in torch). The loss is a fresh tensor each step.
+
+Not guaranteed / by design:
+* No per-op fallback: an op that does not lower to ONNX is a typed `ExportError` at compile
+  time listing every such op with its source line (`glmc check --backend ort` lists them).
+* Random ops (dropout) draw their masks from ONNX Runtime's generator, not torch's: a step
+  with dropout trains, but its losses do not reproduce eager's (a warning and a report
+  fallback entry say so). torch.manual_seed does not seed them.
+* bf16: ONNX Runtime's CPU kernels lack most bf16 ops; each node type the session rejects
+  runs in fp32 (inputs cast up, result cast back to bf16) and is listed in the report.
+* CUDA (`CUDAExecutionProvider` with tensors on a GPU): the code path binds device pointers;
+  it is untested here (no onnxruntime-gpu build on the test machine) — partial.
+* New state lives in this backend's buffers between the run and the write-back: state
+  outputs returned by one call are overwritten by the next (the runtime copies them at once).
+"""
+from __future__ import annotations
+
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from glmc.backends.base import Backend, CompiledStep, StepFn, copy_graph
+from glmc.errors import BackendError, ConfigError, ExportError, GlmcError, Offense
+from glmc.ir import RANDOM_OPS, OutputKind, TrainGraph, op_name
+from glmc.target import BackendTraits
+
+#: outputs the runtime copies into the user's tensors right after the call (reusable buffers)
+_STATE = (OutputKind.PARAM, OutputKind.BUFFER, OutputKind.STATE)
+#: the exporter's default (20) has ops onnxruntime 1.19's CPU EP lacks (ReduceMax-20)
+_OPSET = 18
+#: bf16 -> fp32 fallback rounds of session creation before giving up
+_MAX_FALLBACK_ROUNDS = 64
+
+
+class OrtBackend(Backend):
+    """ONNX Runtime (CPU EP; CUDA EP code path, untested). Functional: `traits().inplace` is
+    False, the runtime writes new state back."""
+
+    name = "ort"
+
+    def __init__(self, providers: list[str] | None = None) -> None:
+        self._providers = providers
+        self._checked: tuple[TrainGraph, list[Offense]] | None = None
+        self._notes: list[Offense] = []  #: what runs differently from eager (report)
+
+    def traits(self) -> BackendTraits:
+        return BackendTraits(self.name, fusion=None, early_writeback=False, inplace=False)
+
+    def supports(self, node: fx.Node) -> str | None:
+        return None  # decided for the whole step by `unsupported` (the exporter's registry)
+
+    def unsupported(self, graph: TrainGraph) -> list[Offense]:
+        """Every op of `graph` that does not lower to ONNX (after glmc's decompositions), with
+        source lines; traced on fake tensors (seconds)."""
+        if self._checked is not None and self._checked[0] is graph:
+            return self._checked[1]
+        from glmc.onnx_lowering import example_inputs, onnx_offenses, require_onnx
+        require_onnx(f"backend '{self.name}'")
+        g = TrainGraph(_lower(graph.gm), graph.inputs, graph.outputs, graph.meta)
+        offenses = onnx_offenses(g, example_inputs(g), extra_decompositions=True)
+        self._checked = (graph, offenses)
+        return offenses
+
+    def compile(self, graph: TrainGraph, strict: bool = False,
+                inplace: bool = False) -> CompiledStep:
+        """No per-op fallback: ops that do not lower fail the compile (typed, all listed).
+        The fake-tensor check runs first only under `strict`; otherwise only when the export
+        fails (it would cost a quarter of the compile time on every success)."""
+        if inplace:
+            raise ConfigError(f"backend '{self.name}': cannot update state in place; compile "
+                              "the functional step and write the outputs back")
+        if strict:
+            self._raise_if_unsupported(graph, None)
+        start = time.perf_counter()
+        try:
+            fn = self._compile(copy_graph(graph), graph)
+        except ExportError as e:
+            self._raise_if_unsupported(graph, e)
+            raise
+        except GlmcError:
+            raise
+        except Exception as e:  # onnxruntime's and the exporter's own types: one typed error
+            self._raise_if_unsupported(graph, e)
+            text = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            raise BackendError(f"backend '{self.name}': compiling the step failed: "
+                               f"{type(e).__name__}: {text}; try backend='eager' or report "
+                               "it with the step (glmc.save_graph)") from e
+        return CompiledStep(fn, self.name, False, list(self._notes),
+                            time.perf_counter() - start)
+
+    def _raise_if_unsupported(self, graph: TrainGraph, cause: Exception | None) -> None:
+        offenses = self.unsupported(graph)
+        if offenses:
+            raise ExportError(f"backend '{self.name}': {len(offenses)} op(s) of the step do "
+                              "not lower to ONNX (no per-op fallback on ONNX Runtime); run the "
+                              "step without the pass named below, change the model, or use "
+                              "backend='inductor':", offenses) from cause
+
+    def _compile(self, gm: fx.GraphModule, graph: TrainGraph) -> StepFn:
+        from glmc.onnx_lowering import example_inputs, export_onnx
+
+        step = TrainGraph(_lower(gm), graph.inputs, graph.outputs, graph.meta)
+        self._notes = _random_notes(step)
+        with tempfile.TemporaryDirectory(prefix="glmc-ort-") as tmp:
+            path = export_onnx(step, example_inputs(step), Path(tmp) / "step.onnx",
+                               extra_decompositions=True, where=f"backend '{self.name}'",
+                               opset=_OPSET)
+            import onnx
+            model = onnx.load(str(path))
+        device = _device(step)
+        session, fp32_ops = _session(model, self._providers_for(device))
+        self._notes += [Offense(f"{op}: ONNX Runtime's CPU kernels have no bf16 {op}; it runs "
+                                "in fp32 (inputs cast up, result cast back to bf16)", "<step>")
+                        for op in fp32_ops]
+        return _Runner(session, step, device)
+
+    def _providers_for(self, device: torch.device) -> list[str]:
+        import onnxruntime as ort
+        if self._providers is not None:
+            return self._providers
+        if device.type == "cuda":
+            if "CUDAExecutionProvider" not in ort.get_available_providers():
+                raise ConfigError(f"backend '{self.name}': the step's tensors are on {device} "
+                                  "but this onnxruntime has no CUDAExecutionProvider; install "
+                                  "onnxruntime-gpu or train on the CPU")
+            return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+        return ["CPUExecutionProvider"]
+
+
+def _lower(gm: fx.GraphModule) -> fx.GraphModule:
+    """glmc's ops to ATen, and every `view` to `reshape`: the decomposed attention backward
+    returns contiguous gradients where the fused kernel returned strided ones, so a captured
+    `view` may no longer apply. The step is functional (nothing writes through a view), so
+    `reshape` computes the same values."""
+    from glmc.kernels import lower_to_aten
+    gm = lower_to_aten(gm)
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.view.default:
+            node.target = torch.ops.aten.reshape.default
+    gm.recompile()
+    return gm
+
+
+def _device(graph: TrainGraph) -> torch.device:
+    for ph in graph.placeholders():
+        spec = TrainGraph.info(ph).spec
+        if spec is not None and spec.device != "cpu":
+            return torch.device(spec.device)
+    return torch.device("cpu")
+
+
+def _random_notes(graph: TrainGraph) -> list[Offense]:
+    randoms = sorted({op_name(n) for n in graph.compute_nodes() if op_name(n) in RANDOM_OPS})
+    if not randoms:
+        return []
+    text = (f"{', '.join(randoms)}: masks are drawn by ONNX Runtime's generator, not torch's "
+            "(torch.manual_seed does not seed them); losses differ from eager's")
+    warnings.warn(f"backend 'ort': {text}", stacklevel=4)
+    return [Offense(text, "<step>")]
+
+
+# ---- the session ------------------------------------------------------------------------------
+
+def _session(model: Any, providers: list[str]) -> tuple[Any, list[str]]:
+    """An InferenceSession of `model`; node types ONNX Runtime has no kernel for in bf16 are
+    rewritten to run in fp32 (glmc.backends.ort_bf16), one round per rejected type."""
+    import onnxruntime as ort
+
+    from glmc.backends.ort_bf16 import function_ops_in_fp32, missing_kernel, run_in_fp32
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = torch.get_num_threads()  # as many threads as torch uses
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.log_severity_level = 3  # warnings about unused initializers are noise here
+    fp32_ops: list[str] = []
+    for _ in range(_MAX_FALLBACK_ROUNDS):
+        try:
+            return ort.InferenceSession(model.SerializeToString(), options,
+                                        providers=providers), fp32_ops
+        except Exception as e:  # onnxruntime's NOT_IMPLEMENTED has no own Python type
+            op = missing_kernel(str(e))
+            if op is None:
+                raise
+            if op not in fp32_ops and run_in_fp32(model, op):
+                fp32_ops.append(op)
+                continue
+            expanded = function_ops_in_fp32(model)  # `op` came from a function's body
+            if not expanded:
+                raise
+            fp32_ops += expanded
+    raise ExportError(f"backend 'ort': more than {_MAX_FALLBACK_ROUNDS} op types lack "
+                      "kernels for the step's dtypes")
+
+
+# ---- running a step ---------------------------------------------------------------------------
+
+class _Runner:
+    """Runs the session with IO binding. Inputs are bound by pointer and rebound only when a
+    tensor's address, dtype or shape changed (parameters and optimizer state keep theirs, so
+    a steady step rebinds only the batch). State outputs go to buffers bound once."""
+
+    def __init__(self, session: Any, graph: TrainGraph, device: torch.device) -> None:
+        self.session = session
+        self.binding = session.io_binding()
+        self.device = device
+        self.in_names = [i.name for i in session.get_inputs()]
+        self.out_names = [o.name for o in session.get_outputs()]
+        out_vals = [a.meta["val"] for a in _output_args(graph)]
+        self.out_specs = [(tuple(v.shape), v.dtype) for v in out_vals]
+        self.bound: list[tuple | None] = [None] * len(self.in_names)
+        self.keep: list[torch.Tensor | None] = [None] * len(self.in_names)
+        self.buffers: list[torch.Tensor | None] = []
+        for name, spec, (shape, dtype) in zip(self.out_names, graph.outputs, self.out_specs):
+            if spec.kind in _STATE:
+                buf = torch.empty(shape, dtype=dtype, device=device)
+                self._bind(self.binding.bind_output, name, buf)
+                self.buffers.append(buf)
+            else:
+                self.buffers.append(None)
+
+    def _bind(self, bind: Any, name: str, t: torch.Tensor) -> None:
+        kind = "cuda" if t.device.type == "cuda" else "cpu"
+        bind(name, kind, t.device.index or 0, _numpy_dtype(t.dtype), list(t.shape),
+             t.data_ptr())
+
+    def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        for i, (name, t) in enumerate(zip(self.in_names, inputs)):
+            if not t.is_contiguous() or t.device != self.device:
+                t = t.to(self.device).contiguous()  # a copy this step only
+            key = (t.data_ptr(), t.dtype, tuple(t.shape))
+            if key != self.bound[i]:
+                self._bind(self.binding.bind_input, name, t)
+                self.bound[i] = key
+            self.keep[i] = t  # alive until the next call: ONNX Runtime reads its memory
+        outs = []
+        for name, buf, (shape, dtype) in zip(self.out_names, self.buffers, self.out_specs):
+            if buf is None:  # the loss: a fresh tensor, the caller may keep it
+                buf = torch.empty(shape, dtype=dtype, device=self.device)
+                self._bind(self.binding.bind_output, name, buf)
+            outs.append(buf)
+        self.session.run_with_iobinding(self.binding)
+        return outs
+
+
+def _output_args(graph: TrainGraph) -> list[fx.Node]:
+    out = next(n for n in reversed(graph.graph.nodes) if n.op == "output")
+    args = out.args[0]
+    return list(args) if isinstance(args, (tuple, list)) else [args]
+
+
+def _numpy_dtype(dtype: torch.dtype) -> Any:
+    import numpy as np
+    table = {torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64,
+             torch.int64: np.int64, torch.int32: np.int32, torch.int8: np.int8,
+             torch.uint8: np.uint8, torch.bool: np.bool_, torch.int16: np.int16}
+    if dtype not in table:
+        raise ConfigError(f"backend 'ort': a step input or output is {dtype}, which ONNX "
+                          "Runtime's Python binding cannot bind (no numpy dtype); keep the "
+                          "step's inputs and state in fp32/fp16")
+    return table[dtype]

@@ -1,0 +1,199 @@
+"""backend="ort": the step lowered to ONNX and run by ONNX Runtime every step.
+
+Parity (fp32, rtol 1e-4): the loss at every step and all parameters / optimizer state after 3
+steps equal eager PyTorch, with and without fusion. Dropout draws from ONNX Runtime's
+generator, so the parity models are dropout-free (the CNN's dropout is replaced by Identity).
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxscript")
+
+import glmc  # noqa: E402
+from glmc.errors import ExportError  # noqa: E402
+from tests.models import (  # noqa: E402
+    ATOL, CASES, RTOL, _example, assert_state_close, eager_losses, glmc_losses, twin)
+
+STEPS = 3
+
+
+def _no_dropout(make):
+    def made():
+        model, x, loss_fn, opt = make()
+        if isinstance(getattr(model, "dropout", None), torch.nn.Dropout):
+            model.dropout = torch.nn.Identity()
+        return model, x, loss_fn, opt
+    return made
+
+
+MAKE = {"mlp": CASES["mlp"].make, "cnn": _no_dropout(CASES["cnn"].make),
+        "glm": CASES["glm"].make, "hf_glm": _example("hf_glm.py")}
+PARAMS = [
+    pytest.param("mlp", True), pytest.param("mlp", False), pytest.param("cnn", False),
+    pytest.param("glm", True),
+    pytest.param("cnn", True, marks=pytest.mark.slow),
+    pytest.param("glm", False, marks=pytest.mark.slow),
+    pytest.param("hf_glm", True, marks=pytest.mark.slow),
+    pytest.param("hf_glm", False, marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("case,fusion", PARAMS)
+def test_parity(case: str, fusion: bool) -> None:
+    if case == "hf_glm":
+        pytest.importorskip("transformers")
+    (m, x, loss_fn, opt), (m2, _, _, opt2) = twin(MAKE[case])
+    trainer = glmc.optimize(m, x, loss_fn=loss_fn, optimizer=opt, backend="ort", fusion=fusion,
+                            predict=False, measure=False)
+    got = glmc_losses(trainer, x, STEPS)
+    want = eager_losses(m2, x, loss_fn, opt2, STEPS)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=ATOL)
+    assert got[0] != got[-1], "training must change the loss"
+    # transformers' GLM has a key bias: its exact gradient is zero (softmax is invariant to
+    # it), so Adam turns rounding noise into ~lr steps there (tests/models.py)
+    assert_state_close(m, m2, opt, opt2,
+                       zero_grad_params=("k_proj.bias",) if case == "hf_glm" else ())
+    assert trainer.report.compiles[0].fallbacks == []  # nothing ran differently from eager
+
+
+def test_state_stays_bound_and_losses_are_not_overwritten() -> None:
+    """Parameters and optimizer state are bound by pointer once (zero-copy); only the batch
+    is rebound; new state goes to buffers bound once; each step's loss is its own tensor."""
+    model, x, loss_fn, opt = MAKE["mlp"]()
+    trainer = glmc.optimize(model, x, loss_fn=loss_fn, optimizer=opt, backend="ort",
+                            predict=False, measure=False)
+    runner = next(iter(trainer._cache.values())).step.fn
+    binds: list[str] = []
+    original = runner._bind
+    runner._bind = lambda bind, name, t: (binds.append(name), original(bind, name, t))
+    losses = [trainer.step(*x) for _ in range(2)]
+    first = len(binds)
+    losses.append(trainer.step(torch.randn_like(x[0]), x[1]))  # a new batch tensor
+    state_inputs = [n for n, s in zip(runner.in_names, trainer.graph.inputs)
+                    if s.role.value in ("parameter", "optimizer_state")]
+    assert not set(state_inputs) & set(binds[first:])  # state was not rebound
+    assert len(binds) - first == 2  # the new batch leaf, and the loss's fresh output
+    assert len({loss.data_ptr() for loss in losses}) == 3 and losses[0] != losses[1]
+    ptr = {n: p.data_ptr() for n, p in model.named_parameters()}
+    bound = {s.target: key[0] for s, key in zip(trainer.graph.inputs, runner.bound)}
+    assert all(bound[n] == ptr[n] for n in ptr)  # the user's own memory, no copy
+
+
+@pytest.mark.slow
+def test_precision_fp16_matches_eager_fp16() -> None:
+    (m, x, loss_fn, opt), (m2, _, _, opt2) = twin(MAKE["glm"])
+    kw = dict(loss_fn=loss_fn, precision="fp16", predict=False, measure=False)
+    trainer = glmc.optimize(m, x, optimizer=opt, backend="ort", **kw)
+    ref = glmc.optimize(m2, x, optimizer=opt2, backend="eager", **kw)
+    got, want = glmc_losses(trainer, x, STEPS), glmc_losses(ref, x, STEPS)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-3, atol=1e-3)
+    # fp16 gradients of near-zero-gradient weights may round to either sign; Adam turns that
+    # into +-lr per step, so state is compared to a few lr (3e-4)
+    for (name, a), b in zip(m.state_dict().items(), m2.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=2e-3, msg=lambda s: f"{name}: {s}")
+    assert trainer.loss_scale == ref.loss_scale
+
+
+@pytest.mark.slow
+def test_precision_bf16_runs_missing_kernels_in_fp32() -> None:
+    (m, x, loss_fn, opt), (m2, _, _, opt2) = twin(MAKE["glm"])
+    kw = dict(loss_fn=loss_fn, precision="bf16", predict=False, measure=False)
+    trainer = glmc.optimize(m, x, optimizer=opt, backend="ort", **kw)
+    ref = glmc.optimize(m2, x, optimizer=opt2, backend="eager", **kw)
+    got, want = glmc_losses(trainer, x, STEPS), glmc_losses(ref, x, STEPS)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-3, atol=1e-3)
+    fallback = {o.reason.split(":")[0] for o in trainer.report.compiles[0].fallbacks}
+    assert {"MatMul", "Add", "Mul", "Softmax"} <= fallback  # no bf16 CPU kernels in ORT 1.19
+
+
+def test_dropout_runs_with_ort_generator_and_says_so() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5),
+                                torch.nn.Linear(8, 1))
+    x = (torch.randn(16, 8), torch.randn(16, 1))
+    with pytest.warns(UserWarning, match="native_dropout.*ONNX Runtime's generator"):
+        trainer = glmc.optimize(model, x, loss_fn=torch.nn.functional.mse_loss, backend="ort",
+                                predict=False, measure=False)
+    losses = glmc_losses(trainer, x, 3)
+    assert all(torch.isfinite(torch.tensor(losses)))
+    (note,) = trainer.report.compiles[0].fallbacks
+    assert "torch.manual_seed does not seed them" in note.reason
+
+
+def test_op_that_does_not_lower_is_a_typed_error_listing_every_site(monkeypatch) -> None:
+    """No per-op fallback on ORT: every op without an ONNX lowering is named, with its source
+    line, before anything is exported (strict: the fake-tensor check runs first)."""
+    import glmc.kernels
+
+    full = glmc.kernels.decompositions
+    monkeypatch.setattr(glmc.kernels, "decompositions",
+                        lambda: {k: v for k, v in full().items() if "rms_norm" not in str(k)})
+    model, x, loss_fn, opt = MAKE["glm"]()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(glmc.UnsupportedOpError) as e:
+            glmc.optimize(model, x, loss_fn=loss_fn, optimizer=opt, backend="ort",
+                          strict=True, predict=False, measure=False)
+    assert isinstance(e.value, ExportError)
+    ops = {o.reason.split(":")[0] for o in e.value.offenses}
+    assert ops == {"glmc.rms_norm.default", "glmc.rms_norm_backward.default"}
+    assert all("glm.py:" in o.location for o in e.value.offenses)
+    assert "no per-op fallback" in str(e.value)
+
+
+# ---- ONNX Runtime on-device training artifacts --------------------------------------------------
+
+def _run_artifacts(directory, steps: int) -> list[float]:
+    import json
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, str(directory / "train.py"), "--steps", str(steps)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", ["glm", pytest.param("hf_glm", marks=pytest.mark.slow)])
+def test_ort_training_artifacts_train_to_glmcs_losses(tmp_path, case: str) -> None:
+    """training/eval/optimizer models + checkpoint: 5 steps with onnxruntime.training.api
+    (AdamW, torch's rule and hyperparameters) reproduce glmc's losses (rtol 1e-3)."""
+    pytest.importorskip("onnxruntime.training")
+    if case == "hf_glm":
+        pytest.importorskip("transformers")
+    from glmc.export import ORT_TRAINING_FILES, export_ort_training
+
+    model, x, loss_fn, opt = MAKE[case]()
+    opt.param_groups[0]["weight_decay"] = 0.1  # not ORT's default (0): must be carried over
+    trainer = glmc.optimize(model, x, loss_fn=loss_fn, optimizer=opt, backend="eager",
+                            predict=False, measure=False)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    files = export_ort_training(trainer, str(tmp_path / "ort"))
+    assert sorted(p.rsplit("/", 1)[-1] for p in files) == sorted(ORT_TRAINING_FILES)
+    for k, v in model.state_dict().items():  # exporting traced the forward: nothing changed
+        assert torch.equal(v, before[k]), k
+    want = glmc_losses(trainer, x, 5)
+    got = _run_artifacts(tmp_path / "ort", 5)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-3, atol=1e-5)
+
+
+def test_ort_training_export_rejects_other_optimizers(tmp_path) -> None:
+    pytest.importorskip("onnxruntime.training")
+    from glmc.export import export_ort_training
+
+    model, x, loss_fn, opt = MAKE["mlp"]()  # SGD with momentum
+    trainer = glmc.optimize(model, x, loss_fn=loss_fn, optimizer=opt, backend="eager",
+                            predict=False, measure=False)
+    with pytest.raises(glmc.ConfigError, match="AdamW; the step uses SGD"):
+        export_ort_training(trainer, str(tmp_path / "ort"))
+    assert not (tmp_path / "ort").exists()
+
+
+def test_cli_check_backend_ort(capsys) -> None:
+    from glmc.cli import main
+    assert main(["check", "examples/mlp.py", "--backend", "ort"]) == 0
+    assert "every op is supported by backend 'ort'" in capsys.readouterr().out
