@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from glmc.cost import is_view, op_cost
-from glmc.ir import Phase, Role
+from glmc.ir import Phase, Role, comm_ops
 from glmc.target import EAGER, BackendTraits, FusionModel
 
 CATEGORIES = ("parameters", "optimizer_state", "inputs", "activations", "gradients",
@@ -92,6 +92,7 @@ def simulate(graph: fx.Graph, traits: BackendTraits = EAGER) -> MemoryEstimate:
     storage, size = _storages(nodes, fusion)
     last_use, readers = _last_uses(nodes, index, storage, fusion)
     category = {k: _category(k[0], readers.get(k, [])) for k in size}
+    _staging(nodes, index, storage, size, last_use, category)
     persistent = {k for k in size if k[0].op in ("placeholder", "get_attr")}
     frees: dict[int, list[Key]] = {}
     for k in size:
@@ -152,6 +153,26 @@ def _aliased(n: fx.Node, storage: dict[fx.Node, list[Key]]) -> list[Key]:
     return list(parent)
 
 
+def _staging(nodes: list[fx.Node], index: dict[fx.Node, int], storage: dict, size: dict,
+             last_use: dict, category: dict) -> None:
+    """A collective's in-flight temporary (`OpCost.workspace` of a comm op, e.g. gloo's
+    staging copy) as a storage of its own, live from the collective to its wait."""
+    for n in nodes:
+        if n.op != "call_function" or comm_ops().get(n.target) in (None, "wait_tensor"):
+            continue
+        staged = op_cost(n).workspace
+        wait = next((u for u in n.users if comm_ops().get(u.target) == "wait_tensor"), None)
+        if staged and wait is not None:
+            k = (n, -1)
+            size[k], last_use[k], category[k] = staged, index[wait], "temporaries"
+            storage[n] = [*storage.get(n, []), k]
+
+
+#: collectives that read their input while in flight (until their wait); all_reduce works on
+#: its own copy
+_HOLDS_INPUT = ("reduce_scatter_tensor", "all_gather_into_tensor")
+
+
 def _last_uses(nodes: list[fx.Node], index: dict[fx.Node, int],
                storage: dict[fx.Node, list[Key]], fusion: FusionModel | None
                ) -> tuple[dict[Key, int], dict[Key, list[fx.Node]]]:
@@ -163,6 +184,9 @@ def _last_uses(nodes: list[fx.Node], index: dict[fx.Node, int],
             continue  # its reads happen in the consumer's kernel
         ins = fusion.reads(n) if fusion is not None and n.op == "call_function" \
             else n.all_input_nodes
+        if comm_ops().get(n.target) == "wait_tensor" and isinstance(n.args[0], fx.Node) and \
+                comm_ops().get(n.args[0].target) in _HOLDS_INPUT:
+            ins = [*ins, *n.args[0].all_input_nodes]  # the collective reads until it ends
         for a in ins:
             for k in storage.get(a, []):
                 last_use[k] = max(last_use.get(k, -1), index[n])
@@ -177,6 +201,8 @@ def _workspaces(nodes: list[fx.Node], fusion: FusionModel | None) -> dict[fx.Nod
     for n in nodes:
         if n.op != "call_function" or is_view(n) or (fusion is not None and fusion.inlined(n)):
             continue
+        if n.target in comm_ops():
+            continue  # in flight until the wait: a storage of its own (`_staging`)
         c = op_cost(n)
         if fusion is not None:
             c = fusion.kernel_cost(n, c)

@@ -295,7 +295,7 @@ class _Sharder:
         kind = "reduce_scatter_tensor" if scatter else "all_reduce"
         self.plan.grad_buckets = self._buckets(order, kind)
         out: dict[str, fx.Node] = {}
-        for bucket in self.plan.grad_buckets:
+        for b, bucket in enumerate(self.plan.grad_buckets):
             nodes = [grads[p] for p in bucket.params]
             last = max(nodes, key=lambda n: _position(self.g, n))
             readers = {p: [u for u in grads[p].users
@@ -303,7 +303,7 @@ class _Sharder:
             with self.g.inserting_before(last.next):
                 flat = self._flatten(bucket.params, nodes, scatter, Phase.BACKWARD, Role.GRADIENT)
                 if self.opts.accumulate:
-                    flat = self._accumulate(flat, f"acc:grad{len(out)}")
+                    flat = self._accumulate(flat, f"acc:grad{b}")
             wait = insert_collective(self.graph, flat, kind, self.mesh, DIM, "avg", readers=[])
             first = _earliest(self.g, [r for rs in readers.values() for r in rs])
             pieces = self._unflatten(bucket.params, wait, scatter, Phase.OPTIMIZER, Role.UPDATE,
