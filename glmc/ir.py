@@ -60,6 +60,9 @@ class Role(enum.Enum):
     #: a value the runtime carries between the micro-batches of one step (accumulated
     #: gradient buckets and loss, the 1/k scale; glmc.parallel)
     ACCUMULATOR = "accumulator"
+    #: per-rank communication state kept across steps (error-feedback residuals, PowerSGD's
+    #: Q matrices; glmc.passes.compress), input and STATE output
+    COMM_STATE = "comm_state"
 
 
 class OutputKind(enum.Enum):
@@ -212,6 +215,9 @@ GRAD_OF = "glmc_grad_of"
 #: node.meta key on a node one of whose int arguments is this process's coordinate on a mesh
 #: dim: (mesh dim, argument index). `glmc.program.bind_mesh` fills it in per process.
 RANK_ARG = "glmc_rank_arg"
+
+#: node.meta key on a gradient bucket's collective: the bucket's index in the ShardPlan
+GRAD_BUCKET = "glmc_grad_bucket"
 
 #: node.meta key on the running sums a micro-batch step outputs under gradient accumulation:
 #: the InputSpec target of the accumulator it feeds (see passes/shard.py)

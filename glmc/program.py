@@ -161,6 +161,49 @@ def _annotate_comm(node: fx.Node, value: fx.Node, shape: tuple[int, ...] | None,
                                  comm=comm, stage=info.stage)
 
 
+class NodeBuilder:
+    """Creates typed nodes in `graph` for a pass: each gets its fake value (the op run on its
+    arguments' fake values) and a NodeInfo (phase, role, spec, the source line of `like`)."""
+
+    def __init__(self, graph: TrainGraph, created_by: str) -> None:
+        from torch._guards import detect_fake_mode
+
+        self.graph, self.created_by = graph, created_by
+        vals = [n.meta["val"] for n in graph.graph.nodes
+                if isinstance(n.meta.get("val"), torch.Tensor)]
+        self.fake = detect_fake_mode(vals)
+        if self.fake is None:
+            raise PassError(f"{created_by}: the step's nodes carry no fake values to build from")
+
+    def __call__(self, op: Any, args: tuple, phase: Phase, role: Role,
+                 kwargs: dict | None = None, like: fx.Node | None = None) -> fx.Node:
+        """A new node at the graph's current insertion point."""
+        kwargs = kwargs or {}
+        node = self.graph.graph.call_function(op, args, kwargs)
+        vals = fx.map_arg((args, kwargs), lambda a: a.meta["val"])
+        with self.fake:
+            node.meta["val"] = op(*vals[0], **vals[1])
+        src = TrainGraph.info(like) if like is not None else None
+        node.meta["glmc"] = NodeInfo(phase, role, TensorSpec.of(node.meta["val"]),
+                                     source=src.source if src else None,
+                                     module=src.module if src else None,
+                                     created_by=self.created_by)
+        return node
+
+    def input(self, target: str, role: Role, shape: Sequence[int], dtype: torch.dtype,
+              device: Any) -> fx.Node:
+        """A new step input, after the last placeholder and last in `graph.inputs`."""
+        g = self.graph.graph
+        with g.inserting_after(self.graph.placeholders()[-1]):
+            ph = g.placeholder(target.replace(":", "_").replace(".", "_"))
+        with self.fake:
+            ph.meta["val"] = torch.empty(tuple(shape), dtype=dtype, device=device)
+        ph.meta["glmc"] = NodeInfo(Phase.INPUT, role, TensorSpec.of(ph.meta["val"]),
+                                   target=target, created_by=self.created_by)
+        self.graph.inputs.append(InputSpec(role, target))
+        return ph
+
+
 def update_gradients(graph: TrainGraph) -> list[fx.Node]:
     """The backward values the optimizer update reads (the gradients), in graph order."""
     def reads_in_update(n: fx.Node) -> bool:
@@ -513,40 +556,44 @@ def capture_stage(index: int, module: nn.Module, optimizer: torch.optim.Optimize
                   args: Sequence[StageArg], *, send: Sequence[str] = (), loss_fn: Any = None,
                   target: tuple[int, torch.Tensor] | None = None) -> Stage:
     """Stage `index` of a pipeline: `module(*args)` then either sends its outputs under the
-    names `send`, or (last stage) computes `loss_fn(output, target)`. An arg is `(i, example)`
-    for leaf `i` of the microbatch, or `(name, example)` for a value received from the stage
-    that sends `name`; its gradient is sent back as `"grad:" + name`. AOTAutograd's default
-    partition decides what the forward saves for the backward; the update is the optimizer's
-    glmc rule (`glmc.optim`), so it matches torch.optim exactly."""
-    if any(True for _ in module.buffers()):
-        raise ConfigError(f"capture_stage: stage {index} has buffers; stages with buffers are "
-                          "not supported yet")
-    last = loss_fn is not None
-    if last != (target is not None) or last == bool(send):
+    names `send`, or (last stage) computes `loss_fn(output, target)` — or, without `loss_fn`,
+    returns the loss itself. An arg is `(i, example)` for leaf `i` of the microbatch, or
+    `(name, example)` for a value received from the stage that sends `name`; its gradient is
+    sent back as `"grad:" + name`. Buffers are read-only inputs (`Role.BUFFER`; a stage that
+    writes a buffer, as batch norm does, is rejected). AOTAutograd's default partition decides
+    what the forward saves for the backward; the update is the optimizer's glmc rule
+    (`glmc.optim`), so it matches torch.optim exactly."""
+    if (loss_fn is not None) != (target is not None) or (bool(send) and loss_fn is not None):
         raise ConfigError(f"capture_stage: stage {index} needs either send= (names of its "
-                          "outputs) or loss_fn= and target= (the last stage)")
+                          "outputs) or, as the last stage, loss_fn= with target= (or neither: "
+                          "the module returns the loss)")
     names = [n for n, _ in module.named_parameters()]
+    buffers = [n for n, _ in module.named_buffers()]
     leaves = list(args) + ([target] if target is not None else [])
+    n_state = len(names) + len(buffers)
 
     def step(*flat: torch.Tensor) -> Any:
-        out = torch.func.functional_call(module, dict(zip(names, flat[:len(names)])),
-                                         tuple(flat[len(names):len(names) + len(args)]))
+        state = dict(zip(names + buffers, flat[:n_state]))
+        out = torch.func.functional_call(module, state,
+                                         tuple(flat[n_state:n_state + len(args)]))
         return loss_fn(out, flat[-1]) if loss_fn is not None else out
 
     examples = [p.detach().requires_grad_() for p in module.parameters()]
+    examples += [b.detach() for b in module.buffers()]
     examples += [t.detach().requires_grad_(isinstance(k, str)) for k, t in leaves]
     fw, bw, n_out = _aot_graphs(step, examples)
     if n_out != max(len(send), 1):
         raise ConfigError(f"capture_stage: stage {index} returns {n_out} values but send= "
-                          f"names {len(send)}")
+                          f"names {len(send)} (a stage that writes a buffer returns more)")
     ins = [InputSpec(Role.PARAMETER, n) for n in names]
+    ins += [InputSpec(Role.BUFFER, n) for n in buffers]
     ins += [InputSpec(Role.BOUNDARY, k) if isinstance(k, str) else InputSpec(Role.INPUT,
             f"input:{k}") for k, _ in leaves]
     n_saved = len(_output_args(fw)) - n_out
     outs = [OutputSpec(OutputKind.SEND, n) for n in send] or [OutputSpec(OutputKind.LOSS, "")]
     forward = _retype(fw, ins, [*outs, *(OutputSpec(OutputKind.SAVED, f"saved:{k}")
                                          for k in range(n_saved))], Phase.FORWARD, index)
-    backward = _backward(index, bw, names, leaves, send, n_saved)
+    backward = _backward(index, bw, names, len(buffers), leaves, send, n_saved)
     return Stage(index, forward, backward, _update_graph(index, module, optimizer))
 
 
@@ -576,7 +623,7 @@ def _output_args(gm: fx.GraphModule) -> list[Any]:
     return list(next(n for n in gm.graph.nodes if n.op == "output").args[0])
 
 
-def _backward(index: int, bw: fx.GraphModule, names: list[str], leaves: list,
+def _backward(index: int, bw: fx.GraphModule, names: list[str], n_buffers: int, leaves: list,
               send: Sequence[str], n_saved: int) -> TrainGraph:
     ins = [InputSpec(Role.SAVED, f"saved:{k}") for k in range(n_saved)]
     ins += [InputSpec(Role.BOUNDARY, f"grad:{n}") for n in send] or [InputSpec(Role.GRADIENT,
@@ -587,6 +634,7 @@ def _backward(index: int, bw: fx.GraphModule, names: list[str], leaves: list,
             raise CaptureError(f"capture_stage: parameter {n!r} of stage {index} gets no "
                                "gradient; drop it from the stage")
     outs: list[OutputSpec | None] = [OutputSpec(OutputKind.GRADIENT, n) for n in names]
+    outs += [None] * n_buffers
     outs += [OutputSpec(OutputKind.SEND, f"grad:{k}") if isinstance(k, str) else None
              for k, _ in leaves]
     return _retype(bw, ins, outs, Phase.BACKWARD, index)

@@ -41,13 +41,12 @@ from typing import Any, Iterable
 
 import torch
 import torch.fx as fx
-from torch._guards import detect_fake_mode
 
 from glmc.errors import ConfigError, PassError
-from glmc.ir import (ACCUMULATES, GRAD_OF, RANK_ARG, InputSpec, MeshSpec, NodeInfo, OutputKind,
+from glmc.ir import (ACCUMULATES, GRAD_BUCKET, GRAD_OF, RANK_ARG, MeshSpec, OutputKind,
                      Phase, Role, TensorSpec, TrainGraph)
 from glmc.passmanager import Effect, Need, Pass, PassContext, PassResult
-from glmc.program import SpmdProgram, insert_collective
+from glmc.program import NodeBuilder, SpmdProgram, insert_collective
 
 aten = torch.ops.aten
 DIM = "dp"  #: the mesh dim data parallelism runs over
@@ -206,11 +205,8 @@ class _Sharder:
     def __init__(self, graph: TrainGraph, mesh: MeshSpec, opts: ShardPass) -> None:
         self.graph, self.g, self.mesh, self.opts = graph, graph.graph, mesh, opts
         self.n = mesh.size(DIM)
-        vals = [n.meta.get("val") for n in self.g.nodes if isinstance(n.meta.get("val"),
-                                                                      torch.Tensor)]
-        self.fake = detect_fake_mode(vals)
-        if self.fake is None:
-            raise PassError("shard: the step's nodes carry no fake values to build from")
+        self.emit = NodeBuilder(graph, "shard")
+        self.fake = self.emit.fake
         self.plan = ShardPlan(opts.stage, mesh, DIM)
         self.params = {s.target: ph for ph, s in zip(graph.placeholders(), graph.inputs)
                        if s.role is Role.PARAMETER}
@@ -220,20 +216,6 @@ class _Sharder:
         self._scale: fx.Node | None = None
 
     # -- node building --
-    def emit(self, op: Any, args: tuple, phase: Phase, role: Role, kwargs: dict | None = None,
-             like: fx.Node | None = None) -> fx.Node:
-        """A new node at the current insertion point, with its fake value and NodeInfo."""
-        kwargs = kwargs or {}
-        node = self.g.call_function(op, args, kwargs)
-        vals = fx.map_arg((args, kwargs), lambda a: a.meta["val"])
-        with self.fake:
-            node.meta["val"] = op(*vals[0], **vals[1])
-        src = TrainGraph.info(like) if like is not None else None
-        node.meta["glmc"] = NodeInfo(phase, role, TensorSpec.of(node.meta["val"]),
-                                     source=src.source if src else None,
-                                     module=src.module if src else None, created_by="shard")
-        return node
-
     def rows(self, x: fx.Node, lay: Layout, phase: Phase, role: Role) -> fx.Node:
         """`x` (full shape) as (N k, *rest): reshaped to rows and zero-padded."""
         if not lay.shape:
@@ -305,6 +287,7 @@ class _Sharder:
                 if self.opts.accumulate:
                     flat = self._accumulate(flat, f"acc:grad{b}")
             wait = insert_collective(self.graph, flat, kind, self.mesh, DIM, "avg", readers=[])
+            wait.args[0].meta[GRAD_BUCKET] = b  # what compress finds and rewrites
             first = _earliest(self.g, [r for rs in readers.values() for r in rs])
             pieces = self._unflatten(bucket.params, wait, scatter, Phase.OPTIMIZER, Role.UPDATE,
                                      first)
@@ -324,17 +307,9 @@ class _Sharder:
         return self.emit(aten.mul.Tensor, (total, self.scale), *_kind(value), like=value)
 
     def _input(self, target: str, shape: Any, dtype: torch.dtype, device: Any) -> fx.Node:
-        """A new step input (Role.ACCUMULATOR), placed after the last placeholder."""
-        last = self.graph.placeholders()[-1]
-        with self.g.inserting_after(last):
-            ph = self.g.placeholder(target.replace(":", "_"))
-        with self.fake:
-            ph.meta["val"] = torch.empty(shape, dtype=dtype, device=device)
-        spec = TensorSpec.of(ph.meta["val"])
-        ph.meta["glmc"] = NodeInfo(Phase.INPUT, Role.ACCUMULATOR, spec, target=target,
-                                   created_by="shard")
-        self.graph.inputs.append(InputSpec(Role.ACCUMULATOR, target))
-        self.plan.accumulators[target] = spec
+        """A new step input (Role.ACCUMULATOR), recorded in the plan."""
+        ph = self.emit.input(target, Role.ACCUMULATOR, shape, dtype, device)
+        self.plan.accumulators[target] = TrainGraph.info(ph).spec
         return ph
 
     @property
