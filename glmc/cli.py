@@ -67,6 +67,14 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
                         "option turns data parallelism on)")
     c.add_argument("--bucket-mb", type=float, default=None, metavar="M",
                    help="gradient bucket size in MiB for data parallelism (default 25)")
+    c.add_argument("--compress", default=None, metavar="METHOD",
+                   choices=("bf16", "fp16", "sign", "topk", "powersgd"),
+                   help="compress the data-parallel gradient traffic (error feedback on): "
+                        "bf16|fp16|sign|topk|powersgd")
+    c.add_argument("--compress-rank", type=_positive, default=None, metavar="R",
+                   help="powersgd: rank of the approximation (default 4)")
+    c.add_argument("--compress-ratio", type=float, default=None, metavar="F",
+                   help="topk: fraction of the gradient sent (default 0.01)")
     c.add_argument("--debug", action="store_true", help="print tracebacks")
     k = sub.add_parser("check", help="list every op the backend (or the ONNX export) cannot "
                                      "take, with source lines")
@@ -199,6 +207,12 @@ def _usage_problems(args: argparse.Namespace) -> list[str]:
         parallel = args.nproc is not None or args.zero is not None
         if args.bucket_mb is not None and (not parallel or args.bucket_mb <= 0):
             problems.append("--bucket-mb needs --nproc or --zero and a positive size")
+        if (args.compress or args.compress_rank or args.compress_ratio) and not parallel:
+            problems.append("--compress needs --nproc or --zero (it compresses the gradient "
+                            "traffic between ranks)")
+        if args.compress in ("sign", "topk", "powersgd") and (args.zero or 0) >= 2:
+            problems.append(f"--compress {args.compress} needs --zero 0 or 1 (stages 2-3 "
+                            "reduce-scatter the gradients); use bf16/fp16 there")
         if parallel and (args.export_dir or args.export_ort_training):
             problems.append("--export-dir / --export-ort-training: exporting a data-parallel "
                             "step is not supported yet; export from one process")
@@ -241,6 +255,12 @@ def _parallel(args: argparse.Namespace) -> dict | None:
     out: dict = {"zero": args.zero}
     if args.bucket_mb is not None:
         out["bucket_mb"] = args.bucket_mb
+    if args.compress is not None:
+        out["compress"] = {"method": args.compress}
+        if args.compress_rank is not None:
+            out["compress"]["rank"] = args.compress_rank
+        if args.compress_ratio is not None:
+            out["compress"]["ratio"] = args.compress_ratio
     return out
 
 

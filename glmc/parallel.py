@@ -51,6 +51,9 @@ class Parallel:
     #: > 1 compiles the step with running sums, and `trainer.parallel.accumulate` may then
     #: change between steps
     accumulate: int = 1
+    #: gradient compression: a method ("bf16", "fp16", "sign", "topk", "powersgd") or a dict
+    #: of the compress pass's options (glmc.passes.compress)
+    compress: Any = None
 
     @staticmethod
     def of(value: Any) -> "Parallel | None":
@@ -77,9 +80,19 @@ class Parallel:
                               f"{p.accumulate!r}")
         return p
 
-    def shard_pass(self) -> ShardPass:
-        return ShardPass(stage=self.zero, bucket_mb=self.bucket_mb, overlap=self.overlap,
-                         accumulate=self.accumulate > 1)
+    def passes(self) -> list[Any]:
+        """The shard pass, and the compress pass when asked."""
+        out: list[Any] = [ShardPass(stage=self.zero, bucket_mb=self.bucket_mb,
+                                    overlap=self.overlap, accumulate=self.accumulate > 1)]
+        if self.compress is not None:
+            from glmc.passes.compress import CompressPass
+            opts = {"method": self.compress} if isinstance(self.compress, str) else \
+                dict(self.compress)
+            try:
+                out.append(CompressPass(**opts))
+            except TypeError as e:
+                raise ConfigError(f"parallel: compress options {opts}: {e}") from None
+        return out
 
 
 def init_distributed(device: str, timeout_s: float) -> None:
@@ -112,6 +125,8 @@ class DataParallel:
         #: micro-batches per step; may change between steps when compiled with accumulate > 1
         self.accumulate = options.accumulate
         self.sums: dict[str, torch.Tensor] = {}  #: running sums by accumulator input target
+        #: per-rank communication state (error feedback, PowerSGD's Q) by input target
+        self.comm_state: dict[str, torch.Tensor] = {}
         self.link = measure_link(device=device)  #: this host's link, timed once
         self.store: dict[str, torch.Tensor] = {}  #: padded local shards by input target
         self._owners: dict[str, tuple[Any, str]] = {}  #: target -> (container, key) of the view
@@ -218,6 +233,16 @@ class DataParallel:
         """Keep the state `graph` reads sharded as this rank's padded rows, and point the
         user's tensors at their valid rows. Idempotent for a recompile with the same plan."""
         plan: ShardPlan = graph.meta["sharding"]
+        compression = graph.meta.get("compression")
+        for target, (spec, init) in (compression.state.items() if compression else ()):
+            if target in self.comm_state:
+                continue
+            if init == "randn":  # the same on every rank (PowerSGD's initial Q)
+                gen = torch.Generator().manual_seed(0)
+                t = torch.randn(spec.shape, generator=gen, dtype=spec.dtype)
+            else:
+                t = torch.zeros(spec.shape, dtype=spec.dtype)
+            self.comm_state[target] = t.to(spec.device)
         if self.plan is not None:
             if plan.layouts != self.plan.layouts:
                 raise ConfigError("parallel: a recompiled step shards the state differently "
@@ -254,6 +279,9 @@ class DataParallel:
                 out[i] = lambda _, t=t: t
             elif spec.role is Role.ACCUMULATOR:
                 out[i] = lambda _, k=spec.target: self.sums[k]
+            elif spec.role is Role.COMM_STATE:
+                t = self.comm_state[spec.target]
+                out[i] = lambda _, t=t: t
         return out
 
     @contextlib.contextmanager
@@ -326,7 +354,9 @@ class DataParallel:
                 elif lay is not None:  # a 0-d tensor: rank 0's row holds it
                     table[target] = DTensor.from_local(self.store[target][0].clone(), self.mesh,
                                                        [Replicate()], run_check=False)
-        return {"model": model_sd, "optim": optim}
+        comm = {k: DTensor.from_local(v.unsqueeze(0), self.mesh, [Shard(0)], run_check=False)
+                for k, v in self.comm_state.items()}  # one row per rank: its own residual
+        return {"model": model_sd, "optim": optim, "comm": comm}
 
     def load_sharded(self, state: dict[str, dict[str, Any]], model: nn.Module,
                      optimizer: torch.optim.Optimizer) -> None:
@@ -336,6 +366,9 @@ class DataParallel:
 
         current = self.sharded_state_dict(model, optimizer)
         with torch.no_grad():
+            for target, value in state.get("comm", {}).items():
+                src = value.to_local() if isinstance(value, DTensor) else value
+                self.comm_state[target].copy_(src.reshape(self.comm_state[target].shape))
             for part in ("model", "optim"):
                 for target, value in state[part].items():
                     dst = current[part][target]

@@ -98,7 +98,8 @@ class Trainer:
             program = {k: v for k, v in dataclasses.asdict(self.options).items()
                        if k not in ("progress", "dump_dir")}  # may differ between ranks
             self.parallel.check_same(self.model, self.example, repr(program))
-            self._pipeline = with_pass(self._pipeline, options.shard_pass())
+            for p in options.passes():
+                self._pipeline = with_pass(self._pipeline, p)
         self._entry(self._micro_batches(self._local(self.example))[-1])
 
     # -- public ---------------------------------------------------------------------------------
@@ -447,7 +448,7 @@ def input_getters(graph: TrainGraph, model: nn.Module, opt: torch.optim.Optimize
             getters.append(state(key, params[name]))
         elif spec.role is Role.HYPERPARAM:
             getters.append(lr_tensor(int(spec.target.split(":")[1])))
-        elif spec.role is Role.ACCUMULATOR:  # glmc.parallel supplies the running sums
+        elif spec.role in (Role.ACCUMULATOR, Role.COMM_STATE):  # glmc.parallel keeps these
             getters.append(lambda _, t=spec.target: _no_accumulator(t))
         elif spec.role is Role.SCALER:
             if scaler is None:
@@ -461,8 +462,8 @@ def input_getters(graph: TrainGraph, model: nn.Module, opt: torch.optim.Optimize
 
 
 def _no_accumulator(target: str) -> torch.Tensor:
-    raise ConfigError(f"step: the step takes the running sum {target!r} of gradient "
-                      "accumulation but runs without glmc.parallel")
+    raise ConfigError(f"step: the step takes {target!r}, state of data parallelism, but runs "
+                      "without glmc.parallel")
 
 
 def _run(step: CompiledStep, inputs: list[torch.Tensor], batch: Batch) -> list[torch.Tensor]:

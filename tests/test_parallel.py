@@ -83,6 +83,32 @@ def _accumulate_part(rank: int, out: Path) -> dict:
                                              ref_model.named_parameters()}}
 
 
+def _compress_part(rank: int, out: Path) -> dict:
+    """Each compression method on the GLM example, 4 steps; error-feedback state saved and
+    restored through DCP."""
+    found = {}
+    for method, stage in (("bf16", 2), ("sign", 0), ("topk", 1), ("powersgd", 0)):
+        (model, batch, loss_fn, opt), _ = _case()
+        trainer = glmc.optimize(model, batch, loss_fn=loss_fn, optimizer=opt, backend="eager",
+                                fusion=False, predict=False, measure=False,
+                                parallel={"zero": stage, "bucket_mb": BUCKET_MB,
+                                          "compress": {"method": method, "min_numel": 256}})
+        losses = [trainer.step(*batch).item() for _ in range(4)]
+        stats = next(r.stats for r in trainer.report.compiles[-1].history
+                     if r.name == "compress")
+        found[method] = {"losses": losses, "ratio": stats.ratio,
+                         "state": sorted(trainer.parallel.comm_state)}
+        if method == "sign":
+            save_checkpoint(trainer, str(out / "ckpt-sign"))
+            residual = trainer.parallel.comm_state["ef:0"].clone()
+            trainer.parallel.comm_state["ef:0"].zero_()
+            load_checkpoint(trainer, str(out / "ckpt-sign"))
+            found[method]["restored"] = bool(torch.equal(trainer.parallel.comm_state["ef:0"],
+                                                         residual))
+            found[method]["nonzero"] = bool(residual.abs().sum() > 0)
+    return found
+
+
 def _checkpoint_part(rank: int, out: Path) -> dict:
     """Train 2 steps, save, train 2 more; a fresh trainer loads the checkpoint and repeats
     those 2 steps. A stale staging directory from an interrupted save does not matter."""
@@ -127,7 +153,8 @@ def _errors_part(rank: int, out: Path) -> dict:
 def _worker(rank: int, port: int, out: str) -> None:
     parts = [(f"stage{s}", _stage_part(s, fusion=s == 2)) for s in (0, 1, 2, 3)]
     parts += [("stage3_bf16", _stage_part(3, "bf16")), ("checkpoint", _checkpoint_part),
-              ("accumulate", _accumulate_part), ("errors", _errors_part)]
+              ("accumulate", _accumulate_part), ("compress", _compress_part),
+              ("errors", _errors_part)]
     run_parts(rank, port, 2, out, parts)
 
 
@@ -185,6 +212,26 @@ def test_accumulating_four_micro_batches_equals_the_big_batch(runs: Path) -> Non
     r = result(runs, "accumulate", 0)
     torch.testing.assert_close(r["losses"], r["ref"][:len(r["losses"])], rtol=1e-4, atol=0)
     assert r["compiles"] == 1  # k changed from 4 to 2 with the micro-batch shape unchanged
+
+
+def test_compression_cuts_the_bytes_on_the_wire_and_still_trains(runs: Path) -> None:
+    found = result(runs, "compress", 0)
+    ref = result(runs, "stage0", 0)["ref"]
+    # bf16 transfer: rounding-level change of the average gradient
+    torch.testing.assert_close(found["bf16"]["losses"][:STEPS], ref, rtol=1e-3, atol=0)
+    assert found["bf16"]["ratio"] == 2.0
+    assert found["sign"]["ratio"] >= 16  # 1 bit per element + an fp32 scale per tensor
+    assert found["topk"]["ratio"] >= 25  # 1% of the values + their int32 indices
+    assert found["powersgd"]["ratio"] >= 8  # rank 4
+    for method in ("sign", "topk", "powersgd"):
+        losses = found[method]["losses"]
+        assert losses[-1] < losses[0], method  # the loss still falls
+    assert any(k.startswith("psgd_q:") for k in found["powersgd"]["state"])
+
+
+def test_error_feedback_state_is_checkpointed(runs: Path) -> None:
+    sign = result(runs, "compress", 1)["sign"]
+    assert sign["nonzero"] and sign["restored"]
 
 
 # ---- checkpoints -------------------------------------------------------------------------------
