@@ -91,6 +91,10 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     r.add_argument("--debug", action="store_true")
     cal = sub.add_parser("calibrate", help="measure this CPU again for the cost model and cache it")
     cal.add_argument("--debug", action="store_true")
+    from glmc.comm import comm_arguments
+    cm = comm_arguments(sub.add_parser(
+        "comm", help="predict a gradient all-reduce at cluster scale: flat vs hierarchical"))
+    cm.add_argument("--debug", action="store_true")
     return p, {"compile": c, "check": k, "report": r, "calibrate": cal}
 
 
@@ -138,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         return _launch(args, sys.argv[1:] if argv is None else list(argv))
     try:
         run = {"compile": _compile, "check": _check, "report": _report,
-               "calibrate": _calibrate}
+               "calibrate": _calibrate, "comm": _comm}
         return run[args.command](args)
     except GlmcError as e:
         if args.debug:
@@ -220,6 +224,12 @@ def _usage_problems(args: argparse.Namespace) -> list[str]:
         if ort_dir is not None and ort_dir.exists() and not ort_dir.is_dir():
             problems.append(f"--export-ort-training: {ort_dir} exists and is not a directory")
     return problems
+
+
+def _comm(args: argparse.Namespace) -> int:
+    from glmc.comm import predict_allreduce
+    print(predict_allreduce(args))
+    return 0
 
 
 def _calibrate(args: argparse.Namespace) -> int:

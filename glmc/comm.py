@@ -250,3 +250,71 @@ def measure_waits(run: Any) -> tuple[Any, float]:
 def has_comm(graph: TrainGraph) -> bool:
     ops = comm_ops()
     return any(n.target in ops for n in graph.compute_nodes())
+
+
+# ---- topology: flat ring vs hierarchical all-reduce ------------------------------------------
+
+@dataclass(frozen=True)
+class AllReduceChoice:
+    """The predicted time of one all-reduce of `nbytes` over `nodes` x `per_node` ranks, as one
+    flat ring (its slowest link sets the pace: the inter-node one) and hierarchically:
+    reduce-scatter inside each node, all-reduce of the 1/per_node shards across nodes,
+    all-gather inside each node."""
+
+    nbytes: int
+    nodes: int
+    per_node: int
+    flat_seconds: float
+    hierarchical_seconds: float
+    parts: dict[str, float]  #: the hierarchical algorithm's three collectives
+
+    @property
+    def best(self) -> str:
+        return "hierarchical" if self.hierarchical_seconds < self.flat_seconds else "flat"
+
+
+def choose_allreduce(nbytes: int, nodes: int, per_node: int, intra: LinkProfile,
+                     inter: LinkProfile) -> AllReduceChoice:
+    n = nodes * per_node
+    flat = collective_seconds("all_reduce", nbytes, n, inter if nodes > 1 else intra)
+    parts = {"reduce_scatter (in node)": collective_seconds("reduce_scatter_tensor", nbytes,
+                                                            per_node, intra),
+             "all_reduce (across nodes)": collective_seconds("all_reduce", nbytes // per_node,
+                                                             nodes, inter),
+             "all_gather (in node)": collective_seconds("all_gather_into_tensor", nbytes,
+                                                        per_node, intra)}
+    return AllReduceChoice(nbytes, nodes, per_node, flat, sum(parts.values()), parts)
+
+
+def comm_arguments(ap: Any) -> Any:
+    """The options of `glmc comm` (cluster-scale all-reduce prediction) on parser `ap`."""
+    ap.add_argument("--nodes", type=int, default=128)
+    ap.add_argument("--per-node", type=int, default=8)
+    ap.add_argument("--params", type=float, default=10e9, help="parameters (gradient elements)")
+    ap.add_argument("--bytes-per-param", type=int, default=2, help="2: bf16 gradients")
+    ap.add_argument("--intra", default="nvlink4", choices=sorted(LINKS))
+    ap.add_argument("--inter", default="infiniband-ndr", choices=sorted(LINKS))
+    return ap
+
+
+def predict_allreduce(a: Any) -> str:
+    """`glmc comm`: one data-parallel gradient all-reduce per step at cluster scale, flat ring
+    vs hierarchical (one NIC per GPU, as DGX-class nodes), with the formulas used."""
+    out = []
+    print = out.append  # noqa: A001 (the lines are returned)
+    intra, inter = LINKS[a.intra], LINKS[a.inter]
+    nbytes = int(a.params * a.bytes_per_param)
+    c = choose_allreduce(nbytes, a.nodes, a.per_node, intra, inter)
+    n = a.nodes * a.per_node
+    print(f"all-reduce of {nbytes / 1e9:.1f} GB over {a.nodes} nodes x {a.per_node} = {n} ranks")
+    for link in (intra, inter):
+        print(f"  link {link.name}: alpha {link.latency_s * 1e6:.1f} us, beta "
+              f"{link.bandwidth / 1e9:.1f} GB/s ({link.source})")
+    print("  formulas: all_reduce 2(N-1) alpha + 2(N-1)/N B/beta; reduce_scatter and "
+          "all_gather (N-1) alpha + (N-1)/N B/beta")
+    print(f"  flat ring over {n} ranks on {inter.name}: {c.flat_seconds:.3f} s")
+    for name, t in c.parts.items():
+        print(f"  hierarchical: {name}: {t:.3f} s")
+    print(f"  hierarchical total: {c.hierarchical_seconds:.3f} s -> {c.best} "
+          f"({max(c.flat_seconds, c.hierarchical_seconds) / min(c.flat_seconds, c.hierarchical_seconds):.1f}x)")
+    return "\n".join(out)

@@ -27,6 +27,10 @@ _OPTIONS = {
                   "head": "low", "recast": False},
     "recompute": {"budget": "2GiB", "solver": "greedy", "time_limit": 2.5, "pareto": False},
     "shard": {"stage": 3, "bucket_mb": 8.0, "overlap": False, "accumulate": True},
+    "partition": {"stages": 4, "microbatches": 8, "schedule": "interleaved", "virtual": 2,
+                  "profiles": "h100;h100;kunpeng920;kunpeng920"},
+    "compress": {"method": "topk", "ratio": 0.05, "rank": 2, "error_feedback": False,
+                 "min_numel": 64},
 }
 
 
@@ -147,7 +151,8 @@ def _layer(module: str) -> int:
         return 2
     top = {"glmc.runtime", "glmc.api", "glmc.cli", "glmc.export", "glmc.report", "glmc.pipeline",
            "glmc.report_html", "glmc.dynamo_backend", "glmc.workload", "glmc", "glmc.pieces",
-           "glmc.__main__", "glmc.passes", "glmc.backends", "glmc.parallel"}
+           "glmc.__main__", "glmc.passes", "glmc.backends", "glmc.parallel",
+           "glmc.pipeline_parallel"}
     return 3 if module in top else 1
 
 

@@ -305,3 +305,37 @@ def test_layout_pads_rows_and_reassembles() -> None:
     scalar = Layout((), 2)
     assert torch.equal(scalar.full([scalar.local(torch.tensor(7.0), r) for r in range(2)]),
                        torch.tensor(7.0))
+
+
+# ---- communication model -----------------------------------------------------------------------
+
+def test_alpha_beta_formulas_and_the_topology_choice() -> None:
+    from glmc.comm import LINKS, LinkProfile, choose_allreduce, collective_seconds
+    link = LinkProfile("test", 1e-5, 1e9, "made up")
+    # ring all-reduce: 2(N-1) alpha + 2(N-1)/N B/beta
+    assert collective_seconds("all_reduce", 8_000_000, 4, link) == pytest.approx(
+        6 * 1e-5 + 1.5 * 8e-3)
+    assert collective_seconds("all_gather_into_tensor", 8_000_000, 4, link) == pytest.approx(
+        3 * 1e-5 + 0.75 * 8e-3)
+    assert collective_seconds("all_reduce", 8_000_000, 1, link) == 0.0
+    # 2 nodes x 2 over a slow inter-node link: hierarchical wins by far; on one link both move
+    # the same bytes (1.5 B / beta), hierarchical saving only latency steps
+    slow = choose_allreduce(16 << 20, 2, 2, LINKS["nvlink4"], LINKS["ethernet-25g"])
+    assert slow.best == "hierarchical" and slow.hierarchical_seconds < slow.flat_seconds / 2
+    same = choose_allreduce(16 << 20, 2, 2, LINKS["nvlink4"], LINKS["nvlink4"])
+    assert same.hierarchical_seconds == pytest.approx(same.flat_seconds, rel=0.01)
+
+
+def test_exposed_communication_is_what_compute_does_not_hide() -> None:
+    """A collective issued early and waited for late is hidden by the compute in between."""
+    from glmc.comm import LinkProfile, estimate_comm
+    model, batch, loss_fn, opt = CASES["mlp"].make()
+    graph = glmc.capture(model, batch, loss_fn, opt)
+    ShardPass(stage=0, bucket_mb=0.001).run(graph, PassContext(mesh=MeshSpec((2,), ("dp",))))
+    names = [n.name for n in graph.graph.nodes if n.op == "call_function"]
+    slow = LinkProfile("slow", 1e-3, 1e6, "made up")
+    free = estimate_comm(graph.graph, {n: 0.0 for n in names}, 2, slow)
+    busy = estimate_comm(graph.graph, {n: 1.0 for n in names}, 2, slow)
+    assert free.exposed_seconds == pytest.approx(free.comm_seconds)  # nothing to hide behind
+    assert busy.exposed_seconds < free.exposed_seconds
+    assert busy.collectives == free.collectives > 1
