@@ -322,7 +322,7 @@ def test_alpha_beta_formulas_and_the_topology_choice() -> None:
     # the same bytes (1.5 B / beta), hierarchical saving only latency steps
     slow = choose_allreduce(16 << 20, 2, 2, LINKS["nvlink4"], LINKS["ethernet-25g"])
     assert slow.best == "hierarchical" and slow.hierarchical_seconds < slow.flat_seconds / 2
-    same = choose_allreduce(16 << 20, 2, 2, LINKS["nvlink4"], LINKS["nvlink4"])
+    same = choose_allreduce(1 << 30, 2, 2, LINKS["nvlink4"], LINKS["nvlink4"])
     assert same.hierarchical_seconds == pytest.approx(same.flat_seconds, rel=0.01)
 
 
