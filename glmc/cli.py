@@ -57,24 +57,15 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     c.add_argument("--export-ort-training", default=None, metavar="DIR",
                    help="after training, write ONNX Runtime on-device training artifacts "
                         "(training/eval/optimizer models, checkpoint, train.py) here")
+    c.add_argument("--export-tvm", default=None, metavar="DIR",
+                   help="after training, build the step with Apache TVM for --target and write "
+                        "step.so, inputs.npz and a torch-free run_tvm.py here")
+    c.add_argument("--target", default=None, metavar="T",
+                   help="with --export-tvm: kunpeng920 (default) | aarch64 | x86_64 | host | "
+                        "cuda | h100 | h200 | a100, or a TVM target as JSON, e.g. "
+                        '\'{"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mcpu": "tsv110"}\'')
     c.add_argument("--strict", action="store_true", help="fail on ops the backend cannot take")
-    c.add_argument("--nproc", type=_positive, default=None, metavar="N",
-                   help="train data parallel on N local processes (glmc launches them through "
-                        "torchrun; FILE's batch is the global batch, split over the ranks)")
-    c.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None, metavar="S",
-                   help="ZeRO stage when data parallel: 0 all-reduce, 1 shard optimizer state, "
-                        "2 and gradients, 3 and parameters (default 0; under torchrun this "
-                        "option turns data parallelism on)")
-    c.add_argument("--bucket-mb", type=float, default=None, metavar="M",
-                   help="gradient bucket size in MiB for data parallelism (default 25)")
-    c.add_argument("--compress", default=None, metavar="METHOD",
-                   choices=("bf16", "fp16", "sign", "topk", "powersgd"),
-                   help="compress the data-parallel gradient traffic (error feedback on): "
-                        "bf16|fp16|sign|topk|powersgd")
-    c.add_argument("--compress-rank", type=_positive, default=None, metavar="R",
-                   help="powersgd: rank of the approximation (default 4)")
-    c.add_argument("--compress-ratio", type=float, default=None, metavar="F",
-                   help="topk: fraction of the gradient sent (default 0.01)")
+    _parallel_args(c)
     c.add_argument("--debug", action="store_true", help="print tracebacks")
     k = sub.add_parser("check", help="list every op the backend (or the ONNX export) cannot "
                                      "take, with source lines")
@@ -96,6 +87,35 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         "comm", help="predict a gradient all-reduce at cluster scale: flat vs hierarchical"))
     cm.add_argument("--debug", action="store_true")
     return p, {"compile": c, "check": k, "report": r, "calibrate": cal}
+
+
+def _parallel_args(c: argparse.ArgumentParser) -> None:
+    """Options of data and pipeline parallelism (`glmc compile`)."""
+    c.add_argument("--nproc", type=_positive, default=None, metavar="N",
+                   help="train data parallel on N local processes (glmc launches them through "
+                        "torchrun; FILE's batch is the global batch, split over the ranks)")
+    c.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None, metavar="S",
+                   help="ZeRO stage when data parallel: 0 all-reduce, 1 shard optimizer state, "
+                        "2 and gradients, 3 and parameters (default 0; under torchrun this "
+                        "option turns data parallelism on)")
+    c.add_argument("--pp", type=_positive, default=None, metavar="S",
+                   help="pipeline parallel over S stages, one process each (with --nproc S); "
+                        "the partition pass chooses the cut by predicted cost")
+    c.add_argument("--microbatches", type=_positive, default=None, metavar="M",
+                   help="with --pp: microbatches per step (must divide the batch; default S)")
+    c.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved",
+                                                          "zbh1"),
+                   help="with --pp: pipeline schedule (interleaved: 2 virtual stages per rank)")
+    c.add_argument("--bucket-mb", type=float, default=None, metavar="M",
+                   help="gradient bucket size in MiB for data parallelism (default 25)")
+    c.add_argument("--compress", default=None, metavar="METHOD",
+                   choices=("bf16", "fp16", "sign", "topk", "powersgd"),
+                   help="compress the data-parallel gradient traffic (error feedback on): "
+                        "bf16|fp16|sign|topk|powersgd")
+    c.add_argument("--compress-rank", type=_positive, default=None, metavar="R",
+                   help="powersgd: rank of the approximation (default 4)")
+    c.add_argument("--compress-ratio", type=float, default=None, metavar="F",
+                   help="topk: fraction of the gradient sent (default 0.01)")
 
 
 def _pipeline_args(c: argparse.ArgumentParser, precisions: tuple[str, ...]) -> None:
@@ -209,6 +229,11 @@ def _usage_problems(args: argparse.Namespace) -> list[str]:
         if out is not None and out.exists() and not out.is_dir():
             problems.append(f"--export-dir: {out} exists and is not a directory")
         parallel = args.nproc is not None or args.zero is not None
+        if args.pp is not None and (args.zero is not None or args.nproc not in (None, args.pp)):
+            problems.append(f"--pp {args.pp}: needs --nproc {args.pp} and no --zero (pipeline x "
+                            "data parallelism is not supported yet)")
+        if args.pp is None and (args.microbatches is not None or args.schedule != "1f1b"):
+            problems.append("--microbatches / --schedule need --pp")
         if args.bucket_mb is not None and (not parallel or args.bucket_mb <= 0):
             problems.append("--bucket-mb needs --nproc or --zero and a positive size")
         if (args.compress or args.compress_rank or args.compress_ratio) and not parallel:
@@ -220,6 +245,7 @@ def _usage_problems(args: argparse.Namespace) -> list[str]:
         if parallel and (args.export_dir or args.export_ort_training):
             problems.append("--export-dir / --export-ort-training: exporting a data-parallel "
                             "step is not supported yet; export from one process")
+        problems += _tvm_problems(args)
         ort_dir = Path(args.export_ort_training) if args.export_ort_training else None
         if ort_dir is not None and ort_dir.exists() and not ort_dir.is_dir():
             problems.append(f"--export-ort-training: {ort_dir} exists and is not a directory")
@@ -230,6 +256,31 @@ def _comm(args: argparse.Namespace) -> int:
     from glmc.comm import predict_allreduce
     print(predict_allreduce(args))
     return 0
+
+
+def _tvm_target(text: str | None) -> object:
+    """--target: a name (glmc.backends.tvm.TARGETS, host) or a TVM target as JSON."""
+    import json
+    if text is None:
+        return "kunpeng920"
+    return json.loads(text) if text.lstrip().startswith("{") else text
+
+
+def _tvm_problems(args: argparse.Namespace) -> list[str]:
+    if args.target is not None and not args.export_tvm:
+        return ["--target needs --export-tvm DIR (a step trained here runs where its tensors "
+                "are; --target builds it for another machine)"]
+    if not args.export_tvm:
+        return []
+    if Path(args.export_tvm).exists() and not Path(args.export_tvm).is_dir():
+        return [f"--export-tvm: {args.export_tvm} exists and is not a directory"]
+    try:
+        from glmc.backends.tvm import require_tvm, resolve_target
+        require_tvm("--export-tvm")
+        resolve_target(_tvm_target(args.target))
+    except (GlmcError, ValueError) as e:  # ValueError: JSON that does not parse
+        return [f"--target: {e}"]
+    return []
 
 
 def _calibrate(args: argparse.Namespace) -> int:
@@ -252,7 +303,7 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
             skip = True
         elif not a.startswith("--nproc="):
             rest.append(a)
-    if args.zero is None:
+    if args.zero is None and args.pp is None:  # --pp: pipeline, not data parallelism
         rest += ["--zero", "0"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={args.nproc}", "-m", "glmc", *rest]
@@ -285,6 +336,10 @@ def _compile(args: argparse.Namespace) -> int:
     if args.export_onnx:
         require_onnx()  # before the model loads
     work = load_workload(args.file)
+    if args.pp is not None:
+        from glmc.pipeline_parallel import train_cli
+        return train_cli(work, args.steps, args.microbatches or args.pp, args.schedule, args.pp,
+                         args.report_dir)
     trainer = glmc.optimize(work.model, work.example_inputs, loss_fn=work.loss_fn,
                             optimizer=work.optimizer, backend=args.backend, passes=args.passes,
                             memory_budget=args.memory_budget, precision=args.precision,
@@ -322,6 +377,10 @@ def _compile(args: argparse.Namespace) -> int:
     if args.export_ort_training:
         from glmc.export import export_ort_training
         for path in export_ort_training(trainer, args.export_ort_training):
+            print(f"exported: {path}")
+    if args.export_tvm:
+        from glmc.export import export_tvm
+        for path in export_tvm(trainer, args.export_tvm, _tvm_target(args.target)):
             print(f"exported: {path}")
     return 0
 
@@ -371,7 +430,7 @@ def _check(args: argparse.Namespace) -> int:
         print(f"{args.file}: every op is supported by backend '{args.backend}'")
     else:
         how = "no per-op fallback: compiling fails with an ExportError" \
-            if args.backend == "ort" else "they run as eager fallbacks"
+            if args.backend in ("ort", "tvm") else "they run as eager fallbacks"
         print(f"{args.file}: {len(offenses)} op(s) backend '{args.backend}' cannot compile "
               f"({how}):")
         for o in offenses:

@@ -16,10 +16,11 @@ def registry() -> dict[str, type[Pass]]:
     from glmc.passes.precision import PrecisionPass
     from glmc.passes.recompute import RecomputePass
     from glmc.passes.compress import CompressPass
+    from glmc.passes.partition import PartitionPass
     from glmc.passes.shard import ShardPass
 
     return {cls.name: cls for cls in (FusionPass, PrecisionPass, CleanupPass, RecomputePass,
-                                      ShardPass, CompressPass)}
+                                      ShardPass, CompressPass, PartitionPass)}
 
 
 def default_pipeline(memory_budget: Any = None, precision: str | None = None,

@@ -440,6 +440,9 @@ class Stage:
     forward: TrainGraph
     backward: TrainGraph
     update: TrainGraph
+    #: the backward as I (input gradients; stashes what W needs) and W (parameter gradients),
+    #: for zero-bubble schedules (`split_backward`); None until split
+    split: tuple[TrainGraph, TrainGraph] | None = None
 
     def graphs(self) -> dict[Phase, TrainGraph]:
         return {Phase.FORWARD: self.forward, Phase.BACKWARD: self.backward,
@@ -707,3 +710,69 @@ def _update_graph(index: int, module: nn.Module, optimizer: torch.optim.Optimize
 
     gm = make_fx(update, tracing_mode="fake")(*examples)
     return _retype(gm, ins, outs, Phase.OPTIMIZER, index)
+
+
+# ---- zero-bubble: the backward as input gradients (I) and weight gradients (W) -----------------
+
+def split_backward(stage: Stage) -> Stage:
+    """`stage` with its backward also split in two graphs, for zero-bubble schedules:
+
+    I  saved, cotangents -> sent input gradients, stash   (what the previous stage waits for)
+    W  saved, stash      -> parameter gradients           (can run later, filling bubbles)
+
+    I holds every node the input gradients need; W the rest of what the parameter gradients
+    need; `stash` is the I values W reads (outputs `SAVED "stash:k"`). I + W compute exactly
+    the backward's nodes, so the gradients are bit-identical to B's."""
+    bw = stage.backward
+    outs = list(zip(bw.outputs, bw.output_values()))
+    sends = [(o, v) for o, v in outs if o.kind is OutputKind.SEND]
+    grads = [(o, v) for o, v in outs if o.kind is not OutputKind.SEND]
+    in_i = _ancestors([v for _, v in sends])
+    w_all = _ancestors([v for _, v in grads])
+    in_w = w_all - in_i
+    stash = [n for n in bw.graph.nodes if n in in_i and n.op != "placeholder"
+             and (any(u in in_w for u in n.users) or any(v is n for _, v in grads))]
+    phs = dict(zip(bw.placeholders(), bw.inputs))
+    stash_specs = [InputSpec(Role.SAVED, f"stash:{k}") for k in range(len(stash))]
+    i_graph = _subgraph(bw, [(phs[p], p) for p in bw.placeholders() if p in in_i],
+                        sends + [(OutputSpec(OutputKind.SAVED, s.target), n)
+                                 for s, n in zip(stash_specs, stash)], "I")
+    w_inputs = [(phs[p], p) for p in bw.placeholders() if p in w_all]
+    w_inputs += list(zip(stash_specs, stash))
+    w_graph = _subgraph(bw, w_inputs, grads, "W")
+    return dataclasses.replace(stage, split=(i_graph, w_graph))
+
+
+def _ancestors(values: Sequence[Any], stop: Iterable[fx.Node] = ()) -> set[fx.Node]:
+    """`values` and what they read, not looking past `stop`."""
+    seen: set[fx.Node] = set()
+    stop = set(stop)
+    todo = [v for v in values if isinstance(v, fx.Node)]
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo += [] if n in stop else n.all_input_nodes
+    return seen
+
+
+def _subgraph(graph: TrainGraph, inputs: list[tuple[InputSpec, fx.Node]],
+              outputs: list[tuple[OutputSpec, Any]], part: str) -> TrainGraph:
+    """A TrainGraph computing `outputs` of `graph` from `inputs` (any nodes of it)."""
+    g, env = fx.Graph(), {}
+    for spec, n in inputs:
+        env[n] = g.placeholder(f"{spec.role.value}_{len(env)}")
+        info = TrainGraph.info(n)
+        env[n].meta = {"val": n.meta.get("val"),
+                       "glmc": NodeInfo(Phase.INPUT, spec.role, info.spec, target=spec.target,
+                                        stage=info.stage)}
+    need = _ancestors([v for _, v in outputs], stop=[n for _, n in inputs])
+    for n in graph.graph.nodes:
+        if n in need and n not in env and n.op == "call_function":
+            env[n] = g.node_copy(n, lambda a: env[a])
+            env[n].meta = dict(n.meta)
+    g.output(tuple(env[v] for _, v in outputs))
+    out = TrainGraph(fx.GraphModule(graph.gm, g), [s for s, _ in inputs],
+                     [s for s, _ in outputs], meta={**graph.meta, "part": part})
+    out.verify()
+    return out

@@ -7,8 +7,8 @@ any backward). Schedules differ only in how that DAG is generated; `run_stage` e
 of them for one rank's stage.
 
 The vocabulary is torch.distributed.pipelining's (`_ComputationType` / `_Action` in
-torch/distributed/pipelining/schedules.py): F (forward), B (full backward), W (backward of the
-weights alone), SEND_F / RECV_F (activations), SEND_B / RECV_B (their gradients), and actions
+torch/distributed/pipelining/schedules.py): F (forward), B (full backward), I / W (backward of the
+inputs / of the weights alone, zero-bubble), SEND_F / RECV_F (activations), SEND_B / RECV_B (their gradients), and actions
 print as torch's do ("1F0", "0SEND_F1"). glmc adds UPDATE: the optimizer step, once per stage
 after the last backward, which torch leaves outside its schedules.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import networkx as nx
 import torch
@@ -34,7 +34,8 @@ class ActionKind(str, enum.Enum):
 
     F = "F"  #: forward of one microbatch: stage's forward graph
     B = "B"  #: full backward of one microbatch: stage's backward graph; gradients accumulate
-    W = "W"  #: weight-only backward (zero-bubble schedules); no glmc stage has one yet
+    I = "I"  #: input-gradient backward of one microbatch (zero-bubble): sends grads early
+    W = "W"  #: weight-gradient backward of one microbatch (zero-bubble): after its I
     SEND_F = "SEND_F"  #: send this microbatch's activations to the next stage(s)
     RECV_F = "RECV_F"  #: receive this microbatch's activations from the previous stage(s)
     SEND_B = "SEND_B"  #: send the gradients of received activations back
@@ -63,17 +64,46 @@ class Schedule:
     dag: nx.DiGraph
     num_stages: int
     num_microbatches: int
+    split_backward: bool = False  #: B is two actions, I then W (zero-bubble schedules)
+    stages_per_rank: int = 1  #: > 1: virtual stages, stage s on rank s % (stages // this)
+
+    @property
+    def num_ranks(self) -> int:
+        return self.num_stages // self.stages_per_rank
+
+    def rank_of(self, stage: int) -> int:
+        return stage % self.num_ranks
+
+    def rank_actions(self, rank: int) -> list[Action]:
+        """What `rank` runs, in order: its compute actions in the schedule's order, each
+        preceded by the receives it reads and followed by the sends of what it produced —
+        receives are posted as late as the computation allows (a rank never blocks on a value
+        it does not need yet), sends as early. Deadlock-free: every rank follows one DAG."""
+        K = ActionKind
+        sends = {K.F: K.SEND_F, K.B: K.SEND_B, K.I: K.SEND_B}
+        recvs = {K.F: K.RECV_F, K.B: K.RECV_B, K.I: K.RECV_B}
+        out = []
+        for a in self.linear():
+            if self.rank_of(a.stage) != rank or a.kind not in COMPUTE:
+                continue
+            before, after = Action(a.stage, recvs.get(a.kind, a.kind), a.microbatch), \
+                Action(a.stage, sends.get(a.kind, a.kind), a.microbatch)
+            out += [before] if a.kind in recvs and before in self.dag else []
+            out.append(a)
+            out += [after] if a.kind in sends and after in self.dag else []
+        return out
 
     def linear(self) -> list[Action]:
-        """One deterministic topological order of every action: each rank runs its own
-        actions in this order, so all ranks agree (deadlock-free with non-blocking sends)."""
+        """One deterministic topological order of every action (each rank's compute actions
+        keep the order the generator chose: they are chained by "order" edges)."""
         m = self.num_microbatches
         return list(nx.lexicographical_topological_sort(
             self.dag, key=lambda a: (m if a.microbatch is None else a.microbatch, a.stage,
                                      _RANK[a.kind])))
 
     def actions(self, stage: int) -> list[Action]:
-        return [a for a in self.linear() if a.stage == stage]
+        """What `stage` runs, in order (its part of its rank's `rank_actions`)."""
+        return [a for a in self.rank_actions(self.rank_of(stage)) if a.stage == stage]
 
     def verify(self, num_stages: int, links: set[tuple[int, int]]) -> None:
         """Acyclic; every stage runs F and B of every microbatch, its sends and receives where
@@ -84,11 +114,12 @@ class Schedule:
         if num_stages != self.num_stages:
             raise PassError(f"schedule: is for {self.num_stages} stages, the program has "
                             f"{num_stages}")
-        missing = sorted(map(str, _required(num_stages, self.num_microbatches, links)
-                             - set(self.dag)))
+        missing = sorted(map(str, _required(num_stages, self.num_microbatches, links,
+                                            self.split_backward) - set(self.dag)))
         if missing:
             raise PassError(f"schedule: lacks actions {missing}")
-        for a, needs in _dependencies(self.num_microbatches, links, num_stages):
+        for a, needs in _dependencies(self.num_microbatches, links, num_stages,
+                                      self.split_backward):
             if not nx.has_path(self.dag, needs, a):
                 raise PassError(f"schedule: {a} does not wait for {needs}")
 
@@ -97,44 +128,53 @@ class Schedule:
                          for s in range(self.num_stages))
 
 
-def _required(stages: int, mbs: int, links: set[tuple[int, int]]) -> set[Action]:
+def _required(stages: int, mbs: int, links: set[tuple[int, int]], split: bool = False
+              ) -> set[Action]:
     need = {Action(s, ActionKind.UPDATE) for s in range(stages)}
+    kinds = (ActionKind.F, ActionKind.I, ActionKind.W) if split else (ActionKind.F, ActionKind.B)
     for m in range(mbs):
-        need |= {Action(s, k, m) for s in range(stages) for k in (ActionKind.F, ActionKind.B)}
+        need |= {Action(s, k, m) for s in range(stages) for k in kinds}
         for src, dst in links:
             need |= {Action(src, ActionKind.SEND_F, m), Action(dst, ActionKind.RECV_F, m),
                      Action(dst, ActionKind.SEND_B, m), Action(src, ActionKind.RECV_B, m)}
     return need
 
 
-def _dependencies(mbs: int, links: set[tuple[int, int]], stages: int
+def _dependencies(mbs: int, links: set[tuple[int, int]], stages: int, split: bool = False
                   ) -> Iterable[tuple[Action, Action]]:
-    """(action, what it must come after) for every data dependency."""
+    """(action, what it must come after) for every data dependency. With `split`, I (input
+    gradients) takes B's place on the path to the previous stage and W follows I."""
     A, K = Action, ActionKind
+    grad = K.I if split else K.B  # the action that computes the gradients sent back
     for m in range(mbs):
         for s in range(stages):
-            yield A(s, K.B, m), A(s, K.F, m)  # the backward reads the forward's saved values
-            yield A(s, K.UPDATE), A(s, K.B, m)
+            yield A(s, grad, m), A(s, K.F, m)  # the backward reads the forward's saved values
+            if split:
+                yield A(s, K.W, m), A(s, K.I, m)  # W reads what I stashed
+            yield A(s, K.UPDATE), A(s, K.W if split else K.B, m)
         for src, dst in links:
             yield from ((A(src, K.SEND_F, m), A(src, K.F, m)),
                         (A(dst, K.RECV_F, m), A(src, K.SEND_F, m)),
                         (A(dst, K.F, m), A(dst, K.RECV_F, m)),
-                        (A(dst, K.SEND_B, m), A(dst, K.B, m)),
+                        (A(dst, K.SEND_B, m), A(dst, grad, m)),
                         (A(src, K.RECV_B, m), A(dst, K.SEND_B, m)),
-                        (A(src, K.B, m), A(src, K.RECV_B, m)))
+                        (A(src, grad, m), A(src, K.RECV_B, m)))
 
 
 def build(order: dict[int, list[Action]], num_microbatches: int,
-          links: set[tuple[int, int]]) -> Schedule:
-    """The schedule that runs each stage's compute actions in `order` (the generator's
-    choice) and adds the communication and data dependencies every schedule shares."""
+          links: set[tuple[int, int]], num_stages: int | None = None,
+          split_backward: bool = False, stages_per_rank: int = 1) -> Schedule:
+    """The schedule that runs each stage's (or, with virtual stages, each rank's) compute
+    actions in `order` (the generator's choice) and adds the communication and data
+    dependencies every schedule shares."""
+    stages = len(order) if num_stages is None else num_stages
     dag = nx.DiGraph()
     for actions in order.values():
         dag.add_nodes_from(actions)
         nx.add_path(dag, actions, why="order")
-    for action, needs in _dependencies(num_microbatches, links, len(order)):
+    for action, needs in _dependencies(num_microbatches, links, stages, split_backward):
         dag.add_edge(needs, action, why="data")
-    return Schedule(dag, len(order), num_microbatches)
+    return Schedule(dag, stages, num_microbatches, split_backward, stages_per_rank)
 
 
 def gpipe(num_stages: int, num_microbatches: int, links: set[tuple[int, int]]) -> Schedule:
@@ -144,6 +184,145 @@ def gpipe(num_stages: int, num_microbatches: int, links: set[tuple[int, int]]) -
              + [Action(s, K.B, m) for m in range(num_microbatches)] + [Action(s, K.UPDATE)]
              for s in range(num_stages)}
     return build(order, num_microbatches, links)
+
+
+def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
+    """1F1B (PipeDream-flush): stage s runs min(S-1-s, M) warm-up forwards, then alternates
+    one forward and one backward, then drains its backwards; at most S-s microbatches in
+    flight. glmc's own generator: torch 2.13's `Schedule1F1B._get_pipeline_order` emits
+    forward M (one past the last microbatch) on the last rank and skips forward 0."""
+    K, m = ActionKind, num_microbatches
+    order = {}
+    for s in range(num_stages):
+        warm = min(num_stages - 1 - s, m)
+        acts = [Action(s, K.F, i) for i in range(warm)]
+        for i in range(m - warm):
+            acts += [Action(s, K.F, warm + i), Action(s, K.B, i)]
+        acts += [Action(s, K.B, i) for i in range(m - warm, m)] + [Action(s, K.UPDATE)]
+        order[s] = acts
+    return build(order, m, {(s, s + 1) for s in range(num_stages - 1)})
+
+
+#: glmc's schedule names -> torch.distributed.pipelining's schedule class
+TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
+                   "interleaved": "ScheduleInterleaved1F1B",
+                   "zbh1": "ScheduleInterleavedZeroBubble"}
+
+
+def from_torch(name: str, num_ranks: int, num_microbatches: int, stages_per_rank: int = 1
+               ) -> Schedule:
+    """The schedule torch.distributed.pipelining generates under `name` (see
+    `TORCH_SCHEDULES`): its per-rank compute order (`_get_pipeline_order` of the single-stage
+    schedules, `_calculate_single_rank_operations` of the multi-stage ones; torch's bubbles
+    (None) and REDUCE_GRAD dropped), as a glmc DAG with every send/receive and data edge, and
+    one UPDATE per stage after its last backward. "zbh1" is torch's interleaved zero-bubble
+    generator with one stage per rank (ZB-H1); "interleaved" needs `stages_per_rank` > 1."""
+    if name == "1f1b":
+        return one_f_one_b(num_ranks, num_microbatches)
+    if name not in TORCH_SCHEDULES:
+        raise ConfigError(f"schedule: unknown schedule {name!r}; use "
+                          f"{', '.join(TORCH_SCHEDULES)}")
+    if (stages_per_rank > 1) != (name == "interleaved"):
+        raise ConfigError(f"schedule: {name} runs {'several stages' if name == 'interleaved' else 'one stage'} "
+                          f"per rank, not {stages_per_rank}")
+    stages = num_ranks * stages_per_rank
+    torch_order = _torch_order(name, num_ranks, num_microbatches, stages_per_rank)
+    kinds = {"F": ActionKind.F, "B": ActionKind.B, "I": ActionKind.I, "W": ActionKind.W}
+    order = {}
+    for rank, ops in torch_order.items():
+        acts = [Action(op.stage_index, kinds[op.computation_type.value], op.microbatch_index)
+                for op in ops if op is not None and op.computation_type.value in kinds]
+        own = sorted({a.stage for a in acts})
+        order[rank] = acts + [Action(s, ActionKind.UPDATE) for s in own]
+    links = {(s, s + 1) for s in range(stages - 1)}
+    return build(order, num_microbatches, links, stages, name == "zbh1", stages_per_rank)
+
+
+def _torch_order(name: str, ranks: int, mbs: int, per_rank: int) -> dict[int, list]:
+    """torch's generator, called on a stand-in for the schedule object: the generators read
+    only these counts, and building the real schedule needs live PipelineStage objects."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining import schedules as ts
+
+    cls = getattr(ts, TORCH_SCHEDULES[name])
+    if name == "gpipe":
+        return cls._get_pipeline_order(SimpleNamespace(_num_stages=ranks, _n_microbatches=mbs))
+    rounds = max(1, mbs // ranks)
+    if mbs % rounds:
+        raise ConfigError(f"schedule: {name} needs the microbatches ({mbs}) to be a multiple "
+                          f"of the rounds ({rounds})")
+    me = SimpleNamespace(n_local_stages=per_rank, pp_group_size=ranks, _n_microbatches=mbs,
+                         number_of_rounds=rounds, microbatches_per_round=mbs // rounds)
+    return {r: cls._calculate_single_rank_operations(me, r) for r in range(ranks)}
+
+
+# ---- predicting a schedule ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Timeline:
+    """When each action runs: (rank, start, end) in seconds from the step's start."""
+
+    spans: dict[Action, tuple[int, float, float]]
+    num_ranks: int
+
+    @property
+    def makespan(self) -> float:
+        return max((e for _, _, e in self.spans.values()), default=0.0) - \
+            min((s for _, s, _ in self.spans.values()), default=0.0)
+
+    def bubble(self) -> float:
+        """Idle fraction of the ranks' compute time: 1 - busy / (ranks x makespan)."""
+        busy = sum(e - s for a, (_, s, e) in self.spans.items() if a.kind in COMPUTE)
+        span = self.makespan
+        return 1.0 - busy / (self.num_ranks * span) if span > 0 else 0.0
+
+    def in_flight(self, stage: int) -> int:
+        """The most microbatches whose forward ran on `stage` and whose backward (B or W)
+        has not finished: how many microbatches' activations the stage keeps at once."""
+        events = []
+        for a, (_, s, e) in self.spans.items():
+            if a.stage == stage and a.kind is ActionKind.F:
+                events.append((e, 1))
+            elif a.stage == stage and a.kind in (ActionKind.B, ActionKind.I):
+                events.append((e, -1))  # I frees the activations; W keeps only what I stashed
+        level = peak = 0
+        for _, d in sorted(events, key=lambda x: (x[0], x[1])):
+            level += d
+            peak = max(peak, level)
+        return peak
+
+    def trace_events(self) -> list[dict]:
+        """Chrome/Perfetto trace events (one row per rank), times in microseconds."""
+        t0 = min((s for _, s, _ in self.spans.values()), default=0.0)
+        return [{"name": str(a), "ph": "X", "pid": 0, "tid": r, "ts": (s - t0) * 1e6,
+                 "dur": (e - s) * 1e6, "cat": a.kind.value}
+                for a, (r, s, e) in self.spans.items()]
+
+
+COMPUTE = frozenset({ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W, ActionKind.UPDATE})
+
+
+def simulate(schedule: Schedule, seconds: Callable[[Action], float]) -> Timeline:
+    """The timeline the executor would produce if `seconds(action)` were exact: every rank
+    runs `rank_actions` in order, each as soon as the rank is free and the actions it depends
+    on have finished (a receive finishes when its send has)."""
+    queues = [schedule.rank_actions(r) for r in range(schedule.num_ranks)]
+    pos, free = [0] * len(queues), [0.0] * len(queues)
+    spans: dict[Action, tuple[int, float, float]] = {}
+    progressed = True
+    while progressed:
+        progressed = False
+        for r, q in enumerate(queues):
+            while pos[r] < len(q) and all(p in spans for p in schedule.dag.predecessors(q[pos[r]])):
+                a = q[pos[r]]
+                start = max([free[r], *(spans[p][2] for p in schedule.dag.predecessors(a))])
+                spans[a] = (r, start, start + seconds(a))
+                free[r], pos[r], progressed = spans[a][2], pos[r] + 1, True
+    stuck = [str(q[p]) for p, q in zip(pos, queues) if p < len(q)]
+    if stuck:
+        raise PassError(f"schedule: deadlocks; the ranks wait at {stuck}")
+    return Timeline(spans, schedule.num_ranks)
 
 
 # ---- the executor ------------------------------------------------------------------------------
@@ -174,7 +353,8 @@ class _StageRun:
 
     def run(self, a: Action) -> None:
         K = ActionKind
-        handlers = {K.F: self.forward, K.B: self.backward, K.UPDATE: self.update,
+        handlers = {K.F: self.forward, K.B: self.backward, K.I: self.backward_input,
+                    K.W: self.backward_weight, K.UPDATE: self.update,
                     K.SEND_F: self.send, K.SEND_B: self.send, K.RECV_F: self.recv,
                     K.RECV_B: self.recv}
         if a.kind not in handlers:
@@ -197,14 +377,30 @@ class _StageRun:
             else:
                 self.mb[m][(Role.SAVED, target)] = v
 
-    def backward(self, a: Action) -> None:
+    def backward(self, a: Action, graph: TrainGraph | None = None, last: bool = True) -> None:
         m = a.microbatch
-        for (kind, target), v in self._call(self.stage.backward, m).items():
+        for (kind, target), v in self._call(graph or self.stage.backward, m).items():
             if kind is OutputKind.GRADIENT:
                 self.grads[target] = self.grads[target] + v if target in self.grads else v
+            elif kind is OutputKind.SAVED:  # what I stashes for W
+                self.mb[m][(Role.SAVED, target)] = v
             else:
                 self.sent[m][target] = v
-        self.mb[m] = {k: v for k, v in self.mb[m].items() if k[0] is not Role.SAVED}
+        if last:
+            self.mb[m] = {k: v for k, v in self.mb[m].items() if k[0] is not Role.SAVED}
+
+    def backward_input(self, a: Action) -> None:
+        self.backward(a, self._split(a)[0], last=False)
+
+    def backward_weight(self, a: Action) -> None:
+        self.backward(a, self._split(a)[1])
+
+    def _split(self, a: Action) -> tuple[TrainGraph, TrainGraph]:
+        split = self.stage.split
+        if split is None:
+            raise ConfigError(f"run_stage: action {a} needs stage {self.index}'s backward "
+                              "split into I and W (glmc.program.split_backward)")
+        return split
 
     def update(self, a: Action) -> None:
         grads = {(Role.GRADIENT, n): g for n, g in self.grads.items()}
@@ -236,6 +432,35 @@ class _StageRun:
         for work in dist.batch_isend_irecv(ops) if ops else []:
             work.wait()
         self.mb[m].update({(Role.BOUNDARY, k): v for k, v in bufs.items()})
+
+
+def run_rank(program: StagedProgram, modules: dict[int, nn.Module],
+             optimizers: dict[int, torch.optim.Optimizer],
+             microbatches: Sequence[Sequence[torch.Tensor]], ranks: Sequence[int] | None = None,
+             spans: list | None = None) -> list[torch.Tensor]:
+    """One training step of every stage this process holds (`modules` / `optimizers` by stage):
+    `run_stage` for several (virtual) stages. `ranks[s]`: the process of stage s (default:
+    the schedule's `rank_of`). `spans`, if given, receives (action, start, end) of every
+    action in wall-clock seconds (`time.time()`: comparable across processes of one host)."""
+    import time
+
+    sched = program.schedule
+    if len(microbatches) != sched.num_microbatches:
+        raise ConfigError(f"run_stage: got {len(microbatches)} microbatches, the schedule has "
+                          f"{sched.num_microbatches}")
+    ranks = [sched.rank_of(s) for s in range(sched.num_stages)] if ranks is None \
+        else list(ranks)
+    runs = {s: _StageRun(program, s, modules[s], optimizers[s], ranks,
+                         [batch_values(b) for b in microbatches]) for s in modules}
+    for action in sched.rank_actions(sched.rank_of(next(iter(modules)))):
+        t0 = time.time()
+        runs[action.stage].run(action)
+        if spans is not None:
+            spans.append((action, t0, time.time()))
+    for run in runs.values():
+        for work in run.works:
+            work.wait()
+    return [v for run in runs.values() for _, v in sorted(run.losses.items())]
 
 
 def run_stage(program: StagedProgram, stage: int, module: nn.Module,

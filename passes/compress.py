@@ -173,8 +173,8 @@ class _Compressor:
             if method in _LOW:
                 result, sent = self._low(e, kind, _LOW[method])
             else:
-                sizes = [math.prod(self.plan_layout(p).shape) for p in bucket.params]
-                shapes = [self.plan_layout(p).shape for p in bucket.params]
+                shapes = [self.param_shape(p) for p in bucket.params]
+                sizes = [math.prod(shape) for shape in shapes]
                 if method == "sign":
                     result, sent = self._sign(e, sizes)
                 elif method == "topk":
@@ -189,12 +189,11 @@ class _Compressor:
         self.g.erase_node(coll)
         self.compressed += 1
 
-    def plan_layout(self, name: str) -> Any:
-        from glmc.passes.shard import Layout
+    def param_shape(self, name: str) -> tuple[int, ...]:
+        """A parameter's full shape (stages 0-1 keep parameters whole)."""
         ph = next(ph for ph, s in zip(self.graph.placeholders(), self.graph.inputs)
                   if s.target == name and s.role is Role.PARAMETER)
-        lay = self.plan.layouts.get(name)
-        return lay if lay is not None else Layout(TrainGraph.info(ph).spec.shape, self.n)
+        return tuple(TrainGraph.info(ph).spec.shape)
 
     def _low(self, e: fx.Node, kind: str, dtype: torch.dtype) -> tuple[fx.Node, fx.Node]:
         """Cast, the bucket's own collective in low precision, cast back."""

@@ -1,0 +1,322 @@
+"""`partition`: choose where to cut a step into pipeline stages, by predicted cost.
+
+Guarantees: the step is not rewritten (the pass plans; `glmc.pipeline_parallel` applies the
+plan by capturing each stage of the module, `glmc.program.capture_stage`). The plan cuts the
+forward between *layer-granular blocks* — a parameter's top module, or an item of a top-level
+`ModuleList`/`Sequential` (`embed`, `blocks.0`, ..., `head`) — in the order the forward first
+uses them, into `stages` contiguous groups, minimising the predicted time of the slowest stage
+(forward + backward + its parameters' update, from the cost model's node times, per stage's
+device profile) and, among equally slow cuts, the bytes sent across cuts. Dynamic programming
+over the blocks' topological order: O(stages x blocks^2).
+
+    step (GLM tiny)  ->  plan: stage 0 = embed, blocks.0   | x [4, 32, 64] ->
+                             stage 1 = blocks.1, norm, head (+ loss);  imbalance 1.03
+
+Node times are grouped by module path (forward: `NodeInfo.module`; backward: the forward
+module AOTAutograd recorded); nodes of no block (the loss, glue) count on the last block; the
+update time is split over blocks by parameter count. Memory per stage: its state (parameters,
+gradients, optimizer state) plus its saved activations times the microbatches the schedule
+keeps in flight on it (`glmc.schedule.Timeline.in_flight`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from glmc.analysis import predict
+from glmc.cost import get_profile
+from glmc.errors import ConfigError, PassError
+from glmc.ir import Phase, Role, TrainGraph
+from glmc.passmanager import Need, Pass, PassContext, PassResult
+from glmc.schedule import Action, ActionKind, from_torch, simulate
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1")
+LINK_BYTES_PER_S = 5e9  #: boundary transfer rate assumed when comparing cuts (host memory)
+
+
+# ---- the plan (data) ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BlockCost:
+    name: str
+    seconds: tuple[float, float, float]  #: forward, backward, update (one full batch)
+    state_bytes: int  #: parameters + gradients + optimizer state
+    saved_bytes: int  #: forward values the backward reads (one full batch)
+    out_bytes: int  #: forward values read after the block (what a cut after it sends)
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    blocks: tuple[str, ...]
+    seconds: float  #: forward + backward + update, one full batch, on its profile
+    forward_s: float
+    backward_s: float
+    update_s: float
+    state_bytes: int
+    saved_bytes_per_microbatch: int
+    in_flight: int  #: microbatches whose activations the schedule keeps at once
+    send_bytes: int  #: per microbatch, to the next stage
+    profile: str
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.state_bytes + self.in_flight * self.saved_bytes_per_microbatch
+
+
+@dataclass(frozen=True)
+class PartitionPlan:
+    """The chosen cut (first block of each stage after the first) and what it predicts."""
+
+    blocks: tuple[str, ...]
+    cut: tuple[int, ...]
+    stages: tuple[StagePlan, ...]
+    schedule: str
+    microbatches: int
+    bubble: float  #: predicted idle fraction of the schedule on these stage times
+    equal_imbalance: float  #: imbalance of an equal split of blocks, for comparison
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def imbalance(self) -> float:
+        """Slowest stage over the mean stage."""
+        times = [s.seconds for s in self.stages]
+        return max(times) / (sum(times) / len(times)) if sum(times) > 0 else 1.0
+
+    def report_section(self, ctx: Any) -> Any:
+        from glmc.report_parts import ReportSection, Table, Text, mib, ms
+        rows = [(str(i), ", ".join(s.blocks), s.profile, ms(s.forward_s), ms(s.backward_s),
+                 ms(s.update_s), ms(s.seconds), str(s.in_flight), mib(s.peak_bytes),
+                 mib(s.send_bytes)) for i, s in enumerate(self.stages)]
+        return ReportSection("Pipeline partition", (
+            Text(f"{len(self.stages)} stages, {self.microbatches} microbatches, schedule "
+                 f"{self.schedule}; imbalance (max/mean) {self.imbalance:.3f} (equal split of "
+                 f"blocks: {self.equal_imbalance:.3f}); predicted bubble {self.bubble:.1%}."),
+            Table(("stage", "blocks", "profile", "F", "B", "update", "total", "in flight",
+                   "peak", "sends/mb"), tuple(rows))))
+
+
+# ---- the solver (plain data) -------------------------------------------------------------------
+
+def balanced_cut(times: Sequence[Sequence[float]], cut_cost: Sequence[float], stages: int
+                 ) -> tuple[int, ...]:
+    """Split blocks 0..n-1 into `stages` contiguous non-empty groups. `times[s][b]`: block b's
+    time on stage s's device; `cut_cost[b]`: cost of cutting after block b (added to the
+    sending stage). Minimises the slowest stage, then the summed cut cost. Returns the first
+    block of stages 1.. ."""
+    n = len(times[0])
+    if not 1 <= stages <= n:
+        raise ConfigError(f"partition: {stages} stages need at least as many blocks; the step "
+                          f"has {n}")
+    pre = [[0.0] * (n + 1) for _ in range(stages)]
+    for s in range(stages):
+        for b in range(n):
+            pre[s][b + 1] = pre[s][b] + times[s][b]
+    inf = (float("inf"), float("inf"))
+    # best[s][j]: (bottleneck, total cut cost) placing blocks [0, j) on stages [0, s]
+    best = [[inf] * (n + 1) for _ in range(stages)]
+    arg = [[0] * (n + 1) for _ in range(stages)]
+    for j in range(1, n + 1):
+        best[0][j] = (pre[0][j] + (cut_cost[j - 1] if j < n else 0.0), 0.0)
+    for s in range(1, stages):
+        for j in range(s + 1, n + 1):
+            for i in range(s, j):  # stage s holds blocks [i, j)
+                send = cut_cost[j - 1] if j < n else 0.0
+                prev = best[s - 1][i]
+                cand = (max(prev[0], pre[s][j] - pre[s][i] + send),
+                        prev[1] + cut_cost[i - 1])
+                if cand < best[s][j]:
+                    best[s][j], arg[s][j] = cand, i
+    cut, j = [], n
+    for s in range(stages - 1, 0, -1):
+        j = arg[s][j]
+        cut.append(j)
+    return tuple(reversed(cut))
+
+
+# ---- costing the blocks of a captured step -----------------------------------------------------
+
+def block_name(param: str) -> str:
+    """`blocks.3.attn.wq.weight` -> `blocks.3` (an item of a top-level list); `head.weight`
+    -> `head`; a parameter of the root itself -> its own name."""
+    parts = param.split(".")
+    if len(parts) > 2 and parts[1].isdigit():
+        return ".".join(parts[:2])
+    return parts[0]
+
+
+def _owner(path: str | None, blocks: Sequence[str]) -> str | None:
+    if not path:
+        return None
+    return next((b for b in blocks if path == b or path.startswith(b + ".")), None)
+
+
+def _module_of(n: Any, info: Any) -> str | None:
+    if info.phase is Phase.FORWARD:
+        return info.module
+    from glmc.step import _module_path  # the recorded forward module of a backward node
+    return _module_path(n.meta.get("fwd_nn_module_stack"))
+
+
+def step_blocks(graph: TrainGraph) -> list[str]:
+    """The step's blocks in the order its forward first uses them."""
+    names = {block_name(s.target) for s in graph.inputs if s.role is Role.PARAMETER}
+    order: list[str] = []
+    for n in graph.compute_nodes():
+        info = graph.info(n)
+        b = _owner(info.module, sorted(names)) if info.phase is Phase.FORWARD else None
+        if b is not None and b not in order:
+            order.append(b)
+    return order + sorted(names - set(order))
+
+
+def block_costs(graph: TrainGraph, profile: Any = None, traits: Any = None) -> list[BlockCost]:
+    """Forward, backward and update seconds, state and activation bytes of every block."""
+    blocks = step_blocks(graph)
+    kw = {"traits": traits} if traits is not None else {}
+    node_s = predict(graph, profile=profile, **kw).time.node_seconds
+    secs = {b: [0.0, 0.0, 0.0] for b in blocks}
+    saved = dict.fromkeys(blocks, 0)
+    out = dict.fromkeys(blocks, 0)
+    update = 0.0
+    for n in graph.compute_nodes():
+        info = graph.info(n)
+        t = node_s.get(n.name, 0.0)
+        if info.phase is Phase.OPTIMIZER:
+            update += t
+            continue
+        if info.phase not in (Phase.FORWARD, Phase.BACKWARD):
+            continue
+        b = _owner(_module_of(n, info), blocks) or blocks[-1]  # glue and loss: the last block
+        secs[b][0 if info.phase is Phase.FORWARD else 1] += t
+        if info.phase is Phase.FORWARD and info.spec is not None:
+            size = info.spec.nbytes
+            users = [graph.info(u) for u in n.users if u.op == "call_function"]
+            if any(u.phase is Phase.BACKWARD for u in users):
+                saved[b] += size
+            if any(u.phase is Phase.FORWARD and _owner(u.module, blocks) not in (b, None)
+                   for u in users):
+                out[b] += size
+    params, state = _state_bytes(graph, blocks)
+    total = sum(params.values()) or 1
+    return [BlockCost(b, (secs[b][0], secs[b][1], update * params[b] / total), state[b],
+                      saved[b], out[b]) for b in blocks]
+
+
+def _state_bytes(graph: TrainGraph, blocks: Sequence[str]) -> tuple[dict, dict]:
+    params, state = dict.fromkeys(blocks, 0), dict.fromkeys(blocks, 0)
+    for spec, ph in zip(graph.inputs, graph.placeholders()):
+        t = graph.info(ph).spec
+        if t is None or spec.role not in (Role.PARAMETER, Role.OPTIMIZER_STATE):
+            continue
+        name = spec.target.split(":", 1)[-1]
+        b = _owner(name, blocks) or block_name(name)
+        if b not in params:
+            continue
+        size = t.nbytes
+        if spec.role is Role.PARAMETER:
+            params[b] += size
+            state[b] += 2 * size  # the parameter and its gradient
+        else:
+            state[b] += size
+    return params, state
+
+
+# ---- the pass ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PartitionPass(Pass):
+    """Plans a pipeline: `partition{stages=2,microbatches=4,schedule=1f1b}`. `profiles`:
+    one device profile per stage, `;`-separated (`h100;kunpeng920`), for heterogeneous
+    stages (the cut balances predicted time, not FLOPs); empty: the context's profile.
+    `virtual`: stages per rank (interleaved only). Leaves the graph unchanged; the plan is the
+    pass's stats and `graph.meta["partition"]`."""
+
+    name = "partition"
+    stages: int = 2
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    virtual: int = 1
+    profiles: str = ""
+
+    def needs(self) -> frozenset[Need]:
+        return frozenset({Need.STEP})
+
+    def run(self, graph: TrainGraph, ctx: PassContext) -> PassResult:
+        if self.schedule not in SCHEDULES:
+            raise PassError(f"partition: unknown schedule {self.schedule!r}; use "
+                            f"{', '.join(SCHEDULES)}")
+        if self.microbatches < 1 or self.stages < 1:
+            raise PassError("partition: stages and microbatches must be positive")
+        plan = plan_partition(graph, self.stages, self.microbatches, self.schedule,
+                              self._profiles(ctx), ctx.traits, self.virtual)
+        graph.meta["partition"] = plan
+        return PassResult(False, plan)
+
+    def _profiles(self, ctx: PassContext) -> list[Any]:
+        names = [p for p in self.profiles.split(";") if p]
+        if names and len(names) != self.stages:
+            raise PassError(f"partition: {len(names)} profiles for {self.stages} stages; give "
+                            "one per stage")
+        return names or [ctx.profile] * self.stages
+
+
+def plan_partition(graph: TrainGraph, stages: int, microbatches: int, schedule: str = "1f1b",
+                   profiles: Sequence[Any] | None = None, traits: Any = None,
+                   virtual: int = 1) -> PartitionPlan:
+    """The cost-balanced plan for `graph` (see the module docstring)."""
+    profiles = list(profiles or [None] * stages)
+    by_profile = {}
+    for p in profiles:
+        key = getattr(get_profile(p), "name", str(p))
+        if key not in by_profile:
+            by_profile[key] = block_costs(graph, p, traits)
+    keys = [getattr(get_profile(p), "name", str(p)) for p in profiles]
+    costs = [by_profile[k] for k in keys]
+    names = tuple(c.name for c in costs[0])
+    times = [[sum(c.seconds) for c in cs] for cs in costs]
+    send = [c.out_bytes / microbatches / LINK_BYTES_PER_S for c in costs[0]]
+    cut = balanced_cut(times, send, stages)
+    bounds = list(zip((0, *cut), (*cut, len(names))))
+    plans = [_stage_plan(costs[s][i:j], microbatches, keys[s]) for s, (i, j) in enumerate(bounds)]
+    timeline = _timeline(plans, schedule, microbatches, virtual)
+    if timeline is not None:
+        plans = [_with_in_flight(p, timeline.in_flight(s)) for s, p in enumerate(plans)]
+    eq = _equal_imbalance(times, stages)
+    return PartitionPlan(names, cut, tuple(plans), schedule, microbatches,
+                         timeline.bubble() if timeline else 0.0, eq)
+
+
+def _stage_plan(blocks: Sequence[BlockCost], mbs: int, profile: str) -> StagePlan:
+    f, b, u = (sum(c.seconds[k] for c in blocks) for k in range(3))
+    return StagePlan(tuple(c.name for c in blocks), f + b + u, f, b, u,
+                     sum(c.state_bytes for c in blocks),
+                     sum(c.saved_bytes for c in blocks) // mbs, mbs,
+                     blocks[-1].out_bytes // mbs, profile)
+
+
+def _with_in_flight(p: StagePlan, k: int) -> StagePlan:
+    import dataclasses
+    return dataclasses.replace(p, in_flight=k)
+
+
+def _timeline(plans: Sequence[StagePlan], schedule: str, mbs: int, virtual: int) -> Any:
+    """The schedule simulated on per-microbatch stage times; None for interleaved stages
+    whose count is not a multiple of the virtual stages per rank."""
+    if len(plans) % virtual or (schedule == "interleaved") != (virtual > 1):
+        return None
+    sched = from_torch(schedule, len(plans) // virtual, mbs, virtual)
+    K = ActionKind
+
+    def seconds(a: Action) -> float:
+        p = plans[a.stage]
+        return {K.F: p.forward_s, K.B: p.backward_s, K.I: p.backward_s / 2,
+                K.W: p.backward_s / 2}.get(a.kind, 0.0) / mbs + \
+            (p.update_s if a.kind is K.UPDATE else 0.0)
+    return simulate(sched, seconds)
+
+
+def _equal_imbalance(times: Sequence[Sequence[float]], stages: int) -> float:
+    n = len(times[0])
+    bounds = [round(n * s / stages) for s in range(stages + 1)]
+    per = [sum(times[s][bounds[s]:bounds[s + 1]]) for s in range(stages)]
+    return max(per) / (sum(per) / stages) if sum(per) > 0 and all(per) else float("inf")

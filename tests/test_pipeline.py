@@ -1,0 +1,218 @@
+"""Pipeline parallelism: the partition pass (cost-balanced cut), schedules as DAGs (torch's
+generators), the zero-bubble backward split, and the GLM example trained on two gloo processes
+under every schedule against one eager process."""
+from __future__ import annotations
+
+import itertools
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+import glmc
+from glmc.errors import ConfigError, InputError, PassError
+from glmc.ir import OutputKind
+from glmc.passes.partition import PartitionPass, balanced_cut, plan_partition, step_blocks
+from glmc.passmanager import PassContext
+from glmc.pipeline import parse_pipeline
+from glmc.pipeline_parallel import build_program, measured_timeline, microbatch_leaves
+from glmc.schedule import Action, ActionKind, from_torch, run_rank, simulate
+from tests.distributed import result, run_parts, spawn
+from tests.models import CASES, RTOL, eager_losses
+
+STEPS = 2
+MICROBATCHES = 4
+SCHEDULES = {"gpipe": 1, "1f1b": 1, "zbh1": 1, "interleaved": 2}  #: name -> stages per rank
+
+
+@pytest.fixture(scope="module")
+def glm_graph() -> glmc.TrainGraph:
+    model, batch, loss_fn, opt = CASES["glm"].make()
+    return glmc.capture(model, batch, loss_fn, opt)
+
+
+# ---- the solver -------------------------------------------------------------------------------
+
+def _brute(times: list[float], stages: int) -> float:
+    n = len(times)
+    best = float("inf")
+    for cut in itertools.combinations(range(1, n), stages - 1):
+        b = (0, *cut, n)
+        best = min(best, max(sum(times[b[i]:b[i + 1]]) for i in range(stages)))
+    return best
+
+
+def test_balanced_cut_is_optimal_on_random_chains() -> None:
+    rng = random.Random(0)
+    for _ in range(50):
+        n, s = rng.randint(2, 9), rng.randint(1, 4)
+        if s > n:
+            continue
+        times = [rng.uniform(0.1, 5) for _ in range(n)]
+        cut = balanced_cut([times] * s, [0.0] * n, s)
+        b = (0, *cut, n)
+        got = max(sum(times[b[i]:b[i + 1]]) for i in range(s))
+        assert got == pytest.approx(_brute(times, s))
+
+
+def test_balanced_cut_balances_time_on_heterogeneous_stages() -> None:
+    fast, slow = [1.0] * 6, [3.0] * 6  # stage 1's device is 3x slower
+    assert balanced_cut([fast, slow], [0.0] * 6, 2) == (5,)  # 5 fast vs 1 slow: 5 s vs 3 s
+    assert balanced_cut([fast, fast], [0.0] * 6, 2) == (3,)
+
+
+def test_more_stages_than_blocks_is_a_typed_error() -> None:
+    with pytest.raises(ConfigError, match="3 stages need at least as many blocks"):
+        balanced_cut([[1.0, 1.0]] * 3, [0.0, 0.0], 3)
+
+
+# ---- the pass on the GLM example --------------------------------------------------------------
+
+def test_partition_pass_plans_the_glm_step(glm_graph: glmc.TrainGraph) -> None:
+    assert step_blocks(glm_graph) == ["embed", "blocks.0", "blocks.1", "norm", "head"]
+    (p,) = parse_pipeline("partition{stages=2,microbatches=4,schedule=1f1b}")
+    res = p.run(glm_graph, PassContext())
+    plan = res.stats
+    assert not res.changed and glm_graph.meta["partition"] is plan
+    assert plan.cut == (2,)
+    assert [s.blocks for s in plan.stages] == [("embed", "blocks.0"), ("blocks.1", "norm", "head")]
+    assert plan.imbalance < 1.15
+    assert [s.in_flight for s in plan.stages] == [2, 1]  # 1F1B: S - s microbatches
+    assert plan.stages[0].send_bytes == 1 * 32 * 64 * 4  # x of one microbatch
+    gpipe = plan_partition(glm_graph, 2, 4, "gpipe")
+    assert [s.in_flight for s in gpipe.stages] == [4, 4]
+    assert gpipe.stages[0].peak_bytes > plan.stages[0].peak_bytes
+    zb = plan_partition(glm_graph, 2, 4, "zbh1")
+    assert zb.bubble < plan.bubble
+    section = plan.report_section(None)
+    assert section.title == "Pipeline partition"
+
+
+def test_heterogeneous_profiles_balance_predicted_time(glm_graph: glmc.TrainGraph) -> None:
+    plan = plan_partition(glm_graph, 2, 4, "1f1b", ["h100", "kunpeng920"])
+    assert {s.profile for s in plan.stages} == {"NVIDIA H100 SXM5",
+                                                "Huawei Kunpeng 920-7260 (64 cores)"}
+    assert plan.imbalance <= 1.1
+    with pytest.raises(PassError, match="1 profiles for 2 stages"):
+        PartitionPass(stages=2, profiles="h100").run(glm_graph, PassContext())
+
+
+# ---- schedules ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,per_rank", list(SCHEDULES.items()))
+def test_schedules_from_torch_generators_verify(name: str, per_rank: int) -> None:
+    sched = from_torch(name, 2, 4, per_rank)
+    stages = 2 * per_rank
+    sched.verify(stages, {(s, s + 1) for s in range(stages - 1)})
+    for r in range(2):  # every rank's compute actions, each once
+        acts = [a for a in sched.rank_actions(r) if a.kind is not ActionKind.UPDATE
+                and a.kind.value in "FBIW"]
+        assert len(acts) == len(set(acts)) == (3 if name == "zbh1" else 2) * 4 * per_rank
+
+
+def test_predicted_bubbles_follow_theory() -> None:
+    K = ActionKind
+    unit = {K.F: 1.0, K.B: 2.0, K.I: 1.0, K.W: 1.0}
+    bubble = {name: simulate(from_torch(name, 2, 4, v), lambda a: unit.get(a.kind, 0.0) / v
+                             ).bubble() for name, v in SCHEDULES.items()}
+    assert bubble["gpipe"] == pytest.approx(1 / 5)  # (p-1) / (m+p-1)
+    assert bubble["1f1b"] == pytest.approx(1 / 5)
+    assert bubble["zbh1"] < bubble["1f1b"] / 2
+    assert bubble["interleaved"] < bubble["1f1b"]
+    assert [str(a) for a in from_torch("1f1b", 2, 4).rank_actions(0)][:6] == [
+        "0F0", "0SEND_F0", "0F1", "0SEND_F1", "0RECV_B0", "0B0"]
+
+
+def test_microbatches_must_divide_the_batch() -> None:
+    with pytest.raises(InputError, match="3 microbatches do not divide the batch of 4 rows"):
+        microbatch_leaves((torch.zeros(4, 2),), 3)
+
+
+def test_split_backward_is_the_backward(glm_graph: glmc.TrainGraph) -> None:
+    model, batch, loss_fn, opt = CASES["glm"].make()
+    pipe = build_program(model, opt, loss_fn, batch, [["embed", "blocks.0"],
+                                                      ["blocks.1", "norm", "head"]], 2, "zbh1")
+    stage = pipe.program.stages[1]
+    i_graph, w_graph = stage.split
+    n = lambda g: len(list(g.compute_nodes()))  # noqa: E731
+    assert n(i_graph) + n(w_graph) == n(stage.backward)  # nothing computed twice
+    assert {o.kind for o in i_graph.outputs} == {OutputKind.SEND, OutputKind.SAVED}
+    assert {o.kind for o in w_graph.outputs} == {OutputKind.GRADIENT}
+    assert n(pipe.program.stages[0].split[0]) == 0  # stage 0 sends no gradient back
+
+
+# ---- two processes: every schedule against eager ------------------------------------------------
+
+def _stage_blocks(name: str) -> list[list[str]]:
+    if SCHEDULES[name] == 2:  # 4 virtual stages on 2 ranks
+        return [["embed"], ["blocks.0"], ["blocks.1"], ["norm", "head"]]
+    return [["embed", "blocks.0"], ["blocks.1", "norm", "head"]]
+
+
+def _pipeline_part(rank: int, name: str) -> dict:
+    model, batch, loss_fn, opt = CASES["glm"].make()
+    pipe = build_program(model, opt, loss_fn, batch, _stage_blocks(name), MICROBATCHES, name,
+                         SCHEDULES[name])
+    sched = pipe.program.schedule
+    local = [s for s in range(sched.num_stages) if sched.rank_of(s) == rank]
+    losses, spans = [], []
+    for _ in range(STEPS):
+        spans = []
+        losses.append(run_rank(pipe.program, {s: pipe.stages[s].module for s in local},
+                               {s: pipe.optimizers[s] for s in local},
+                               microbatch_leaves(batch, MICROBATCHES), spans=spans))
+    names = {n for s in local for n, _ in pipe.stages[s].module.named_parameters()}
+    return {"losses": [[float(v) for v in ls] for ls in losses], "spans": spans,
+            "state": {k: v for k, v in model.state_dict().items() if k in names}}
+
+
+def _worker(rank: int, port: int, out: str, names: list[str]) -> None:
+    run_parts(rank, port, 2, out, [(name, lambda r, _, n=name: _pipeline_part(r, n))
+                                   for name in names])
+
+
+DEFAULT = ["1f1b", "zbh1"]  #: gpipe and interleaved (4 stages to capture) run under -m slow
+
+
+@pytest.fixture(scope="module")
+def distributed(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+                ) -> Path:
+    out = tmp_path_factory.mktemp("pipeline")
+    slow = request.config.getoption("-m", default="") and "slow" in request.config.getoption("-m")
+    spawn(_worker, str(out), DEFAULT + (["gpipe", "interleaved"] if slow else []))
+    return out
+
+
+@pytest.fixture(scope="module")
+def eager() -> tuple[list[float], dict]:
+    model, batch, loss_fn, opt = CASES["glm"].make()
+    losses = eager_losses(model, batch, loss_fn, opt, STEPS)
+    return losses, model.state_dict()
+
+
+@pytest.mark.parametrize("name", [*DEFAULT, *(pytest.param(n, marks=pytest.mark.slow)
+                                               for n in ("gpipe", "interleaved"))])
+def test_two_ranks_match_one_process(name: str, distributed: Path, eager: tuple) -> None:
+    want_losses, want_state = eager
+    got = [result(distributed, name, r) for r in range(2)]
+    last = got[1]["losses"]  # the last stage lives on rank 1 for every schedule here
+    assert got[0]["losses"] == [[]] * STEPS
+    means = [sum(ls) / len(ls) for ls in last]
+    assert means == pytest.approx(want_losses, rel=RTOL)
+    state = {**got[0]["state"], **got[1]["state"]}
+    assert set(state) == {k for k in want_state if not k.endswith(("cos", "sin"))}
+    for k, v in state.items():
+        torch.testing.assert_close(v, want_state[k], rtol=RTOL, atol=1e-5,
+                                   msg=lambda m: f"{name} {k}: {m}")
+    timeline = measured_timeline_of(got)
+    assert 0.0 <= timeline.bubble() < 1.0
+
+
+def measured_timeline_of(got: list[dict]):
+    from glmc.pipeline_parallel import StepTrace
+    return measured_timeline([StepTrace(r, g["spans"]) for r, g in enumerate(got)], 2)
+
+
+def test_actions_are_data() -> None:
+    assert str(Action(1, ActionKind.I, 3)) == "1I3"
