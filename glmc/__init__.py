@@ -1,8 +1,9 @@
 """glmc: a compiler for PyTorch training steps."""
 from glmc.api import optimize
 from glmc.capture import capture
-from glmc.errors import (BudgetError, CaptureError, ConfigError, GlmcError, GraphBreakError,
-                         InputError, PassError, PipelineError, UnsupportedOpError)
+from glmc.errors import (BudgetError, CaptureError, CommError, ConfigError, GlmcError,
+                         GraphBreakError, InputError, PassError, PipelineError,
+                         UnsupportedOpError)
 from glmc.ir import NodeInfo, Phase, Role, TrainGraph
 from glmc.passmanager import Pass, PassContext, PassManager, PassResult
 from glmc.serialize import load_graph, save_graph
@@ -23,4 +24,4 @@ def __getattr__(name: str):
 __all__ = ["optimize", "capture", "save_graph", "load_graph", "TrainGraph", "NodeInfo", "Phase", "Role", "Pass",
            "PassContext", "PassManager", "PassResult", "GlmcError", "CaptureError", "GraphBreakError",
            "ConfigError", "InputError", "PassError", "PipelineError", "BudgetError",
-           "UnsupportedOpError", "Parallel", "save_checkpoint", "load_checkpoint"]
+           "UnsupportedOpError", "CommError", "Parallel", "save_checkpoint", "load_checkpoint"]

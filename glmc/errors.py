@@ -75,3 +75,8 @@ class InputError(GlmcError):
 
 class ConfigError(GlmcError):
     """An option of glmc.optimize / the CLI is invalid or unsupported."""
+
+
+class CommError(GlmcError):
+    """A collective of a multi-process step failed or timed out: another rank died, hung or
+    diverged. Raised on every rank that notices, naming itself and the timeout."""

@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from glmc.capture import Batch, batch_leaves, describe
 from glmc.comm import measure_link, measure_waits
-from glmc.errors import ConfigError, InputError
+from glmc.errors import CommError, ConfigError, InputError
 from glmc.ir import (ACCUMULATES, RANDOM_OPS, MeshSpec, OutputKind, OutputSpec, Role, TrainGraph,
                      op_name)
 from glmc.passes.shard import DIM, Layout, ShardPass, ShardPlan
@@ -308,6 +308,23 @@ class DataParallel:
         shards = [torch.empty_like(self.store[target]) for _ in range(self.world)]
         dist.all_gather(shards, self.store[target].contiguous())
         return lay.full(shards)
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        """A collective that fails or outlives the process group's timeout (a rank died or
+        hung) becomes a CommError naming this rank, instead of a gloo/NCCL traceback."""
+        try:
+            yield
+        except RuntimeError as e:
+            text = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            if not any(w in text.lower() for w in ("gloo", "nccl", "timeout", "timed out",
+                                                     "connection", "peer", "socket", "c10d")):
+                raise
+            raise CommError(f"parallel: a collective failed on rank {self.rank} of "
+                            f"{self.world} ({text}); another rank has probably died, hung or "
+                            "run a different step (a hung rank fails the others after the "
+                            "process group's timeout: glmc's is parallel={'timeout_s': 300}); "
+                            "check the other ranks' output") from e
 
     def time_waits(self, run: Any) -> tuple[Any, float]:
         """`run()`'s result and the seconds it spent blocked in collective waits: the

@@ -106,6 +106,12 @@ class Trainer:
 
     def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """One training step on this batch; returns the (detached) loss."""
+        if self.parallel is None:
+            return self._step(args, kwargs)
+        with self.parallel.guard():
+            return self._step(args, kwargs)
+
+    def _step(self, args: tuple, kwargs: dict) -> torch.Tensor:
         micro = self._micro_batches(self._local(self._normalize(args, kwargs)))
         batch = micro[-1]
         entry = self._entry(batch)

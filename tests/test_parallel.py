@@ -6,6 +6,7 @@ start-up dominates); each test reads its part's result."""
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ import torch.distributed as dist
 
 import glmc
 from glmc.capture import split_batch
-from glmc.errors import ConfigError, InputError
+from glmc.errors import CommError, ConfigError, InputError
 from glmc.ir import MeshSpec
 from glmc.parallel import Parallel, load_checkpoint, save_checkpoint
 from glmc.passes.shard import Layout, ShardPass
@@ -267,6 +268,29 @@ def test_indivisible_batch_and_mismatched_ranks_are_typed_errors(runs: Path) -> 
         r = result(runs, "errors", rank)
         assert "multiple of 2" in r["indivisible"]
         assert "ranks [1]" in r["mismatch"]
+
+
+def _dead_rank_worker(rank: int, port: int, out: str) -> None:
+    def part(rank: int, out: Path) -> dict:
+        (model, batch, loss_fn, opt), _ = _case("mlp")
+        trainer = glmc.optimize(model, batch, loss_fn=loss_fn, optimizer=opt, backend="eager",
+                                fusion=False, predict=False, measure=False, parallel=0)
+        if rank == 1:
+            torch.save({"exited": True}, out / "dead1.pt")
+            os._exit(0)  # dies without a word, as a crashed process does
+        try:
+            trainer.step(*batch)
+            trainer.step(*batch)
+        except CommError as e:
+            return {"error_text": str(e)}
+        return {"error_text": None}
+    run_parts(rank, port, 2, out, [("dead", part)])
+
+
+def test_a_dead_rank_is_a_typed_error_on_the_others_not_a_hang(tmp_path: Path) -> None:
+    spawn(_dead_rank_worker, str(tmp_path))
+    text = result(tmp_path, "dead", 0)["error_text"]
+    assert text is not None and "rank 0 of 2" in text and "another rank" in text
 
 
 def test_parallel_without_a_process_group_says_how_to_launch(monkeypatch) -> None:
