@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 
-from bench_step import WORKLOADS, run_meta, write_result  # noqa: E402
+from bench_step import WORKLOADS, cpu_name, run_distributed, run_meta, write_result  # noqa: E402
 
 import glmc  # noqa: E402
 from glmc.capture import LossModule  # noqa: E402
@@ -139,9 +137,7 @@ def rank_main(a: argparse.Namespace) -> None:
 
 def report(a, subjects, losses, times) -> None:
     meta = run_meta("bench_compression.py")
-    cpu = next((line.split(":", 1)[1].strip() for line in
-                Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")),
-               "unknown CPU")
+    cpu = cpu_name()
     base = statistics.mean(losses["glmc"][-TAIL:])
     base_t = statistics.median(times["glmc"][5:])
     rows = []
@@ -204,12 +200,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     a = ap.parse_args()
-    if "RANK" in os.environ:
-        rank_main(a)
-        return
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           __file__, *sys.argv[1:]]
-    sys.exit(subprocess.call(cmd))
+    run_distributed(__file__, 2, rank_main, a)
 
 
 if __name__ == "__main__":

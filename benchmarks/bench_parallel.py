@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 
-from bench_step import WORKLOADS, run_meta, write_result  # noqa: E402
+from bench_step import WORKLOADS, cpu_name, run_distributed, run_meta, write_result  # noqa: E402
 
 import glmc  # noqa: E402
 from glmc.capture import LossModule, split_batch  # noqa: E402
@@ -167,9 +165,7 @@ def rank_main(a: argparse.Namespace) -> None:
 
 def report(a, every: list[dict], world: int, params: int) -> None:
     meta = run_meta("bench_parallel.py")
-    cpu = next((line.split(":", 1)[1].strip() for line in
-                Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")),
-               "unknown CPU") if Path("/proc/cpuinfo").exists() else "unknown CPU"
+    cpu = cpu_name()
     rows = []
     for ours, theirs in PAIRS:
         for n in (theirs, ours):
@@ -227,12 +223,7 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=float, default=25.0)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     a = ap.parse_args()
-    if "RANK" in os.environ:
-        rank_main(a)
-        return
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={a.nproc}", __file__, *sys.argv[1:]]
-    sys.exit(subprocess.call(cmd))
+    run_distributed(__file__, a.nproc, rank_main, a)
 
 
 if __name__ == "__main__":

@@ -159,6 +159,27 @@ def run_meta(script: str) -> dict:
             "command": f"python benchmarks/{script} " + " ".join(sys.argv[1:])}
 
 
+def cpu_name() -> str:
+    """The CPU model from /proc/cpuinfo (benchmarks say which CPU they ran on)."""
+    info = Path("/proc/cpuinfo")
+    lines = info.read_text().splitlines() if info.exists() else []
+    return next((line.split(":", 1)[1].strip() for line in lines
+                 if line.startswith("model name")), platform.processor() or "unknown CPU")
+
+
+def run_distributed(script: str, nproc: int, rank_main, args) -> None:
+    """Under torchrun (RANK set): `rank_main(args)`; otherwise start `nproc` local processes
+    of `script` with the same command line through torchrun and exit with its status."""
+    import os
+    import subprocess
+    if "RANK" in os.environ:
+        rank_main(args)
+        return
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nproc}", script, *sys.argv[1:]]
+    sys.exit(subprocess.call(cmd))
+
+
 def write_result(out: Path, stem: str, data: dict, md: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.json").write_text(json.dumps(data, indent=2))
