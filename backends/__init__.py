@@ -20,10 +20,16 @@ def _ort() -> Backend:
     return OrtBackend()
 
 
+def _tvm() -> Backend:
+    from glmc.backends.tvm import TvmBackend
+    return TvmBackend()
+
+
 BACKENDS = {
     "eager": _eager,
     "inductor": _inductor,
     "ort": _ort,
+    "tvm": _tvm,
 }
 
 

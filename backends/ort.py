@@ -38,6 +38,7 @@ import torch.fx as fx
 from glmc.backends.base import Backend, CompiledStep, StepFn, copy_graph
 from glmc.errors import BackendError, ConfigError, ExportError, GlmcError, Offense
 from glmc.ir import RANDOM_OPS, OutputKind, TrainGraph, op_name
+from glmc.onnx_lowering import lower_to_reshapes
 from glmc.target import BackendTraits
 
 #: outputs the runtime copies into the user's tensors right after the call (reusable buffers)
@@ -72,7 +73,8 @@ class OrtBackend(Backend):
             return self._checked[1]
         from glmc.onnx_lowering import example_inputs, onnx_offenses, require_onnx
         require_onnx(f"backend '{self.name}'")
-        g = TrainGraph(_lower(graph.gm), graph.inputs, graph.outputs, graph.meta)
+        g = TrainGraph(lower_to_reshapes(graph.gm), graph.inputs, graph.outputs,
+                       graph.meta)
         offenses = onnx_offenses(g, example_inputs(g), extra_decompositions=True)
         self._checked = (graph, offenses)
         return offenses
@@ -115,7 +117,7 @@ class OrtBackend(Backend):
     def _compile(self, gm: fx.GraphModule, graph: TrainGraph) -> StepFn:
         from glmc.onnx_lowering import example_inputs, export_onnx
 
-        step = TrainGraph(_lower(gm), graph.inputs, graph.outputs, graph.meta)
+        step = TrainGraph(lower_to_reshapes(gm), graph.inputs, graph.outputs, graph.meta)
         self._notes = _random_notes(step)
         with tempfile.TemporaryDirectory(prefix="glmc-ort-") as tmp:
             path = export_onnx(step, example_inputs(step), Path(tmp) / "step.onnx",
@@ -141,20 +143,6 @@ class OrtBackend(Backend):
                                   "onnxruntime-gpu or train on the CPU")
             return ["CUDAExecutionProvider", "CPUExecutionProvider"]
         return ["CPUExecutionProvider"]
-
-
-def _lower(gm: fx.GraphModule) -> fx.GraphModule:
-    """glmc's ops to ATen, and every `view` to `reshape`: the decomposed attention backward
-    returns contiguous gradients where the fused kernel returned strided ones, so a captured
-    `view` may no longer apply. The step is functional (nothing writes through a view), so
-    `reshape` computes the same values."""
-    from glmc.kernels import lower_to_aten
-    gm = lower_to_aten(gm)
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is torch.ops.aten.view.default:
-            node.target = torch.ops.aten.reshape.default
-    gm.recompile()
-    return gm
 
 
 def _device(graph: TrainGraph) -> torch.device:

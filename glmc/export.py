@@ -315,3 +315,17 @@ def export_ort_training(trainer: Any, directory: str) -> list[str]:
         write_ort_training(trainer.model, trainer.example, trainer.loss_fn, trainer.optimizer,
                            tmp)
     return [str(out / name) for name in ORT_TRAINING_FILES]
+
+
+def export_tvm(trainer: Any, directory: str, target: Any = "kunpeng920",
+               cc: str | None = None) -> list[str]:
+    """The optimized step built by Apache TVM for `target` (a name in
+    glmc.backends.tvm.TARGETS such as "kunpeng920" or "cuda", or a TVM target dict), with its
+    inputs and a torch-free runner (glmc.backends.tvm_export). Writes into a staging directory
+    first: a failed build leaves nothing behind."""
+    from glmc.backends.tvm_export import TVM_EXPORT_FILES, write_tvm
+
+    out = Path(directory)
+    with _staging(out, TVM_EXPORT_FILES) as tmp:
+        written = write_tvm(trainer.graph, _step_inputs(trainer), tmp, target, cc)
+    return [str(out / p.name) for p in written]

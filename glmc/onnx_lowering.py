@@ -34,6 +34,7 @@ from glmc.ir import TrainGraph
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 aten = torch.ops.aten
+_NO_ONNX = "no ONNX function in torch's exporter"
 
 
 def require_onnx(where: str = "export") -> None:
@@ -153,12 +154,15 @@ def lowering_decompositions(extra_decompositions: bool = False) -> dict[Any, Cal
 
 
 def _decompose(gm: fx.GraphModule, inputs: list[torch.Tensor], fake: bool,
-               extra_decompositions: bool = False) -> fx.GraphModule:
+               extra_decompositions: bool = False,
+               table: dict[Any, Callable] | None = None) -> fx.GraphModule:
     """The step in core ATen, as `export_onnx` hands it to the exporter; `fake` traces it on
-    fake tensors (nothing computed)."""
+    fake tensors (nothing computed). `table` replaces the decompositions (the TVM backend
+    passes `lowering_decompositions(True)` plus its own)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    table = lowering_decompositions(extra_decompositions)
+    if table is None:
+        table = lowering_decompositions(extra_decompositions)
     rng = torch.get_rng_state()
     with torch.no_grad():
         decomposed = make_fx(gm, decomposition_table=table,
@@ -258,27 +262,36 @@ def onnx_offenses(graph: TrainGraph, inputs: list[torch.Tensor],
         warnings.warn(f"export: could not check the step against the ONNX exporter ahead of "
                       f"time ({type(e).__name__}: {e})", stacklevel=2)
         return []
-    missing: dict[Any, set[Any]] = {}  # op of the step -> ops without a function it became
+    return missing_ops(graph, decomposed,
+                       lambda t: registry.is_registered(t) or t in exporter_decomposes)
+
+
+def missing_ops(graph: TrainGraph, decomposed: fx.GraphModule, supported: Callable[[Any], bool],
+                missing: str = _NO_ONNX, register: str = "an ONNX function") -> list[Offense]:
+    """The ops of `decomposed` (the step after `_decompose`) that `supported` rejects, as
+    offenses at the source lines of the step's nodes they come from. `missing` says what the
+    consumer lacks, `register` what a user could register for the op (ONNX export, TVM)."""
+    found: dict[Any, set[Any]] = {}  # op of the step -> ops without a function it became
     for n in decomposed.graph.nodes:
         t = n.target
-        if n.op != "call_function" or not isinstance(t, torch._ops.OpOverload) or \
-                registry.is_registered(t) or t in exporter_decomposes:
+        if n.op != "call_function" or not isinstance(t, torch._ops.OpOverload) or supported(t):
             continue
-        missing.setdefault(n.meta.get("original_aten") or t, set()).add(t)
+        found.setdefault(n.meta.get("original_aten") or t, set()).add(t)
     offenses = []
-    for origin, leaves in missing.items():
-        offenses += _offenses_of(graph, origin, leaves)
+    for origin, leaves in found.items():
+        offenses += _offenses_of(graph, origin, leaves, missing, register)
     return offenses
 
 
-def _offenses_of(graph: TrainGraph, origin: Any, leaves: set[Any]) -> list[Offense]:
+def _offenses_of(graph: TrainGraph, origin: Any, leaves: set[Any], missing: str = _NO_ONNX,
+                 register: str = "an ONNX function") -> list[Offense]:
     """One offense per source line (and creating pass) of the step's nodes calling `origin`."""
     name = str(origin)
     via = "" if leaves == {origin} else \
         f" (it decomposes to {', '.join(sorted(map(str, leaves)))})"
     sites: dict[tuple[str, str], int] = {}
     for n in graph.compute_nodes():
-        if n.target == origin:
+        if n.target == origin or str(n.target) == name:  # a node's copied meta holds copies
             info = n.meta.get("glmc")
             where = (info.source or info.module) if info is not None else None
             key = (where or n.name, info.created_by if info is not None else "capture")
@@ -286,14 +299,14 @@ def _offenses_of(graph: TrainGraph, origin: Any, leaves: set[Any]) -> list[Offen
     offenses = []
     for (where, created_by), count in (sites or {("<step>", "capture"): 1}).items():
         times = f" [{count} nodes]" if count > 1 else ""
-        offenses.append(Offense(f"{name}: no ONNX function in torch's exporter{via}{times}; "
-                                f"{_fix(origin, created_by)}", where))
+        offenses.append(Offense(f"{name}: {missing}{via}{times}; "
+                                f"{_fix(origin, created_by, register)}", where))
     return offenses
 
 
-def _fix(origin: Any, created_by: str) -> str:
+def _fix(origin: Any, created_by: str, register: str = "an ONNX function") -> str:
     if created_by == "capture":
-        return "the model's own op: change the model, or register an ONNX function for it"
+        return f"the model's own op: change the model, or register {register} for it"
     why = " (glmc's op has no ATen decomposition; please file a glmc issue)" \
         if getattr(origin, "namespace", "") == "glmc" else ""
     return (f"from the '{created_by}' pass{why}: export the step without it (--disable "
@@ -320,3 +333,17 @@ def _onnx_registry() -> tuple[Any, frozenset] | None:
         log.setLevel(level)
     decomposes = {*torch.export.default_decompositions(), *torch._decomp.decomposition_table}
     return registry, frozenset(decomposes)
+
+
+def lower_to_reshapes(gm: fx.GraphModule) -> fx.GraphModule:
+    """glmc's ops to ATen, and every `view` to `reshape`: the decomposed attention backward
+    returns contiguous gradients where the fused kernel returned strided ones, so a captured
+    `view` may no longer apply. The step is functional (nothing writes through a view), so
+    `reshape` computes the same values."""
+    from glmc.kernels import lower_to_aten
+    gm = lower_to_aten(gm)
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.view.default:
+            node.target = torch.ops.aten.reshape.default
+    gm.recompile()
+    return gm

@@ -13,6 +13,7 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -169,10 +170,15 @@ class Trainer:
         into several graphs and was compiled in pieces: see glmc.pieces)."""
         return next(reversed(self._cache.values())).graph
 
-    def export(self, directory: str, onnx: bool = False) -> list[str]:
-        """Write the optimized step as runnable Python + safetensors (and ONNX if asked)."""
-        from glmc.export import export_step
-        return export_step(self, directory, onnx=onnx)
+    def export(self, directory: str, onnx: bool = False, ort_training: bool = False,
+               tvm: bool = False, target: Any = "kunpeng920") -> list[str]:
+        """Write the optimized step as runnable Python + safetensors (and ONNX, ONNX Runtime
+        training artifacts, or a TVM build for `target` in `directory/tvm`, if asked)."""
+        from glmc.export import export_step, export_tvm
+        written = export_step(self, directory, onnx=onnx, ort_training=ort_training)
+        if tvm:
+            written += export_tvm(self, str(Path(directory) / "tvm"), target)
+        return written
 
     def write_report(self, directory: str) -> list[str]:
         """report.json and the self-contained report.html (see glmc.report)."""
