@@ -566,16 +566,17 @@ def test_prediction_carries_the_profile_provenance() -> None:
 
 
 _CORE = ("opcost", "cost", "memory", "analysis", "profiles", "calibration", "report",
-         "report_html", "report_parts")
+         "report_html", "report_parts", "comm")
 #: what each core module may import of glmc's: only modules below it
 _BELOW = {"report_parts": set(), "profiles": set(), "calibration": {"profiles"},
+          "comm": {"errors", "ir"},  # the communication model: alpha-beta, timeline replay
           # kernels: glmc's fused ops (a leaf: imports nothing of glmc), for their chunk sizes
           "opcost": {"profiles", "ir", "kernels"},
           "cost": {"profiles", "calibration", "errors", "opcost", "target"},
           "memory": {"cost", "ir", "target"},
-          "analysis": {"cost", "memory", "ir", "target", "writeback"},
+          "analysis": {"comm", "cost", "memory", "ir", "target", "writeback"},
           "report_html": {"memory", "report_parts"},
-          "report": {"errors", "passmanager", "report_html", "report_parts"}}
+          "report": {"comm", "errors", "passmanager", "report_html", "report_parts"}}
 
 
 @pytest.mark.parametrize("module", _CORE)
