@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-JOIN_TIMEOUT_S = 180
-PG_TIMEOUT_S = 60  #: every collective of a test fails after this, naming itself
+JOIN_TIMEOUT_S = 600  #: generous: 2 loaded cores run both processes and their compiles
+PG_TIMEOUT_S = 300  #: every collective of a test fails after this (a rank may still be compiling)
 
 
 def free_port() -> int:
