@@ -88,7 +88,7 @@ def write_tvm(graph: TrainGraph, inputs: list[torch.Tensor], out: Path, target: 
                           "into the identity (no training RNG); export with dropout off:",
                           randoms)
     tgt = resolve_target(target)
-    from glmc.backends.tvm import _lower
+    from glmc.onnx_lowering import lower_to_reshapes as _lower
     step = TrainGraph(_lower(graph.gm), graph.inputs, graph.outputs, graph.meta)
     executable = build(relax_module(step), tgt)
     written = [out / "step.so", out / "inputs.npz", out / "signature.json", out / "run_tvm.py"]

@@ -199,12 +199,13 @@ def _aarch64_sysroot() -> Path:
 
 
 @pytest.mark.slow
-def test_kunpeng920_build_runs_under_qemu_with_x86_losses(tmp_path) -> None:
+@pytest.mark.parametrize("case", ["mlp", "glm"])
+def test_kunpeng920_build_runs_under_qemu_with_x86_losses(tmp_path, case: str) -> None:
     """The step built for aarch64 (mcpu tsv110) and for this x86 host, each run 3 steps by
     run_tvm.py (TVM runtime + numpy, no torch): equal losses, and equal to glmc's."""
     root = _aarch64_sysroot()
-    arm, want = _export(tmp_path, "mlp", "kunpeng920")
-    x86, _ = _export(tmp_path, "mlp", "host")
+    arm, want = _export(tmp_path, case, "kunpeng920")
+    x86, _ = _export(tmp_path, case, "host")
     assert "ARM aarch64" in subprocess.run(["file", str(arm / "step.so")], capture_output=True,
                                            text=True).stdout
     env = {**os.environ, "PYTHONPATH": str(root / "site")}

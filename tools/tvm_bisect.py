@@ -31,7 +31,8 @@ def main() -> int:
     from tvm.relax.frontend.torch import from_exported_program
 
     import glmc
-    from glmc.backends.tvm import _lower, decompositions, to_tvm
+    from glmc.backends.tvm import decompositions, to_tvm
+    from glmc.onnx_lowering import lower_to_reshapes as _lower
     from glmc.backends.tvm_ops import CONVERTERS
     from glmc.ir import TrainGraph
     from glmc.onnx_lowering import _decompose, example_inputs
