@@ -40,8 +40,14 @@ def _no_dropout(make):
     return made
 
 
+def _glm_small():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_step import WORKLOADS as STEP_WORKLOADS
+    return STEP_WORKLOADS["glm-small"]()
+
+
 WORKLOADS = {"mlp": CASES["mlp"].make, "glm": CASES["glm"].make,
-             "cnn": _no_dropout(CASES["cnn"].make)}
+             "cnn": _no_dropout(CASES["cnn"].make), "glm-small": _glm_small}
 
 
 def _step_fn(name: str, model, opt, x, loss_fn):
