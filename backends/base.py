@@ -19,7 +19,8 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-from glmc.errors import BackendError, ConfigError, GlmcError, Offense, UnsupportedOpError
+from glmc.errors import (BackendError, ConfigError, ExportError, GlmcError, Offense,
+                         UnsupportedOpError)
 from glmc.ir import TrainGraph, op_name
 from glmc.target import BackendTraits
 from glmc.writeback import copy_graph, lower_writeback
@@ -60,29 +61,57 @@ class Backend(abc.ABC):
                 offenses.append(Offense(f"{op_name(n)}: {reason}", where))
         return offenses
 
+    #: a backend without per-op fallback (an external compiler: ONNX Runtime, TVM) names the
+    #: ops it cannot take only when its compile fails (or first under `strict`): checking
+    #: every compile would cost a fraction of it on every success
+    per_op_fallback: bool = True
+    #: how a backend without per-op fallback words "these ops do not lower"
+    unsupported_message: str = "op(s) of the step are not supported"
+
+    def check(self, graph: TrainGraph) -> None:
+        """Refuse a step before compiling it (e.g. random ops a compiler cannot train with)."""
+
+    def notes(self) -> list[Offense]:
+        """What the last compile runs differently from eager (for the report)."""
+        return []
+
     def compile(self, graph: TrainGraph, strict: bool = False,
                 inplace: bool = False) -> CompiledStep:
         """The step as a callable: functional (`inputs -> outputs`), or with `inplace` the
         write-back form (state inputs updated in place, returns [loss])."""
-        fallbacks = self.unsupported(graph)
-        if strict and fallbacks:
-            raise UnsupportedOpError(self.name, fallbacks)
         traits = self.traits()
         if inplace and not traits.inplace:
             raise ConfigError(f"backend '{self.name}': cannot update state in place; compile "
                               "the functional step and write the outputs back")
+        self.check(graph)
+        fallbacks = self.unsupported(graph) if self.per_op_fallback or strict else []
+        if strict and fallbacks:
+            raise self._unsupported_error(fallbacks, None)
         start = time.perf_counter()
         gm = lower_writeback(graph, traits.early_writeback) if inplace else copy_graph(graph)
         try:
             fn = self._compile(gm, graph)
-        except GlmcError:
-            raise
         except Exception as e:  # the compiler's own exception types; one typed error out
+            if not self.per_op_fallback and (not isinstance(e, GlmcError) or
+                                             isinstance(e, UnsupportedOpError)):
+                offenses = self.unsupported(graph)  # name every op, not the first failure
+                if offenses:
+                    raise self._unsupported_error(offenses, e) from e
+            if isinstance(e, GlmcError):
+                raise
             text = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
             raise BackendError(f"backend '{self.name}': compiling the step failed: "
                                f"{type(e).__name__}: {text}; try backend='eager' or report "
                                "it with the step (glmc.save_graph)") from e
-        return CompiledStep(fn, self.name, inplace, fallbacks, time.perf_counter() - start)
+        return CompiledStep(fn, self.name, inplace, fallbacks + self.notes(),
+                            time.perf_counter() - start)
+
+    def _unsupported_error(self, offenses: list[Offense], cause: Exception | None
+                           ) -> UnsupportedOpError:
+        if self.per_op_fallback:
+            return UnsupportedOpError(self.name, offenses)
+        return ExportError(f"backend '{self.name}': {len(offenses)} {self.unsupported_message}",
+                           offenses)
 
     @abc.abstractmethod
     def _compile(self, gm: fx.GraphModule, graph: TrainGraph) -> StepFn:

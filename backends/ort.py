@@ -27,7 +27,6 @@ Not guaranteed / by design:
 from __future__ import annotations
 
 import tempfile
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -35,8 +34,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from glmc.backends.base import Backend, CompiledStep, StepFn, copy_graph
-from glmc.errors import BackendError, ConfigError, ExportError, GlmcError, Offense
+from glmc.backends.base import Backend, StepFn
+from glmc.errors import ConfigError, ExportError, Offense
 from glmc.ir import RANDOM_OPS, OutputKind, TrainGraph, op_name
 from glmc.onnx_lowering import lower_to_reshapes
 from glmc.target import BackendTraits
@@ -79,40 +78,13 @@ class OrtBackend(Backend):
         self._checked = (graph, offenses)
         return offenses
 
-    def compile(self, graph: TrainGraph, strict: bool = False,
-                inplace: bool = False) -> CompiledStep:
-        """No per-op fallback: ops that do not lower fail the compile (typed, all listed).
-        The fake-tensor check runs first only under `strict`; otherwise only when the export
-        fails (it would cost a quarter of the compile time on every success)."""
-        if inplace:
-            raise ConfigError(f"backend '{self.name}': cannot update state in place; compile "
-                              "the functional step and write the outputs back")
-        if strict:
-            self._raise_if_unsupported(graph, None)
-        start = time.perf_counter()
-        try:
-            fn = self._compile(copy_graph(graph), graph)
-        except ExportError as e:
-            self._raise_if_unsupported(graph, e)
-            raise
-        except GlmcError:
-            raise
-        except Exception as e:  # onnxruntime's and the exporter's own types: one typed error
-            self._raise_if_unsupported(graph, e)
-            text = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-            raise BackendError(f"backend '{self.name}': compiling the step failed: "
-                               f"{type(e).__name__}: {text}; try backend='eager' or report "
-                               "it with the step (glmc.save_graph)") from e
-        return CompiledStep(fn, self.name, False, list(self._notes),
-                            time.perf_counter() - start)
+    per_op_fallback = False
+    unsupported_message = ("op(s) of the step do not lower to ONNX (no per-op fallback on ONNX "
+                           "Runtime); run the step without the pass named below, change the "
+                           "model, or use backend='inductor':")
 
-    def _raise_if_unsupported(self, graph: TrainGraph, cause: Exception | None) -> None:
-        offenses = self.unsupported(graph)
-        if offenses:
-            raise ExportError(f"backend '{self.name}': {len(offenses)} op(s) of the step do "
-                              "not lower to ONNX (no per-op fallback on ONNX Runtime); run the "
-                              "step without the pass named below, change the model, or use "
-                              "backend='inductor':", offenses) from cause
+    def notes(self) -> list[Offense]:
+        return list(self._notes)
 
     def _compile(self, gm: fx.GraphModule, graph: TrainGraph) -> StepFn:
         from glmc.onnx_lowering import example_inputs, export_onnx

@@ -33,15 +33,14 @@ Not guaranteed / by design:
 """
 from __future__ import annotations
 
-import time
 import warnings
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-from glmc.backends.base import Backend, CompiledStep, StepFn, copy_graph
-from glmc.errors import BackendError, ConfigError, ExportError, GlmcError, Offense
+from glmc.backends.base import Backend, StepFn
+from glmc.errors import ConfigError, ExportError, Offense
 from glmc.ir import RANDOM_OPS, TrainGraph, op_name
 from glmc.onnx_lowering import lower_to_reshapes
 from glmc.target import BackendTraits
@@ -148,13 +147,13 @@ class TvmBackend(Backend):
         self._checked = (graph, offenses)
         return offenses
 
-    def compile(self, graph: TrainGraph, strict: bool = False,
-                inplace: bool = False) -> CompiledStep:
-        """No per-op fallback: random ops fail at once; ops without a converter fail the
-        compile (typed, all listed; the fake-tensor check runs first only under `strict`)."""
-        if inplace:
-            raise ConfigError(f"backend '{self.name}': cannot update state in place; compile "
-                              "the functional step and write the outputs back")
+    per_op_fallback = False
+    unsupported_message = ("op(s) of the step do not import into TVM Relax (no per-op fallback "
+                           "on TVM); change the model, run without the pass named below, or "
+                           "use backend='inductor':")
+
+    def check(self, graph: TrainGraph) -> None:
+        """Random ops fail at once: TVM's frontend has no training RNG."""
         require_tvm(f"backend '{self.name}'")
         randoms = random_offenses(graph)
         if randoms:
@@ -163,28 +162,6 @@ class TvmBackend(Backend):
                               "which would train another model. Set dropout to 0 (or "
                               "model.eval() for the dropout modules) or use backend='inductor':",
                               randoms)
-        if strict:
-            self._raise_if_unsupported(graph, None)
-        start = time.perf_counter()
-        try:
-            fn = self._compile(copy_graph(graph), graph)
-        except GlmcError:
-            raise
-        except Exception as e:  # TVM's and the exporter's own types: one typed error
-            self._raise_if_unsupported(graph, e)
-            text = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-            raise BackendError(f"backend '{self.name}': compiling the step failed: "
-                               f"{type(e).__name__}: {text}; try backend='eager' or report "
-                               "it with the step (glmc.save_graph)") from e
-        return CompiledStep(fn, self.name, False, [], time.perf_counter() - start)
-
-    def _raise_if_unsupported(self, graph: TrainGraph, cause: Exception | None) -> None:
-        offenses = self.unsupported(graph)
-        if offenses:
-            raise ExportError(f"backend '{self.name}': {len(offenses)} op(s) of the step do "
-                              "not import into TVM Relax (no per-op fallback on TVM); change "
-                              "the model, run without the pass named below, or use "
-                              "backend='inductor':", offenses) from cause
 
     def _compile(self, gm: fx.GraphModule, graph: TrainGraph) -> StepFn:
         import tvm

@@ -28,16 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 import glmc  # noqa: E402
 from glmc.capture import LossModule, split_batch  # noqa: E402
-from tests.models import CASES, twin  # noqa: E402
-
-
-def _no_dropout(make):
-    def made():
-        model, x, loss_fn, opt = make()
-        if isinstance(getattr(model, "dropout", None), torch.nn.Dropout):
-            model.dropout = torch.nn.Identity()  # TVM has no training RNG
-        return model, x, loss_fn, opt
-    return made
+from tests.models import CASES, no_dropout, twin  # noqa: E402
 
 
 def _glm_small():
@@ -47,7 +38,7 @@ def _glm_small():
 
 
 WORKLOADS = {"mlp": CASES["mlp"].make, "glm": CASES["glm"].make,
-             "cnn": _no_dropout(CASES["cnn"].make), "glm-small": _glm_small}
+             "cnn": no_dropout(CASES["cnn"].make), "glm-small": _glm_small}
 
 
 def _step_fn(name: str, model, opt, x, loss_fn):

@@ -123,3 +123,42 @@ def train_side_by_side(model, batch, loss_fn, backend: str = "eager", steps: int
         opt_ref.step()
         assert got == pytest.approx(want.item(), rel=1e-5)
     return trainer, ref, opt, opt_ref
+
+
+def no_dropout(make: Callable) -> Callable:
+    """A case whose model's top-level `dropout` is Identity: for backends that draw their own
+    masks (ONNX Runtime) or none (TVM), where parity needs a dropout-free model."""
+    def made():
+        model, x, loss_fn, opt = make()
+        if isinstance(getattr(model, "dropout", None), torch.nn.Dropout):
+            model.dropout = torch.nn.Identity()
+        return model, x, loss_fn, opt
+    return made
+
+
+#: the cases external-compiler backends (ort, tvm) are checked on
+BACKEND_CASES = {"mlp": CASES["mlp"].make, "cnn": no_dropout(CASES["cnn"].make),
+                 "glm": CASES["glm"].make, "hf_glm": _example("hf_glm.py")}
+
+
+def check_backend_parity(backend: str, case: str, fusion: bool, steps: int = 3):
+    """Train `case` with glmc on `backend` and with eager PyTorch: the loss at every step and
+    all parameters and optimizer state after `steps` steps agree (fp32 tolerances). Returns
+    the trainer for backend-specific checks."""
+    import pytest
+
+    import glmc
+    if case == "hf_glm":
+        pytest.importorskip("transformers")
+    (m, x, loss_fn, opt), (m2, _, _, opt2) = twin(BACKEND_CASES[case])
+    trainer = glmc.optimize(m, x, loss_fn=loss_fn, optimizer=opt, backend=backend,
+                            fusion=fusion, predict=False, measure=False)
+    got = glmc_losses(trainer, x, steps)
+    want = eager_losses(m2, x, loss_fn, opt2, steps)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=ATOL)
+    assert got[0] != got[-1], "training must change the loss"
+    # transformers' GLM has a key bias: its exact gradient is zero (softmax is invariant to
+    # it), so Adam turns rounding noise into ~lr steps there
+    assert_state_close(m, m2, opt, opt2,
+                       zero_grad_params=("k_proj.bias",) if case == "hf_glm" else ())
+    return trainer

@@ -17,22 +17,12 @@ pytest.importorskip("onnxscript")
 import glmc  # noqa: E402
 from glmc.errors import ExportError  # noqa: E402
 from tests.models import (  # noqa: E402
-    ATOL, CASES, RTOL, _example, assert_state_close, eager_losses, glmc_losses, twin)
+    BACKEND_CASES, check_backend_parity, glmc_losses, twin)
 
 STEPS = 3
 
 
-def _no_dropout(make):
-    def made():
-        model, x, loss_fn, opt = make()
-        if isinstance(getattr(model, "dropout", None), torch.nn.Dropout):
-            model.dropout = torch.nn.Identity()
-        return model, x, loss_fn, opt
-    return made
-
-
-MAKE = {"mlp": CASES["mlp"].make, "cnn": _no_dropout(CASES["cnn"].make),
-        "glm": CASES["glm"].make, "hf_glm": _example("hf_glm.py")}
+MAKE = BACKEND_CASES
 PARAMS = [
     pytest.param("mlp", True), pytest.param("mlp", False), pytest.param("cnn", False),
     pytest.param("glm", True),
@@ -45,19 +35,7 @@ PARAMS = [
 
 @pytest.mark.parametrize("case,fusion", PARAMS)
 def test_parity(case: str, fusion: bool) -> None:
-    if case == "hf_glm":
-        pytest.importorskip("transformers")
-    (m, x, loss_fn, opt), (m2, _, _, opt2) = twin(MAKE[case])
-    trainer = glmc.optimize(m, x, loss_fn=loss_fn, optimizer=opt, backend="ort", fusion=fusion,
-                            predict=False, measure=False)
-    got = glmc_losses(trainer, x, STEPS)
-    want = eager_losses(m2, x, loss_fn, opt2, STEPS)
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=ATOL)
-    assert got[0] != got[-1], "training must change the loss"
-    # transformers' GLM has a key bias: its exact gradient is zero (softmax is invariant to
-    # it), so Adam turns rounding noise into ~lr steps there (tests/models.py)
-    assert_state_close(m, m2, opt, opt2,
-                       zero_grad_params=("k_proj.bias",) if case == "hf_glm" else ())
+    trainer = check_backend_parity("ort", case, fusion, STEPS)
     assert trainer.report.compiles[0].fallbacks == []  # nothing ran differently from eager
 
 

@@ -26,23 +26,13 @@ from glmc.backends.tvm_ops import (  # noqa: E402
     cat, index_put, max_pool2d_with_indices, native_layer_norm, var_mean)
 from glmc.errors import ConfigError, ExportError  # noqa: E402
 from tests.models import (  # noqa: E402
-    ATOL, CASES, RTOL, _example, assert_state_close, eager_losses, glmc_losses, twin)
+    ATOL, BACKEND_CASES, RTOL, check_backend_parity, glmc_losses)
 
 STEPS = 3
 aten = torch.ops.aten
 
 
-def _no_dropout(make):
-    def made():
-        model, x, loss_fn, opt = make()
-        if isinstance(getattr(model, "dropout", None), torch.nn.Dropout):
-            model.dropout = torch.nn.Identity()
-        return model, x, loss_fn, opt
-    return made
-
-
-MAKE = {"mlp": CASES["mlp"].make, "cnn": _no_dropout(CASES["cnn"].make),
-        "glm": CASES["glm"].make, "hf_glm": _example("hf_glm.py")}
+MAKE = BACKEND_CASES
 PARAMS = [  # default run: the MLP (5 s) and the GLM example (35 s), fusion on
     pytest.param("mlp", True), pytest.param("glm", True),
     pytest.param("mlp", False, marks=pytest.mark.slow),
@@ -56,17 +46,7 @@ PARAMS = [  # default run: the MLP (5 s) and the GLM example (35 s), fusion on
 
 @pytest.mark.parametrize("case,fusion", PARAMS)
 def test_parity(case: str, fusion: bool) -> None:
-    if case == "hf_glm":
-        pytest.importorskip("transformers")
-    (m, x, loss_fn, opt), (m2, _, _, opt2) = twin(MAKE[case])
-    trainer = glmc.optimize(m, x, loss_fn=loss_fn, optimizer=opt, backend="tvm", fusion=fusion,
-                            predict=False, measure=False)
-    got = glmc_losses(trainer, x, STEPS)
-    want = eager_losses(m2, x, loss_fn, opt2, STEPS)
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=ATOL)
-    assert got[0] != got[-1], "training must change the loss"
-    assert_state_close(m, m2, opt, opt2,
-                       zero_grad_params=("k_proj.bias",) if case == "hf_glm" else ())
+    trainer = check_backend_parity("tvm", case, fusion, STEPS)
     assert trainer.report.compiles[0].backend == "tvm"
 
 
