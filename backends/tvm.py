@@ -42,7 +42,7 @@ import torch.fx as fx
 from glmc.backends.base import Backend, StepFn
 from glmc.errors import ConfigError, ExportError, Offense
 from glmc.ir import RANDOM_OPS, TrainGraph, op_name
-from glmc.onnx_lowering import lower_to_reshapes
+from glmc.onnx_lowering import export_step_program, lower_to_reshapes
 from glmc.target import BackendTraits
 
 aten = torch.ops.aten
@@ -254,15 +254,7 @@ def relax_module(step: TrainGraph) -> Any:
     decomposed = _decompose(step.gm, [t.clone() for t in inputs], fake=False,
                             table=decompositions())
 
-    class _Step(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.step = decomposed
-
-        def forward(self, *xs: torch.Tensor) -> Any:
-            return tuple(self.step(*xs))
-
-    program = torch.export.export(_Step(), tuple(inputs))
+    program = export_step_program(decomposed, inputs)
     # already core ATen: the frontend's own decomposition pass would only re-trace
     return from_exported_program(program, run_ep_decomposition=False,
                                  custom_convert_map=CONVERTERS)

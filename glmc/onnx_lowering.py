@@ -202,16 +202,8 @@ def export_onnx(graph: TrainGraph, inputs: list[torch.Tensor], path: Path, *,
     decomposed = _decompose(graph.gm, real, fake=False,
                             extra_decompositions=extra_decompositions)
 
-    class _Step(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.step = decomposed
-
-        def forward(self, *xs: torch.Tensor) -> Any:
-            return tuple(self.step(*xs))
-
     try:
-        program = torch.export.export(_Step(), tuple(real))
+        program = export_step_program(decomposed, real)
         onnx_program = torch.onnx.export(program, (), dynamo=True, optimize=False,
                                          verify=False, verbose=False, opset_version=opset)
     except Exception as e:
@@ -347,3 +339,19 @@ def lower_to_reshapes(gm: fx.GraphModule) -> fx.GraphModule:
             node.target = torch.ops.aten.reshape.default
     gm.recompile()
     return gm
+
+
+class _Step(torch.nn.Module):
+    """A step GraphModule as a module returning a tuple, as torch.export wants it."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__()
+        self.step = gm
+
+    def forward(self, *xs: torch.Tensor) -> Any:
+        return tuple(self.step(*xs))
+
+
+def export_step_program(gm: fx.GraphModule, inputs: list[torch.Tensor]) -> Any:
+    """`torch.export` of a (decomposed) step on `inputs`: what ONNX's and TVM's importers read."""
+    return torch.export.export(_Step(gm), tuple(inputs))
