@@ -116,3 +116,13 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def _compile(self, gm: fx.GraphModule, graph: TrainGraph) -> StepFn:
         """Compile `gm` (the functional step, or its write-back form) into `inputs -> outputs`."""
+
+
+def step_device(graph: TrainGraph) -> torch.device:
+    """Where the step runs: the device of its state inputs (the learning rates are CPU
+    scalars even for a CUDA step)."""
+    for ph in graph.placeholders():
+        spec = TrainGraph.info(ph).spec
+        if spec is not None and spec.device != "cpu":
+            return torch.device(spec.device)
+    return torch.device("cpu")

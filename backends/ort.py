@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from glmc.backends.base import Backend, StepFn
+from glmc.backends.base import Backend, StepFn, step_device
 from glmc.errors import ConfigError, ExportError, Offense
 from glmc.ir import RANDOM_OPS, OutputKind, TrainGraph, op_name
 from glmc.onnx_lowering import lower_to_reshapes
@@ -97,7 +97,7 @@ class OrtBackend(Backend):
                                opset=_OPSET)
             import onnx
             model = onnx.load(str(path))
-        device = _device(step)
+        device = step_device(step)
         session, fp32_ops = _session(model, self._providers_for(device))
         self._notes += [Offense(f"{op}: ONNX Runtime's CPU kernels have no bf16 {op}; it runs "
                                 "in fp32 (inputs cast up, result cast back to bf16)", "<step>")
@@ -115,14 +115,6 @@ class OrtBackend(Backend):
                                   "onnxruntime-gpu or train on the CPU")
             return ["CUDAExecutionProvider", "CPUExecutionProvider"]
         return ["CPUExecutionProvider"]
-
-
-def _device(graph: TrainGraph) -> torch.device:
-    for ph in graph.placeholders():
-        spec = TrainGraph.info(ph).spec
-        if spec is not None and spec.device != "cpu":
-            return torch.device(spec.device)
-    return torch.device("cpu")
 
 
 def _random_notes(graph: TrainGraph) -> list[Offense]:

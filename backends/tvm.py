@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from glmc.backends.base import Backend, StepFn
+from glmc.backends.base import Backend, StepFn, step_device
 from glmc.errors import ConfigError, ExportError, Offense
 from glmc.ir import RANDOM_OPS, TrainGraph, op_name
 from glmc.onnx_lowering import export_step_program, lower_to_reshapes
@@ -168,7 +168,7 @@ class TvmBackend(Backend):
         from tvm import relax
 
         step = TrainGraph(lower_to_reshapes(gm), graph.inputs, graph.outputs, graph.meta)
-        device = _device(step)
+        device = step_device(step)
         self.target = resolve_target(self._target, device)
         if (self.target.kind.name == "cuda") != (device.type == "cuda"):
             raise ConfigError(f"backend '{self.name}': target {self.target.kind.name} cannot "
@@ -273,14 +273,6 @@ def random_offenses(graph: TrainGraph) -> list[Offense]:
 
 def _dropout_off(node: fx.Node) -> bool:
     return op_name(node) == "native_dropout" and len(node.args) > 1 and node.args[1] == 0.0
-
-
-def _device(graph: TrainGraph) -> torch.device:
-    for ph in graph.placeholders():
-        spec = TrainGraph.info(ph).spec
-        if spec is not None and spec.device != "cpu":
-            return torch.device(spec.device)
-    return torch.device("cpu")
 
 
 # ---- running a step ---------------------------------------------------------------------------
