@@ -14,7 +14,7 @@ from __future__ import annotations
 import abc
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -37,6 +37,8 @@ class CompiledStep:
     inplace: bool = False  #: state is updated in place; the call returns [loss]
     fallbacks: list[Offense] = field(default_factory=list)
     compile_seconds: float = 0.0
+    #: per-kernel timing hooks of this step (glmc.phases.Instrument), where the backend has them
+    instrument: Any = None
 
     def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         return self.fn(inputs)
@@ -104,7 +106,7 @@ class Backend(abc.ABC):
                                f"{type(e).__name__}: {text}; try backend='eager' or report "
                                "it with the step (glmc.save_graph)") from e
         return CompiledStep(fn, self.name, inplace, fallbacks + self.notes(),
-                            time.perf_counter() - start)
+                            time.perf_counter() - start, getattr(fn, "instrument", None))
 
     def _unsupported_error(self, offenses: list[Offense], cause: Exception | None
                            ) -> UnsupportedOpError:

@@ -6,10 +6,16 @@ lowering run as ATen fallback kernels inside the compiled step and are listed as
 """
 from __future__ import annotations
 
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
 import torch
 import torch.fx as fx
 
 from glmc.backends.base import Backend, StepFn
+from glmc.errors import BackendError
+from glmc.phases import CallSite, Instrument, KernelCall
 from glmc.ir import REMAT, TrainGraph, comm_ops
 from glmc.target import BackendTraits
 
@@ -19,7 +25,8 @@ class InductorBackend(Backend):
 
     def traits(self) -> BackendTraits:
         from glmc.backends.inductor_model import FusionGroups
-        return BackendTraits(self.name, fusion=FusionGroups, early_writeback=True)
+        return BackendTraits(self.name, fusion=FusionGroups, early_writeback=True,
+                             fused_update=True)
 
     def supports(self, node: fx.Node) -> str | None:
         from torch._decomp import core_aten_decompositions
@@ -36,6 +43,8 @@ class InductorBackend(Backend):
             return "glmc fused op: runs as its own (chunked) kernel inside the step"
         if target in lowerings or target in decompositions or target in core_aten_decompositions():
             return None
+        if target in (torch.ops.aten._fused_adamw.tensor_lr, torch.ops.aten._fused_adam.tensor_lr):
+            return None  # ATen's fused kernel, run in place (glmc.kernels.in_place_fused_updates)
         if target.overloadpacket in lowerings:
             return None
         return "no Inductor lowering; runs as an ATen fallback kernel"
@@ -43,10 +52,13 @@ class InductorBackend(Backend):
     def _compile(self, gm: fx.GraphModule, graph: TrainGraph) -> StepFn:
         from torch._inductor.compile_fx import compile_fx
 
-        from glmc.kernels import ELEMENTWISE, lower_to_aten
+        from glmc.kernels import ELEMENTWISE, in_place_fused_updates, lower_to_aten
         # glmc's elementwise fused ops become ATen again so Inductor fuses them with their
         # neighbours; what their backward saves was fixed when the step was derived
         gm = lower_to_aten(gm, only=ELEMENTWISE)
+        # ATen's fused optimizer kernels update the state in place (functionalized by
+        # AOTAutograd, re-inplaced by Inductor): no new parameter/state tensors, no copies
+        in_place_fused_updates(gm)
         _split_alpha(gm)
         _views_as_reshapes(gm)
         example = [ph.meta["val"] for ph in gm.graph.nodes if ph.op == "placeholder"]
@@ -57,11 +69,155 @@ class InductorBackend(Backend):
         def run(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
             with torch.no_grad():
                 return list(compiled(*inputs))
+        run.instrument = InductorInstrument(compiled, gm)
         return run
 
 
+class InductorInstrument(Instrument):
+    """Per-kernel timing of an Inductor-compiled step (see glmc.phases).
+
+    The generated wrapper looks its kernels up as module globals on every call (`cpp_fused_*`,
+    Triton kernels, `extern_kernels.mm`, `torch.ops.aten.*` fallbacks); while hooked they are
+    replaced by timing wrappers. Call sites come from the provenance comments Inductor writes
+    before each call (`# [Provenance debug handles] name:handle`) and its provenance mapping
+    (handle -> post-grad nodes -> the nodes of the graph glmc handed it)."""
+
+    method = ("inductor: every kernel call of the generated wrapper timed; call site -> FX "
+              "nodes from Inductor's provenance tracking; a call computing nodes of several "
+              "phases (horizontal fusion) split by the cost model's predicted node times")
+
+    def __init__(self, compiled: Any, gm: fx.GraphModule) -> None:
+        from glmc.phases import phase_map
+        self.compiled = compiled
+        self.phase_of = phase_map(gm)
+        self._sites: list[CallSite] | None = None
+
+    def sites(self) -> list[CallSite]:
+        if self._sites is None:
+            self._sites = _call_sites(getattr(self.compiled, "source_code", "") or "",
+                                      getattr(self.compiled, "inductor_provenance_mapping_str",
+                                              None))
+            self._sites.append(CallSite("(not attributed)", []))
+        return self._sites
+
+    @contextmanager
+    def hooked(self, calls: list[KernelCall]) -> Iterator[None]:
+        sites = self.sites()
+        module = _wrapper_globals(self.compiled)
+        if module is None:
+            raise BackendError("inductor: the compiled step exposes no wrapper module to time "
+                               "(a cached or AOT artifact); the per-phase profile needs a "
+                               "Python wrapper")
+        cursor = [0]
+        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
+        def timed(name: str, fn: Callable) -> Callable:
+            def call(*a: Any, **k: Any) -> Any:
+                t0 = time.perf_counter()
+                out = fn(*a, **k)
+                sync()
+                seconds = time.perf_counter() - t0
+                j = cursor[0]
+                while j < len(sites) - 1 and sites[j].name != name:
+                    j += 1
+                if j < len(sites) - 1:
+                    cursor[0] = j + 1
+                calls.append(KernelCall(j, t0, seconds))
+                return out
+            return call
+
+        saved = dict(module)
+        for key, value in saved.items():
+            if key.startswith(("cpp_fused", "triton_")) and callable(value):
+                module[key] = timed(key, value)
+            elif key.startswith(("cpp_fused", "triton_")) and hasattr(value, "run"):
+                module[key] = _Attr(value, {"run": timed(key, value.run)})
+        if "extern_kernels" in saved:
+            module["extern_kernels"] = _Prefixed(saved["extern_kernels"], "extern_kernels.",
+                                                 timed)
+        module["torch"] = _Attr(torch, {"ops": _Ops(timed)})
+        if "aten" in saved:
+            module["aten"] = _Namespace(torch.ops.aten, "aten", timed)
+        try:
+            yield
+        finally:
+            module.update(saved)
+
+
+class _Attr:
+    """`obj` with some attributes replaced."""
+
+    def __init__(self, obj: Any, replaced: dict[str, Any]) -> None:
+        self._obj, self._replaced = obj, replaced
+
+    def __getattr__(self, name: str) -> Any:
+        return self._replaced[name] if name in self._replaced else getattr(self._obj, name)
+
+
+class _Prefixed:
+    """`obj` whose callable attributes are timed under `prefix + name`."""
+
+    def __init__(self, obj: Any, prefix: str, timed: Callable) -> None:
+        self._obj, self._prefix, self._timed = obj, prefix, timed
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._obj, name)
+        return self._timed(self._prefix + name, value) if callable(value) else value
+
+
+class _Namespace:
+    """`torch.ops.<ns>` whose op overloads are timed as `<ns>.<op>.<overload>`."""
+
+    def __init__(self, ns: Any, name: str, timed: Callable) -> None:
+        self._ns, self._name, self._timed = ns, name, timed
+
+    def __getattr__(self, op: str) -> Any:
+        packet = getattr(self._ns, op)
+        if not isinstance(packet, torch._ops.OpOverloadPacket):
+            return packet
+        return _Prefixed(packet, f"{self._name}.{op}.", self._timed)
+
+
+class _Ops:
+    def __init__(self, timed: Callable) -> None:
+        self._timed = timed
+
+    def __getattr__(self, ns: str) -> Any:
+        return _Namespace(getattr(torch.ops, ns), ns, self._timed)
+
+
+def _wrapper_globals(compiled: Any) -> dict[str, Any] | None:
+    fn = getattr(compiled, "current_callable", None)
+    fn = getattr(fn, "__func__", fn)
+    return getattr(fn, "__globals__", None)
+
+
+def _call_sites(source: str, mapping: Any) -> list[CallSite]:
+    """The wrapper's kernel calls in program order, each with the nodes (of the graph given to
+    Inductor) it computes."""
+    import json
+    import re
+    if isinstance(mapping, str):
+        mapping = json.loads(mapping)
+    mapping = mapping or {}
+    to_post = mapping.get("cppCodeToPost", {}) or {}
+    to_post = {**to_post, **(mapping.get("tritonCodeToPost", {}) or {})}
+    to_pre = mapping.get("postToPre", {}) or {}
+    body = source[source.find("def call("):] if "def call(" in source else ""
+    sites = []
+    for m in re.finditer(r"# \[Provenance debug handles\] (\S+):(\d+)", body):
+        name, handle = m.group(1), m.group(2)
+        posts = to_post.get(f"{name}:{handle}", [])
+        nodes = [pre for p in posts for pre in to_pre.get(p, [p])]
+        sites.append(CallSite(name.removeprefix("torch.ops."), nodes))
+    return sites
+
+
 def _patches(graph: TrainGraph) -> dict[str, object]:
-    patches: dict[str, object] = {"fallback_random": True}
+    # provenance tracking: the wrapper names the FX nodes of each kernel call (compile-time
+    # only; glmc.phases reads it for the per-phase profile)
+    patches: dict[str, object] = {"fallback_random": True,
+                                  "trace.provenance_tracking_level": 1}
     if any(TrainGraph.info(n).created_by == "recompute" or n.meta.get(REMAT)
            for n in graph.compute_nodes()):
         # Inductor's locality reordering moves producers next to their consumers; it drags

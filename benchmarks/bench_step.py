@@ -13,6 +13,15 @@ For every workload, in one process on one machine:
 
     python benchmarks/bench_step.py                       # glm-small and cnn, all contenders
     python benchmarks/bench_step.py --models hf-glm --steps 5
+    python benchmarks/bench_step.py --set transformers    # the step-time set (issue 18)
+
+`--set transformers`: decoder LMs from transformers (GLM, Llama, Qwen2 style, random init,
+AdamW) from ~1.5M to ~100M parameters, sequences 256-1024, plus the CNN; contenders
+torch.compile with eager `torch.optim` (foreach), torch.compile with a compiled
+`optimizer.step()`, and glmc's default pipeline on Inductor. Every contender also gets a
+per-phase row: forward, backward and optimizer time (torch.compile: its compiled forward,
+`loss.backward()` and `optimizer.step()` timed apart; glmc: `trainer.profile_phases`, every
+kernel call of the compiled step timed and attributed to its phase).
 """
 from __future__ import annotations
 
@@ -45,12 +54,43 @@ def _load(file: str, *args):
     return mod.workload(*args)
 
 
+def _hf(kind: str, layers: int, hidden: int, heads: int, kv: int, inter: int, vocab: int,
+        batch: int, seq: int, tied: bool = False):
+    """A transformers decoder LM from a small config (random init, no download)."""
+    def make():
+        import transformers
+        cls, cfg_cls = {"glm": ("GlmForCausalLM", "GlmConfig"),
+                        "llama": ("LlamaForCausalLM", "LlamaConfig"),
+                        "qwen2": ("Qwen2ForCausalLM", "Qwen2Config")}[kind]
+        cfg = getattr(transformers, cfg_cls)(
+            vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+            num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+            head_dim=hidden // heads, max_position_embeddings=seq, attention_dropout=0.0,
+            tie_word_embeddings=tied, pad_token_id=0, attn_implementation="eager")
+        torch.manual_seed(0)
+        model = getattr(transformers, cls)(cfg)
+        ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
+        return (model, {"input_ids": ids, "labels": ids.clone()}, None,
+                torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1))
+    return make
+
+
 WORKLOADS = {
     "glm-small": lambda: _load("glm.py", "small"),
     "glm-tiny": lambda: _load("glm.py", "tiny"),
     "cnn": lambda: _load("cnn.py", 32, 32, 32),
     "hf-glm": lambda: _load("hf_glm.py", 4, 128, 256, 4, 8192),
+    # the step-time set (--set transformers): name says style, layers x width, batch x seq
+    "glm-2x128-4x256": _hf("glm", 2, 128, 4, 2, 256, 4096, 4, 256),
+    "qwen2-tied-4x256-4x512": _hf("qwen2", 4, 256, 4, 2, 704, 16384, 4, 512, tied=True),
+    "glm-4x512-4x256": _hf("glm", 4, 512, 8, 4, 1024, 8192, 4, 256),
+    "llama-2x384-4x256": _hf("llama", 2, 384, 6, 6, 1024, 32000, 4, 256),
+    "qwen2-6x640-2x512": _hf("qwen2", 6, 640, 10, 2, 1728, 32000, 2, 512),
+    "llama-8x768-1x1024": _hf("llama", 8, 768, 12, 4, 2048, 32000, 1, 1024),
 }
+SETS = {"transformers": ["glm-2x128-4x256", "qwen2-tied-4x256-4x512", "glm-4x512-4x256",
+                         "llama-2x384-4x256", "qwen2-6x640-2x512", "llama-8x768-1x1024", "cnn"]}
+SET_CONTENDERS = {"transformers": ("torch.compile", "torch.compile+opt", "glmc-inductor")}
 CONTENDERS = ("eager", "torch.compile", "glmc-eager", "glmc-inductor")
 
 
@@ -72,15 +112,36 @@ class _Contender:
             self.fn = lambda a, k: self.trainer.step(*a, **k)
         else:
             wrapper = LossModule(model, loss_fn)
-            fwd = torch.compile(wrapper) if name == "torch.compile" else wrapper
+            fwd = torch.compile(wrapper) if name.startswith("torch.compile") else wrapper
+            update = torch.compile(optimizer.step) if name == "torch.compile+opt" \
+                else optimizer.step
+            self.phase_times: list[tuple[float, float, float]] = []
 
             def step(a, k):
                 optimizer.zero_grad(set_to_none=True)
+                t0 = time.perf_counter()
                 (loss,) = fwd(*a, **k)
+                t1 = time.perf_counter()
                 loss.backward()
-                optimizer.step()
+                t2 = time.perf_counter()
+                update()
+                self.phase_times.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
                 return loss.detach()
             self.fn = step
+
+    def phases(self, args: tuple, kwargs: dict, steps: int) -> dict[str, float]:
+        """Forward, backward and optimizer seconds (medians) of `steps` more steps."""
+        if self.trainer is not None:
+            prof = self.trainer.profile_phases(*args, steps=steps, **kwargs)
+            self.top_kernels = [{"kernel": k["kernel"][:80], "ms": round(k["seconds"] * 1e3, 2),
+                                 "calls": k["calls"], "phases": k["phases"]}
+                                for k in prof.kernels[:8]]
+            return dict(prof.phases)
+        self.phase_times.clear()
+        for _ in range(steps):
+            self.fn(args, kwargs)
+        f, b, o = (statistics.median(x) for x in zip(*self.phase_times))
+        return {"forward": f, "backward": b, "optimizer": o}
 
     def state_bytes(self, batch: list[torch.Tensor]) -> int:
         """Bytes of distinct storages live between steps: weights, buffers, grads, optimizer
@@ -96,7 +157,8 @@ class _Contender:
         return sum(seen.values())
 
 
-def run(name: str, steps: int, warmup: int, contenders: list[str]) -> dict:
+def run(name: str, steps: int, warmup: int, contenders: list[str], phase_steps: int = 0
+        ) -> dict:
     model, x, loss_fn, opt = WORKLOADS[name]()
     args, kwargs = split_batch(x)
     leaves = [*args, *kwargs.values()]
@@ -127,6 +189,8 @@ def run(name: str, steps: int, warmup: int, contenders: list[str]) -> dict:
             losses[c].append(subjects[c].fn(args, kwargs).item())
             times[c].append(time.perf_counter() - t0)
     med = {c: statistics.median(t) for c, t in times.items()}
+    phases = {c: subjects[c].phases(args, kwargs, phase_steps) for c in contenders} \
+        if phase_steps else {}
     ref = med.get("torch.compile")
     rows = []
     for c in contenders:
@@ -137,6 +201,17 @@ def run(name: str, steps: int, warmup: int, contenders: list[str]) -> dict:
                "measured_peak_mib": round((before + m.peak_bytes) / MiB, 1),
                "measured_in_step_mib": round(m.peak_bytes / MiB, 1),
                "final_loss": round(losses[c][-1], 6)}
+        if c in phases:
+            row["phases_ms"] = {p: round(t * 1e3, 2) for p, t in phases[c].items()}
+        if getattr(subjects[c], "top_kernels", None):
+            row["top_kernels"] = subjects[c].top_kernels
+        tr = subjects[c].trainer
+        if tr is not None:  # what the fusion pass chose (attention kept unfused, and why)
+            stats = [h.stats for h in tr.report.compiles[0].history if h.name == "fusion"]
+            if stats and stats[0] is not None:
+                row["fusion"] = {"counts": stats[0].counts,
+                                 "kept_unfused": [r["op"] for r in stats[0].regions
+                                                  if r.get("kept")]}
         tr = subjects[c].trainer
         if tr is not None and tr.report.compiles[-1].predicted:
             pred = tr.report.compiles[-1].predicted
@@ -202,6 +277,45 @@ def markdown(result: dict, meta: dict) -> str:
                      f" | {r['first_step_s']} | {r['measured_peak_mib']} | "
                      f"{err(r, 'step_time_error', 'predicted_step_ms')} | "
                      f"{err(r, 'peak_error', 'predicted_peak_mib')} | {r['final_loss']} |")
+    rows = [r for r in result["rows"] if "phases_ms" in r]
+    if rows:
+        lines += ["", "| contender | forward (ms) | backward (ms) | optimizer (ms) | other (ms) |",
+                  "|---|---|---|---|---|"]
+        for r in rows:
+            p = r["phases_ms"]
+            lines.append(f"| {r['contender']} | {p['forward']} | {p['backward']} | "
+                         f"{p['optimizer']} | {p.get('other', '-')} |")
+    return "\n".join(lines)
+
+
+def summary(results: list[dict], meta: dict) -> str:
+    """The set's ratio table: glmc against both torch.compile references, geometric means."""
+    import math
+    ref_names = ("torch.compile", "torch.compile+opt")
+    lines = [f"step time of glmc-inductor / reference (median of interleaved steps); "
+             f"{meta['date']}, {meta['cpu']}, {meta['machine']}, torch {meta['torch']}", "",
+             "| model | params | glmc (ms) | / torch.compile | / torch.compile + compiled opt |"
+             " glmc compile (s) | torch.compile compile (s) |", "|---|---|---|---|---|---|---|"]
+    ratios: dict[str, list[float]] = {r: [] for r in ref_names}
+    for res in results:
+        rows = {r["contender"]: r for r in res["rows"]}
+        g = rows.get("glmc-inductor")
+        if g is None:
+            continue
+        cells = []
+        for ref in ref_names:
+            if ref in rows:
+                q = g["median_step_ms"] / rows[ref]["median_step_ms"]
+                ratios[ref].append(q)
+                cells.append(f"{q:.3f}")
+            else:
+                cells.append("-")
+        lines.append(f"| {res['model']} | {res['params'] / 1e6:.1f}M | {g['median_step_ms']} | "
+                     f"{' | '.join(cells)} | {g['first_step_s']} | "
+                     f"{rows.get('torch.compile', {}).get('first_step_s', '-')} |")
+    geo = [f"{math.exp(sum(map(math.log, v)) / len(v)):.3f}" if v else "-"
+           for v in ratios.values()]
+    lines.append(f"| geometric mean | | | {geo[0]} | {geo[1]} | | |")
     return "\n".join(lines)
 
 
@@ -211,17 +325,32 @@ def main() -> None:
                     help=f"comma-separated, from {sorted(WORKLOADS)}")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--contenders", default=",".join(CONTENDERS))
+    ap.add_argument("--contenders", default=None,
+                    help=f"comma-separated (default {','.join(CONTENDERS)}; with --set: "
+                         "torch.compile, torch.compile+opt, glmc-inductor)")
+    ap.add_argument("--set", default=None, choices=sorted(SETS),
+                    help="a benchmark set (overrides --models)")
+    ap.add_argument("--phases", type=int, default=None, metavar="N",
+                    help="per-phase profile: N more steps per contender (default 3 with --set, "
+                         "else 0)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     a = ap.parse_args()
-    models = a.models.split(",")
+    models = SETS[a.set] if a.set else a.models.split(",")
+    contenders = (a.contenders or ",".join(SET_CONTENDERS.get(a.set, CONTENDERS))).split(",")
+    phase_steps = a.phases if a.phases is not None else (3 if a.set else 0)
     bad = [m for m in models if m not in WORKLOADS]
     if bad:
         ap.error(f"unknown model(s) {bad}; choose from {sorted(WORKLOADS)}")
-    meta = run_meta("bench_step.py")
+    meta = {**run_meta("bench_step.py"), "cpu": cpu_name()}
+    results = []
     for name in models:
-        result = run(name, a.steps, a.warmup, a.contenders.split(","))
-        write_result(Path(a.out), name, {**meta, **result}, markdown(result, meta))
+        result = run(name, a.steps, a.warmup, contenders, phase_steps)
+        results.append(result)
+        stem = f"step-{name}" if a.set else name
+        write_result(Path(a.out), stem, {**meta, **result}, markdown(result, meta))
+        if a.set:  # the set's table so far (a long run leaves a usable partial result)
+            write_result(Path(a.out), f"step-set-{a.set}", {**meta, "results": results},
+                         summary(results, meta))
 
 
 if __name__ == "__main__":

@@ -43,6 +43,10 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
                    help="training steps to run (default 10)")
     c.add_argument("--report-dir", default=None, metavar="DIR",
                    help="write report.json, report.html and graphs/ (the step after each pass)")
+    c.add_argument("--phases", type=_steps, default=0, metavar="N",
+                   help="after the steps, N more (training) steps with every kernel call "
+                        "timed: forward/backward/optimizer time in the summary and report, "
+                        "and phases-trace.json (Perfetto) in --report-dir")
     c.add_argument("--profile", default=None, metavar="NAME",
                    help="cost-model device: host (default: this CPU, calibrated) or a "
                         f"built-in profile: {' | '.join(BUILTIN)} (generic-cpu: fixed "
@@ -365,6 +369,10 @@ def _compile(args: argparse.Namespace) -> int:
         bar.set_postfix(loss=f"{loss:.6f}")
         if lead:
             print(f"step {i:4d}  loss {loss:.6f}", flush=True)
+    if args.phases > 0:
+        prof = trainer.profile_phases(*batch_args, steps=args.phases, **batch_kwargs)
+        if args.report_dir and lead:
+            print(f"report: {prof.write_trace(Path(args.report_dir) / 'phases-trace.json')}")
     if not lead:
         return 0
     print(trainer.report.summary())

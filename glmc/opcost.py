@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 
 from glmc.ir import comm_ops, op_name
-from glmc.kernels import CHUNK_ELEMENTS, HEAD_CHUNK_ELEMENTS
+from glmc.kernels import CHUNK_ELEMENTS, head_rows
 from glmc.profiles import ATTENTION_BACKWARD_FACTOR, attention_flops
 
 __all__ = ["OpCost", "op_cost", "kind_of", "is_view", "value_bytes"]
@@ -353,20 +353,25 @@ def _cross_entropy_backward(node: fx.Node) -> OpCost:
 
 def _linear_cross_entropy(node: fx.Node) -> OpCost:
     """Per chunk of rows: three matmuls (logits, grad x, grad w) at the chunk's size, the loss
-    and softmax over the fp32 logits chunk (two exps: 23 FLOPs and 10 passes per logit), grad w
-    accumulated in fp32; 10 + 35 calls per chunk. Holds a logits chunk, its softmax
-    temporaries and a (V, D) product."""
+    and softmax over the fp32 logits chunk (log_softmax, exp: 23 FLOPs and 8 passes per
+    logit); in fp32 grad x and grad w are written/accumulated by the matmuls, otherwise grad w
+    gets a (V, D) product added per chunk; 10 + 27 calls per chunk. Holds a logits chunk and
+    its softmax temporaries (and the product)."""
     x, w = _val(node.args[0]), _val(node.args[1])
     (n, d), v = x.shape, w.shape[0]
-    rows, chunks = _chunks(n, v, HEAD_CHUNK_ELEMENTS)
-    dtype = "float32" if _arg(node, 5, "fp32", True) else str(x.dtype).replace("torch.", "")
+    rows = head_rows(n, v)
+    chunks = -(-n // rows)
+    fp32 = _arg(node, 5, "fp32", True)
+    dtype = "float32" if fp32 else str(x.dtype).replace("torch.", "")
     mm = OpCost("matmul", 2.0 * rows * d * v, (rows * d + v * d + rows * v) * 4, 0, dtype)
-    soft = _chunk(23 * rows * v, 0, rows * v * 40, rows * v * 8)
-    acc = _chunk(v * d, 3 * v * d * 4, 0, 0)
-    parts = ((mm, 3 * chunks), (soft, chunks), (acc, chunks))
+    soft = _chunk(23 * rows * v, 0, rows * v * 32, rows * v * 8)
+    parts: tuple = ((mm, 3 * chunks), (soft, chunks))
+    if not fp32:
+        parts += ((_chunk(v * d, 3 * v * d * 4, 0, 0), chunks),)
     flops = sum(p.flops * k for p, k in parts)
     moved = sum((p.bytes + p.reused) * k for p, k in parts)
-    return _python_op(node, flops, moved, 10 + 35 * chunks, rows * v * 8 + v * d * 4, parts)
+    return _python_op(node, flops, moved, 10 + 27 * chunks,
+                      rows * v * 8 + (0 if fp32 else v * d * 4), parts)
 
 
 #: qualified op name -> (kind, rule giving its OpCost); consulted before every other rule

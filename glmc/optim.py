@@ -39,6 +39,11 @@ class OptimizerRule:
     #: ops, op for op the single-tensor formula (bit-identical): (params, grads, states, lr,
     #: group) -> (new params, new states)
     update_foreach: Callable[..., tuple[list[Tensor], list[State]]] | None = None
+    #: the same update as one of ATen's fused multi-tensor kernels (`_fused_adamw` ...): one
+    #: pass over each parameter's memory instead of one per op; rounds differently from the
+    #: single-tensor formula (within the backends' rtol). Same signature as `update_foreach`;
+    #: returns None where the kernel does not apply (then the group runs `update_foreach`)
+    update_fused: Callable[..., tuple[list[Tensor], list[State]] | None] | None = None
 
     def guard(self, group: dict) -> tuple:
         return tuple((k, _freeze(group.get(k))) for k in self.guarded)
@@ -211,6 +216,31 @@ def _adam_foreach(ps: list[Tensor], gs: list[Tensor], ss: list[State], lr: Tenso
     return new_ps, news
 
 
+def _adam_fused(ps: list[Tensor], gs: list[Tensor], ss: list[State], lr: Tensor, group: dict,
+                decoupled: bool) -> tuple[list[Tensor], list[State]] | None:
+    """`_adam_foreach` as ATen's fused CPU/CUDA kernel (`torch.optim.Adam(W)(fused=True)`),
+    in its functional form; fp32 parameters, gradients and state only."""
+    tensors = [*ps, *gs, *(t for s in ss for k, t in s.items() if k != "step")]
+    if any(t.dtype != torch.float32 for t in tensors):
+        return None
+    beta1, beta2 = group["betas"]
+    steps = [s["step"] + 1 for s in ss]
+    amsgrad = bool(group["amsgrad"])
+    maxs = [s["max_exp_avg_sq"] for s in ss] if amsgrad else []
+    op = torch.ops.aten._fused_adamw if decoupled else torch.ops.aten._fused_adam
+    new_ps, _, exp_avg, exp_avg_sq, new_maxs = op.tensor_lr(
+        ps, gs, [s["exp_avg"] for s in ss], [s["exp_avg_sq"] for s in ss], maxs, steps, lr=lr,
+        beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
+        amsgrad=amsgrad, maximize=bool(group["maximize"]))
+    news = []
+    for i in range(len(ps)):
+        new = {"step": steps[i], "exp_avg": exp_avg[i], "exp_avg_sq": exp_avg_sq[i]}
+        if amsgrad:
+            new["max_exp_avg_sq"] = new_maxs[i]
+        news.append(new)
+    return list(new_ps), news
+
+
 def _sgd_foreach(ps: list[Tensor], gs: list[Tensor], ss: list[State], lr: Tensor,
                  group: dict) -> tuple[list[Tensor], list[State]]:
     """`_sgd_update` with `_foreach_*` ops (torch's `_multi_tensor_sgd` on CPU)."""
@@ -245,12 +275,14 @@ RULES: dict[type, OptimizerRule] = {
         "adam", _adam_keys, _adam_init,
         lambda p, g, s, lr, grp: _adam_update(p, g, s, lr, grp, _is_decoupled(grp, False)),
         _ADAM_GUARD,
-        lambda ps, gs, ss, lr, grp: _adam_foreach(ps, gs, ss, lr, grp, _is_decoupled(grp, False))),
+        lambda ps, gs, ss, lr, grp: _adam_foreach(ps, gs, ss, lr, grp, _is_decoupled(grp, False)),
+        lambda ps, gs, ss, lr, grp: _adam_fused(ps, gs, ss, lr, grp, _is_decoupled(grp, False))),
     torch.optim.AdamW: OptimizerRule(
         "adamw", _adam_keys, _adam_init,
         lambda p, g, s, lr, grp: _adam_update(p, g, s, lr, grp, _is_decoupled(grp, True)),
         _ADAM_GUARD,
-        lambda ps, gs, ss, lr, grp: _adam_foreach(ps, gs, ss, lr, grp, _is_decoupled(grp, True))),
+        lambda ps, gs, ss, lr, grp: _adam_foreach(ps, gs, ss, lr, grp, _is_decoupled(grp, True)),
+        lambda ps, gs, ss, lr, grp: _adam_fused(ps, gs, ss, lr, grp, _is_decoupled(grp, True))),
 }
 
 

@@ -309,7 +309,9 @@ def build_pass(cls: type[Pass], raw: dict[str, str]) -> Pass:
 def _coerce(pass_name: str, key: str, value: str, annotation: Any) -> Any:
     kind = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
     try:
-        if kind == "bool":
+        if kind == "bool | None" and value.lower() in ("auto", "none"):
+            return None
+        if kind in ("bool", "bool | None"):
             if value.lower() not in ("true", "false", "1", "0"):
                 raise ValueError(value)
             return value.lower() in ("true", "1")

@@ -33,7 +33,12 @@ def default_pipeline(memory_budget: Any = None, precision: str | None = None,
         # first: rewrites the forward and re-derives the backward. Under bf16/fp16 on a CPU,
         # no attention fusion: ATen's bf16 CPU flash attention measured 1.2x slower on GLM small
         low_cpu = precision in ("bf16", "fp16", "auto") and device == "cpu"
-        passes.append(reg["fusion"](attention=not low_cpu))
+        # the fused LM head + loss saves the logits' memory but is slower than Inductor's own
+        # kernels: the fusion pass leaves it out on Inductor unless a memory budget is set;
+        # attention likewise is timed both ways there (auto) unless memory matters
+        budget = memory_budget is not None
+        attention = False if low_cpu else (True if budget else None)
+        passes.append(reg["fusion"](attention=attention, loss=True if budget else None))
     elif fusion:
         passes.append(reg["fusion"]())
     if precision not in (None, "fp32"):

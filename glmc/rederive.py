@@ -126,13 +126,17 @@ class _Replay(nn.Module):
 
 
 def rederive(graph: TrainGraph, program: ForwardProgram,
-             scaling: LossScaling | None = None, foreach: bool | None = None) -> None:
+             scaling: LossScaling | None = None, foreach: bool | None = None,
+             fused: bool | None = None) -> None:
     """Replace `graph` in place by the step of `program`: its backward derived by AOTAutograd,
     the optimizer update appended (with in-graph loss scaling if `scaling`; as multi-tensor
-    ops if `foreach`, by default as `graph`'s update was). Works from the IR alone: the
+    ops if `foreach`, as ATen's fused kernels where they apply if `fused` too; by default as
+    `graph`'s update was). Works from the IR alone: the
     parameters, state and batch are fake tensors made from the recorded specs."""
     if foreach is None:
         foreach = bool(graph.meta.get("foreach_update"))
+    if fused is None:
+        fused = bool(graph.meta.get("fused_update"))
     optimizer = graph.meta.get("optimizer")
     if not isinstance(optimizer, OptimizerSpec):
         raise ConfigError("rederive: the step records no optimizer (a torch.compile drop-in "
@@ -146,11 +150,13 @@ def rederive(graph: TrainGraph, program: ForwardProgram,
     replay = _Replay(graph, program, mode)
     with contextlib.ExitStack() as stack, fx_traceback.preserve_node_meta():
         joint = joint_export(stack, replay, leaves, {})
-        new = build_step(joint.graph_module, StepSpec(optimizer, state, scaling, foreach))
+        new = build_step(joint.graph_module, StepSpec(optimizer, state, scaling, foreach,
+                                                              fused=foreach and fused))
     _conform(new, graph)
     graph.gm, graph.inputs, graph.outputs = new.gm, new.inputs, new.outputs
     graph.meta.update(new.meta)
-    for key, on in (("loss_scaling", scaling is not None), ("foreach_update", foreach)):
+    for key, on in (("loss_scaling", scaling is not None), ("foreach_update", foreach),
+                    ("fused_update", foreach and fused)):
         if not on:
             graph.meta.pop(key, None)
 

@@ -48,6 +48,10 @@ class CompileRecord:
     measured: dict[str, Any] | None = None  #: memory of one real step (see memory.Measurement)
     step_seconds: list[float] = field(default_factory=list)  #: wall time of every step run
     warnings: list[str] = field(default_factory=list)
+    #: the cost model's predicted seconds per node of the compiled graph (not serialized)
+    node_seconds: dict[str, float] = field(default_factory=dict, repr=False)
+    #: the measured per-phase profile (glmc.phases.PhaseProfile.to_dict), when one was run
+    phases: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         steps = self.step_seconds[1:]  # the first call warms caches: never a measurement
@@ -62,7 +66,7 @@ class CompileRecord:
                "measured": dict(self.measured) if self.measured else None,
                "steps_run": len(self.step_seconds), "steps_timed": len(steps),
                "measured_step_seconds": statistics.median(steps) if steps else None,
-               "warnings": list(self.warnings)}
+               "warnings": list(self.warnings), "phases": self.phases}
         out["measured_peak_bytes"], out["measured_state_from"] = measured_peak(out)
         out["errors"] = _errors(out)
         for entry, ctx, record in zip(out["passes"], _section_contexts(out), self.history):
@@ -178,6 +182,7 @@ def summary(data: dict[str, Any]) -> str:
                      f"{c['nodes_final']}")
         lines += _pass_lines(c)
         lines += _prediction_lines(c)
+        lines += phase_lines(c.get("phases"))
         if c["fallbacks"]:
             lines.append(f"  {len(c['fallbacks'])} op(s) fell back to eager:")
             lines += [f"    {f['op']} at {f['where']}" for f in c["fallbacks"]]
@@ -196,6 +201,25 @@ def _pass_lines(c: dict[str, Any]) -> list[str]:
         section = r.get("section") or {}
         if section.get("summary"):
             lines.append(f"  {'':<12} {section['summary']}")
+    return lines
+
+
+def phase_lines(phases: dict[str, Any] | None, reference: dict[str, float] | None = None
+                ) -> list[str]:
+    """The measured per-phase profile (glmc.phases), with a reference's phase times (e.g.
+    torch.compile's forward, backward and optimizer.step()) side by side when given."""
+    if not phases:
+        return []
+    step = phases["step_seconds"]
+    lines = [f"  per phase (measured, {phases['backend']}, median of {phases['steps']} "
+             f"steps, kernel calls timed):"]
+    for p in ("forward", "backward", "optimizer", "other"):
+        t = phases["phases"].get(p, 0.0)
+        ref = f"   reference {ms(reference[p])}" if reference and p in reference else ""
+        top = [k["kernel"] for k in phases.get("top_kernels", [])
+               if k["phases"].get(p, 0) >= 0.5][:2]
+        lines.append(f"    {p:<10} {ms(t):>10} {t / step if step else 0:6.1%}{ref}"
+                     + (f"   top: {', '.join(top)}" if top else ""))
     return lines
 
 

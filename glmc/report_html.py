@@ -240,6 +240,7 @@ def _compile_section(i: int, c: dict[str, Any]) -> str:
              _pass_plot(c) or ""]
     if pred:
         parts.append(_peak_tables(pred))
+    parts.append(_phase_table(c.get("phases")))
     if c["fallbacks"]:
         parts.append(f"<h3 class=warn>{len(c['fallbacks'])} op(s) fell back to eager</h3><ul>"
                      + "".join(f"<li><code>{_esc(f['op'])}</code> at {_esc(f['where'])}</li>"
@@ -248,6 +249,25 @@ def _compile_section(i: int, c: dict[str, Any]) -> str:
         parts.append("<h3 class=warn>Warnings</h3><ul>"
                      + "".join(f"<li>{_esc(w)}</li>" for w in c["warnings"]) + "</ul>")
     return "\n".join(parts)
+
+
+def _phase_table(phases: dict[str, Any] | None) -> str:
+    """The measured per-phase profile (glmc.phases) and its top kernels."""
+    if not phases:
+        return ""
+    step = phases["step_seconds"] or 1.0
+    rows = "".join(f"<tr><td>{p}</td><td>{phases['phases'].get(p, 0) * 1e3:.2f}</td>"
+                   f"<td>{phases['phases'].get(p, 0) / step:.1%}</td></tr>"
+                   for p in ("forward", "backward", "optimizer", "other"))
+    kernels = "".join(
+        f"<tr><td><code>{_esc(k['kernel'][:90])}</code></td><td>{k['seconds'] * 1e3:.2f}</td>"
+        f"<td>{k['calls']}</td><td>{_esc(', '.join(f'{p} {w:.0%}' for p, w in k['phases'].items()))}"
+        "</td></tr>" for k in phases.get("top_kernels", [])[:10])
+    return (f"<h3>Per-phase profile (measured)</h3><p>{_esc(phases['backend'])}, median of "
+            f"{phases['steps']} steps of {step * 1e3:.2f} ms. {_esc(phases['method'])}.</p>"
+            "<table><tr><th>phase</th><th>ms</th><th>share</th></tr>" + rows + "</table>"
+            "<table><tr><th>kernel</th><th>ms/step</th><th>calls</th><th>phases</th></tr>"
+            + kernels + "</table>")
 
 
 def _comm_plot(c: dict[str, Any]) -> str:

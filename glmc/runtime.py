@@ -158,6 +158,17 @@ class Trainer:
         self._notify_optimizer()
         return outs[0].detach()
 
+    def profile_phases(self, *args: Any, steps: int = 3, **kwargs: Any) -> Any:
+        """Train `steps` steps on this batch with every kernel call of the compiled step timed:
+        forward, backward and optimizer time (glmc.phases.PhaseProfile; also in the report)."""
+        from glmc.phases import profile_phases
+        return profile_phases(self, *args, steps=steps, **kwargs)
+
+    def entry_for(self, *args: Any, **kwargs: Any) -> _Entry | None:
+        """The compiled entry this batch runs (None before its first step)."""
+        batch = self._micro_batches(self._local(self._normalize(args, kwargs)))[-1]
+        return self._cache.get(self._key(batch))
+
     def _notify_optimizer(self) -> None:
         """Run `optimizer.step()` with no gradients: it updates nothing (glmc keeps gradients
         inside the step), but runs the user's step hooks and lets LR schedulers see a step."""
@@ -311,7 +322,8 @@ class Trainer:
             nodes_captured=nodes_captured, nodes_final=len(graph.graph.nodes),
             history=list(manager.history), fallbacks=list(compiled.fallbacks),
             predicted_captured=predictions[0].to_dict() if predictions else None,
-            predicted=predictions[-1].to_dict() if predictions else None)
+            predicted=predictions[-1].to_dict() if predictions else None,
+            node_seconds=dict(predictions[-1].time.node_seconds) if predictions else {})
         self.report.compiles.append(record)
         micro, micro_graph = None, None
         if self.parallel is not None and graph.meta["sharding"].accumulators:

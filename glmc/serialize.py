@@ -242,6 +242,7 @@ def _meta_to_json(meta: dict[str, Any]) -> dict[str, Any]:
         if meta.get(key) is not None:
             out[key] = _enc(meta[key])
     out["foreach_update"] = bool(meta.get("foreach_update"))
+    out["fused_update"] = bool(meta.get("fused_update"))
     if meta.get("value_stats") is not None:
         out["value_stats"] = stats_to_dict(meta["value_stats"])
     return out
@@ -249,8 +250,9 @@ def _meta_to_json(meta: dict[str, Any]) -> dict[str, Any]:
 
 def _meta_from_json(d: dict[str, Any]) -> dict[str, Any]:
     meta: dict[str, Any] = {k: _dec(d[k]) for k in ("optimizer", "loss_scaling") if k in d}
-    if d.get("foreach_update"):
-        meta["foreach_update"] = True
+    for key in ("foreach_update", "fused_update"):
+        if d.get(key):
+            meta[key] = True
     if "value_stats" in d:
         meta["value_stats"] = stats_from_dict(d["value_stats"])
     return meta

@@ -143,6 +143,9 @@ class StepSpec:
     state: dict[str, Any]
     scaling: LossScaling | None = None
     foreach: bool = False
+    #: with `foreach`: each group's update as one of ATen's fused kernels where the rule has
+    #: one (`OptimizerRule.update_fused`)
+    fused: bool = False
     #: tied weights: every other name of a shared parameter or buffer -> its first name (the
     #: one `named_parameters()` and the optimizer use); all names become one step input
     aliases: dict[str, str] = field(default_factory=dict)
@@ -217,6 +220,8 @@ class _StepBuilder:
             meta["loss_scaling"] = self.spec.scaling
         if self.spec.foreach:
             meta["foreach_update"] = True
+            if self.spec.fused and self.spec.optimizer.rule.update_fused is not None:
+                meta["fused_update"] = True
         return TrainGraph(gm, self.inputs, [s for s, _ in outputs], meta=meta)
 
     def _state_placeholders(self) -> list[tuple[str, dict, dict[str, fx.Node], fx.Node]]:
@@ -316,7 +321,8 @@ class _StepBuilder:
             placeholders += [self.scaler_nodes[SCALE], self.scaler_nodes[TRACKER]]
         rule = self.spec.optimizer.rule
         update_all = _UpdateFn(rule, live, self.spec.scaling,
-                               self.spec.foreach and rule.update_foreach is not None)
+                               self.spec.foreach and rule.update_foreach is not None,
+                               self.spec.fused)
         with self.fake_mode:
             opt_gm = make_fx(update_all)(*(n.meta["val"] for n in placeholders))
         produced = self._inline(opt_gm, placeholders)
@@ -352,8 +358,9 @@ class _UpdateFn:
     per parameter (param, grad, lr, *states), then (scale, tracker) under loss scaling."""
 
     def __init__(self, rule: OptimizerRule, live: list, scaling: LossScaling | None,
-                 foreach: bool) -> None:
+                 foreach: bool, fused: bool = False) -> None:
         self.rule, self.live, self.scaling, self.foreach = rule, live, scaling, foreach
+        self.fused = fused and rule.update_fused is not None
         width = [3 + len(states) for _, _, states, _ in live]
         self.starts = [sum(width[:k]) for k in range(len(live))]
 
@@ -386,9 +393,10 @@ class _UpdateFn:
             groups.setdefault(id(lr), []).append(k)
         results: dict[int, tuple] = {}
         for ks in groups.values():
-            new_ps, new_ss = self.rule.update_foreach(  # type: ignore[misc]
-                [olds[k][0] for k in ks], [grads[k] for k in ks], [olds[k][1] for k in ks],
-                flat[self.starts[ks[0]] + 2], self.live[ks[0]][1])
+            args = ([olds[k][0] for k in ks], [grads[k] for k in ks], [olds[k][1] for k in ks],
+                    flat[self.starts[ks[0]] + 2], self.live[ks[0]][1])
+            done = self.rule.update_fused(*args) if self.fused else None  # type: ignore[misc]
+            new_ps, new_ss = done or self.rule.update_foreach(*args)  # type: ignore[misc]
             results.update(zip(ks, zip(new_ps, new_ss)))
         return results
 

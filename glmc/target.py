@@ -37,12 +37,16 @@ class BackendTraits:
     kernel (eager). `early_writeback`: new state is written into its input as soon as possible,
     freeing the new tensor early (see glmc.writeback). `inplace`: the backend can run the
     write-back form of a step (state updated in place); otherwise the runtime copies outputs.
+    `fused_update`: see the field.
     """
 
     name: str = "eager"
     fusion: Callable[[fx.Graph], FusionModel] | None = None
     early_writeback: bool = True
     inplace: bool = True
+    #: the backend runs ATen's fused optimizer kernels (`_fused_adamw`) in place on the state
+    #: (the fusion pass's `update=auto` picks them there)
+    fused_update: bool = False
 
     @property
     def fuses(self) -> bool:

@@ -127,14 +127,16 @@ def _config_id(cfg) -> str:
     return cls.__name__ + "".join(f"-{k}={v}" for k, v in kwargs.items() if k != "lr")
 
 
-def _update_gap(opt_cls, kwargs, foreach: bool, dtype: torch.dtype) -> float:
-    """Runs torch.optim (single-tensor path) and glmc's rule side by side for UPDATE_STEPS
-    steps, the lr changing every step as a scheduler would; returns the largest difference of
-    any parameter or state tensor after any step, in units of eps(dtype) × max|param|."""
+def _update_gap(opt_cls, kwargs, foreach: bool | str, dtype: torch.dtype) -> float:
+    """Runs torch.optim (single-tensor path; its fused kernel for `foreach="fused"`) and
+    glmc's rule side by side for UPDATE_STEPS steps, the lr changing every step as a
+    scheduler would; returns the largest difference of any parameter or state tensor after
+    any step, in units of eps(dtype) × max|param|."""
     gen = torch.Generator().manual_seed(0)
     params = [torch.randn(s, generator=gen).to(dtype) for s in UPDATE_SHAPES]
     ref = [p.clone().requires_grad_() for p in params]
-    opt = opt_cls(ref, foreach=False, **kwargs)
+    fused = foreach == "fused"
+    opt = opt_cls(ref, fused=True, **kwargs) if fused else opt_cls(ref, foreach=False, **kwargs)
     rule, group = RULES[opt_cls], dict(opt.param_groups[0])
     ps, states = params, [rule.init_state(p, group) for p in params]
     gap = 0.0
@@ -146,7 +148,9 @@ def _update_gap(opt_cls, kwargs, foreach: bool, dtype: torch.dtype) -> float:
             r.grad = g.clone()
         opt.step()
         lr_t = torch.tensor(lr, dtype=torch.float64)  # as glmc's graph receives it
-        if foreach:
+        if fused:
+            ps, states = rule.update_fused(ps, grads, states, lr_t, group)
+        elif foreach:
             ps, states = rule.update_foreach(ps, grads, states, lr_t, group)
         else:
             ps, states = map(list, zip(*(rule.update(p, g, s, lr_t, group)
@@ -165,6 +169,27 @@ def _update_gap(opt_cls, kwargs, foreach: bool, dtype: torch.dtype) -> float:
 def test_update_rules_bit_identical_to_torch_optim(opt_cls, kwargs, foreach) -> None:
     """fp32, the dtype glmc's updates run in: every rule equals torch.optim to the last bit."""
     assert _update_gap(opt_cls, kwargs, foreach, torch.float32) == 0
+
+
+FUSED_CONFIGS = [c for c in UPDATE_CONFIGS if RULES[c[0]].update_fused is not None]
+
+
+@pytest.mark.parametrize("opt_cls,kwargs", FUSED_CONFIGS,
+                         ids=[_config_id(c) for c in FUSED_CONFIGS])
+def test_fused_update_bit_identical_to_torch_fused(opt_cls, kwargs) -> None:
+    """The fused form (ATen's `_fused_adam(w)`, Inductor's default update) equals
+    `torch.optim.Adam(W)(fused=True)` to the last bit (the same kernel, lr as a tensor)."""
+    assert _update_gap(opt_cls, kwargs, "fused", torch.float32) == 0
+
+
+def test_fused_update_declines_low_precision() -> None:
+    """bf16 parameters keep the multi-tensor form: the fused rule returns None for them."""
+    rule = RULES[torch.optim.AdamW]
+    p = torch.zeros(4, dtype=torch.bfloat16)
+    group = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False,
+             "maximize": False}
+    state = rule.init_state(p, group)
+    assert rule.update_fused([p], [p.clone()], [state], torch.tensor(1e-3), group) is None
 
 
 @pytest.mark.parametrize("opt_cls,kwargs", UPDATE_CONFIGS,
