@@ -92,6 +92,9 @@ SETS = {"transformers": ["glm-2x128-4x256", "qwen2-tied-4x256-4x512", "glm-4x512
                          "llama-2x384-4x256", "qwen2-6x640-2x512", "llama-8x768-1x1024", "cnn"]}
 SET_CONTENDERS = {"transformers": ("torch.compile", "torch.compile+opt", "glmc-inductor")}
 CONTENDERS = ("eager", "torch.compile", "glmc-eager", "glmc-inductor")
+#: glmc's host memory policy (glmc.hostalloc) is process-wide: with it (the default) every
+#: contender of the run gets it once glmc compiles; `--default-malloc` runs all without it
+RETAIN_MEMORY = True
 
 
 def _clone(model, optimizer):
@@ -108,7 +111,8 @@ class _Contender:
         if name.startswith("glmc-"):
             # glmc's own measurement is switched off: the harness measures every contender alike
             self.trainer = glmc.optimize(model, x, loss_fn=loss_fn, optimizer=optimizer,
-                                         backend=name.removeprefix("glmc-"), measure=False)
+                                         backend=name.removeprefix("glmc-"), measure=False,
+                                         retain_memory=RETAIN_MEMORY)
             self.fn = lambda a, k: self.trainer.step(*a, **k)
         else:
             wrapper = LossModule(model, loss_fn)
@@ -293,7 +297,8 @@ def summary(results: list[dict], meta: dict) -> str:
     import math
     ref_names = ("torch.compile", "torch.compile+opt")
     lines = [f"step time of glmc-inductor / reference (median of interleaved steps); "
-             f"{meta['date']}, {meta['cpu']}, {meta['machine']}, torch {meta['torch']}", "",
+             f"{meta['date']}, {meta['cpu']}, {meta['machine']}, torch {meta['torch']}; "
+             f"malloc: {meta.get('malloc', '')}", "",
              "| model | params | glmc (ms) | / torch.compile | / torch.compile + compiled opt |"
              " glmc compile (s) | torch.compile compile (s) |", "|---|---|---|---|---|---|---|"]
     ratios: dict[str, list[float]] = {r: [] for r in ref_names}
@@ -333,23 +338,31 @@ def main() -> None:
     ap.add_argument("--phases", type=int, default=None, metavar="N",
                     help="per-phase profile: N more steps per contender (default 3 with --set, "
                          "else 0)")
+    ap.add_argument("--default-malloc", action="store_true",
+                    help="glmc leaves glibc malloc alone (retain_memory=False) for every "
+                         "contender; by default its policy applies to the whole process")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     a = ap.parse_args()
+    global RETAIN_MEMORY
+    RETAIN_MEMORY = not a.default_malloc
     models = SETS[a.set] if a.set else a.models.split(",")
     contenders = (a.contenders or ",".join(SET_CONTENDERS.get(a.set, CONTENDERS))).split(",")
     phase_steps = a.phases if a.phases is not None else (3 if a.set else 0)
     bad = [m for m in models if m not in WORKLOADS]
     if bad:
         ap.error(f"unknown model(s) {bad}; choose from {sorted(WORKLOADS)}")
-    meta = {**run_meta("bench_step.py"), "cpu": cpu_name()}
+    meta = {**run_meta("bench_step.py"), "cpu": cpu_name(),
+            "malloc": "glibc default" if a.default_malloc else "glmc.hostalloc policy "
+            "(freed memory kept) for every contender, from glmc's first compile on"}
     results = []
     for name in models:
         result = run(name, a.steps, a.warmup, contenders, phase_steps)
         results.append(result)
-        stem = f"step-{name}" if a.set else name
+        stem = (f"step-{name}" + ("-default-malloc" if a.default_malloc else "")) if a.set else name
         write_result(Path(a.out), stem, {**meta, **result}, markdown(result, meta))
         if a.set:  # the set's table so far (a long run leaves a usable partial result)
-            write_result(Path(a.out), f"step-set-{a.set}", {**meta, "results": results},
+            tag = "-default-malloc" if a.default_malloc else ""
+            write_result(Path(a.out), f"step-set-{a.set}{tag}", {**meta, "results": results},
                          summary(results, meta))
 
 

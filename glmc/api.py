@@ -29,7 +29,8 @@ def optimize(model: nn.Module, example_inputs: Any, *, loss_fn: Any = None,
     the pass already, passing the option too is a PipelineError.
     Further `options` are `TrainerOptions` fields: `profile` (cost-model device: None for the
     calibrated host CPU, or "h100", "h200", "a100", "kunpeng920"), `predict`, `measure`,
-    `profile_guided`, `dump_dir`, `max_cache`.
+    `profile_guided`, `dump_dir`, `max_cache`, `retain_memory` (CPU: glibc malloc keeps freed
+    memory, glmc.hostalloc; True by default).
     """
     return make_trainer(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer,
                         backend=backend, passes=passes, memory_budget=memory_budget,

@@ -47,6 +47,9 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
                    help="after the steps, N more (training) steps with every kernel call "
                         "timed: forward/backward/optimizer time in the summary and report, "
                         "and phases-trace.json (Perfetto) in --report-dir")
+    c.add_argument("--phases-reference", action="store_true",
+                   help="with --phases: time torch.compile (compiled model + loss, eager "
+                        "optimizer) on a copy of the model in the same loop, phase by phase")
     c.add_argument("--profile", default=None, metavar="NAME",
                    help="cost-model device: host (default: this CPU, calibrated) or a "
                         f"built-in profile: {' | '.join(BUILTIN)} (generic-cpu: fixed "
@@ -370,7 +373,8 @@ def _compile(args: argparse.Namespace) -> int:
         if lead:
             print(f"step {i:4d}  loss {loss:.6f}", flush=True)
     if args.phases > 0:
-        prof = trainer.profile_phases(*batch_args, steps=args.phases, **batch_kwargs)
+        prof = trainer.profile_phases(*batch_args, steps=args.phases,
+                                      reference=args.phases_reference, **batch_kwargs)
         if args.report_dir and lead:
             print(f"report: {prof.write_trace(Path(args.report_dir) / 'phases-trace.json')}")
     if not lead:

@@ -82,11 +82,16 @@ class PhaseProfile:
     kernels: list[dict[str, Any]]  #: per call-site name: seconds, calls, phase split
     method: str
     trace: list[dict[str, Any]] = field(default_factory=list, repr=False)
+    #: torch.compile of the same model with the same optimizer class and hyperparameters,
+    #: timed in the same loop (interleaved): its compiled forward, `loss.backward()` and eager
+    #: `optimizer.step()`, plus "step" (None unless asked for)
+    reference: dict[str, float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"backend": self.backend, "steps": self.steps,
                 "step_seconds": self.step_seconds, "phases": self.phases,
-                "top_kernels": self.kernels[:15], "method": self.method}
+                "top_kernels": self.kernels[:15], "method": self.method,
+                "reference": self.reference}
 
     def top(self, phase: str, k: int = 5) -> list[dict[str, Any]]:
         """The `k` kernels that spend most of `phase`'s time."""
@@ -101,6 +106,10 @@ class PhaseProfile:
             share = t / self.step_seconds if self.step_seconds else 0.0
             lines.append(f"  {p:<10} {t * 1e3:9.2f} ms  {share:6.1%}")
         lines.append(f"  {'step':<10} {self.step_seconds * 1e3:9.2f} ms")
+        if self.reference:
+            ref = self.reference
+            lines.append("  torch.compile reference (same loop): " + ", ".join(
+                f"{p} {ref[p] * 1e3:.2f} ms" for p in (*PHASES, "step") if p in ref))
         return "\n".join(lines)
 
     def write_trace(self, path: str | Path) -> Path:
@@ -111,14 +120,19 @@ class PhaseProfile:
         return path
 
 
-def profile_phases(trainer: Any, *args: Any, steps: int = 3, **kwargs: Any) -> PhaseProfile:
+def profile_phases(trainer: Any, *args: Any, steps: int = 3, reference: bool = False,
+                   **kwargs: Any) -> PhaseProfile:
     """Run `steps` training steps of `trainer` on this batch with every kernel call timed;
     the per-phase profile of its compiled step (also stored on its compile record, so the
-    report shows it). These steps train as usual (the state advances)."""
+    report shows it). These steps train as usual (the state advances). `reference`: also
+    time torch.compile on a copy of the model (the user's model is not touched), one of its
+    steps after each of glmc's."""
     if steps < 1:
         raise ConfigError(f"profile_phases: steps={steps}; give at least 1")
-    trainer.step(*args, **kwargs)  # compiles (or finds) the entry for this batch's shapes
     entry = trainer.entry_for(*args, **kwargs)
+    if entry is None:  # not compiled for these shapes yet: one (untimed) step compiles it
+        trainer.step(*args, **kwargs)
+        entry = trainer.entry_for(*args, **kwargs)
     instrument = getattr(entry.step, "instrument", None) if entry is not None else None
     if instrument is None:
         backend = entry.step.backend if entry is not None else "pieces"
@@ -126,6 +140,7 @@ def profile_phases(trainer: Any, *args: Any, steps: int = 3, **kwargs: Any) -> P
                           "(inductor and eager can); run the per-phase profile on those")
     sites = instrument.sites()
     weights = _phase_weights(sites, instrument.phase_of, entry.record.node_seconds)
+    ref = TorchCompileReference(trainer, args, kwargs) if reference else None
     walls: list[float] = []
     per_step: list[list[KernelCall]] = []
     for _ in range(steps):
@@ -135,10 +150,58 @@ def profile_phases(trainer: Any, *args: Any, steps: int = 3, **kwargs: Any) -> P
             trainer.step(*args, **kwargs)
             walls.append(time.perf_counter() - t0)
         per_step.append(calls)
+        if ref is not None:
+            ref.step()
     profile = _summarize(entry.step.backend, sites, weights, walls, per_step,
                          instrument.method)
+    profile.reference = ref.phases() if ref is not None else None
     entry.record.phases = profile.to_dict()
     return profile
+
+
+class TorchCompileReference:
+    """`torch.compile(model + loss)` with an eager optimizer of the same class, groups and
+    hyperparameters, on a deep copy of the trainer's model (state of its own): the usual
+    torch.compile training loop, each phase timed (device-synchronised on CUDA)."""
+
+    def __init__(self, trainer: Any, args: tuple, kwargs: dict) -> None:
+        import copy
+
+        from glmc.capture import LossModule
+        model, opt = trainer.model, trainer.optimizer
+        self.model = copy.deepcopy(model)
+        by_id = {id(p): n for n, p in model.named_parameters()}
+        params = dict(self.model.named_parameters())
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": [params[by_id[id(p)]] for p in g["params"]]}
+                  for g in opt.param_groups]
+        self.optimizer = type(opt)(groups)
+        self.forward = torch.compile(LossModule(self.model, trainer.loss_fn))
+        self.args, self.kwargs = args, kwargs
+        self.sync = torch.cuda.synchronize if any(
+            p.is_cuda for p in self.model.parameters()) else (lambda: None)
+        self.times: list[tuple[float, float, float]] = []
+        for _ in range(2):  # compile, then one warm step
+            self.step()
+        self.times.clear()
+
+    def step(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        (loss,) = self.forward(*self.args, **dict(self.kwargs))
+        self.sync()
+        t1 = time.perf_counter()
+        loss.backward()
+        self.sync()
+        t2 = time.perf_counter()
+        self.optimizer.step()
+        self.sync()
+        self.times.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
+
+    def phases(self) -> dict[str, float]:
+        f, b, o = (statistics.median(x) for x in zip(*self.times))
+        return {"forward": f, "backward": b, "optimizer": o,
+                "step": statistics.median(sum(t) for t in self.times)}
 
 
 def phase_map(gm: fx.GraphModule) -> dict[str, str]:

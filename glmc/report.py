@@ -52,6 +52,8 @@ class CompileRecord:
     node_seconds: dict[str, float] = field(default_factory=dict, repr=False)
     #: the measured per-phase profile (glmc.phases.PhaseProfile.to_dict), when one was run
     phases: dict[str, Any] | None = None
+    #: the host memory policy in force (glmc.hostalloc), CPU steps
+    host_memory: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         steps = self.step_seconds[1:]  # the first call warms caches: never a measurement
@@ -66,7 +68,8 @@ class CompileRecord:
                "measured": dict(self.measured) if self.measured else None,
                "steps_run": len(self.step_seconds), "steps_timed": len(steps),
                "measured_step_seconds": statistics.median(steps) if steps else None,
-               "warnings": list(self.warnings), "phases": self.phases}
+               "warnings": list(self.warnings), "phases": self.phases,
+               "host_memory": self.host_memory}
         out["measured_peak_bytes"], out["measured_state_from"] = measured_peak(out)
         out["errors"] = _errors(out)
         for entry, ctx, record in zip(out["passes"], _section_contexts(out), self.history):
@@ -182,7 +185,9 @@ def summary(data: dict[str, Any]) -> str:
                      f"{c['nodes_final']}")
         lines += _pass_lines(c)
         lines += _prediction_lines(c)
-        lines += phase_lines(c.get("phases"))
+        lines += phase_lines(c.get("phases"), (c.get("phases") or {}).get("reference"))
+        if c.get("host_memory"):
+            lines.append(f"  host memory: {c['host_memory']}")
         if c["fallbacks"]:
             lines.append(f"  {len(c['fallbacks'])} op(s) fell back to eager:")
             lines += [f"    {f['op']} at {f['where']}" for f in c["fallbacks"]]
@@ -215,7 +220,7 @@ def phase_lines(phases: dict[str, Any] | None, reference: dict[str, float] | Non
              f"steps, kernel calls timed):"]
     for p in ("forward", "backward", "optimizer", "other"):
         t = phases["phases"].get(p, 0.0)
-        ref = f"   reference {ms(reference[p])}" if reference and p in reference else ""
+        ref = f"   torch.compile {ms(reference[p])}" if reference and p in reference else ""
         top = [k["kernel"] for k in phases.get("top_kernels", [])
                if k["phases"].get(p, 0) >= 0.5][:2]
         lines.append(f"    {p:<10} {ms(t):>10} {t / step if step else 0:6.1%}{ref}"

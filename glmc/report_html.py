@@ -256,16 +256,22 @@ def _phase_table(phases: dict[str, Any] | None) -> str:
     if not phases:
         return ""
     step = phases["step_seconds"] or 1.0
+    ref = phases.get("reference") or {}
+
+    def ref_cell(p: str) -> str:
+        return f"<td>{ref[p] * 1e3:.2f}</td>" if p in ref else "<td></td>"
     rows = "".join(f"<tr><td>{p}</td><td>{phases['phases'].get(p, 0) * 1e3:.2f}</td>"
-                   f"<td>{phases['phases'].get(p, 0) / step:.1%}</td></tr>"
+                   f"<td>{phases['phases'].get(p, 0) / step:.1%}</td>{ref_cell(p)}</tr>"
                    for p in ("forward", "backward", "optimizer", "other"))
+    rows += f"<tr><td>step</td><td>{step * 1e3:.2f}</td><td></td>{ref_cell('step')}</tr>"
     kernels = "".join(
         f"<tr><td><code>{_esc(k['kernel'][:90])}</code></td><td>{k['seconds'] * 1e3:.2f}</td>"
         f"<td>{k['calls']}</td><td>{_esc(', '.join(f'{p} {w:.0%}' for p, w in k['phases'].items()))}"
         "</td></tr>" for k in phases.get("top_kernels", [])[:10])
     return (f"<h3>Per-phase profile (measured)</h3><p>{_esc(phases['backend'])}, median of "
             f"{phases['steps']} steps of {step * 1e3:.2f} ms. {_esc(phases['method'])}.</p>"
-            "<table><tr><th>phase</th><th>ms</th><th>share</th></tr>" + rows + "</table>"
+            "<table><tr><th>phase</th><th>glmc ms</th><th>share</th>"
+            "<th>torch.compile ms</th></tr>" + rows + "</table>"
             "<table><tr><th>kernel</th><th>ms/step</th><th>calls</th><th>phases</th></tr>"
             + kernels + "</table>")
 

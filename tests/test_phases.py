@@ -73,3 +73,41 @@ def test_inductor_fused_update_in_place_and_profiled() -> None:
     _check_profile(prof)
     unattributed = [k for k in prof.kernels if k["kernel"] == "(not attributed)"]
     assert not unattributed, unattributed
+
+
+def test_profile_with_torch_compile_reference_leaves_the_model_alone() -> None:
+    """`reference=True` times torch.compile (model + loss) with the same optimizer on a copy of
+    the model, in the same loop; the user's model trains only through glmc's steps."""
+    (m, x, loss_fn, opt), (m2, _, _, opt2) = twin(_mlp_adamw)
+    trainer = glmc.optimize(m, x, loss_fn=loss_fn, optimizer=opt, backend="eager",
+                            measure=False, predict=False)
+    glmc_losses(trainer, x, 1)
+    prof = trainer.profile_phases(*x, steps=2, reference=True)
+    ref = prof.reference
+    assert set(ref) == {"forward", "backward", "optimizer", "step"}
+    assert all(v > 0 for v in ref.values()) and ref["step"] >= ref["backward"]
+    assert "torch.compile" in trainer.report.summary()
+    # three glmc steps in all (one + two profiled) = three eager steps: the copy did not leak
+    eager_losses(m2, x, loss_fn, opt2, 3)
+    assert_state_close(m, m2, opt, opt2)
+
+
+def test_cpu_steps_keep_freed_memory_without_page_faults() -> None:
+    """glmc.hostalloc on a CPU trainer: the report says the policy is in force, and a large
+    block freed and allocated again is not faulted in again (glibc only)."""
+    import platform
+    import resource
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        pytest.skip("the policy needs glibc")
+    (m, x, loss_fn, opt), _ = twin(CASES["mlp"].make)
+    trainer = glmc.optimize(m, x, loss_fn=loss_fn, optimizer=opt, backend="eager",
+                            measure=False, predict=False)
+    assert "keeps freed memory" in trainer.report.compiles[0].host_memory
+    assert "host memory" in trainer.report.summary()
+    faults = []
+    for _ in range(3):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        t = torch.ones(16 << 20)  # 64 MiB, every page written
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+        del t
+    assert faults[-1] < 1000 < faults[0] or faults[0] < 1000, faults  # 16384 pages if mmapped
