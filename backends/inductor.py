@@ -87,9 +87,10 @@ class InductorInstrument(Instrument):
               "phases (horizontal fusion) split by the cost model's predicted node times")
 
     def __init__(self, compiled: Any, gm: fx.GraphModule) -> None:
-        from glmc.phases import phase_map
+        from glmc.phases import phase_map, sync_for
         self.compiled = compiled
         self.phase_of = phase_map(gm)
+        self.sync = sync_for(gm)
         self._sites: list[CallSite] | None = None
 
     def sites(self) -> list[CallSite]:
@@ -109,7 +110,7 @@ class InductorInstrument(Instrument):
                                "(a cached or AOT artifact); the per-phase profile needs a "
                                "Python wrapper")
         cursor = [0]
-        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+        sync = self.sync
 
         def timed(name: str, fn: Callable) -> Callable:
             def call(*a: Any, **k: Any) -> Any:

@@ -39,8 +39,9 @@ from pathlib import Path
 import torch
 
 import glmc
-from glmc.capture import LossModule, split_batch
+from glmc.capture import split_batch
 from glmc.memory import measure_peak
+from glmc.phases import TorchLoop
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1024 * 1024
@@ -115,23 +116,10 @@ class _Contender:
                                          retain_memory=RETAIN_MEMORY)
             self.fn = lambda a, k: self.trainer.step(*a, **k)
         else:
-            wrapper = LossModule(model, loss_fn)
-            fwd = torch.compile(wrapper) if name.startswith("torch.compile") else wrapper
-            update = torch.compile(optimizer.step) if name == "torch.compile+opt" \
-                else optimizer.step
-            self.phase_times: list[tuple[float, float, float]] = []
-
-            def step(a, k):
-                optimizer.zero_grad(set_to_none=True)
-                t0 = time.perf_counter()
-                (loss,) = fwd(*a, **k)
-                t1 = time.perf_counter()
-                loss.backward()
-                t2 = time.perf_counter()
-                update()
-                self.phase_times.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
-                return loss.detach()
-            self.fn = step
+            self.loop = TorchLoop(model, optimizer, loss_fn,
+                                  compile_forward=name.startswith("torch.compile"),
+                                  compile_update=name == "torch.compile+opt")
+            self.fn = self.loop.step
 
     def phases(self, args: tuple, kwargs: dict, steps: int) -> dict[str, float]:
         """Forward, backward and optimizer seconds (medians) of `steps` more steps."""
@@ -141,11 +129,10 @@ class _Contender:
                                  "calls": k["calls"], "phases": k["phases"]}
                                 for k in prof.kernels[:8]]
             return dict(prof.phases)
-        self.phase_times.clear()
+        self.loop.times.clear()
         for _ in range(steps):
             self.fn(args, kwargs)
-        f, b, o = (statistics.median(x) for x in zip(*self.phase_times))
-        return {"forward": f, "backward": b, "optimizer": o}
+        return {p: t for p, t in self.loop.phases().items() if p != "step"}
 
     def state_bytes(self, batch: list[torch.Tensor]) -> int:
         """Bytes of distinct storages live between steps: weights, buffers, grads, optimizer

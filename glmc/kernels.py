@@ -464,23 +464,24 @@ def _in_place_uses(node: "torch.fx.Node") -> "list[torch.fx.Node] | None":
     """The getitems and write-back copies of `node`'s outputs if every new parameter and state
     tensor is copied into exactly the input it was computed from (and nothing else reads it);
     None otherwise."""
-    mutated = {0: 0, 2: 2, 3: 3, 4: 4}  # output list -> input list it replaces
     dead: list[torch.fx.Node] = []
-    for lst in node.users:
-        if lst.target is not operator.getitem or lst.args[1] not in mutated and lst.args[1] != 1:
+    for lst in node.users:  # output list i is the new value of input list i
+        if lst.target is not operator.getitem or lst.args[1] not in range(5):
             return None
         dead.append(lst)
         for item in lst.users:
             if item.target is not operator.getitem:
                 return None
             dead.append(item)
-            if lst.args[1] == 1 and not item.users:
-                continue  # the grads' new values (unused)
-            src = node.args[mutated.get(lst.args[1], -1)] if lst.args[1] in mutated else None
             users = list(item.users)
-            if src is None or len(users) != 1 or users[0].target is not \
-                    torch.ops.aten.copy_.default or users[0].args[0] is not src[item.args[1]] \
-                    or users[0].args[1] is not item or src[item.args[1]].op != "placeholder":
+            if lst.args[1] == 1:  # the grads' new values: must be unused
+                if users:
+                    return None
+                continue
+            src = node.args[lst.args[1]][item.args[1]]
+            if len(users) != 1 or users[0].target is not torch.ops.aten.copy_.default or \
+                    users[0].args[0] is not src or users[0].args[1] is not item or \
+                    src.op != "placeholder":
                 return None
             dead.append(users[0])
     return [*dead, node]

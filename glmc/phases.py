@@ -140,7 +140,11 @@ def profile_phases(trainer: Any, *args: Any, steps: int = 3, reference: bool = F
                           "(inductor and eager can); run the per-phase profile on those")
     sites = instrument.sites()
     weights = _phase_weights(sites, instrument.phase_of, entry.record.node_seconds)
-    ref = TorchCompileReference(trainer, args, kwargs) if reference else None
+    ref = TorchLoop.copy_of(trainer) if reference else None
+    if ref is not None:
+        for _ in range(2):  # compile, then one warm step
+            ref.step(args, kwargs)
+        ref.times.clear()
     walls: list[float] = []
     per_step: list[list[KernelCall]] = []
     for _ in range(steps):
@@ -151,7 +155,7 @@ def profile_phases(trainer: Any, *args: Any, steps: int = 3, reference: bool = F
             walls.append(time.perf_counter() - t0)
         per_step.append(calls)
         if ref is not None:
-            ref.step()
+            ref.step(args, kwargs)
     profile = _summarize(entry.step.backend, sites, weights, walls, per_step,
                          instrument.method)
     profile.reference = ref.phases() if ref is not None else None
@@ -159,46 +163,53 @@ def profile_phases(trainer: Any, *args: Any, steps: int = 3, reference: bool = F
     return profile
 
 
-class TorchCompileReference:
-    """`torch.compile(model + loss)` with an eager optimizer of the same class, groups and
-    hyperparameters, on a deep copy of the trainer's model (state of its own): the usual
-    torch.compile training loop, each phase timed (device-synchronised on CUDA)."""
+class TorchLoop:
+    """The usual PyTorch training loop on `model` — `torch.compile(model + loss)` (or eager
+    with `compile_forward=False`), `loss.backward()`, `optimizer.step()` (compiled with
+    `compile_update`) — each phase timed, device-synchronised on CUDA. The per-phase profile's
+    torch.compile reference and the step benchmark's torch contenders."""
 
-    def __init__(self, trainer: Any, args: tuple, kwargs: dict) -> None:
-        import copy
-
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any,
+                 compile_forward: bool = True, compile_update: bool = False) -> None:
         from glmc.capture import LossModule
+        self.model, self.optimizer = model, optimizer
+        wrapper = LossModule(model, loss_fn)
+        self.forward = torch.compile(wrapper) if compile_forward else wrapper
+        self.update = torch.compile(optimizer.step) if compile_update else optimizer.step
+        self.sync = torch.cuda.synchronize if any(
+            p.is_cuda for p in model.parameters()) else (lambda: None)
+        self.times: list[tuple[float, float, float]] = []
+
+    @classmethod
+    def copy_of(cls, trainer: Any) -> "TorchLoop":
+        """torch.compile on a deep copy of the trainer's model, with an optimizer of the same
+        class, groups and hyperparameters (state of its own)."""
+        import copy
         model, opt = trainer.model, trainer.optimizer
-        self.model = copy.deepcopy(model)
+        twin = copy.deepcopy(model)
         by_id = {id(p): n for n, p in model.named_parameters()}
-        params = dict(self.model.named_parameters())
+        params = dict(twin.named_parameters())
         groups = [{**{k: v for k, v in g.items() if k != "params"},
                    "params": [params[by_id[id(p)]] for p in g["params"]]}
                   for g in opt.param_groups]
-        self.optimizer = type(opt)(groups)
-        self.forward = torch.compile(LossModule(self.model, trainer.loss_fn))
-        self.args, self.kwargs = args, kwargs
-        self.sync = torch.cuda.synchronize if any(
-            p.is_cuda for p in self.model.parameters()) else (lambda: None)
-        self.times: list[tuple[float, float, float]] = []
-        for _ in range(2):  # compile, then one warm step
-            self.step()
-        self.times.clear()
+        return cls(twin, type(opt)(groups), trainer.loss_fn)
 
-    def step(self) -> None:
+    def step(self, args: tuple, kwargs: dict) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
-        (loss,) = self.forward(*self.args, **dict(self.kwargs))
+        (loss,) = self.forward(*args, **dict(kwargs))
         self.sync()
         t1 = time.perf_counter()
         loss.backward()
         self.sync()
         t2 = time.perf_counter()
-        self.optimizer.step()
+        self.update()
         self.sync()
         self.times.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
+        return loss.detach()
 
     def phases(self) -> dict[str, float]:
+        """Medians of the steps timed since `times` was last cleared, and of their sum."""
         f, b, o = (statistics.median(x) for x in zip(*self.times))
         return {"forward": f, "backward": b, "optimizer": o,
                 "step": statistics.median(sum(t) for t in self.times)}
@@ -286,7 +297,7 @@ class InterpreterInstrument(Instrument):
     @contextmanager
     def hooked(self, calls: list[KernelCall]) -> Iterator[None]:
         index = {n: i for i, n in enumerate(self.nodes)}
-        sync = _sync_for(self.gm)
+        sync = sync_for(self.gm)
 
         class Timed(fx.Interpreter):
             def run_node(self, n: fx.Node) -> Any:
@@ -306,7 +317,8 @@ class InterpreterInstrument(Instrument):
             self.holder["run"] = plain
 
 
-def _sync_for(gm: fx.GraphModule) -> Callable[[], None]:
+def sync_for(gm: fx.GraphModule) -> Callable[[], None]:
+    """What waits for a step's kernels: a CUDA sync for a step on CUDA, nothing on CPU."""
     cuda = any(isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].is_cuda
                for n in gm.graph.nodes if n.op == "placeholder")
     return torch.cuda.synchronize if cuda else (lambda: None)

@@ -85,8 +85,9 @@ class FusionPass(Pass):
     #: with `patterns=auto`: include attention (the default pipeline turns it off under
     #: bf16/fp16 on a CPU, where ATen's flash attention measured slower). None (auto): on a
     #: backend that fuses, each attention shape is timed both ways (`AttentionTimer`) and
-    #: fused only where SDPA is faster (GLM 18M, 4 x 256 tokens, 2 CPU cores: Inductor's
-    #: bmm + softmax step 618 ms, with SDPA 639 ms); elsewhere always
+    #: fused only where SDPA is faster; elsewhere always. (Whole steps on 2 CPU cores did not
+    #: settle which is faster: GLM 18M 618 ms unfused vs 639 ms SDPA in one run, Llama 2x384
+    #: 1.011 vs 1.019 of torch.compile in another — within this machine's noise.)
     attention: bool | None = None
     #: the `optimizer` pattern's form: `foreach` (bit-identical multi-tensor ops), `fused`
     #: (ATen's fused Adam/AdamW kernels, run in place by Inductor: GLM 18M, 4 layers, its update
@@ -188,8 +189,8 @@ def _shape(n: Any) -> tuple | None:
 
 def fuse_attention(program: ForwardProgram, regions: list,
                    choose: Callable[..., str | None] | None = None) -> int:
-    """`choose(q, k, v, mask, causal, gqa)`: None to fuse a matched region, or the reason
-    (recorded as a region kept unfused) not to."""
+    """`choose(q, k, v, mask, causal, gqa)` (mask: None or ("not" | "add", node)): None to
+    fuse a matched region, or the reason (recorded as a region kept unfused) not to."""
     g = program.graph
     fused = 0
     for sm in [n for n in g.nodes if op_name(n) == "_softmax"]:
@@ -199,14 +200,13 @@ def fuse_attention(program: ForwardProgram, regions: list,
         q, k, v, mask, causal, scale, gqa, out, nodes = m
         reason = choose(q, k, v, mask, causal, gqa) if choose is not None else None
         if reason is not None:
-            if isinstance(mask, fx.Node) and not mask.users and \
-                    op_name(mask) == "logical_not":
-                g.erase_node(mask)  # made by _match_attention for the fused op
             regions.append({"pattern": "attention", "op": f"kept unfused: {reason}",
                             "source": _where(sm), "kept": True,
                             "module": getattr(sm.meta.get("glmc"), "module", None),
                             "nodes": []})
             continue
+        if mask is not None:
+            mask = _mask_node(mask, out)
         with g.inserting_before(out):
             o = g.call_function(aten.scaled_dot_product_attention.default, (q, k, v),
                                 {"attn_mask": mask, "dropout_p": 0.0, "is_causal": causal,
@@ -286,8 +286,6 @@ def _match_attention(sm: fx.Node) -> tuple | None:
     gqa = rk > 1 and rk == rv
     if gqa:
         k, v = k2, v2
-    if mask is not None:
-        mask = _mask_node(mask, out)
     return q, k, v, mask, causal, scale, gqa, out, nodes
 
 
@@ -303,9 +301,7 @@ class AttentionTimer:
     def __call__(self, q: fx.Node, k: fx.Node, v: fx.Node, mask: Any, causal: bool,
                  gqa: bool) -> str | None:
         vals = [n.meta["val"] for n in (q, k, v)]
-        m = None
-        if isinstance(mask, fx.Node):  # a logical_not made for the fused op has no value yet
-            m = mask.meta.get("val", mask.args[0].meta.get("val") if mask.args else None)
+        m = mask[1].meta.get("val") if mask is not None else None  # ("not" | "add", node)
         key = (*(tuple(t.shape) for t in vals), vals[0].dtype, str(vals[0].device),
                None if m is None else (tuple(m.shape), m.dtype), causal, gqa)
         if key not in self.seen:

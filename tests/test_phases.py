@@ -16,7 +16,7 @@ def _mlp_adamw():
     return model, x, loss_fn, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
-def _check_profile(prof, step_floor: float = 0.0) -> None:
+def _check_profile(prof) -> None:
     assert prof.steps == 2
     for phase in ("forward", "backward", "optimizer"):
         assert prof.phases[phase] > 0, (phase, prof.phases)
@@ -110,4 +110,4 @@ def test_cpu_steps_keep_freed_memory_without_page_faults() -> None:
         t = torch.ones(16 << 20)  # 64 MiB, every page written
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
         del t
-    assert faults[-1] < 1000 < faults[0] or faults[0] < 1000, faults  # 16384 pages if mmapped
+    assert faults[-1] < 1000, faults  # 16384 pages when each block is a fresh mmap
