@@ -39,6 +39,11 @@ class CompiledStep:
     compile_seconds: float = 0.0
     #: per-kernel timing hooks of this step (glmc.phases.Instrument), where the backend has them
     instrument: Any = None
+    #: a functional step whose state outputs are memory the caller may keep: none aliases an
+    #: input of the call or an output it returned before and still holds. The runtime then
+    #: points the user's tensors at the outputs (`t.data = out`) instead of copying them back,
+    #: and state stays where the backend wrote it (ONNX Runtime's bound buffers, TVM's arrays)
+    adopt: bool = False
 
     def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         return self.fn(inputs)
@@ -106,7 +111,8 @@ class Backend(abc.ABC):
                                f"{type(e).__name__}: {text}; try backend='eager' or report "
                                "it with the step (glmc.save_graph)") from e
         return CompiledStep(fn, self.name, inplace, fallbacks + self.notes(),
-                            time.perf_counter() - start, getattr(fn, "instrument", None))
+                            time.perf_counter() - start, getattr(fn, "instrument", None),
+                            adopt=not inplace and getattr(fn, "adopt", False))
 
     def _unsupported_error(self, offenses: list[Offense], cause: Exception | None
                            ) -> UnsupportedOpError:

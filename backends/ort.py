@@ -8,8 +8,10 @@ backward decomposed to plain ATen first), executed by ONNX Runtime's kernels; fp
 state match eager to ~1e-6 relative (tests/test_ort.py). Nothing is copied through Python:
 inputs are bound by pointer (`bind_input(..., buffer_ptr=tensor.data_ptr())`, zero-copy) and
 ONNX Runtime writes new parameters and optimizer state straight into buffers this backend
-owns (bound once), which the runtime copies into the user's tensors (`_write_back`, one
-memcpy per state tensor in torch). The loss is a fresh tensor each step.
+owns (two sets taking turns, each bound once), and the runtime points the user's tensors at
+them (`CompiledStep.adopt`): the state stays resident where ONNX Runtime wrote it, nothing is
+copied per step, and the user's module and optimizer always hold the current values (their
+`state_dict()` and checkpoints need no sync). The loss is a fresh tensor each step.
 
 Not guaranteed / by design:
 * No per-op fallback: an op that does not lower to ONNX is a typed `ExportError` at compile
@@ -21,8 +23,10 @@ Not guaranteed / by design:
   runs in fp32 (inputs cast up, result cast back to bf16) and is listed in the report.
 * CUDA (`CUDAExecutionProvider` with tensors on a GPU): the code path binds device pointers;
   it is untested here (no onnxruntime-gpu build on the test machine) — partial.
-* New state lives in this backend's buffers between the run and the write-back: state
-  outputs returned by one call are overwritten by the next (the runtime copies them at once).
+* State outputs returned by one call are overwritten by the call after next: whoever calls
+  the step keeps them by adopting them (the runtime does) or copies them before then. A
+  reference the user took to a parameter's storage before a step (`w = p.detach()`) holds
+  old values after it; the Parameter object itself is always current.
 """
 from __future__ import annotations
 
@@ -40,7 +44,7 @@ from glmc.ir import RANDOM_OPS, OutputKind, TrainGraph, op_name
 from glmc.onnx_lowering import lower_to_reshapes
 from glmc.target import BackendTraits
 
-#: outputs the runtime copies into the user's tensors right after the call (reusable buffers)
+#: outputs written into this backend's buffer sets (the runtime adopts them)
 _STATE = (OutputKind.PARAM, OutputKind.BUFFER, OutputKind.STATE)
 #: the exporter's default (20) has ops onnxruntime 1.19's CPU EP lacks (ReduceMax-20)
 _OPSET = 18
@@ -163,50 +167,84 @@ def _session(model: Any, providers: list[str]) -> tuple[Any, list[str]]:
 # ---- running a step ---------------------------------------------------------------------------
 
 class _Runner:
-    """Runs the session with IO binding. Inputs are bound by pointer and rebound only when a
-    tensor's address, dtype or shape changed (parameters and optimizer state keep theirs, so
-    a steady step rebinds only the batch). State outputs go to buffers bound once."""
+    """Runs the session with IO binding, state resident in buffers this runner owns.
+
+    Two buffer sets take turns: a call reads the state from one (the user's tensors point at
+    it, see `CompiledStep.adopt`) and writes the new state into the other, which the runtime
+    then adopts — no copy of the weights or optimizer state per step. Each set has its own
+    IOBinding, so in a steady loop nothing is rebound but the batch (and the loss, a fresh
+    tensor the caller may keep). A set that overlaps the call's inputs (e.g. a caller that did
+    not adopt the last outputs) is skipped, so outputs never alias inputs."""
+
+    adopt = True
 
     def __init__(self, session: Any, graph: TrainGraph, device: torch.device) -> None:
         self.session = session
-        self.binding = session.io_binding()
         self.device = device
         self.in_names = [i.name for i in session.get_inputs()]
         self.out_names = [o.name for o in session.get_outputs()]
         out_vals = [a.meta["val"] for a in _output_args(graph)]
         self.out_specs = [(tuple(v.shape), v.dtype) for v in out_vals]
-        self.bound: list[tuple | None] = [None] * len(self.in_names)
-        self.keep: list[torch.Tensor | None] = [None] * len(self.in_names)
-        self.buffers: list[torch.Tensor | None] = []
-        for name, spec, (shape, dtype) in zip(self.out_names, graph.outputs, self.out_specs):
-            if spec.kind in _STATE:
-                buf = torch.empty(shape, dtype=dtype, device=device)
-                self._bind(self.binding.bind_output, name, buf)
-                self.buffers.append(buf)
-            else:
-                self.buffers.append(None)
+        self.state = [spec.kind in _STATE for spec in graph.outputs]
+        self.bindings = [session.io_binding(), session.io_binding()]
+        self.bound: list[list[tuple | None]] = [[None] * len(self.in_names) for _ in range(2)]
+        self.sets: list[list[torch.Tensor | None] | None] = [None, None]
+        self.turn = 0
 
     def _bind(self, bind: Any, name: str, t: torch.Tensor) -> None:
         kind = "cuda" if t.device.type == "cuda" else "cpu"
         bind(name, kind, t.device.index or 0, _numpy_dtype(t.dtype), list(t.shape),
              t.data_ptr())
 
+    def _output_set(self, j: int) -> list[torch.Tensor | None]:
+        """Fresh state buffers for binding `j`, bound as its outputs."""
+        bufs: list[torch.Tensor | None] = []
+        for name, state, (shape, dtype) in zip(self.out_names, self.state, self.out_specs):
+            if state:
+                buf = torch.empty(shape, dtype=dtype, device=self.device)
+                self._bind(self.bindings[j].bind_output, name, buf)
+                bufs.append(buf)
+            else:
+                bufs.append(None)
+        self.sets[j] = bufs
+        return bufs
+
+    def _choose(self, read: set[int]) -> int:
+        """The buffer set this call writes: one that no input lives in, this turn's first."""
+        order = (self.turn, 1 - self.turn)
+        for j in order:
+            bufs = self.sets[j]
+            if bufs is not None and not any(b is not None and b.numel() and b.data_ptr() in read
+                                            for b in bufs):
+                return j
+        j = next((j for j in order if self.sets[j] is None), self.turn)
+        self._output_set(j)  # both sets being read happens only to a caller that kept neither
+        return j
+
     def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        held = []  # copies made for this call: alive until the run returns
+        read = set()
+        for t in inputs:
+            if t.numel():
+                read.add(t.data_ptr())
+        j = self._choose(read)
+        binding, bound = self.bindings[j], self.bound[j]
         for i, (name, t) in enumerate(zip(self.in_names, inputs)):
             if not t.is_contiguous() or t.device != self.device:
                 t = t.to(self.device).contiguous()  # a copy this step only
+                held.append(t)
             key = (t.data_ptr(), t.dtype, tuple(t.shape))
-            if key != self.bound[i]:
-                self._bind(self.binding.bind_input, name, t)
-                self.bound[i] = key
-            self.keep[i] = t  # alive until the next call: ONNX Runtime reads its memory
+            if key != bound[i]:
+                self._bind(binding.bind_input, name, t)
+                bound[i] = key
         outs = []
-        for name, buf, (shape, dtype) in zip(self.out_names, self.buffers, self.out_specs):
+        for name, buf, (shape, dtype) in zip(self.out_names, self.sets[j], self.out_specs):
             if buf is None:  # the loss: a fresh tensor, the caller may keep it
                 buf = torch.empty(shape, dtype=dtype, device=self.device)
-                self._bind(self.binding.bind_output, name, buf)
+                self._bind(binding.bind_output, name, buf)
             outs.append(buf)
-        self.session.run_with_iobinding(self.binding)
+        self.session.run_with_iobinding(binding)
+        self.turn = 1 - j
         return outs
 
 

@@ -10,8 +10,9 @@ and `convolution_backward` decomposed to plain ATen first, as for ONNX Runtime),
 TVM's default Relax pipeline for the target (legalize to TIR, operator fusion, FuseTIR; on
 CUDA DLight schedules); fp32 losses and state match eager to rtol 1e-4 (tests/test_tvm.py).
 Inputs are handed to TVM by DLPack (zero-copy; a non-contiguous tensor is copied for this
-call); outputs come back by DLPack too (TVM allocates them each call, the runtime copies new
-state into the user's tensors).
+call); outputs come back by DLPack too (TVM allocates them each call). The runtime points the
+user's tensors at the new state (`CompiledStep.adopt`): state stays resident in TVM's arrays
+between steps, nothing is copied, and the user's module always holds the current values.
 
 Training semantics: TVM's PyTorch frontend is written for inference. Its converters for ops
 with saved statistics or indices (`native_layer_norm`, `native_group_norm`, training batch
@@ -279,7 +280,11 @@ def _dropout_off(node: fx.Node) -> bool:
 
 class _Runner:
     """Calls the VM's `main` on the inputs (DLPack, zero-copy) and returns its outputs as torch
-    tensors (DLPack, TVM's memory kept alive by the tensors)."""
+    tensors (DLPack, TVM's memory kept alive by the tensors). Every call's outputs are arrays
+    the VM allocates anew (an unchanged state output is its input array), so the runtime adopts
+    them (`CompiledStep.adopt`): the state stays in TVM's arrays between steps, no copy."""
+
+    adopt = True
 
     def __init__(self, vm: Any) -> None:
         self.vm = vm

@@ -48,6 +48,9 @@ class _Entry:
     micro: CompiledStep | None = None  #: a micro-batch's step under gradient accumulation
     micro_graph: TrainGraph | None = None  #: its program (glmc.parallel.micro_program)
     writeback: list[tuple[int, int]] = field(default_factory=list)  #: (output, input) pairs
+    #: the step's state outputs are taken over, not copied (CompiledStep.adopt): input index ->
+    #: the nn.Parameter behind a parameter input (its detached alias is what the step reads)
+    owners: dict[int, torch.Tensor] | None = None
     calls: int = 0
     retried: bool = False  #: compiled again because a pass asked after measurement
 
@@ -153,7 +156,9 @@ class Trainer:
             if self._device == "cuda":
                 torch.cuda.synchronize()
             entry.record.step_seconds.append(time.perf_counter() - t0)
-        if not entry.step.inplace:
+        if entry.owners is not None:
+            _adopt(entry.writeback, inputs, outs, entry.owners)
+        elif not entry.step.inplace:
             _write_back(entry.writeback, inputs, outs)
         if measured:
             self._check_prediction(entry.record)
@@ -337,8 +342,14 @@ class Trainer:
         if self.parallel is not None and graph.meta["sharding"].accumulators:
             micro_graph = self.parallel.micro_program(runnable)
             micro = self._backend.compile(micro_graph, strict=self.options.strict)
+        owners = None
+        if compiled.adopt and self.parallel is None:  # glmc.parallel's state is views of a store
+            params = dict(self.model.named_parameters(remove_duplicate=False))
+            owners = {i: params[s.target] for i, s in enumerate(graph.inputs)
+                      if s.role is Role.PARAMETER}
         return _Entry(graph, compiled, getters, record, list(pipeline),
-                      writeback=writeback_pairs(graph), micro=micro, micro_graph=micro_graph)
+                      writeback=writeback_pairs(graph), owners=owners, micro=micro,
+                      micro_graph=micro_graph)
 
     def _pieces_entry(self, batch: Batch, error: GraphBreakError, seconds: float) -> _Entry:
         """The model breaks into several graphs: compile the pieces (glmc.pieces), say so in
@@ -527,6 +538,29 @@ def _write_back(pairs: list[tuple[int, int]], inputs: list[torch.Tensor],
         for k, i in pairs:
             if inputs[i] is not outputs[k]:
                 inputs[i].copy_(outputs[k])
+
+
+def _adopt(pairs: list[tuple[int, int]], inputs: list[torch.Tensor],
+           outputs: list[torch.Tensor], owners: dict[int, torch.Tensor]) -> None:
+    """Point the tensors a step read its state from at the new state it returned (no copy):
+    the optimizer-state, buffer and scaler tensors themselves, and for a parameter both the
+    alias the step reads and the nn.Parameter. Identities stay (the optimizer's state dict,
+    tied modules and user references to the module's tensors see the new values); storage
+    taken before the step (e.g. `w = p.detach()`) keeps the old values, as after
+    `load_state_dict(assign=True)`. An output returned twice is copied for its second owner."""
+    seen: set[int] = set()
+    with torch.no_grad():
+        for k, i in pairs:
+            new = outputs[k]
+            if new is inputs[i] or new.data_ptr() == inputs[i].data_ptr():
+                continue
+            if new.numel() and new.data_ptr() in seen:
+                new = new.clone()
+            seen.add(new.data_ptr())
+            inputs[i].data = new
+            owner = owners.get(i)
+            if owner is not None:
+                owner.data = new
 
 
 _leaves = batch_leaves

@@ -299,6 +299,38 @@ def test_recompute_asks_for_a_rerun_when_measured_over_budget() -> None:
     assert late.rerun is None and "after one retry" in late.note
 
 
+def test_a_functional_backend_whose_state_outputs_are_adopted(monkeypatch) -> None:
+    """A functional backend that hands over its state outputs (CompiledStep.adopt): the
+    runtime points the user's tensors at them instead of copying — same objects, new memory,
+    the same training as eager."""
+    from glmc.backends.eager import EagerBackend
+    from glmc.target import BackendTraits
+    from tests.models import assert_state_close, eager_losses
+
+    compile_ = EagerBackend._compile
+
+    def adopting(self, gm, graph):
+        fn = compile_(self, gm, graph)
+        step = lambda inputs: fn(inputs)  # noqa: E731
+        step.adopt = True
+        return step
+
+    monkeypatch.setattr(EagerBackend, "traits", lambda self: BackendTraits("eager", inplace=False))
+    monkeypatch.setattr(EagerBackend, "_compile", adopting)
+    (m, x, loss_fn, opt), (m2, x2, loss_fn2, opt2) = twin(CASES["cnn"].make)
+    params = list(m.parameters())
+    trainer = glmc.optimize(m, x, loss_fn=loss_fn, optimizer=opt, backend="eager")
+    assert next(iter(trainer._cache.values())).step.adopt
+    before = [p.data_ptr() for p in params]
+    got = glmc_losses(trainer, x, 3)
+    assert list(m.parameters()) == params and all(
+        p.data_ptr() != b for p, b in zip(params, before))  # adopted, not copied into
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(eager_losses(m2, x2, loss_fn2,
+                                                                            opt2, 3)),
+                               rtol=1e-4, atol=1e-5)
+    assert_state_close(m, m2, opt, opt2)  # parameters, BatchNorm buffers, Adam state
+
+
 def test_a_functional_backend_trains_through_the_runtime_write_back(monkeypatch) -> None:
     """A backend that cannot update state in place gets the functional step (inputs ->
     outputs) and the runtime writes the new state back: the same training as in place."""
