@@ -123,6 +123,20 @@ def _parallel_args(c: argparse.ArgumentParser) -> None:
                    help="powersgd: rank of the approximation (default 4)")
     c.add_argument("--compress-ratio", type=float, default=None, metavar="F",
                    help="topk: fraction of the gradient sent (default 0.01)")
+    c.add_argument("--compress-warmup", type=_positive, default=None, metavar="N",
+                   help="send the first N steps' gradients uncompressed (PowerSGD's "
+                        "start_powerSGD_iter)")
+    c.add_argument("--nodes", type=_positive, default=None, metavar="K",
+                   help="the ranks run on K nodes, numbered node by node (a K x ranks-per-node "
+                        "mesh; default: torchrun's LOCAL_WORLD_SIZE, else one node)")
+    c.add_argument("--hierarchical", default=None, choices=("auto", "on", "off"),
+                   help="on several nodes, all-reduce gradients inside each node, across "
+                        "nodes, inside again; auto (default): where predicted faster")
+    c.add_argument("--intra-link", default=None, metavar="LINK",
+                   help="link profile inside a node for that prediction: a name (nvlink4, "
+                        "infiniband-ndr, roce-200g, ethernet-25g) or ALPHAus:BETAGBps[:CALLus]")
+    c.add_argument("--inter-link", default=None, metavar="LINK",
+                   help="link profile between nodes (default infiniband-ndr)")
 
 
 def _pipeline_args(c: argparse.ArgumentParser, precisions: tuple[str, ...]) -> None:
@@ -246,6 +260,20 @@ def _usage_problems(args: argparse.Namespace) -> list[str]:
         if (args.compress or args.compress_rank or args.compress_ratio) and not parallel:
             problems.append("--compress needs --nproc or --zero (it compresses the gradient "
                             "traffic between ranks)")
+        if args.compress_warmup is not None and not args.compress:
+            problems.append("--compress-warmup needs --compress METHOD")
+        topology = (args.nodes, args.hierarchical, args.intra_link, args.inter_link)
+        if any(v is not None for v in topology) and not parallel:
+            problems.append("--nodes / --hierarchical / --intra-link / --inter-link need --nproc"
+                            " or --zero (they shape the gradient all-reduce between ranks)")
+        if args.nproc is not None and args.nodes is not None and args.nproc % args.nodes:
+            problems.append(f"--nodes {args.nodes} does not divide --nproc {args.nproc}")
+        if args.hierarchical == "on" and (args.compress or (args.zero or 0) >= 2):
+            problems.append("--hierarchical on needs --zero 0 or 1 and no --compress")
+        for flag, link in (("--intra-link", args.intra_link), ("--inter-link", args.inter_link)):
+            if link is not None:
+                from glmc.comm import get_link
+                check(f"{flag}: ", lambda link=link: get_link(link))
         if args.compress in ("sign", "topk", "powersgd") and (args.zero or 0) >= 2:
             problems.append(f"--compress {args.compress} needs --zero 0 or 1 (stages 2-3 "
                             "reduce-scatter the gradients); use bf16/fp16 there")
@@ -329,6 +357,11 @@ def _parallel(args: argparse.Namespace) -> dict | None:
             out["compress"]["rank"] = args.compress_rank
         if args.compress_ratio is not None:
             out["compress"]["ratio"] = args.compress_ratio
+        if args.compress_warmup is not None:
+            out["compress"]["warmup_steps"] = args.compress_warmup
+    for key in ("nodes", "hierarchical", "intra_link", "inter_link"):
+        if getattr(args, key) is not None:
+            out[key] = getattr(args, key)
     return out
 
 

@@ -36,10 +36,14 @@ class LinkProfile:
     latency_s: float
     bandwidth: float
     source: str
+    #: fixed cost of issuing one collective (a kernel launch, a gloo call), paid once per
+    #: collective whatever its ring steps: what makes one collective cheaper than three
+    call_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "latency_us": self.latency_s * 1e6,
-                "bandwidth_GBps": self.bandwidth / 1e9, "source": self.source}
+                "bandwidth_GBps": self.bandwidth / 1e9, "call_us": self.call_s * 1e6,
+                "source": self.source}
 
 
 #: per-direction figures from the vendors' datasheets (bus bandwidth a ring can use)
@@ -66,16 +70,31 @@ def collective_seconds(kind: str, nbytes: int, ranks: int, link: LinkProfile) ->
     if ranks <= 1:
         return 0.0
     steps, share = _FACTORS[kind]
-    return steps(ranks) * link.latency_s + share(ranks) * nbytes / link.bandwidth
+    return link.call_s + steps(ranks) * link.latency_s + share(ranks) * nbytes / link.bandwidth
 
 
 def get_link(spec: Any) -> LinkProfile:
+    """A link profile: a LinkProfile, a name from LINKS, or figures spelled
+    "ALPHAus:BETAGBps[:CALLus]" (latency per ring step, bandwidth, cost of one collective
+    call; e.g. "200us:0.05GBps" for a slow simulated inter-node link)."""
     if isinstance(spec, LinkProfile):
         return spec
     if spec in LINKS:
         return LINKS[spec]
-    raise ConfigError(f"link: unknown link profile {spec!r}; known: {', '.join(LINKS)}, or one "
-                      "measured by glmc.comm.measure_link")
+    parts = str(spec).split(":")
+    try:
+        if len(parts) in (2, 3) and parts[0].endswith("us") and parts[1].endswith("GBps"):
+            latency, bandwidth = float(parts[0][:-2]) * 1e-6, float(parts[1][:-4]) * 1e9
+            call = float(parts[2][:-2]) * 1e-6 if len(parts) == 3 and \
+                parts[2].endswith("us") else None
+            if bandwidth > 0 and latency >= 0 and (len(parts) == 2 or (call or 0) >= 0):
+                return LinkProfile(str(spec), latency, bandwidth, "given figures",
+                                   call if call is not None else 0.0)
+    except ValueError:
+        pass
+    raise ConfigError(f"link: unknown link profile {spec!r}; known: {', '.join(LINKS)}, or "
+                      "figures spelled ALPHAus:BETAGBps[:CALLus] (e.g. 200us:0.05GBps:50us), "
+                      "or one measured by glmc.comm.measure_link")
 
 
 @dataclass
@@ -113,9 +132,12 @@ def _full_bytes(n: fx.Node, kind: str) -> int:
 
 
 def estimate_comm(graph: fx.Graph, node_seconds: dict[str, float], ranks: int,
-                  link: LinkProfile) -> CommEstimate:
+                  link: LinkProfile, groups: dict[str, tuple[int, LinkProfile]] | None = None
+                  ) -> CommEstimate:
     """Replay the step (see the module docstring); `node_seconds`: predicted compute time of
-    each node by name (glmc.cost)."""
+    each node by name (glmc.cost). `groups`: (ranks, link) of the collectives over a mesh dim
+    by its name (a hierarchical all-reduce's "local" and "node"); the rest use `ranks` and
+    `link`. One link is busy with one collective at a time."""
     ops = comm_ops()
     clock = link_free = comm = exposed = 0.0
     ends: dict[fx.Node, float] = {}
@@ -145,11 +167,13 @@ def estimate_comm(graph: fx.Graph, node_seconds: dict[str, float], ranks: int,
             continue
         nbytes = _full_bytes(n, kind)
         volume[kind] = volume.get(kind, 0) + nbytes
-        seconds = collective_seconds(kind, nbytes, ranks, link)
+        info = n.meta.get("glmc")
+        dim = info.comm.mesh_dim if info is not None and info.comm is not None else None
+        n_ranks, on = (groups or {}).get(dim, (ranks, link))
+        seconds = collective_seconds(kind, nbytes, n_ranks, on)
         start = max(clock, link_free)
         link_free = ends[n] = start + seconds
         comm += seconds
-        info = n.meta.get("glmc")
         timeline.append({"node": n.name, "kind": kind, "bytes": nbytes, "issue_s": clock,
                          "start_s": start, "end_s": start + seconds,
                          "phase": info.phase.value if info is not None else None})

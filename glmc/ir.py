@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Iterator
@@ -116,31 +117,52 @@ class MeshSpec:
     shape: tuple[int, ...]
     dim_names: tuple[str, ...]
     device_type: str = "cpu"
+    #: named flattenings of several dims, as `DeviceMesh._flatten` makes them: (name, dims).
+    #: On a (node, local) mesh, ("dp", ("node", "local")) is the group of all ranks; a
+    #: collective over it reads and writes the placements of every dim it covers
+    flattened: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.shape) != len(self.dim_names) or len(set(self.dim_names)) != len(self.shape):
             raise PassError(f"ir: mesh shape {self.shape} needs one distinct name per dim, got "
                             f"{self.dim_names}")
+        for name, dims in self.flattened:
+            if name in self.dim_names or not dims or any(d not in self.dim_names for d in dims):
+                raise PassError(f"ir: flattened mesh dim {name!r} must be a new name over "
+                                f"existing dims {self.dim_names}, got {dims}")
 
     @property
     def ndim(self) -> int:
         return len(self.shape)
 
     def dim(self, name: str) -> int:
-        """Index of the mesh dim called `name`."""
+        """Index of the mesh dim called `name` (not a flattened one: see `dims`)."""
         if name not in self.dim_names:
             raise PassError(f"ir: mesh has no dim {name!r}; its dims are {self.dim_names}")
         return self.dim_names.index(name)
 
+    def dims(self, name: str) -> tuple[int, ...]:
+        """Indices of the mesh dims a dim or a flattened dim called `name` covers."""
+        for flat, covered in self.flattened:
+            if flat == name:
+                return tuple(self.dim(d) for d in covered)
+        if name not in self.dim_names:
+            known = self.dim_names + tuple(f for f, _ in self.flattened)
+            raise PassError(f"ir: mesh has no dim {name!r}; its dims are {known}")
+        return (self.dim(name),)
+
     def size(self, name: str) -> int:
-        return self.shape[self.dim(name)]
+        """Ranks in the group of dim (or flattened dim) `name`."""
+        return math.prod(self.shape[i] for i in self.dims(name))
 
     @staticmethod
-    def of(mesh: Any) -> "MeshSpec":
-        """The spec of a `torch.distributed.DeviceMesh` (its dims must be named)."""
+    def of(mesh: Any, flattened: tuple[tuple[str, tuple[str, ...]], ...] = ()) -> "MeshSpec":
+        """The spec of a `torch.distributed.DeviceMesh` (its dims must be named) and of the
+        flattened dims made on it."""
         if mesh.mesh_dim_names is None:
             raise PassError("ir: the DeviceMesh has no dim names; pass mesh_dim_names=")
-        return MeshSpec(tuple(mesh.shape), tuple(mesh.mesh_dim_names), mesh.device_type)
+        return MeshSpec(tuple(mesh.shape), tuple(mesh.mesh_dim_names), mesh.device_type,
+                        flattened)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,10 @@ lives here between steps, as this rank's zero-padded rows (`Layout`): optimizer 
 `optimizer.state` and, under stage 3, the module's parameters hold this rank's shard like FSDP2's
 local tensors; `sharded_state_dict()` presents them as DTensors for `torch.distributed.checkpoint`
 (save on N ranks, load on M), `full_state_dict()` gathers them.
+
+The mesh is 1-D ("dp") on one node; on several (`Parallel.nodes`, or torchrun's
+LOCAL_WORLD_SIZE) it is 2-D, ("node", "local"), with "dp" its flattening: the flat collectives
+and the checkpoints use "dp", a hierarchical gradient all-reduce the two sub-groups.
 """
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ from glmc.comm import measure_link, measure_waits
 from glmc.errors import CommError, ConfigError, InputError
 from glmc.ir import (ACCUMULATES, RANDOM_OPS, MeshSpec, OutputKind, OutputSpec, Role, TrainGraph,
                      op_name)
-from glmc.passes.shard import DIM, Layout, ShardPass, ShardPlan
+from glmc.passes.shard import DIM, LOCAL, NODE, Layout, ShardPass, ShardPlan
 from glmc.program import bind_mesh
 
 ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -54,6 +58,14 @@ class Parallel:
     #: gradient compression: a method ("bf16", "fp16", "sign", "topk", "powersgd") or a dict
     #: of the compress pass's options (glmc.passes.compress)
     compress: Any = None
+    #: nodes the ranks run on (a 2-D mesh: nodes x ranks per node, ranks numbered node by
+    #: node); None: from torchrun's LOCAL_WORLD_SIZE (one node without it)
+    nodes: int | None = None
+    #: hierarchical gradient all-reduce on several nodes, stages 0-1 (passes/shard.py):
+    #: "auto" where the communication model predicts it faster, "on", "off"
+    hierarchical: str = "auto"
+    intra_link: str = "nvlink4"  #: link profile inside a node (glmc.comm.get_link)
+    inter_link: str = "infiniband-ndr"  #: link profile between nodes
 
     @staticmethod
     def of(value: Any) -> "Parallel | None":
@@ -78,12 +90,26 @@ class Parallel:
         if not isinstance(p.accumulate, int) or p.accumulate < 1:
             raise ConfigError(f"parallel: accumulate must be a whole number >= 1, got "
                               f"{p.accumulate!r}")
+        if p.nodes is not None and (not isinstance(p.nodes, int) or isinstance(p.nodes, bool)
+                                    or p.nodes < 1):
+            raise ConfigError(f"parallel: nodes must be a whole number >= 1, got {p.nodes!r}")
+        if p.hierarchical not in ("auto", "on", "off"):
+            raise ConfigError(f"parallel: hierarchical must be auto, on or off, got "
+                              f"{p.hierarchical!r}")
+        if p.hierarchical == "on" and p.compress is not None:
+            raise ConfigError("parallel: compress sends one flat collective per gradient bucket;"
+                              " it does not combine with hierarchical='on' (use 'auto' or "
+                              "'off')")
         return p
 
     def passes(self) -> list[Any]:
         """The shard pass, and the compress pass when asked."""
+        # compressed buckets travel flat (compress rewrites one collective per bucket)
+        hierarchical = "off" if self.compress is not None else self.hierarchical
         out: list[Any] = [ShardPass(stage=self.zero, bucket_mb=self.bucket_mb,
-                                    overlap=self.overlap, accumulate=self.accumulate > 1)]
+                                    overlap=self.overlap, accumulate=self.accumulate > 1,
+                                    hierarchical=hierarchical, intra_link=self.intra_link,
+                                    inter_link=self.inter_link)]
         if self.compress is not None:
             from glmc.passes.compress import CompressPass
             opts = {"method": self.compress} if isinstance(self.compress, str) else \
@@ -93,6 +119,30 @@ class Parallel:
             except TypeError as e:
                 raise ConfigError(f"parallel: compress options {opts}: {e}") from None
         return out
+
+
+def topology(nodes: int | None, world: int, rank: int) -> tuple[int, int]:
+    """(nodes, ranks per node) of `world` ranks: `nodes` if given, else torchrun's
+    LOCAL_WORLD_SIZE (checked against GROUP_RANK: ranks must be numbered node by node), else
+    one node."""
+    if nodes is None:
+        local = os.environ.get("LOCAL_WORLD_SIZE")
+        if local is None:
+            return 1, world
+        per_node = int(local)
+        if per_node < 1 or world % per_node:
+            raise ConfigError(f"parallel: LOCAL_WORLD_SIZE={local} does not divide the "
+                              f"{world} ranks; every node must run as many ranks")
+        group = os.environ.get("GROUP_RANK")
+        if group is not None and rank // per_node != int(group):
+            raise ConfigError(f"parallel: rank {rank} is on node {group} (GROUP_RANK), not "
+                              f"{rank // per_node}: ranks are not numbered node by node; pass "
+                              "parallel={'nodes': 1} to run flat")
+        return world // per_node, per_node
+    if world % nodes:
+        raise ConfigError(f"parallel: nodes={nodes} does not divide the {world} ranks; pass a "
+                          "number of nodes that does")
+    return nodes, world // nodes
 
 
 def init_distributed(device: str, timeout_s: float) -> None:
@@ -119,8 +169,17 @@ class DataParallel:
         init_distributed(device, options.timeout_s)
         self.options = options
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.mesh = init_device_mesh(device, (self.world,), mesh_dim_names=(DIM,))
-        self.spec = MeshSpec.of(self.mesh)
+        self.nodes, self.per_node = topology(options.nodes, self.world, self.rank)
+        if self.nodes > 1 and self.per_node > 1:  # node x local, "dp" their flattening
+            self.root = init_device_mesh(device, (self.nodes, self.per_node),
+                                         mesh_dim_names=(NODE, LOCAL))
+            #: the 1-D data-parallel mesh: DTensor state dicts, checkpoints
+            self.mesh = self.root._flatten(DIM)
+            self.spec = MeshSpec.of(self.root, ((DIM, (NODE, LOCAL)),))
+        else:
+            self.mesh = self.root = init_device_mesh(device, (self.world,),
+                                                     mesh_dim_names=(DIM,))
+            self.spec = MeshSpec.of(self.mesh)
         self.plan: ShardPlan | None = None
         #: micro-batches per step; may change between steps when compiled with accumulate > 1
         self.accumulate = options.accumulate
@@ -226,7 +285,7 @@ class DataParallel:
     # -- the compiled step ----------------------------------------------------------------------
 
     def bind(self, graph: TrainGraph) -> TrainGraph:
-        return bind_mesh(graph, self.mesh)
+        return bind_mesh(graph, self.root, self.spec)
 
     def install(self, graph: TrainGraph, model: nn.Module, optimizer: torch.optim.Optimizer
                 ) -> None:

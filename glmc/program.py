@@ -111,10 +111,10 @@ def insert_collective(graph: TrainGraph, value: fx.Node, collective: str, mesh: 
     if (reduce_op is None) != (collective == "all_gather_into_tensor"):
         raise PassError(f"program: {collective} {'needs' if reduce_op is None else 'takes no'} "
                         "reduce_op")
-    rule, i, size = table[collective], mesh.dim(mesh_dim), mesh.size(mesh_dim)
+    rule, dims, size = table[collective], mesh.dims(mesh_dim), mesh.size(mesh_dim)
     readers = list(value.users) if readers is None else list(readers)
-    src = _mark_source(value, rule.src(reduce_op), mesh, i)
-    dst = tuple(rule.dst() if k == i else p for k, p in enumerate(src))
+    src = _mark_source(value, rule.src(reduce_op), mesh, dims)
+    dst = tuple(rule.dst() if k in dims else p for k, p in enumerate(src))
     g = graph.graph
     with g.inserting_after(value):
         coll = g.call_function(_op(collective),
@@ -130,19 +130,22 @@ def insert_collective(graph: TrainGraph, value: fx.Node, collective: str, mesh: 
     return wait
 
 
-def _mark_source(value: fx.Node, want: "Placement", mesh: MeshSpec, i: int) -> tuple:
-    """`value`'s placements, after giving it `want` on mesh dim `i` if it had none; raises if
-    it has another placement there."""
+def _mark_source(value: fx.Node, want: "Placement", mesh: MeshSpec,
+                 dims: tuple[int, ...]) -> tuple:
+    """`value`'s placements, after giving it `want` on mesh dims `dims` if it had none;
+    raises if it has another placement there."""
     info = TrainGraph.info(value)
     src = list(_placements(info.spec, mesh))
     if info.spec is None:
         return tuple(src)
     if info.spec.placements is not None:
-        if src[i] != want:
-            raise PassError(f"program: the collective over {mesh.dim_names[i]!r} needs "
-                            f"{want!r} there; '{value.name}' is {_fmt(src)}")
+        for i in dims:
+            if src[i] != want:
+                raise PassError(f"program: the collective over {mesh.dim_names[i]!r} needs "
+                                f"{want!r} there; '{value.name}' is {_fmt(src)}")
         return tuple(src)
-    src[i] = want
+    for i in dims:
+        src[i] = want
     value.meta["glmc"] = info.replace(spec=dataclasses.replace(info.spec, placements=tuple(src)))
     return tuple(src)
 
@@ -232,11 +235,13 @@ def comm_nodes(graph: TrainGraph) -> list[fx.Node]:
             or TrainGraph.info(n).comm is not None]
 
 
-def bind_mesh(graph: TrainGraph, mesh: "DeviceMesh") -> TrainGraph:
+def bind_mesh(graph: TrainGraph, mesh: "DeviceMesh", spec: MeshSpec | None = None
+              ) -> TrainGraph:
     """A copy of `graph` whose collectives name `mesh`'s process groups (from
-    `mesh.get_group(dim).group_name`) and whose rank arguments (`RANK_ARG`) hold this
-    process's mesh coordinates; `graph` itself stays unbound."""
-    spec = MeshSpec.of(mesh)
+    `mesh.get_group(dim).group_name`, a flattened dim's too) and whose rank arguments
+    (`RANK_ARG`) hold this process's mesh coordinates; `graph` itself stays unbound. `spec`:
+    the mesh's spec with its flattened dims (default: `MeshSpec.of(mesh)`)."""
+    spec = spec or MeshSpec.of(mesh)
     bound = graph.copy()
     for n in bound.compute_nodes():
         if RANK_ARG in n.meta:  # this process's coordinate on a mesh dim
@@ -310,7 +315,7 @@ def _verify_comm(n: fx.Node, mesh: MeshSpec) -> None:
     where = f"program: communication node '{n.name}'"
     if info.comm is None or name != info.comm.collective:
         raise PassError(f"{where} ({op_name(n)}) needs CommInfo({name!r}, mesh_dim, reduce_op)")
-    mesh.dim(info.comm.mesh_dim)  # raises on an unknown dim
+    mesh.dims(info.comm.mesh_dim)  # raises on an unknown dim
     placements = info.spec.placements if info.spec is not None else None
     if placements is None or len(placements) != mesh.ndim:
         raise PassError(f"{where} needs placements, one per mesh dim ({mesh.ndim})")
@@ -333,12 +338,13 @@ def _verify_comm(n: fx.Node, mesh: MeshSpec) -> None:
 def _verify_transition(where: str, rule: _Collective, comm: CommInfo, mesh: MeshSpec,
                        before: tuple | None, after: tuple) -> None:
     """On its mesh dim the collective turns `rule.src` into `rule.dst`; other dims keep."""
-    i = mesh.dim(comm.mesh_dim)
+    dims = mesh.dims(comm.mesh_dim)
     want = rule.src(comm.reduce_op)
-    if before is not None and (before[i] != want or len(before) != len(after)):
+    if before is not None and (any(before[i] != want for i in dims)
+                               or len(before) != len(after)):
         raise PassError(f"{where}: input is {_fmt(before)}, {comm.collective} over "
                         f"{comm.mesh_dim!r} needs {want!r} there")
-    expected = tuple(rule.dst() if k == i else p for k, p in enumerate(before or after))
+    expected = tuple(rule.dst() if k in dims else p for k, p in enumerate(before or after))
     if after != expected:
         raise PassError(f"{where}: output is {_fmt(after)}, expected {_fmt(expected)}")
 

@@ -29,11 +29,26 @@ for right before its first reader, so the backward keeps computing while buckets
 the forward while the next stage-3 bucket gathers); `overlap=false` waits at once. The loss
 the step returns is averaged over the ranks too (the global batch's loss for a mean loss).
 
+Hierarchical all-reduce (`hierarchical=auto|on|off`, stages 0-1): on a 2-D mesh of nodes x
+ranks per node (dims "node" and "local", "dp" their flattening — glmc.parallel builds it from
+`nodes=` or torchrun's LOCAL_WORLD_SIZE), a gradient bucket's all-reduce becomes
+
+    pad(flat, to a multiple of L) -> reduce_scatter_tensor(avg) over "local"   (1/L each)
+      -> all_reduce(avg) over "node"  -> all_gather_into_tensor over "local" -> drop the pad
+
+so only 1/L of the bucket crosses the slow inter-node link per rank. `auto` takes it for a
+bucket when the alpha-beta model (glmc.comm.choose_allreduce, with the `intra_link` and
+`inter_link` profiles) predicts it faster than one flat ring over all ranks; the plan keeps
+both predictions per bucket. Equal to the flat all-reduce up to the order of the sums. The
+three collectives run back to back (each reads the previous wait): the bucket's last
+all-gather overlaps the backward, its first two do not.
+
 The pass records a `ShardPlan` in `graph.meta["sharding"]`: which inputs are stored sharded
 and how (`Layout`), for the runtime that keeps those shards (glmc.parallel).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from dataclasses import dataclass, field
@@ -42,6 +57,7 @@ from typing import Any, Iterable
 import torch
 import torch.fx as fx
 
+from glmc.comm import LinkProfile, choose_allreduce, get_link
 from glmc.errors import ConfigError, PassError
 from glmc.ir import (ACCUMULATES, GRAD_BUCKET, GRAD_OF, RANK_ARG, MeshSpec, OutputKind,
                      Phase, Role, TensorSpec, TrainGraph)
@@ -49,7 +65,9 @@ from glmc.passmanager import Effect, Need, Pass, PassContext, PassResult
 from glmc.program import NodeBuilder, SpmdProgram, insert_collective
 
 aten = torch.ops.aten
-DIM = "dp"  #: the mesh dim data parallelism runs over
+DIM = "dp"  #: the mesh dim data parallelism runs over (on a 2-D mesh: NODE x LOCAL flattened)
+NODE, LOCAL = "node", "local"  #: a 2-D data-parallel mesh: across nodes, inside a node
+HIERARCHICAL = ("auto", "on", "off")
 
 #: cheap forward ops a backward may read instead of the parameter itself (`t(w)` saved for
 #: `mm(grad, t(w))`); under stage 3 they are made again from the backward's gathered copy
@@ -118,6 +136,10 @@ class Bucket:
     params: list[str]
     nbytes: int
     collective: str
+    #: all-reduced in three steps: reduce-scatter in the node, all-reduce across, all-gather
+    hierarchical: bool = False
+    #: the alpha-beta predictions the choice was made on: {"flat_s", "hierarchical_s"}
+    predicted: dict[str, float] | None = None
 
 
 @dataclass
@@ -147,6 +169,7 @@ class ShardStats:
     collectives: int
     bytes_per_rank: dict[str, int]  #: bytes each rank sends into each collective kind
     sharded_inputs: int
+    hierarchical_buckets: int = 0  #: gradient buckets all-reduced in node/across/node steps
 
 
 @dataclass(frozen=True)
@@ -160,6 +183,11 @@ class ShardPass(Pass):
     #: gradient accumulation over micro-batches: the step takes running sums (one per bucket,
     #: and the loss) and 1/k as inputs, so k may change between steps
     accumulate: bool = False
+    #: hierarchical all-reduce of stage 0-1 gradient buckets on a (node, local) mesh: "auto"
+    #: where the communication model predicts it faster, "on", "off"
+    hierarchical: str = "auto"
+    intra_link: str = "nvlink4"  #: link profile inside a node (glmc.comm.get_link)
+    inter_link: str = "infiniband-ndr"  #: link profile between nodes
 
     def needs(self) -> frozenset[Need]:
         return frozenset({Need.STEP})
@@ -175,7 +203,7 @@ class ShardPass(Pass):
         if self.bucket_mb <= 0:
             raise ConfigError(f"shard: bucket_mb must be positive, got {self.bucket_mb}")
         mesh = ctx.mesh
-        if mesh is None or DIM not in mesh.dim_names:
+        if mesh is None or DIM not in mesh.dim_names + tuple(f for f, _ in mesh.flattened):
             raise ConfigError("shard: the step is not compiled for a data-parallel mesh; run it "
                               "through glmc.optimize(..., parallel=...) or glmc compile --nproc N "
                               "(or torchrun ... -m glmc compile --zero S)")
@@ -184,6 +212,7 @@ class ShardPass(Pass):
                               "(the overflow check would see one shard); use stage 0 or bf16")
         if "sharding" in graph.meta:
             raise PassError("shard: the step is already sharded")
+        self._check_topology(mesh)
         plan = _Sharder(graph, mesh, self).run()
         graph.meta["sharding"] = plan
         SpmdProgram(graph, mesh).verify()
@@ -195,8 +224,29 @@ class ShardPass(Pass):
             spec = TrainGraph.info(n.args[0]).spec
             volume[kind] = volume.get(kind, 0) + (spec.nbytes if spec else 0)
         stats = ShardStats(self.stage, plan.ranks, len(plan.grad_buckets),
-                           len(plan.gather_buckets), len(colls), volume, len(plan.layouts))
+                           len(plan.gather_buckets), len(colls), volume, len(plan.layouts),
+                           sum(b.hierarchical for b in plan.grad_buckets))
         return PassResult(True, stats)
+
+    def _check_topology(self, mesh: MeshSpec) -> None:
+        if self.hierarchical not in HIERARCHICAL:
+            raise ConfigError(f"shard: hierarchical must be one of {', '.join(HIERARCHICAL)}, "
+                              f"got {self.hierarchical!r}")
+        self.links()  # unknown link profiles fail here, before any rewrite
+        if self.hierarchical != "on":
+            return
+        if NODE not in mesh.dim_names or LOCAL not in mesh.dim_names:
+            raise ConfigError("shard: hierarchical=on needs a 2-D data-parallel mesh (nodes x "
+                              "ranks per node); pass parallel={'nodes': N} (--nodes N) or launch "
+                              "with torchrun on several nodes")
+        if self.stage >= 2:
+            raise ConfigError(f"shard: hierarchical all-reduce applies to ZeRO stages 0-1; "
+                              f"stage {self.stage} reduce-scatters the gradients. Use zero 0/1 "
+                              "or hierarchical=off")
+
+    def links(self) -> tuple[LinkProfile, LinkProfile]:
+        """The (intra-node, inter-node) link profiles."""
+        return get_link(self.intra_link), get_link(self.inter_link)
 
 
 # ---- the rewrite -------------------------------------------------------------------------------
@@ -286,16 +336,63 @@ class _Sharder:
                 flat = self._flatten(bucket.params, nodes, scatter, Phase.BACKWARD, Role.GRADIENT)
                 if self.opts.accumulate:
                     flat = self._accumulate(flat, f"acc:grad{b}")
-            wait = insert_collective(self.graph, flat, kind, self.mesh, DIM, "avg", readers=[])
-            wait.args[0].meta[GRAD_BUCKET] = b  # what compress finds and rewrites
+            pad = 0
+            if self._hierarchical(bucket):
+                first_coll, wait, pad = self._hierarchical_all_reduce(flat)
+            else:
+                wait = insert_collective(self.graph, flat, kind, self.mesh, DIM, "avg",
+                                         readers=[])
+                first_coll = wait.args[0]
+            first_coll.meta[GRAD_BUCKET] = b  # what compress finds and rewrites
             first = _earliest(self.g, [r for rs in readers.values() for r in rs])
             pieces = self._unflatten(bucket.params, wait, scatter, Phase.OPTIMIZER, Role.UPDATE,
-                                     first)
+                                     first, pad)
             for p, piece in zip(bucket.params, pieces):
                 for r in readers[p]:
                     r.replace_input_with(grads[p], piece)
                 out[p] = piece
         return out
+
+    def _hierarchical(self, bucket: Bucket) -> bool:
+        """Whether `bucket`'s all-reduce goes node / across / node (see the module docstring);
+        records both predictions on the bucket."""
+        opts = self.opts
+        if opts.hierarchical == "off" or bucket.collective != "all_reduce" or \
+                NODE not in self.mesh.dim_names or LOCAL not in self.mesh.dim_names:
+            return False
+        nodes, per_node = self.mesh.size(NODE), self.mesh.size(LOCAL)
+        intra, inter = opts.links()
+        padded = math.ceil(bucket.nbytes / per_node) * per_node
+        choice = choose_allreduce(padded, nodes, per_node, intra, inter)
+        bucket.predicted = {"flat_s": choice.flat_seconds,
+                            "hierarchical_s": choice.hierarchical_seconds}
+        bucket.hierarchical = opts.hierarchical == "on" or choice.best == "hierarchical"
+        return bucket.hierarchical
+
+    def _hierarchical_all_reduce(self, flat: fx.Node) -> tuple[fx.Node, fx.Node, int]:
+        """Average `flat` over every rank in three collectives: reduce-scatter inside the
+        node, all-reduce across nodes, all-gather inside the node. Returns the first
+        collective, the last wait (the average, padded) and the padding."""
+        from torch.distributed.tensor import Partial
+
+        per_node = self.mesh.size(LOCAL)
+        numel = flat.meta["val"].numel()
+        pad = (-numel) % per_node
+        x = flat
+        if pad:
+            with self.g.inserting_after(flat):
+                x = self.emit(aten.constant_pad_nd.default, (flat, [0, pad], 0.0),
+                              *_kind(flat), like=flat)
+        info = TrainGraph.info(x)  # a partial sum on every rank: Partial on both dims
+        x.meta["glmc"] = info.replace(spec=dataclasses.replace(
+            info.spec, placements=tuple(Partial("avg") for _ in self.mesh.shape)))
+        scattered = insert_collective(self.graph, x, "reduce_scatter_tensor", self.mesh, LOCAL,
+                                      "avg", readers=[])
+        across = insert_collective(self.graph, scattered, "all_reduce", self.mesh, NODE, "avg",
+                                   readers=[])
+        gathered = insert_collective(self.graph, across, "all_gather_into_tensor", self.mesh,
+                                     LOCAL, readers=[])
+        return scattered.args[0], gathered, pad
 
     def _accumulate(self, value: fx.Node, target: str) -> fx.Node:
         """(value + running sum) * (1/k): the sum, marked ACCUMULATES, is what a micro-batch
@@ -339,11 +436,11 @@ class _Sharder:
         return self.emit(aten.cat.default, (parts,), phase, role, like=nodes[-1])
 
     def _unflatten(self, names: list[str], flat: fx.Node, sharded: bool, phase: Phase,
-                   role: Role, anchor: fx.Node) -> list[fx.Node]:
-        """The pieces of a flat buffer, as per-parameter shards or full tensors; inserted
-        right before `anchor`."""
+                   role: Role, anchor: fx.Node, pad: int = 0) -> list[fx.Node]:
+        """The pieces of a flat buffer (and `pad` trailing elements, dropped), as
+        per-parameter shards or full tensors; inserted right before `anchor`."""
         sizes = [self.layout[p].chunk if sharded else math.prod(self.layout[p].shape)
-                 for p in names]
+                 for p in names] + ([pad] if pad else [])
         with self.g.inserting_before(anchor):
             split = self.emit(aten.split_with_sizes.default, (flat, sizes), phase, role,
                               like=flat)
@@ -443,8 +540,9 @@ class _Sharder:
         with self.fake:
             ph.meta["val"] = torch.empty(lay.local_shape, dtype=info.spec.dtype,
                                          device=ph.meta["val"].device)
+        shards = tuple(Shard(0) for _ in self.mesh.shape)  # over "dp": every dim it covers
         ph.meta["glmc"] = info.replace(spec=TensorSpec(lay.local_shape, info.spec.dtype,
-                                                       info.spec.device, (Shard(0),)))
+                                                       info.spec.device, shards))
         self.plan.layouts[target] = lay
 
     def _repropagate(self, phase: Phase) -> None:
