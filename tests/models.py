@@ -141,10 +141,10 @@ BACKEND_CASES = {"mlp": CASES["mlp"].make, "cnn": no_dropout(CASES["cnn"].make),
                  "glm": CASES["glm"].make, "hf_glm": _example("hf_glm.py")}
 
 
-def check_backend_parity(backend: str, case: str, fusion: bool, steps: int = 3):
-    """Train `case` with glmc on `backend` and with eager PyTorch: the loss at every step and
-    all parameters and optimizer state after `steps` steps agree (fp32 tolerances). Returns
-    the trainer for backend-specific checks."""
+def check_backend_parity(backend: str, case: str, fusion: bool, steps: int = 3, **options):
+    """Train `case` with glmc on `backend` (and `options`) and with eager PyTorch: the loss at
+    every step and all parameters and optimizer state after `steps` steps agree (fp32
+    tolerances). Returns the trainer for backend-specific checks."""
     import pytest
 
     import glmc
@@ -152,7 +152,7 @@ def check_backend_parity(backend: str, case: str, fusion: bool, steps: int = 3):
         pytest.importorskip("transformers")
     (m, x, loss_fn, opt), (m2, _, _, opt2) = twin(BACKEND_CASES[case])
     trainer = glmc.optimize(m, x, loss_fn=loss_fn, optimizer=opt, backend=backend,
-                            fusion=fusion, predict=False, measure=False)
+                            fusion=fusion, **{"predict": False, "measure": False, **options})
     got = glmc_losses(trainer, x, steps)
     want = eager_losses(m2, x, loss_fn, opt2, steps)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=ATOL)
