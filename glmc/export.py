@@ -302,18 +302,23 @@ def export_ort_training(trainer: Any, directory: str) -> list[str]:
     `onnxruntime.training.api` (CheckpointState, Module, Optimizer): `python train.py
     --steps 5` prints the losses.
 
-    Partial: the forward is the model's own, exported by torch's TorchScript exporter;
-    glmc's forward passes are not applied (onnxruntime derives the backward itself). The
-    optimizer state starts fresh (zero moments, step 0); BatchNorm running statistics are not
-    updated by onnxruntime's training graph; dropout uses onnxruntime's generator.
+    The forward is glmc's: the optimized step's forward (fusion, precision, cleanup
+    applied; glmc's ops decomposed to ATen), onnxruntime derives the backward itself. A model
+    that broke into several graphs has no step: its own forward is exported by torch's
+    TorchScript exporter (`config.json` "forward" says which). The optimizer state starts
+    fresh (zero moments, step 0); BatchNorm running statistics are not updated by
+    onnxruntime's training graph; dropout uses onnxruntime's generator.
     """
     from glmc.ort_training import write_ort_training
 
     require_onnx()
     out = Path(directory)
     with _staging(out, ORT_TRAINING_FILES) as tmp:
+        args, kwargs = trainer.example
+        entry = trainer.entry_for(*args, **kwargs)
+        graph = entry.graph if entry is not None else None  # None: compiled in pieces
         write_ort_training(trainer.model, trainer.example, trainer.loss_fn, trainer.optimizer,
-                           tmp)
+                           tmp, graph)
     return [str(out / name) for name in ORT_TRAINING_FILES]
 
 

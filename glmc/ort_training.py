@@ -1,14 +1,19 @@
-"""ONNX Runtime on-device training artifacts of a model (forward + loss), for glmc.export.
+"""ONNX Runtime on-device training artifacts of a step's forward + loss, for glmc.export.
 
-    model + loss --torch.onnx (TorchScript exporter, opset 16, training mode)--> forward.onnx
+    glmc's optimized step --forward_program--> its forward (after fusion, precision, cleanup)
+        --glmc ops and torch's composite ops decomposed to core ATen--> torch.export
+        --dynamo ONNX exporter (opset 18, no graph optimization)--> forward.onnx
         --onnxruntime.training.artifacts.generate_artifacts--> training / eval / optimizer
         models + checkpoint; the optimizer model's AdamW node set to torch's rule
 
-The legacy exporter and opset 16 because onnxruntime-training 1.19's gradient builder has no
-gradient for opset 17's LayerNormalization (and none for several ops the dynamo exporter
-emits). Three TorchScript-exporter gaps met on transformers' GLM are patched for the duration
-of the export (custom symbolics): `diff`, `repeat_interleave` on a negative dim, `cumsum` of
-bool.
+The forward is the one glmc trains: the step's forward nodes, parameters as initializers named
+as in the model. Decomposing to core ATen first matters: onnxruntime-training 1.19's gradient
+builder has no gradient for the composite ops the exporter would otherwise emit (opset 17's
+LayerNormalization, attention functions). A model that breaks into several graphs has no
+step; its artifacts are exported from the model's own forward by torch's TorchScript exporter
+at opset 16 (`config.json` says which forward was used). Three TorchScript-exporter gaps met on
+transformers' GLM are patched for the duration of that export (custom symbolics): `diff`,
+`repeat_interleave` on a negative dim, `cumsum` of bool.
 """
 from __future__ import annotations
 
@@ -18,17 +23,25 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.fx as fx
 
 from glmc.errors import ConfigError, ExportError, GlmcError
+from glmc.ir import Role, TrainGraph
 from glmc.onnx_lowering import _exporter_message
+from glmc.rederive import ForwardProgram
 
 #: torch's legacy exporter at opset 16 (see the module docstring)
 _ORT_TRAINING_OPSET = 16
+#: the dynamo exporter's opset for a step's forward (the exporter's default, 20, has ops
+#: onnxruntime 1.19 lacks)
+_STEP_OPSET = 18
 
 
 def write_ort_training(model: torch.nn.Module, example: Any, loss_fn: Any,
-                       optimizer: torch.optim.Optimizer, out: Path) -> None:
-    """Write the artifacts, batch.npz, config.json and train.py into the directory `out`."""
+                       optimizer: torch.optim.Optimizer, out: Path,
+                       graph: TrainGraph | None = None) -> None:
+    """Write the artifacts, batch.npz, config.json and train.py into the directory `out`:
+    of `graph`'s forward (glmc's optimized step), or without a step of the model's own."""
     from glmc.capture import batch_leaves
 
     try:
@@ -40,12 +53,104 @@ def write_ort_training(model: torch.nn.Module, example: Any, loss_fn: Any,
     args, kwargs = example
     names = [f"input_{i}" for i in range(len(args))] + list(kwargs)
     leaves = [t.detach() for t in batch_leaves(example)]
-    onnx_model = _legacy_onnx(model, loss_fn, len(args), list(kwargs), leaves, names)
-    _artifacts(onnx_model, model, out, hyper)
+    if graph is not None:
+        onnx_model, prefix = _step_forward_onnx(graph, model, leaves, names), ""
+    else:
+        onnx_model = _legacy_onnx(model, loss_fn, len(args), list(kwargs), leaves, names)
+        prefix = "inner.model."  # _LossOf's attribute path to the user's model
+    _artifacts(onnx_model, model, out, hyper, prefix)
     import numpy as np
     np.savez(out / "batch.npz", **{n: t.cpu().numpy() for n, t in zip(names, leaves)})
-    (out / "config.json").write_text(json.dumps({**hyper, "inputs": names}, indent=1))
+    forward = "glmc step" if graph is not None else "model (TorchScript exporter)"
+    (out / "config.json").write_text(json.dumps({**hyper, "inputs": names,
+                                                 "forward": forward}, indent=1))
     (out / "train.py").write_text(_ORT_RUNNER)
+
+
+class _StepForward(torch.nn.Module):
+    """A step's forward program over the model's parameters and buffers, registered under
+    their names in the model (so the ONNX initializers carry them); returns the loss."""
+
+    def __init__(self, program: ForwardProgram, gm: fx.GraphModule,
+                 values: dict[str, torch.Tensor], trainable: set[str]) -> None:
+        super().__init__()
+        self.step = gm
+        self.specs = program.inputs
+        for spec in program.inputs:
+            if spec.role in (Role.PARAMETER, Role.BUFFER):
+                *path, leaf = spec.target.split(".")
+                owner: torch.nn.Module = self
+                for part in path:
+                    if not hasattr(owner, part):
+                        owner.add_module(part, torch.nn.Module())
+                    owner = getattr(owner, part)
+                value = values[spec.target]
+                if spec.role is Role.PARAMETER:
+                    owner.register_parameter(leaf, torch.nn.Parameter(
+                        value, requires_grad=spec.target in trainable))
+                else:
+                    owner.register_buffer(leaf, value)
+
+    def forward(self, *leaves: torch.Tensor) -> torch.Tensor:
+        own = {**dict(self.named_parameters()), **dict(self.named_buffers())}
+        args = [own[s.target] if s.role in (Role.PARAMETER, Role.BUFFER)
+                else leaves[int(s.target.split(":")[1])] for s in self.specs]
+        return self.step(*args)[0]  # new buffer values (BatchNorm statistics) are dropped
+
+
+def _step_forward_onnx(graph: TrainGraph, model: torch.nn.Module,
+                       leaves: list[torch.Tensor], names: list[str]) -> Any:
+    """The forward of glmc's step as ONNX the gradient builder can differentiate."""
+    from glmc.onnx_lowering import _decompose, lower_to_reshapes
+    from glmc.rederive import forward_program
+
+    program = forward_program(graph)
+    computed = [n.meta.get("val") for n in program.graph.nodes if n.op == "call_function"]
+    low = sorted({str(v.dtype).removeprefix("torch.") for v in computed
+                  if isinstance(v, torch.Tensor) and v.dtype in (torch.bfloat16, torch.float16)})
+    if low:  # fp16: e.g. the gradient of Concat (SplitTraining) has no fp16 CPU kernel
+        raise ConfigError(f"export_ort_training: the step's forward computes in "
+                          f"{'/'.join(low)}, which onnxruntime-training's CPU kernels do not "
+                          "train (fp16 SplitTraining, bf16 most ops); export a trainer with "
+                          "precision='fp32'")
+    values = {**{n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)},
+              **{n: b.detach() for n, b in model.named_buffers(remove_duplicate=False)}}
+    trainable = {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+    inputs = [values[s.target] if s.role in (Role.PARAMETER, Role.BUFFER)
+              else leaves[int(s.target.split(":")[1])] for s in program.inputs]
+    try:
+        gm = _decompose(lower_to_reshapes(program.gm), inputs, fake=False,
+                        extra_decompositions=True)
+        exported = torch.onnx.export(_StepForward(program, gm, values, trainable),
+                                     tuple(leaves), dynamo=True, optimize=False, verify=False,
+                                     verbose=False, opset_version=_STEP_OPSET,
+                                     input_names=names, output_names=["loss"])
+    except Exception as e:
+        raise ExportError(f"export_ort_training: torch's ONNX exporter failed on the step's "
+                          f"forward: {type(e).__name__}: {_exporter_message(e)[:500]}") from e
+    exported.model.ir_version = 10  # onnxruntime 1.19 loads IR <= 10
+    return _cast_like_to_cast(exported.model_proto)
+
+
+def _cast_like_to_cast(model: Any) -> Any:
+    """CastLike(x, like) -> Cast(x, to=like's type): the gradient builder knows Cast only."""
+    import onnx
+    from onnx import helper
+
+    typed = onnx.shape_inference.infer_shapes(model)
+    elem = {v.name: v.type.tensor_type.elem_type for v in (*typed.graph.value_info,
+                                                            *typed.graph.input,
+                                                            *typed.graph.output)}
+    elem.update({t.name: t.data_type for t in model.graph.initializer})
+    nodes = []
+    for node in model.graph.node:
+        if node.op_type == "CastLike" and elem.get(node.input[1]):
+            node = helper.make_node("Cast", [node.input[0]], list(node.output), name=node.name,
+                                    to=elem[node.input[1]])
+        nodes.append(node)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    return model
 
 
 def _adamw_hyperparameters(opt: torch.optim.Optimizer) -> dict[str, Any]:
@@ -175,11 +280,11 @@ def _cumsum_symbolic(g: Any, x: Any, dim: Any, dtype: Any = None) -> Any:
 
 
 def _artifacts(onnx_model: Any, model: torch.nn.Module, out: Path,
-               hyper: dict[str, Any]) -> None:
+               hyper: dict[str, Any], prefix: str) -> None:
+    """`prefix`: the path to the user's model in the exported module's parameter names."""
     from onnxruntime.training import artifacts
 
     initializers = {t.name for t in onnx_model.graph.initializer}
-    prefix = "inner.model."  # _LossOf's attribute path to the user's model
     trained = [prefix + n for n, p in model.named_parameters() if p.requires_grad
                and prefix + n in initializers]
     if not trained:

@@ -6,6 +6,7 @@ generator, so the parity models are dropout-free (the CNN's dropout is replaced 
 """
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
@@ -170,9 +171,45 @@ def test_ort_training_artifacts_train_to_glmcs_losses(tmp_path, case: str) -> No
     assert sorted(p.rsplit("/", 1)[-1] for p in files) == sorted(ORT_TRAINING_FILES)
     for k, v in model.state_dict().items():  # exporting traced the forward: nothing changed
         assert torch.equal(v, before[k]), k
+    config = json.loads((tmp_path / "ort" / "config.json").read_text())
+    assert config["forward"] == "glmc step"  # glmc's optimized forward, not the model's
     want = glmc_losses(trainer, x, 5)
     got = _run_artifacts(tmp_path / "ort", 5)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-3, atol=1e-5)
+
+
+def test_ort_training_export_of_a_model_in_pieces_uses_its_own_forward(tmp_path) -> None:
+    """A model that breaks into several graphs has no step: its own forward is exported
+    (TorchScript exporter), and the artifacts still train to glmc's losses."""
+    pytest.importorskip("onnxruntime.training")
+    from glmc.export import export_ort_training
+    from tests.test_graph_breaks import Branches
+
+    torch.manual_seed(0)
+    model, x = Branches(), (torch.randn(6, 8), torch.randn(6, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with pytest.warns(UserWarning, match="breaks into several graphs"):
+        trainer = glmc.optimize(model, x, loss_fn=torch.nn.functional.mse_loss,
+                                optimizer=opt, backend="eager", predict=False, measure=False)
+    export_ort_training(trainer, str(tmp_path / "ort"))
+    config = json.loads((tmp_path / "ort" / "config.json").read_text())
+    assert config["forward"] == "model (TorchScript exporter)"
+    want = glmc_losses(trainer, x, 3)
+    got = _run_artifacts(tmp_path / "ort", 3)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-3, atol=1e-5)
+
+
+def test_ort_training_export_refuses_a_low_precision_forward(tmp_path) -> None:
+    pytest.importorskip("onnxruntime.training")
+    from glmc.export import export_ort_training
+
+    model, x, loss_fn, opt = MAKE["glm"]()
+    opt = torch.optim.AdamW(model.parameters())
+    trainer = glmc.optimize(model, x, loss_fn=loss_fn, optimizer=opt, backend="eager",
+                            precision="fp16", predict=False, measure=False)
+    with pytest.raises(glmc.ConfigError, match="float16.*precision='fp32'"):
+        export_ort_training(trainer, str(tmp_path / "ort"))
+    assert not (tmp_path / "ort").exists()
 
 
 def test_ort_training_export_rejects_other_optimizers(tmp_path) -> None:
