@@ -271,6 +271,37 @@ def measure_waits(run: Any) -> tuple[Any, float]:
     return out, waited
 
 
+def count_wire_bytes(run: Any) -> tuple[Any, dict[str, int]]:
+    """`run()`'s result and the bytes this rank handed to each kind of collective while it
+    ran: the input tensors of torch's functional collectives, counted as they are called
+    (inside `torch.cond` branches too, so only the branch taken counts)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops = comm_ops()
+    counted: dict[str, int] = {}
+
+    class _Count(TorchDispatchMode):
+        supports_higher_order_operators = True
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            if func is torch.ops.higher_order.cond:  # run the branch taken, still counting
+                pred, on_true, on_false, operands = args
+                with self:
+                    return (on_true if bool(pred) else on_false)(*operands)
+            if isinstance(func, torch._ops.HigherOrderOperator):
+                return NotImplemented
+            kind = ops.get(func)
+            if kind is not None and kind != "wait_tensor" and isinstance(args[0], torch.Tensor):
+                t = args[0]
+                counted[kind] = counted.get(kind, 0) + t.numel() * t.element_size()
+            return func(*args, **(kwargs or {}))
+
+    with _Count():
+        out = run()
+    return out, counted
+
+
 def has_comm(graph: TrainGraph) -> bool:
     ops = comm_ops()
     return any(n.target in ops for n in graph.compute_nodes())

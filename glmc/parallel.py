@@ -114,6 +114,9 @@ class Parallel:
             from glmc.passes.compress import CompressPass
             opts = {"method": self.compress} if isinstance(self.compress, str) else \
                 dict(self.compress)
+            # the report prices the traffic on the link the gradients cross
+            opts.setdefault("link", self.inter_link if (self.nodes or 1) > 1 else
+                            self.intra_link)
             try:
                 out.append(CompressPass(**opts))
             except TypeError as e:

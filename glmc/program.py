@@ -255,8 +255,31 @@ def bind_mesh(graph: TrainGraph, mesh: "DeviceMesh", spec: MeshSpec | None = Non
             raise PassError(f"program: mesh dim {comm.mesh_dim!r} has {spec.size(comm.mesh_dim)}"
                             f" ranks but its group has {group.size()}")
         n.args = (*n.args[:-1], group.group_name)
+    _bind_branches(bound.gm, mesh)
     bound.gm.recompile()
     return bound
+
+
+def _bind_branches(gm: fx.GraphModule, mesh: "DeviceMesh") -> None:
+    """Collectives inside submodule graphs (a `cond`'s branches) name `mesh`'s groups too; the
+    bound step gets its own copies of those submodules."""
+    import copy
+
+    for name, sub in list(gm.named_children()):
+        if not isinstance(sub, fx.GraphModule):
+            continue
+        colls = [n for n in sub.graph.nodes if is_collective(n)
+                 and isinstance(n.args[-1], str) and n.args[-1].startswith(UNBOUND)]
+        if not colls:
+            continue
+        sub = copy.deepcopy(sub)
+        for n in sub.graph.nodes:
+            if is_collective(n) and isinstance(n.args[-1], str) and \
+                    n.args[-1].startswith(UNBOUND):
+                dim = n.args[-1][len(UNBOUND):]
+                n.args = (*n.args[:-1], mesh.get_group(dim).group_name)
+        sub.recompile()
+        setattr(gm, name, sub)
 
 
 # ---- SPMD --------------------------------------------------------------------------------------

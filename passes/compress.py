@@ -23,9 +23,24 @@ picks over the whole bucket. e = gradient + residual; the new residual is e minu
 sent (powersgd: minus the averaged approximation, as torch's hook).
 Stages 2-3 reduce-scatter, which a sum of signs or of scattered top-k does not fit: those
 methods need stage 0 or 1 (a typed error otherwise); bf16/fp16 cast around any collective.
+
+Warm-up (`warmup_steps=N`, PowerSGD's `start_powerSGD_iter`): the first N steps send the
+bucket uncompressed, in the same compiled step. A step counter (step state "compress:step",
+checkpointed with the residuals) selects one of two branches per bucket with `torch.cond`,
+so only the chosen branch's collectives run:
+
+    warm = lt(step, N)
+    avg, ef', q'... = cond(warm, dense, compressed, (flat, ef, q, ...))
+      dense:      the bucket's own collective(avg) on flat; ef, q unchanged
+      compressed: the rewrite above
+
+Residuals and Q stay at their initial values through the warm-up (as torch's hook: error
+feedback starts with compression). The branches run one after the other: a warm-up bucket's
+collectives do not overlap the backward. Eager backend only for now (a typed error on others).
 """
 from __future__ import annotations
 
+import copy
 import math
 import operator
 from dataclasses import dataclass, field
@@ -34,9 +49,12 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from glmc.comm import collective_seconds, get_link
+from glmc.cost import dispatch_overhead, get_profile, is_view, node_time, op_cost
 from glmc.errors import ConfigError, PassError
 from glmc.ir import GRAD_BUCKET, OutputKind, OutputSpec, Phase, Role, TensorSpec, TrainGraph
 from glmc.passmanager import Effect, Need, Pass, PassContext, PassResult
+from glmc.ir import NodeInfo
 from glmc.program import NodeBuilder, SpmdProgram, insert_collective
 
 aten = torch.ops.aten
@@ -52,6 +70,10 @@ class CompressPlan:
     state: dict[str, tuple[TensorSpec, str]] = field(default_factory=dict)  #: init: zeros|randn
     wire_bytes: int = 0  #: bytes each rank hands to the gradient collectives per step
     dense_bytes: int = 0  #: the same, uncompressed
+    warmup_steps: int = 0  #: the first steps send `dense_bytes` instead
+    #: the collectives of a compressed step and of the dense one: (kind, full buffer bytes)
+    collectives: list[tuple[str, int]] = field(default_factory=list)
+    dense_collectives: list[tuple[str, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -62,6 +84,43 @@ class CompressStats:
     dense_bytes: int
     wire_bytes: int
     ratio: float
+    warmup_steps: int = 0
+    price: "Price | None" = None  #: predicted communication and compute (None: not priced)
+
+    def report_section(self, ctx: Any) -> Any:
+        from glmc.report_parts import ReportSection, Table, Text
+        p = self.price
+        head = (f"{self.method}: {self.wire_bytes:,} bytes on the wire per rank per step "
+                f"(dense {self.dense_bytes:,}, {self.ratio}:1)")
+        if p is None:
+            return ReportSection("Gradient compression", (Text(head),), head)
+        rows = (("bytes on the wire per rank", self.dense_bytes, self.wire_bytes),
+                (f"communication on {p.link} (us)", round(p.dense_comm_seconds * 1e6, 1),
+                 round(p.comm_seconds * 1e6, 1)),
+                (f"compress + decompress compute on {p.profile} (us)", 0.0,
+                 round(p.compute_seconds * 1e6, 1)),
+                ("sum (us)", round(p.dense_comm_seconds * 1e6, 1),
+                 round((p.comm_seconds + p.compute_seconds) * 1e6, 1)))
+        summary = (f"{head}; predicted {p.comm_seconds * 1e3:.3f} ms on the link + "
+                   f"{p.compute_seconds * 1e3:.3f} ms compute vs {p.dense_comm_seconds * 1e3:.3f}"
+                   f" ms dense" + (f"; first {self.warmup_steps} steps dense"
+                                   if self.warmup_steps else ""))
+        blocks = (Text(head), Table(("predicted per step", "dense", self.method), rows),
+                  Text("Predicted: alpha-beta per collective (glmc.comm) on the link above; the "
+                       "added ops by the op cost model. The measured step time and exposed "
+                       "communication are in the step's prediction check.", "note"))
+        return ReportSection("Gradient compression", blocks, summary)
+
+
+@dataclass(frozen=True)
+class Price:
+    """The predicted cost of one step's gradient traffic, compressed and dense, per rank."""
+
+    link: str
+    profile: str
+    comm_seconds: float  #: the compressed step's collectives, back to back
+    dense_comm_seconds: float  #: the uncompressed buckets' collectives
+    compute_seconds: float  #: the ops compress added (compress, decompress, error feedback)
 
 
 @dataclass(frozen=True)
@@ -74,6 +133,9 @@ class CompressPass(Pass):
     rank: int = 4  #: powersgd: the rank of the approximation
     error_feedback: bool = True
     min_numel: int = 1024  #: powersgd: smaller tensors go uncompressed
+    #: the link the report prices the traffic on (glmc.comm.get_link: a name or figures)
+    link: str = "infiniband-ndr"
+    warmup_steps: int = 0  #: the first steps go uncompressed (see the module docstring)
 
     def needs(self) -> frozenset[Need]:
         return frozenset({Need.STEP})
@@ -87,6 +149,9 @@ class CompressPass(Pass):
                               f"{self.method!r}")
         if not 0 < self.ratio <= 1 or self.rank < 1:
             raise ConfigError("compress: ratio must be in (0, 1] and rank >= 1")
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ConfigError(f"compress: warmup_steps must be a whole number >= 0, got "
+                              f"{self.warmup_steps!r}")
         plan = graph.meta.get("sharding")
         if plan is None:
             raise ConfigError("compress: the step has no gradient collectives; compression "
@@ -95,13 +160,24 @@ class CompressPass(Pass):
             raise ConfigError(f"compress: {self.method} needs the gradients all-reduced "
                               f"(ZeRO stage 0 or 1); stage {plan.stage} reduce-scatters them. "
                               "Use zero 0/1, or method bf16/fp16")
+        if any(b.hierarchical for b in plan.grad_buckets):
+            raise ConfigError("compress: the gradient buckets are all-reduced hierarchically "
+                              "(shard hierarchical=on); compression works on one flat "
+                              "collective per bucket: use hierarchical=off (or auto) with it")
         if graph.meta.get("compression") is not None:
             raise PassError("compress: the step's gradients are already compressed")
+        if self.warmup_steps and ctx.backend not in ("eager",):
+            raise ConfigError(f"compress: warmup_steps runs on the eager backend only; "
+                              f"{ctx.backend} does not compile the warm-up's torch.cond branches "
+                              "yet (Inductor: branch outputs with different storage offsets). "
+                              "Use backend='eager' (--backend eager) or warmup_steps=0")
+        link = get_link(self.link)
         out = _Compressor(graph, plan, self).run()
         SpmdProgram(graph, plan.mesh).verify()
         stats = CompressStats(self.method, len(plan.grad_buckets), out.compressed,
                               out.plan.dense_bytes, out.plan.wire_bytes,
-                              round(out.plan.dense_bytes / max(out.plan.wire_bytes, 1), 2))
+                              round(out.plan.dense_bytes / max(out.plan.wire_bytes, 1), 2),
+                              self.warmup_steps, _price(graph, out.plan, plan.ranks, link, ctx))
         graph.meta["compression"] = out.plan
         return PassResult(True, stats)
 
@@ -117,9 +193,10 @@ class _Compressor:
         self.graph, self.g, self.plan, self.opts = graph, graph.graph, plan, opts
         self.emit = NodeBuilder(graph, "compress")
         self.mesh, self.dim, self.n = plan.mesh, plan.dim, plan.ranks
-        self.out = CompressPlan(opts.method)
+        self.out = CompressPlan(opts.method, warmup_steps=opts.warmup_steps)
         self.compressed = 0
         self.new_outputs: list[tuple[OutputSpec, fx.Node]] = []
+        self._warm: fx.Node | None = None  #: lt(step, warmup_steps), made on first use
 
     def run(self) -> _Result:
         colls = [n for n in self.g.nodes if GRAD_BUCKET in n.meta]
@@ -150,6 +227,8 @@ class _Compressor:
     def collective(self, value: fx.Node, kind: str, reduce_op: str | None) -> fx.Node:
         v = value.meta["val"]
         self.out.wire_bytes += v.numel() * v.element_size()
+        full = v.numel() * v.element_size() * (self.n if kind == "all_gather_into_tensor" else 1)
+        self.out.collectives.append((kind, full))
         return insert_collective(self.graph, value, kind, self.mesh, self.dim, reduce_op,
                                  readers=[])
 
@@ -160,10 +239,15 @@ class _Compressor:
         kind = self.plan.grad_buckets[coll.meta[GRAD_BUCKET]].collective
         v = flat.meta["val"]
         self.out.dense_bytes += v.numel() * v.element_size()
+        self.out.dense_collectives.append((kind, v.numel() * v.element_size()))
         self.like = flat
         b = coll.meta[GRAD_BUCKET]
         method = self.opts.method
         readers = list(wait.users)
+        if self.opts.warmup_steps:
+            with self.g.inserting_before(coll):
+                warm = self.warm  # made before the bucket's region: not part of a branch
+        before, kept_from = set(self.g.nodes), len(self.new_outputs)
         with self.g.inserting_before(coll):
             e = flat
             if self.opts.error_feedback:
@@ -185,9 +269,57 @@ class _Compressor:
                 self.keep(f"ef:{b}", self.op(aten.sub.Tensor, e, sent))
         for r in readers:
             r.replace_input_with(wait, result)
+        if self.opts.warmup_steps:
+            region = [n for n in self.g.nodes if n not in before and n.op == "call_function"]
+            self._branch(warm, region, result, flat, kind, kept_from, coll, b)
         self.g.erase_node(wait)
         self.g.erase_node(coll)
         self.compressed += 1
+
+    # -- warm-up: cond(step < N, dense, compressed) --
+    @property
+    def warm(self) -> fx.Node:
+        """lt(step, warmup_steps) at the current insertion point (first use); the step
+        counter's next value is a state output."""
+        if self._warm is None:
+            step = self.state("compress:step", (), torch.float32)
+            self._warm = self.op(aten.lt.Scalar, step, float(self.opts.warmup_steps))
+            self.keep("compress:step", self.op(aten.add.Tensor, step, 1.0))
+        return self._warm
+
+    def _branch(self, warm: fx.Node, region: list[fx.Node], result: fx.Node, flat: fx.Node,
+                kind: str, kept_from: int, where: fx.Node, b: int) -> None:
+        """Move the bucket's compressed `region` into a branch of a `cond` on `warm`, the
+        other branch the bucket's dense collective; the state it keeps passes through."""
+        kept = self.new_outputs[kept_from:]
+        olds = {TrainGraph.info(ph).target: ph for ph in self.graph.placeholders()}
+        with self.g.inserting_before(where):
+            dense = insert_collective(self.graph, flat, kind, self.mesh, self.dim, "avg",
+                                      readers=[])
+            passed = [self.op(aten.clone.default, olds[s.target]) for s, _ in kept]
+        dense_region = [dense.args[0], dense, *passed]
+        outs_c = [result, *(value for _, value in kept)]
+        outs_d = [dense, *passed]
+        operands = _externals(region + dense_region)
+        comp = _outline(region, operands, outs_c)
+        warm_gm = _outline(dense_region, operands, outs_d)
+        gm = self.graph.gm
+        names = (f"compress_warmup_{b}", f"compress_compressed_{b}")
+        gm.add_submodule(names[0], warm_gm)
+        gm.add_submodule(names[1], comp)
+        with self.g.inserting_before(where):
+            attrs = [self.g.get_attr(n) for n in names]
+            cond = self.g.call_function(torch.ops.higher_order.cond,
+                                        (warm, *attrs, tuple(operands)))
+            cond.meta["val"] = tuple(o.meta["val"] for o in outs_c)
+            cond.meta["glmc"] = NodeInfo(Phase.BACKWARD, Role.GRADIENT, None,
+                                         created_by="compress")
+            picks = [self.op(operator.getitem, cond, k) for k in range(len(outs_c))]
+        for old, new in zip(outs_c, picks):
+            old.replace_all_uses_with(new, delete_user_cb=lambda u: u not in set(region))
+        self.new_outputs[kept_from:] = [(s, p) for (s, _), p in zip(kept, picks[1:])]
+        for n in reversed(region + dense_region):
+            self.g.erase_node(n)
 
     def param_shape(self, name: str) -> tuple[int, ...]:
         """A parameter's full shape (stages 0-1 keep parameters whole)."""
@@ -326,4 +458,76 @@ class _Compressor:
         return result, sent_all
 
 
-__all__ = ["CompressPass", "CompressPlan", "CompressStats", "METHODS"]
+def _price(graph: TrainGraph, plan: CompressPlan, ranks: int, link: Any, ctx: PassContext
+           ) -> Price | None:
+    """Predicted seconds of the compressed and the dense gradient traffic on `link`, and of
+    the ops the pass added (in the main step and in its compressed branches) on the cost
+    model's profile; None where no profile is at hand without measuring this host."""
+    prof = _profile(ctx, _device(graph))
+    if prof is None:
+        return None
+    comm = sum(collective_seconds(k, b, ranks, link) for k, b in plan.collectives)
+    dense = sum(collective_seconds(k, b, ranks, link) for k, b in plan.dense_collectives)
+    overhead = dispatch_overhead(prof, ctx.traits)
+    nodes = list(graph.graph.nodes)
+    for name, sub in graph.gm.named_children():
+        if name.startswith("compress_compressed_") and isinstance(sub, fx.GraphModule):
+            nodes += list(sub.graph.nodes)
+    compute = sum(node_time(op_cost(n), prof, overhead) for n in nodes
+                  if n.op == "call_function" and n.meta.get("glmc") is not None
+                  and n.meta["glmc"].created_by == "compress" and n.meta["glmc"].comm is None
+                  and n.target is not torch.ops.higher_order.cond)
+    return Price(link.name, prof.name, comm, dense, compute)
+
+
+def _profile(ctx: PassContext, device: str) -> Any:
+    """The cost model's profile for `device`; on a CPU without a named profile, the host's
+    calibration only when it is cached (measuring it takes minutes on a loaded machine)."""
+    if ctx.profile is not None or device != "cpu":
+        return get_profile(ctx.profile, device)
+    from glmc.calibration import cache_path, calibration_enabled
+    if calibration_enabled() and not cache_path().exists():
+        return None
+    return get_profile(None, device)
+
+
+def _device(graph: TrainGraph) -> str:
+    v = next((ph.meta.get("val") for ph in graph.placeholders()
+              if isinstance(ph.meta.get("val"), torch.Tensor)), None)
+    return v.device.type if v is not None else "cpu"
+
+
+def _externals(region: list[fx.Node]) -> list[fx.Node]:
+    """The values `region` reads from outside it, in first-use order."""
+    inside, out = set(region), []
+    for n in region:
+        for a in n.all_input_nodes:
+            if a not in inside and a not in out:
+                out.append(a)
+    return out
+
+
+def _outline(region: list[fx.Node], operands: list[fx.Node], outputs: list[fx.Node]
+             ) -> fx.GraphModule:
+    """`region`'s nodes as a graph of `operands` returning `outputs` (metadata kept)."""
+    sub = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for x in operands:
+        env[x] = sub.placeholder(x.name)
+        env[x].meta = copy.copy(x.meta)
+    for n in region:
+        env[n] = sub.node_copy(n, lambda a: env[a])
+    outs, seen = [], set()
+    for o in outputs:  # a branch returns fresh tensors: no view of an input or of another output
+        x = env[o]
+        if o in operands or o in seen or is_view(o) or o.target is operator.getitem:
+            x = sub.call_function(aten.clone.default, (x,))
+            x.meta = copy.copy(o.meta)
+        seen.add(o)
+        outs.append(x)
+    sub.output(tuple(outs))
+    sub.lint()
+    return fx.GraphModule(torch.nn.Module(), sub)
+
+
+__all__ = ["CompressPass", "CompressPlan", "CompressStats", "Price", "METHODS"]

@@ -168,3 +168,108 @@ def test_topology_options_are_typed_errors() -> None:
         Parallel.of({"nodes": 0})
     with pytest.raises(ConfigError, match="does not combine"):
         Parallel.of({"hierarchical": "on", "compress": "sign"})
+
+
+# ---- compression warm-up ---------------------------------------------------------------------
+
+def _warmup_part(rank: int, out: Path) -> dict:
+    """Uncompressed, and PowerSGD / sign with 2 warm-up steps, 4 steps each on the MLP."""
+    from glmc.parallel import load_checkpoint, save_checkpoint
+    found = {}
+    for name, compress in (("dense", None),
+                           ("powersgd", {"method": "powersgd", "min_numel": 256,
+                                         "warmup_steps": 2}),
+                           ("sign", {"method": "sign", "warmup_steps": 2})):
+        model, batch, loss_fn, opt = CASES["mlp"].make()
+        parallel = {"zero": 0, "bucket_mb": BUCKET_MB}
+        if compress is not None:
+            parallel["compress"] = compress
+        trainer = glmc.optimize(model, batch, loss_fn=loss_fn, optimizer=opt, backend="eager",
+                                fusion=False, predict=False, measure=False, parallel=parallel)
+        losses, residuals = [], []
+        for _ in range(4):
+            losses.append(trainer.step(*batch).item())
+            residuals.append(float(sum(v.abs().sum() for k, v in
+                                       trainer.parallel.comm_state.items()
+                                       if k.startswith("ef:"))))
+        r = {"losses": losses, "residuals": residuals, "compiles": len(trainer.report.compiles),
+             "state": {k: v.clone() for k, v in trainer.parallel.comm_state.items()}}
+        if name == "sign":  # the step counter is checkpointed with the residuals
+            save_checkpoint(trainer, str(out / "ckpt-warmup"))
+            trainer.parallel.comm_state["compress:step"].zero_()
+            load_checkpoint(trainer, str(out / "ckpt-warmup"))
+            r["restored_step"] = float(trainer.parallel.comm_state["compress:step"])
+        found[name] = r
+    return found
+
+
+def _warmup_worker(rank: int, port: int, out: str) -> None:
+    run_parts(rank, port, 2, out, [("warmup", _warmup_part)])
+
+
+def test_warmup_steps_send_the_first_gradients_uncompressed(tmp_path: Path) -> None:
+    spawn(_warmup_worker, str(tmp_path), nprocs=2)
+    for rank in (0, 1):
+        r = result(tmp_path, "warmup", rank)
+        dense = r["dense"]["losses"]
+        for method in ("powersgd", "sign"):
+            got = r[method]
+            # steps 1-2 (and the loss of step 3, computed before its update) are the
+            # uncompressed run's; from step 4 on the compressed updates show
+            torch.testing.assert_close(got["losses"][:3], dense[:3], rtol=1e-6, atol=0,
+                                       msg=method)
+            assert abs(got["losses"][3] - dense[3]) > 1e-4 * abs(dense[3]), method
+            # error feedback starts with compression: no residual before step 3
+            assert got["residuals"][:2] == [0.0, 0.0] and got["residuals"][2] > 0, method
+            assert float(got["state"]["compress:step"]) == 4.0
+            assert got["compiles"] == 1, method  # one compiled step holds both branches
+        assert r["sign"]["restored_step"] == 4.0
+
+
+# ---- pricing and the warm-up's structure, without processes --------------------------------------
+
+def _compressed(method: str, bucket_mb: float = BUCKET_MB, **options
+                ) -> tuple[TrainGraph, object]:
+    from glmc.passes.compress import CompressPass
+    model, batch, loss_fn, opt = CASES["glm"].make()
+    graph = glmc.capture(model, batch, loss_fn, opt)
+    ctx = PassContext(profile="generic-cpu", mesh=MeshSpec((2,), ("dp",)))
+    ShardPass(stage=0, bucket_mb=bucket_mb).run(graph, ctx)
+    return graph, CompressPass(method=method, min_numel=256, **options).run(graph, ctx).stats
+
+
+@pytest.mark.parametrize("method", ["bf16", "sign", "topk", "powersgd"])
+def test_compression_is_priced_bytes_link_time_and_compute(method: str) -> None:
+    _, stats = _compressed(method, bucket_mb=25, link="30us:3.125GBps")  # one bucket
+    p = stats.price
+    assert p is not None and "generic" in p.profile and p.link == "30us:3.125GBps"
+    assert stats.wire_bytes < stats.dense_bytes
+    # fewer bytes on a 25 GbE-like link: less predicted time than the dense all-reduce (with
+    # many small buckets PowerSGD's two all-reduces each would make latency win instead)
+    assert 0 < p.comm_seconds < p.dense_comm_seconds, method
+    assert p.compute_seconds > 0  # the compress/decompress ops are priced, never free
+    section = stats.report_section(None)
+    assert f"{stats.wire_bytes:,}" in section.summary and "ms compute" in section.summary
+    assert section.to_dict()["blocks"][1]["rows"][0][1:] == [stats.dense_bytes, stats.wire_bytes]
+
+
+def test_warmup_is_one_step_with_a_branch_per_bucket() -> None:
+    graph, stats = _compressed("sign", warmup_steps=3)
+    conds = [n for n in graph.graph.nodes if n.target is torch.ops.higher_order.cond]
+    assert len(conds) == len(graph.meta["sharding"].grad_buckets) > 1
+    for c in conds:
+        warm, dense, compressed = c.args[0], *(getattr(graph.gm, a.target) for a in c.args[1:3])
+        assert warm.target is torch.ops.aten.lt.Scalar and warm.args[1] == 3.0
+        kinds = [n.target._opname for n in dense.graph.nodes if n.op == "call_function"
+                 and "c10d" in str(n.target)]
+        assert kinds == ["all_reduce", "wait_tensor"]  # the bucket's own collective
+        kinds = [n.target._opname for n in compressed.graph.nodes if n.op == "call_function"
+                 and "c10d" in str(n.target)]
+        assert kinds.count("all_gather_into_tensor") == 2  # bits and scales
+    assert any(s.target == "compress:step" for s in graph.inputs)
+    assert stats.warmup_steps == 3
+    # no dense collective runs outside the branches
+    assert not any("all_reduce" in str(n.target) and "compress" in str(n.meta.get("glmc"))
+                   for n in graph.graph.nodes)
+    with pytest.raises(ConfigError, match="warmup_steps"):
+        _compressed("sign", warmup_steps=-1)
