@@ -168,8 +168,12 @@ def estimate_comm(graph: fx.Graph, node_seconds: dict[str, float], ranks: int,
         nbytes = _full_bytes(n, kind)
         volume[kind] = volume.get(kind, 0) + nbytes
         info = n.meta.get("glmc")
-        dim = info.comm.mesh_dim if info is not None and info.comm is not None else None
-        n_ranks, on = (groups or {}).get(dim, (ranks, link))
+        comm_info = info.comm if info is not None else None
+        dim = comm_info.mesh_dim if comm_info is not None else None
+        # a sub-group's collective (hierarchical all-reduce) runs over its own ranks
+        n_ranks = comm_info.group_size if comm_info is not None and comm_info.group_size \
+            else ranks
+        n_ranks, on = (groups or {}).get(dim, (n_ranks, link))
         seconds = collective_seconds(kind, nbytes, n_ranks, on)
         start = max(clock, link_free)
         link_free = ends[n] = start + seconds
@@ -366,7 +370,7 @@ def predict_allreduce(a: Any) -> str:
         print(f"  link {link.name}: alpha {link.latency_s * 1e6:.1f} us, beta "
               f"{link.bandwidth / 1e9:.1f} GB/s ({link.source})")
     print("  formulas: all_reduce 2(N-1) alpha + 2(N-1)/N B/beta; reduce_scatter and "
-          "all_gather (N-1) alpha + (N-1)/N B/beta")
+          "all_gather (N-1) alpha + (N-1)/N B/beta; + call per collective (0 for these links)")
     print(f"  flat ring over {n} ranks on {inter.name}: {c.flat_seconds:.3f} s")
     for name, t in c.parts.items():
         print(f"  hierarchical: {name}: {t:.3f} s")

@@ -174,6 +174,9 @@ class CommInfo:
     collective: str
     mesh_dim: str
     reduce_op: str | None = None
+    #: ranks in the group (the mesh dim's size, so not part of equality), for the
+    #: communication model; None: unknown
+    group_size: int | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

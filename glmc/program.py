@@ -123,8 +123,8 @@ def insert_collective(graph: TrainGraph, value: fx.Node, collective: str, mesh: 
         wait = g.call_function(_op("wait_tensor"), (coll,))
     spec = TrainGraph.info(value).spec
     shape = rule.local_shape(spec.shape, size) if spec is not None else None
-    _annotate_comm(coll, value, shape, dst, CommInfo(collective, mesh_dim, reduce_op))
-    _annotate_comm(wait, value, shape, dst, CommInfo("wait_tensor", mesh_dim))
+    _annotate_comm(coll, value, shape, dst, CommInfo(collective, mesh_dim, reduce_op, size))
+    _annotate_comm(wait, value, shape, dst, CommInfo("wait_tensor", mesh_dim, None, size))
     for r in readers:
         r.replace_input_with(value, wait)
     return wait

@@ -36,7 +36,10 @@ so only the chosen branch's collectives run:
 
 Residuals and Q stay at their initial values through the warm-up (as torch's hook: error
 feedback starts with compression). The branches run one after the other: a warm-up bucket's
-collectives do not overlap the backward. Eager backend only for now (a typed error on others).
+collectives do not overlap the backward. Each branch returns its values packed in one flat
+tensor (cut apart after the cond) where they share a dtype: Inductor requires a cond's outputs
+to match in storage offset, which views of a collective's buffer do not. Eager and Inductor
+backends (a typed error on the others).
 """
 from __future__ import annotations
 
@@ -166,11 +169,10 @@ class CompressPass(Pass):
                               "collective per bucket: use hierarchical=off (or auto) with it")
         if graph.meta.get("compression") is not None:
             raise PassError("compress: the step's gradients are already compressed")
-        if self.warmup_steps and ctx.backend not in ("eager",):
-            raise ConfigError(f"compress: warmup_steps runs on the eager backend only; "
-                              f"{ctx.backend} does not compile the warm-up's torch.cond branches "
-                              "yet (Inductor: branch outputs with different storage offsets). "
-                              "Use backend='eager' (--backend eager) or warmup_steps=0")
+        if self.warmup_steps and ctx.backend not in ("eager", "inductor"):
+            raise ConfigError(f"compress: warmup_steps runs on the eager and inductor backends;"
+                              f" {ctx.backend} does not compile the warm-up's torch.cond "
+                              "branches. Use one of those (--backend eager) or warmup_steps=0")
         link = get_link(self.link)
         out = _Compressor(graph, plan, self).run()
         SpmdProgram(graph, plan.mesh).verify()
@@ -293,16 +295,25 @@ class _Compressor:
         other branch the bucket's dense collective; the state it keeps passes through."""
         kept = self.new_outputs[kept_from:]
         olds = {TrainGraph.info(ph).target: ph for ph in self.graph.placeholders()}
+        outs_c = [result, *(value for _, value in kept)]
+        # one flat output per branch where the dtypes allow: fresh memory at offset 0 in both
+        # branches, which Inductor requires of a cond's outputs (views of a collective's
+        # buffer are not, even through a clone)
+        pack = len({o.meta["val"].dtype for o in outs_c}) == 1
         with self.g.inserting_before(where):
             dense = insert_collective(self.graph, flat, kind, self.mesh, self.dim, "avg",
                                       readers=[])
-            passed = [self.op(aten.clone.default, olds[s.target]) for s, _ in kept]
-        dense_region = [dense.args[0], dense, *passed]
-        outs_c = [result, *(value for _, value in kept)]
-        outs_d = [dense, *passed]
+            passed = [olds[s.target] if pack else self.op(aten.clone.default, olds[s.target])
+                      for s, _ in kept]
+            outs_d = [dense, *passed]
+            dense_region = [dense.args[0], dense, *(p for p in passed if p.op != "placeholder")]
+            if pack:
+                packed_c, packed_d = self._pack(outs_c), self._pack(outs_d)
+                region += packed_c[1]
+                dense_region += packed_d[1]
         operands = _externals(region + dense_region)
-        comp = _outline(region, operands, outs_c)
-        warm_gm = _outline(dense_region, operands, outs_d)
+        comp = _outline(region, operands, [packed_c[0]] if pack else outs_c)
+        warm_gm = _outline(dense_region, operands, [packed_d[0]] if pack else outs_d)
         gm = self.graph.gm
         names = (f"compress_warmup_{b}", f"compress_compressed_{b}")
         gm.add_submodule(names[0], warm_gm)
@@ -311,15 +322,32 @@ class _Compressor:
             attrs = [self.g.get_attr(n) for n in names]
             cond = self.g.call_function(torch.ops.higher_order.cond,
                                         (warm, *attrs, tuple(operands)))
-            cond.meta["val"] = tuple(o.meta["val"] for o in outs_c)
+            cond.meta["val"] = (packed_c[0].meta["val"],) if pack else \
+                tuple(o.meta["val"] for o in outs_c)
             cond.meta["glmc"] = NodeInfo(Phase.BACKWARD, Role.GRADIENT, None,
                                          created_by="compress")
-            picks = [self.op(operator.getitem, cond, k) for k in range(len(outs_c))]
+            picks = self._unpack(cond, outs_c) if pack else \
+                [self.op(operator.getitem, cond, k) for k in range(len(outs_c))]
+        inside = set(region)
         for old, new in zip(outs_c, picks):
-            old.replace_all_uses_with(new, delete_user_cb=lambda u: u not in set(region))
+            old.replace_all_uses_with(new, delete_user_cb=lambda u: u not in inside)
         self.new_outputs[kept_from:] = [(s, p) for (s, _), p in zip(kept, picks[1:])]
         for n in reversed(region + dense_region):
             self.g.erase_node(n)
+
+    def _pack(self, values: list[fx.Node]) -> tuple[fx.Node, list[fx.Node]]:
+        """cat of `values` flattened, and the nodes made for it."""
+        flat = [self.op(aten.view.default, v, [-1]) for v in values]
+        cat = self.op(aten.cat.default, flat)
+        return cat, [*flat, cat]
+
+    def _unpack(self, cond: fx.Node, like: list[fx.Node]) -> list[fx.Node]:
+        """A packed cond output cut back into values shaped as `like`."""
+        packed = self.op(operator.getitem, cond, 0)
+        sizes = [v.meta["val"].numel() for v in like]
+        parts = self.op(aten.split_with_sizes.default, packed, sizes)
+        return [self.op(aten.view.default, self.op(operator.getitem, parts, k),
+                        list(v.meta["val"].shape)) for k, v in enumerate(like)]
 
     def param_shape(self, name: str) -> tuple[int, ...]:
         """A parameter's full shape (stages 0-1 keep parameters whole)."""

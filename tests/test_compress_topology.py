@@ -4,6 +4,7 @@ compress pass's warm-up. The structural and cost-model tests run without process
 from __future__ import annotations
 
 import copy
+import functools
 from pathlib import Path
 
 import pytest
@@ -102,9 +103,19 @@ def test_hierarchical_all_reduce_on_the_glm_under_zero_0_and_1(tmp_path: Path) -
 
 # ---- the pass and the model, without processes -------------------------------------------------
 
-def _sharded(**options) -> tuple[TrainGraph, ShardPass]:
+@functools.lru_cache(maxsize=1)
+def _captured_glm() -> TrainGraph:
     model, batch, loss_fn, opt = CASES["glm"].make()
-    graph = glmc.capture(model, batch, loss_fn, opt)
+    return glmc.capture(model, batch, loss_fn, opt)
+
+
+def _glm() -> TrainGraph:
+    """A fresh copy of the GLM example's step (captured once: capture dominates)."""
+    return _captured_glm().copy()
+
+
+def _sharded(**options) -> tuple[TrainGraph, ShardPass]:
+    graph = _glm()
     p = ShardPass(stage=0, bucket_mb=BUCKET_MB, **options)
     p.run(graph, PassContext(mesh=MESH_2x2))
     return graph, p
@@ -152,6 +163,20 @@ def test_hierarchical_bucket_is_reduce_scatter_all_reduce_all_gather() -> None:
     assert not any(b.hierarchical for b in off.meta["sharding"].grad_buckets)
 
 
+def test_the_step_prediction_prices_sub_group_collectives_on_their_own_ranks() -> None:
+    from glmc.comm import LinkProfile, collective_seconds, estimate_comm
+    graph, _ = _sharded(hierarchical="on", intra_link=UNIFORM, inter_link=UNIFORM)
+    link = LinkProfile("test", 1e-5, 1e9, "made up")
+    est = estimate_comm(graph.graph, {}, 4, link)  # 4 ranks in all; "local"/"node" have 2
+    flat = {n.name for n in graph.compute_nodes() if TrainGraph.info(n).comm is not None
+            and TrainGraph.info(n).comm.mesh_dim == "dp"}
+    assert len(est.timeline) == 3 * len(graph.meta["sharding"].grad_buckets) + 1  # + the loss
+    for entry in est.timeline:
+        ranks = 4 if entry["node"] in flat else 2
+        assert entry["end_s"] - entry["start_s"] == pytest.approx(
+            collective_seconds(entry["kind"], entry["bytes"], ranks, link))
+
+
 def test_topology_options_are_typed_errors() -> None:
     def mlp() -> TrainGraph:
         model, batch, loss_fn, opt = CASES["mlp"].make()
@@ -172,7 +197,13 @@ def test_topology_options_are_typed_errors() -> None:
 
 # ---- compression warm-up ---------------------------------------------------------------------
 
-def _warmup_part(rank: int, out: Path) -> dict:
+def _warmup_part(backend: str):
+    def part(rank: int, out: Path) -> dict:
+        return _warmup(rank, out, backend)
+    return part
+
+
+def _warmup(rank: int, out: Path, backend: str) -> dict:
     """Uncompressed, and PowerSGD / sign with 2 warm-up steps, 4 steps each on the MLP."""
     from glmc.parallel import load_checkpoint, save_checkpoint
     found = {}
@@ -184,7 +215,7 @@ def _warmup_part(rank: int, out: Path) -> dict:
         parallel = {"zero": 0, "bucket_mb": BUCKET_MB}
         if compress is not None:
             parallel["compress"] = compress
-        trainer = glmc.optimize(model, batch, loss_fn=loss_fn, optimizer=opt, backend="eager",
+        trainer = glmc.optimize(model, batch, loss_fn=loss_fn, optimizer=opt, backend=backend,
                                 fusion=False, predict=False, measure=False, parallel=parallel)
         losses, residuals = [], []
         for _ in range(4):
@@ -195,22 +226,23 @@ def _warmup_part(rank: int, out: Path) -> dict:
         r = {"losses": losses, "residuals": residuals, "compiles": len(trainer.report.compiles),
              "state": {k: v.clone() for k, v in trainer.parallel.comm_state.items()}}
         if name == "sign":  # the step counter is checkpointed with the residuals
-            save_checkpoint(trainer, str(out / "ckpt-warmup"))
+            save_checkpoint(trainer, str(out / f"ckpt-warmup-{backend}"))
             trainer.parallel.comm_state["compress:step"].zero_()
-            load_checkpoint(trainer, str(out / "ckpt-warmup"))
+            load_checkpoint(trainer, str(out / f"ckpt-warmup-{backend}"))
             r["restored_step"] = float(trainer.parallel.comm_state["compress:step"])
         found[name] = r
     return found
 
 
-def _warmup_worker(rank: int, port: int, out: str) -> None:
-    run_parts(rank, port, 2, out, [("warmup", _warmup_part)])
+def _warmup_worker(rank: int, port: int, out: str, backend: str) -> None:
+    run_parts(rank, port, 2, out, [(f"warmup-{backend}", _warmup_part(backend))])
 
 
-def test_warmup_steps_send_the_first_gradients_uncompressed(tmp_path: Path) -> None:
-    spawn(_warmup_worker, str(tmp_path), nprocs=2)
+@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_warmup_steps_send_the_first_gradients_uncompressed(tmp_path: Path, backend: str) -> None:
+    spawn(_warmup_worker, str(tmp_path), backend, nprocs=2)
     for rank in (0, 1):
-        r = result(tmp_path, "warmup", rank)
+        r = result(tmp_path, f"warmup-{backend}", rank)
         dense = r["dense"]["losses"]
         for method in ("powersgd", "sign"):
             got = r[method]
@@ -231,8 +263,7 @@ def test_warmup_steps_send_the_first_gradients_uncompressed(tmp_path: Path) -> N
 def _compressed(method: str, bucket_mb: float = BUCKET_MB, **options
                 ) -> tuple[TrainGraph, object]:
     from glmc.passes.compress import CompressPass
-    model, batch, loss_fn, opt = CASES["glm"].make()
-    graph = glmc.capture(model, batch, loss_fn, opt)
+    graph = _glm()
     ctx = PassContext(profile="generic-cpu", mesh=MeshSpec((2,), ("dp",)))
     ShardPass(stage=0, bucket_mb=bucket_mb).run(graph, ctx)
     return graph, CompressPass(method=method, min_numel=256, **options).run(graph, ctx).stats
