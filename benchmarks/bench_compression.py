@@ -5,9 +5,12 @@ fixed synthetic corpus — text from a random Markov chain (4 successors per tok
 falls from ln(256) = 5.5 towards the chain's entropy, 1.28 — for `--steps` steps, interleaved (one step of each
 contender per round). glmc's compress pass with each method, with and without error feedback,
 against uncompressed glmc and against torch's own PowerSGD DDP communication hook at the same
-rank. Reported: final loss (mean of the last 20 steps) and its ratio to uncompressed, bytes each
-rank hands to the gradient collectives per step (from the compiled step's collectives) and the
-ratio to dense, median step time; and a loss-vs-step plot.
+rank, and each lossy method again with a 20-step uncompressed warm-up (`warmup_steps`). Reported:
+final loss (mean of the last 20 steps) and its ratio to uncompressed; bytes each rank hands to
+the gradient collectives per step, predicted (the compiled step's collectives) and measured
+(counted at the collectives during the last step, the loss's 4-byte all-reduce included); the
+pass's predicted communication time on this host's measured gloo link and predicted compute of
+its added ops; median step time; and the loss-vs-step curves (SVG plot and CSV).
 
     python benchmarks/bench_compression.py                # 300 steps
     python benchmarks/bench_compression.py --steps 50
@@ -42,6 +45,10 @@ CONTENDERS = {  # name -> compress option (None: uncompressed); "ddp-powersgd": 
     "glmc topk 1%, no EF": {"method": "topk", "ratio": 0.01, "error_feedback": False},
     "glmc powersgd r4": {"method": "powersgd", "rank": 4, "min_numel": 1024},
     "ddp-powersgd r4": "hook",
+    "glmc sign, warm-up 20": {"method": "sign", "warmup_steps": 20},
+    "glmc topk 1%, warm-up 20": {"method": "topk", "ratio": 0.01, "warmup_steps": 20},
+    "glmc powersgd r4, warm-up 20": {"method": "powersgd", "rank": 4, "min_numel": 1024,
+                                     "warmup_steps": 20},
 }
 LR = 3e-3
 TAIL = 20  #: final loss = mean of the last TAIL steps
@@ -75,11 +82,12 @@ def corpus_batch(step: int, batch: int, seq: int, vocab: int) -> tuple[torch.Ten
 
 
 class Contender:
-    def __init__(self, name: str, spec, model, batch, loss_fn) -> None:
+    def __init__(self, name: str, spec, model, batch, loss_fn, link: str) -> None:
         self.name = name
         self.model = copy.deepcopy(model)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR)
-        self.wire = self.dense = None
+        self.wire = self.dense = self.price = None
+        self.counted: int | None = None  #: bytes counted at the collectives in the last step
         if spec == "hook":
             from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
             from torch.nn.parallel import DistributedDataParallel
@@ -90,17 +98,22 @@ class Contender:
             self.loss_module = LossModule(ddp, loss_fn)
             self.trainer = None
             return
-        parallel = {"zero": 0, "compress": spec}
+        parallel = {"zero": 0, "compress": {**spec, "link": link} if spec else None}
         self.trainer = glmc.optimize(self.model, batch, loss_fn=loss_fn, optimizer=self.opt,
                                      backend="eager", parallel=parallel, predict=False,
                                      measure=False)
         rec = self.trainer.report.compiles[-1]
         stats = next((r.stats for r in rec.history if r.name == "compress"), None)
         if stats is not None:
-            self.wire, self.dense = stats.wire_bytes, stats.dense_bytes
+            self.wire, self.dense, self.price = stats.wire_bytes, stats.dense_bytes, stats.price
 
-    def step(self, batch) -> float:
+    def step(self, batch, count: bool = False) -> float:
         if self.trainer is not None:
+            if count:
+                from glmc.comm import count_wire_bytes
+                loss, counted = count_wire_bytes(lambda: self.trainer.step(*batch))
+                self.counted = sum(counted.values())
+                return loss.item()
             return self.trainer.step(*batch).item()
         rank, world = dist.get_rank(), dist.get_world_size()
         n = batch[0].shape[0] // world
@@ -116,42 +129,62 @@ class Contender:
 
 def rank_main(a: argparse.Namespace) -> None:
     from datetime import timedelta
-    dist.init_process_group("gloo", timeout=timedelta(seconds=600))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=1800))  # rank 0 may calibrate
+    from glmc.calibration import calibrate
+    from glmc.comm import measure_link
+    if dist.get_rank() == 0:
+        calibrate()  # the host profile the pass prices compute on: cached after the first run
+    dist.barrier()
     model, batch, loss_fn, _ = WORKLOADS["glm-tiny"]()
     seq = batch[0].shape[1]
     make = lambda i: corpus_batch(i, a.batch, seq, 256)  # noqa: E731 (GLM tiny: vocab 256)
-    subjects = {n: Contender(n, spec, model, make(0), loss_fn) for n, spec in CONTENDERS.items()}
+    measured = measure_link()  # the compress pass prices the traffic on this host's gloo link
+    link = f"{measured.latency_s * 1e6:.3f}us:{measured.bandwidth / 1e9:.4f}GBps"
+    subjects = {n: Contender(n, spec, model, make(0), loss_fn, link)
+                for n, spec in CONTENDERS.items()}
     losses = {n: [] for n in subjects}
     times = {n: [] for n in subjects}
     for i in range(a.steps):
         b = make(i)
+        last = i == a.steps - 1  # counted at the collectives: slower, kept out of the times
         for n, c in subjects.items():
             dist.barrier()
             t0 = time.perf_counter()
-            losses[n].append(c.step(b))
-            times[n].append(time.perf_counter() - t0)
+            losses[n].append(c.step(b, count=last))
+            if not last:
+                times[n].append(time.perf_counter() - t0)
     if dist.get_rank() == 0:
-        report(a, subjects, losses, times)
+        report(a, subjects, losses, times, link)
     dist.destroy_process_group()
 
 
-def report(a, subjects, losses, times) -> None:
+def report(a, subjects, losses, times, link: str) -> None:
     meta = run_meta("bench_compression.py")
     cpu = cpu_name()
     base = statistics.mean(losses["glmc"][-TAIL:])
     base_t = statistics.median(times["glmc"][5:] or times["glmc"])
     rows = []
+    priced = next((c.price for c in subjects.values() if c.price is not None), None)
+    dense_bytes = next((c.dense for c in subjects.values() if c.dense), None)
     for n, c in subjects.items():
         final = statistics.mean(losses[n][-TAIL:])
         step = statistics.median(times[n][5:] or times[n])
+        p = c.price
+        comm = p.comm_seconds if p else (priced.dense_comm_seconds if priced and
+                                          c.trainer is not None else None)
         rows.append({"contender": n, "first_loss": round(losses[n][0], 4),
                      "final_loss": round(final, 4), "vs_uncompressed": round(final / base, 3),
-                     "wire_bytes": c.wire, "dense_bytes": c.dense,
+                     "wire_bytes": c.wire, "dense_bytes": c.dense, "measured_bytes": c.counted,
+                     "predicted_bytes": c.wire or (dense_bytes if c.trainer is not None else None),
                      "ratio": round(c.dense / c.wire, 1) if c.wire else None,
+                     "predicted_comm_ms": round(comm * 1e3, 3) if comm is not None else None,
+                     "predicted_compute_ms": round(p.compute_seconds * 1e3, 3) if p else
+                     (0.0 if c.trainer is not None else None),
                      "step_ms": round(step * 1e3, 2), "step_ratio": round(step / base_t, 3)})
     hook = next(r for r in rows if r["contender"].startswith("ddp"))
     ours = next(r for r in rows if r["contender"] == "glmc powersgd r4")
     data = {"meta": meta, "cpu": cpu, "steps": a.steps, "batch": a.batch, "lr": LR,
+            "link": link, "profile": priced.profile if priced else None,
             "rows": rows, "curves": losses,
             "powersgd_vs_torch_hook": {"final_loss_ratio": round(ours["final_loss"] /
                                                                   hook["final_loss"], 3),
@@ -160,21 +193,26 @@ def report(a, subjects, losses, times) -> None:
     lines = [f"**GLM tiny** on a synthetic Markov-chain text (best loss 1.28), global batch {a.batch}, "
              f"AdamW lr {LR}, 2 processes on gloo, {a.steps} interleaved steps; final loss = "
              f"mean of the last {TAIL}; {meta['date']}, {cpu}, torch {meta['torch']}; "
-             f"`{meta['command']}`", "",
-             "| contender | first loss | final loss | vs uncompressed | bytes on the wire per "
-             "rank per step | compression | median step (ms) | vs uncompressed |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"`{meta['command']}`; predicted on the measured gloo link `{link}` and the "
+             f"{data['profile']} profile", "",
+             "| contender | first loss | final loss | vs uncompressed | bytes per rank per step:"
+             " predicted / measured | compression | predicted comm (ms) | predicted compress "
+             "compute (ms) | median step (ms) | vs uncompressed |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    dash = lambda v, f="{:,}": "-" if v is None else f.format(v)  # noqa: E731
     for r in rows:
-        wire = f"{r['wire_bytes']:,}" if r["wire_bytes"] else "-"
         ratio = f"{r['ratio']}:1" if r["ratio"] else "-"
         lines.append(f"| {r['contender']} | {r['first_loss']} | {r['final_loss']} | "
-                     f"{r['vs_uncompressed']} | {wire} | {ratio} | {r['step_ms']} | "
+                     f"{r['vs_uncompressed']} | {dash(r['predicted_bytes'])} / "
+                     f"{dash(r['measured_bytes'])} | {ratio} | {dash(r['predicted_comm_ms'], '{}')}"
+                     f" | {dash(r['predicted_compute_ms'], '{}')} | {r['step_ms']} | "
                      f"{r['step_ratio']} |")
     p = data["powersgd_vs_torch_hook"]
     lines += ["", f"glmc PowerSGD r4 vs torch's PowerSGD DDP hook r4: final loss ratio "
               f"{p['final_loss_ratio']}, step time ratio {p['step_time_ratio']}."]
     out = Path(a.out)
     _plot(losses, out / "compression-curves.svg")
+    _csv(losses, out / "compression-curves.csv")
     write_result(out, "compression", data, "\n".join(lines))
 
 
@@ -192,6 +230,16 @@ def _plot(losses: dict, path: Path) -> None:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
+
+
+def _csv(losses: dict, path: Path) -> None:
+    """One row per step, one column per contender."""
+    names = list(losses)
+    lines = ["step," + ",".join(f'"{n}"' for n in names)]
+    for i in range(len(losses[names[0]])):
+        lines.append(f"{i + 1}," + ",".join(f"{losses[n][i]:.5f}" for n in names))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
 
 
 def main() -> None:
