@@ -304,3 +304,15 @@ def test_warmup_is_one_step_with_a_branch_per_bucket() -> None:
                    for n in graph.graph.nodes)
     with pytest.raises(ConfigError, match="warmup_steps"):
         _compressed("sign", warmup_steps=-1)
+
+
+def test_cli_topology_and_warmup_options_are_usage_errors_without_their_context(capsys) -> None:
+    from glmc.cli import main
+    for argv, says in ((["--compress-warmup", "3"], "--compress-warmup needs --compress"),
+                       (["--nodes", "2"], "need --nproc or --zero"),
+                       (["--nproc", "4", "--nodes", "3"], "does not divide --nproc 4"),
+                       (["--zero", "0", "--inter-link", "fast"], "ALPHAus:BETAGBps"),
+                       (["--zero", "2", "--hierarchical", "on"], "--zero 0 or 1")):
+        with pytest.raises(SystemExit) as e:
+            main(["compile", "examples/mlp.py", *argv])
+        assert e.value.code == 2 and says in capsys.readouterr().err, argv
