@@ -66,7 +66,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
                         "(training/eval/optimizer models, checkpoint, train.py) here")
     c.add_argument("--export-tvm", default=None, metavar="DIR",
                    help="after training, build the step with Apache TVM for --target and write "
-                        "step.so, inputs.npz and a torch-free run_tvm.py here")
+                        "step.so, state.safetensors and a torch-free run_tvm.py here")
     c.add_argument("--target", default=None, metavar="T",
                    help="with --export-tvm: kunpeng920 (default) | aarch64 | x86_64 | host | "
                         "cuda | h100 | h200 | a100, or a TVM target as JSON, e.g. "

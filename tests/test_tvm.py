@@ -159,7 +159,11 @@ def _export(tmp_path: Path, case: str, target) -> tuple[Path, list[float]]:
                             predict=False, measure=False)
     out = tmp_path / str(target if isinstance(target, str) else target["kind"])
     export_tvm(trainer, str(out), target=target)
+    _export.trainers.append(trainer)
     return out, glmc_losses(trainer, x, STEPS)
+
+
+_export.trainers = []  # type: ignore[attr-defined]
 
 
 def _run(cmd: list[str], env: dict | None = None) -> list[float]:
@@ -176,6 +180,22 @@ def _aarch64_sysroot() -> Path:
         pytest.skip(f"needs {', '.join(missing) or 'an aarch64 sysroot'}: "
                     "tools/aarch64_sysroot.sh (apt: gcc-aarch64-linux-gnu qemu-user)")
     return root
+
+
+def test_export_trains_without_torch_and_saves_the_state_as_safetensors(tmp_path) -> None:
+    """The host build's run_tvm.py (TVM runtime, numpy, safetensors) trains 3 steps to glmc's
+    losses, and `--save` leaves the trained parameters in state.safetensors under the model's
+    names, equal to glmc's after the same steps."""
+    from safetensors.torch import load_file
+    model, _, _, _ = MAKE["mlp"]()
+    out, want = _export(tmp_path, "mlp", "host")
+    got = _run([sys.executable, str(out / "run_tvm.py"), "--steps", str(STEPS), "--save"])
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=ATOL)
+    state = load_file(str(out / "state.safetensors"))
+    trained = _export.trainers[-1].model  # the model glmc trained in _export
+    for name, p in trained.named_parameters():
+        torch.testing.assert_close(state[name], p.detach(), rtol=RTOL, atol=ATOL)
+    assert any(k.startswith("optimizer_state/") for k in state)
 
 
 @pytest.mark.slow

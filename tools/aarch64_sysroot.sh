@@ -7,7 +7,8 @@
 #
 # Installs the cross linker and qemu (apt), adds the arm64 architecture to apt to download
 # Debian's arm64 python3.11 and the libraries it and TVM load (apt-get download + dpkg -x, not
-# installed), and unpacks the aarch64 wheels of apache-tvm, apache-tvm-ffi, numpy, ml_dtypes.
+# installed), and unpacks the aarch64 wheels of apache-tvm, apache-tvm-ffi, numpy, ml_dtypes,
+# safetensors.
 set -eu
 DEST=${1:-$HOME/.cache/glmc/aarch64}
 PIP=${PIP:-$(cd "$(dirname "$0")/.." && pwd)/.venv/bin/pip}
@@ -26,6 +27,7 @@ for d in *.deb; do dpkg -x "$d" "$DEST/rootfs"; done
 cd "$DEST/wheels"
 "$PIP" download --only-binary=:all: --no-deps --python-version $PY_VER \
     --platform manylinux2014_aarch64 --platform manylinux_2_28_aarch64 \
-    apache-tvm==0.27.0.post1 "apache-tvm-ffi${FFI:+==$FFI}" numpy ml_dtypes typing_extensions >/dev/null
+    apache-tvm==0.27.0.post1 "apache-tvm-ffi${FFI:+==$FFI}" numpy ml_dtypes typing_extensions \
+    safetensors >/dev/null
 for w in *.whl; do python3 -m zipfile -e "$w" "$DEST/site/"; done
 echo "$DEST"
