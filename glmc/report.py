@@ -67,15 +67,37 @@ class CompileRecord:
                "predicted_captured": self.predicted_captured, "predicted": self.predicted,
                "measured": dict(self.measured) if self.measured else None,
                "steps_run": len(self.step_seconds), "steps_timed": len(steps),
-               "measured_step_seconds": statistics.median(steps) if steps else None,
+               # the fastest step: the one least disturbed by other work on the machine
+               "measured_step_seconds": min(steps) if steps else None,
+               "median_step_seconds": statistics.median(steps) if steps else None,
                "warnings": list(self.warnings), "phases": self.phases,
                "host_memory": self.host_memory}
         out["measured_peak_bytes"], out["measured_state_from"] = measured_peak(out)
         out["errors"] = _errors(out)
+        spread = _load_warning(steps)
+        if spread is not None and spread not in out["warnings"]:
+            out["warnings"].append(spread)
         for entry, ctx, record in zip(out["passes"], _section_contexts(out), self.history):
             section = section_of(record.stats, ctx)
             entry["section"] = section.to_dict() if section is not None else None
         return out
+
+
+#: median / fastest step above which the timings are reported as disturbed
+LOADED_SPREAD = 1.25
+
+
+def _load_warning(steps: list[float]) -> str | None:
+    """A warning when the timed steps of one compiled step vary more than the step itself
+    can (same shapes, same work): other work on the machine took the cores."""
+    if len(steps) < 3 or min(steps) <= 0:
+        return None
+    spread = statistics.median(steps) / min(steps)
+    if spread <= LOADED_SPREAD:
+        return None
+    return (f"step times vary: the median of {len(steps)} timed steps is {spread:.2f}x the "
+            "fastest — the machine looks loaded; the measured step time (and its error) is "
+            "the fastest step's")
 
 
 def _section_contexts(c: dict[str, Any]) -> list[SectionContext]:
@@ -257,7 +279,7 @@ def _prediction_lines(c: dict[str, Any]) -> list[str]:
         state_text = mib(state) if state is not None else \
             ("not measured" if state_from != "prediction" else "predicted")
         timed = c.get("steps_timed", max(c["steps_run"] - 1, 0))
-        when = f"median of {timed}" if timed else "not timed: only the warm-up step ran"
+        when = f"fastest of {timed}" if timed else "not timed: only the warm-up step ran"
         lines.append(f"  measured:  step {ms(c.get('measured_step_seconds'))} "
                      f"({when}), peak {mib(total)} "
                      f"({state_text} state + {mib(meas['peak_bytes']) if meas else '-'} during "

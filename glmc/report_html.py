@@ -169,7 +169,7 @@ def _cards(c: dict[str, Any]) -> str:
                       "in-step"))
     if c.get("measured_step_seconds") is not None:
         cards.append(("measured step", ms(c["measured_step_seconds"]),
-                      f"median of {max(c['steps_run'] - 1, 0)} steps; error "
+                      f"fastest of {max(c['steps_run'] - 1, 0)} steps; error "
                       f"{pct(err.get('step_time'))}"))
     if meas:
         total, state_from = measured_peak(c)

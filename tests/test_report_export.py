@@ -249,3 +249,21 @@ def test_onnx_export_with_dropout_warns(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.setattr(glmc.export, "export_onnx", lambda g, i, path: path.write_bytes(b""))
     with pytest.warns(UserWarning, match="native_dropout.*ONNX Runtime's generator"):
         trainer.export(str(tmp_path / "onnx"), onnx=True)
+
+
+def test_measured_step_is_the_fastest_and_a_spread_says_the_machine_is_loaded() -> None:
+    """The report's measured step time is the fastest timed step (the least disturbed); when
+    the median is well above it the report warns that the machine looks loaded."""
+    from glmc.report import CompileRecord
+
+    def record(seconds: list[float]) -> dict:
+        return CompileRecord("b", "eager", 0.0, 0.0, 0.0, 1, 1, [], [],
+                             step_seconds=seconds).to_dict()
+
+    calm = record([5.0, 0.100, 0.102, 0.101, 0.103])  # the first step warms up: not timed
+    assert calm["measured_step_seconds"] == 0.100 and calm["median_step_seconds"] == 0.1015
+    assert not calm["warnings"]
+    loaded = record([5.0, 0.100, 0.210, 0.190, 0.400])
+    assert loaded["measured_step_seconds"] == 0.100
+    (warning,) = loaded["warnings"]
+    assert "2.00x the fastest" in warning and "loaded" in warning
