@@ -16,6 +16,7 @@ collective ends — that blocking is the *exposed* communication, the rest overl
 """
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -73,6 +74,11 @@ def collective_seconds(kind: str, nbytes: int, ranks: int, link: LinkProfile) ->
     return link.call_s + steps(ranks) * link.latency_s + share(ranks) * nbytes / link.bandwidth
 
 
+_NUMBER = r"\d+(?:\.\d*)?(?:e-?\d+)?"
+#: a link given by its figures: "ALPHAus:BETAGBps[:CALLus]"
+_FIGURES = re.compile(rf"(?P<alpha>{_NUMBER})us:(?P<beta>{_NUMBER})GBps(?::(?P<call>{_NUMBER})us)?")
+
+
 def get_link(spec: Any) -> LinkProfile:
     """A link profile: a LinkProfile, a name from LINKS, or figures spelled
     "ALPHAus:BETAGBps[:CALLus]" (latency per ring step, bandwidth, cost of one collective
@@ -81,17 +87,10 @@ def get_link(spec: Any) -> LinkProfile:
         return spec
     if spec in LINKS:
         return LINKS[spec]
-    parts = str(spec).split(":")
-    try:
-        if len(parts) in (2, 3) and parts[0].endswith("us") and parts[1].endswith("GBps"):
-            latency, bandwidth = float(parts[0][:-2]) * 1e-6, float(parts[1][:-4]) * 1e9
-            call = float(parts[2][:-2]) * 1e-6 if len(parts) == 3 and \
-                parts[2].endswith("us") else None
-            if bandwidth > 0 and latency >= 0 and (len(parts) == 2 or (call or 0) >= 0):
-                return LinkProfile(str(spec), latency, bandwidth, "given figures",
-                                   call if call is not None else 0.0)
-    except ValueError:
-        pass
+    m = _FIGURES.fullmatch(str(spec))
+    if m is not None and float(m["beta"]) > 0:
+        return LinkProfile(str(spec), float(m["alpha"]) * 1e-6, float(m["beta"]) * 1e9,
+                           "given figures", float(m["call"] or 0.0) * 1e-6)
     raise ConfigError(f"link: unknown link profile {spec!r}; known: {', '.join(LINKS)}, or "
                       "figures spelled ALPHAus:BETAGBps[:CALLus] (e.g. 200us:0.05GBps:50us), "
                       "or one measured by glmc.comm.measure_link")

@@ -28,7 +28,7 @@ import torch.fx as fx
 from glmc.errors import ConfigError, ExportError, GlmcError
 from glmc.ir import Role, TrainGraph
 from glmc.onnx_lowering import _exporter_message
-from glmc.rederive import ForwardProgram
+from glmc.rederive import ForwardProgram, owner_of
 
 #: torch's legacy exporter at opset 16 (see the module docstring)
 _ORT_TRAINING_OPSET = 16
@@ -78,12 +78,7 @@ class _StepForward(torch.nn.Module):
         self.specs = program.inputs
         for spec in program.inputs:
             if spec.role in (Role.PARAMETER, Role.BUFFER):
-                *path, leaf = spec.target.split(".")
-                owner: torch.nn.Module = self
-                for part in path:
-                    if not hasattr(owner, part):
-                        owner.add_module(part, torch.nn.Module())
-                    owner = getattr(owner, part)
+                owner, leaf = owner_of(self, spec.target)
                 value = values[spec.target]
                 if spec.role is Role.PARAMETER:
                     owner.register_parameter(leaf, torch.nn.Parameter(

@@ -21,6 +21,7 @@ functional collectives (`torch.ops._c10d_functional.*`), each read through a `wa
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence
@@ -247,39 +248,31 @@ def bind_mesh(graph: TrainGraph, mesh: "DeviceMesh", spec: MeshSpec | None = Non
         if RANK_ARG in n.meta:  # this process's coordinate on a mesh dim
             dim, k = n.meta[RANK_ARG]
             n.args = (*n.args[:k], mesh.get_local_rank(dim), *n.args[k + 1:])
-        comm = TrainGraph.info(n).comm
-        if comm is None or not is_collective(n):
-            continue
-        group = mesh.get_group(comm.mesh_dim)
-        if spec.size(comm.mesh_dim) != group.size():
-            raise PassError(f"program: mesh dim {comm.mesh_dim!r} has {spec.size(comm.mesh_dim)}"
-                            f" ranks but its group has {group.size()}")
-        n.args = (*n.args[:-1], group.group_name)
-    _bind_branches(bound.gm, mesh)
+        _bind_collective(n, mesh, spec)
+    # collectives inside submodule graphs (a `cond`'s branches): the bound step gets its own
+    # copies of those submodules
+    for name, sub in list(bound.gm.named_children()):
+        if isinstance(sub, fx.GraphModule) and any(is_collective(n) for n in sub.graph.nodes):
+            sub = copy.deepcopy(sub)
+            for n in sub.graph.nodes:
+                _bind_collective(n, mesh, spec)
+            sub.recompile()
+            setattr(bound.gm, name, sub)
     bound.gm.recompile()
     return bound
 
 
-def _bind_branches(gm: fx.GraphModule, mesh: "DeviceMesh") -> None:
-    """Collectives inside submodule graphs (a `cond`'s branches) name `mesh`'s groups too; the
-    bound step gets its own copies of those submodules."""
-    import copy
-
-    for name, sub in list(gm.named_children()):
-        if not isinstance(sub, fx.GraphModule):
-            continue
-        colls = [n for n in sub.graph.nodes if is_collective(n)
-                 and isinstance(n.args[-1], str) and n.args[-1].startswith(UNBOUND)]
-        if not colls:
-            continue
-        sub = copy.deepcopy(sub)
-        for n in sub.graph.nodes:
-            if is_collective(n) and isinstance(n.args[-1], str) and \
-                    n.args[-1].startswith(UNBOUND):
-                dim = n.args[-1][len(UNBOUND):]
-                n.args = (*n.args[:-1], mesh.get_group(dim).group_name)
-        sub.recompile()
-        setattr(gm, name, sub)
+def _bind_collective(n: fx.Node, mesh: "DeviceMesh", spec: MeshSpec) -> None:
+    """A collective node `n` names the process group of its mesh dim (anything else stays)."""
+    info = n.meta.get("glmc")
+    comm = info.comm if info is not None else None
+    if comm is None or not is_collective(n):
+        return
+    group = mesh.get_group(comm.mesh_dim)
+    if spec.size(comm.mesh_dim) != group.size():
+        raise PassError(f"program: mesh dim {comm.mesh_dim!r} has {spec.size(comm.mesh_dim)}"
+                        f" ranks but its group has {group.size()}")
+    n.args = (*n.args[:-1], group.group_name)
 
 
 # ---- SPMD --------------------------------------------------------------------------------------

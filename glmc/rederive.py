@@ -73,6 +73,19 @@ def forward_program(graph: TrainGraph) -> ForwardProgram:
     return ForwardProgram(fx.GraphModule(graph.gm, new), specs, [t for t, _ in buffer_outs])
 
 
+def owner_of(root: nn.Module, target: str) -> tuple[nn.Module, str]:
+    """The submodule of `root` that holds the dotted name `target` (empty modules made on the
+    way) and the attribute name within it: where to register a parameter or buffer so that
+    `root`'s named_parameters() calls it `target`."""
+    module = root
+    *path, leaf = target.split(".")
+    for part in path:
+        if not hasattr(module, part):
+            module.add_module(part, nn.Module())
+        module = getattr(module, part)
+    return module, leaf
+
+
 class _Replay(nn.Module):
     """Parameters and buffers named as in the step — fake tensors built from the IR's specs —
     whose forward runs a (rewritten) forward program; what AOTAutograd differentiates."""
@@ -86,21 +99,12 @@ class _Replay(nn.Module):
                 continue
             # under "model.", as capture's LossModule holds the user's model: the step
             # builder strips that prefix, and the model's own names may start with "model."
-            owner, _, leaf = self._owner(f"model.{spec.target}")
+            owner, leaf = owner_of(self, f"model.{spec.target}")
             value = fake_of(TrainGraph.info(ph).spec, mode)
             if spec.role is Role.PARAMETER:
                 owner.register_parameter(leaf, nn.Parameter(value, spec.target in updated))
             else:
                 owner.register_buffer(leaf, value)
-
-    def _owner(self, target: str) -> tuple[nn.Module, str, str]:
-        module: nn.Module = self
-        *path, leaf = target.split(".")
-        for part in path:
-            if not hasattr(module, part):
-                module.add_module(part, nn.Module())
-            module = getattr(module, part)
-        return module, ".".join(path), leaf
 
     def forward(self, *leaves: torch.Tensor) -> tuple[torch.Tensor]:
         program: ForwardProgram = self.program  # type: ignore[assignment]

@@ -55,9 +55,10 @@ import torch.fx as fx
 from glmc.comm import collective_seconds, get_link
 from glmc.cost import dispatch_overhead, get_profile, is_view, node_time, op_cost
 from glmc.errors import ConfigError, PassError
-from glmc.ir import GRAD_BUCKET, OutputKind, OutputSpec, Phase, Role, TensorSpec, TrainGraph
+from glmc.analysis import graph_device
+from glmc.ir import (GRAD_BUCKET, NodeInfo, OutputKind, OutputSpec, Phase, Role, TensorSpec,
+                     TrainGraph)
 from glmc.passmanager import Effect, Need, Pass, PassContext, PassResult
-from glmc.ir import NodeInfo
 from glmc.program import NodeBuilder, SpmdProgram, insert_collective
 
 aten = torch.ops.aten
@@ -491,7 +492,7 @@ def _price(graph: TrainGraph, plan: CompressPlan, ranks: int, link: Any, ctx: Pa
     """Predicted seconds of the compressed and the dense gradient traffic on `link`, and of
     the ops the pass added (in the main step and in its compressed branches) on the cost
     model's profile; None where no profile is at hand without measuring this host."""
-    prof = _profile(ctx, _device(graph))
+    prof = _profile(ctx, graph_device(graph))
     if prof is None:
         return None
     comm = sum(collective_seconds(k, b, ranks, link) for k, b in plan.collectives)
@@ -517,12 +518,6 @@ def _profile(ctx: PassContext, device: str) -> Any:
     if calibration_enabled() and not cache_path().exists():
         return None
     return get_profile(None, device)
-
-
-def _device(graph: TrainGraph) -> str:
-    v = next((ph.meta.get("val") for ph in graph.placeholders()
-              if isinstance(ph.meta.get("val"), torch.Tensor)), None)
-    return v.device.type if v is not None else "cpu"
 
 
 def _externals(region: list[fx.Node]) -> list[fx.Node]:

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -152,18 +153,16 @@ def test_cli_target_needs_export_tvm(capsys) -> None:
 
 # ---- ahead-of-time builds --------------------------------------------------------------------
 
-def _export(tmp_path: Path, case: str, target) -> tuple[Path, list[float]]:
+def _export(tmp_path: Path, case: str, target) -> tuple[Path, list[float], Any]:
+    """The step of `case` exported for `target`; glmc's losses of the next steps, and the
+    trainer that took them."""
     from glmc.export import export_tvm
     model, x, loss_fn, opt = MAKE[case]()
     trainer = glmc.optimize(model, x, loss_fn=loss_fn, optimizer=opt, backend="eager",
                             predict=False, measure=False)
     out = tmp_path / str(target if isinstance(target, str) else target["kind"])
     export_tvm(trainer, str(out), target=target)
-    _export.trainers.append(trainer)
-    return out, glmc_losses(trainer, x, STEPS)
-
-
-_export.trainers = []  # type: ignore[attr-defined]
+    return out, glmc_losses(trainer, x, STEPS), trainer
 
 
 def _run(cmd: list[str], env: dict | None = None) -> list[float]:
@@ -187,13 +186,11 @@ def test_export_trains_without_torch_and_saves_the_state_as_safetensors(tmp_path
     losses, and `--save` leaves the trained parameters in state.safetensors under the model's
     names, equal to glmc's after the same steps."""
     from safetensors.torch import load_file
-    model, _, _, _ = MAKE["mlp"]()
-    out, want = _export(tmp_path, "mlp", "host")
+    out, want, trainer = _export(tmp_path, "mlp", "host")
     got = _run([sys.executable, str(out / "run_tvm.py"), "--steps", str(STEPS), "--save"])
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=ATOL)
     state = load_file(str(out / "state.safetensors"))
-    trained = _export.trainers[-1].model  # the model glmc trained in _export
-    for name, p in trained.named_parameters():
+    for name, p in trainer.model.named_parameters():
         torch.testing.assert_close(state[name], p.detach(), rtol=RTOL, atol=ATOL)
     assert any(k.startswith("optimizer_state/") for k in state)
 
@@ -204,8 +201,8 @@ def test_kunpeng920_build_runs_under_qemu_with_x86_losses(tmp_path, case: str) -
     """The step built for aarch64 (mcpu tsv110) and for this x86 host, each run 3 steps by
     run_tvm.py (TVM runtime + numpy, no torch): equal losses, and equal to glmc's."""
     root = _aarch64_sysroot()
-    arm, want = _export(tmp_path, case, "kunpeng920")
-    x86, _ = _export(tmp_path, case, "host")
+    arm, want, _ = _export(tmp_path, case, "kunpeng920")
+    x86, _, _ = _export(tmp_path, case, "host")
     assert "ARM aarch64" in subprocess.run(["file", str(arm / "step.so")], capture_output=True,
                                            text=True).stdout
     env = {**os.environ, "PYTHONPATH": str(root / "site")}
@@ -224,7 +221,7 @@ def test_cuda_build_is_codegen_only_without_a_gpu(tmp_path) -> None:
     it needs a GPU with TVM installed (not on the test machine)."""
     if shutil.which("nvcc") is None:
         pytest.skip("needs nvcc (CUDA toolkit) to compile TVM's CUDA kernels")
-    out, _ = _export(tmp_path, "mlp", "h200")
+    out, _, _ = _export(tmp_path, "mlp", "h200")
     assert (out / "step.so").stat().st_size > 0
     source = (out / "step.cu").read_text()
     assert "__global__" in source
