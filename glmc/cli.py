@@ -106,8 +106,9 @@ def _parallel_args(c: argparse.ArgumentParser) -> None:
                         "2 and gradients, 3 and parameters (default 0; under torchrun this "
                         "option turns data parallelism on)")
     c.add_argument("--pp", type=_positive, default=None, metavar="S",
-                   help="pipeline parallel over S stages, one process each (with --nproc S); "
-                        "the partition pass chooses the cut by predicted cost")
+                   help="pipeline parallel over S stages, one process each (with --nproc S; "
+                        "--nproc k*S: k data-parallel replicas of the pipeline); the partition "
+                        "pass chooses the cut by predicted cost")
     c.add_argument("--microbatches", type=_positive, default=None, metavar="M",
                    help="with --pp: microbatches per step (must divide the batch; default S)")
     c.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved",
@@ -250,9 +251,13 @@ def _usage_problems(args: argparse.Namespace) -> list[str]:
         if out is not None and out.exists() and not out.is_dir():
             problems.append(f"--export-dir: {out} exists and is not a directory")
         parallel = args.nproc is not None or args.zero is not None
-        if args.pp is not None and (args.zero is not None or args.nproc not in (None, args.pp)):
-            problems.append(f"--pp {args.pp}: needs --nproc {args.pp} and no --zero (pipeline x "
-                            "data parallelism is not supported yet)")
+        if args.pp is not None and args.zero is not None:
+            problems.append(f"--pp {args.pp}: no --zero (pp x dp averages the gradients of "
+                            "each stage's replicas, i.e. stage 0; sharded stages are not "
+                            "supported with a pipeline yet)")
+        if args.pp is not None and args.nproc is not None and args.nproc % args.pp:
+            problems.append(f"--pp {args.pp}: --nproc must be a multiple of {args.pp} (the "
+                            "processes beyond one pipeline are its data-parallel replicas)")
         if args.pp is None and (args.microbatches is not None or args.schedule != "1f1b"):
             problems.append("--microbatches / --schedule need --pp")
         if args.bucket_mb is not None and (not parallel or args.bucket_mb <= 0):

@@ -15,6 +15,7 @@ the model's parameter tensors, so the model and `state_dict()` stay the source o
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -213,10 +214,12 @@ def microbatch_leaves(batch: Any, microbatches: int) -> list[list[torch.Tensor]]
 
 @dataclass
 class StepTrace:
-    """What one rank ran in one step: (action, start, end) in wall-clock seconds."""
+    """What one rank ran in one step: (action, start, end) in wall-clock seconds; `origin`:
+    when the step started after a barrier (aligned steps), else 0."""
 
     rank: int
     spans: list = field(default_factory=list)
+    origin: float = 0.0
 
     def busy(self) -> float:
         return sum(e - s for a, s, e in self.spans if a.kind in COMPUTE)
@@ -226,33 +229,142 @@ def measured_timeline(traces: Sequence[StepTrace], num_ranks: int) -> Timeline:
     return Timeline({a: (t.rank, s, e) for t in traces for a, s, e in t.spans}, num_ranks)
 
 
-class PipelineTrainer:
-    """Trains `model` pipelined over the default process group: pipeline rank r holds stages
-    r, r + S, ... of `pipeline` (S = ranks). `step(*batch)` runs one step on the global batch
-    (every rank passes the same batch; each reads what its stages need) and returns the mean
-    loss on the rank holding the last stage, None elsewhere."""
+@dataclass(frozen=True)
+class PipelineMeasurement:
+    """What `PipelineTrainer.measure` saw, the same on every rank."""
 
-    def __init__(self, pipeline: Pipeline, timeout_s: float = 300.0) -> None:
+    timeline: Timeline  #: one barrier-aligned step, times from the barrier
+    period_s: float  #: wall seconds per step, steps back to back (slowest rank)
+    busy_s: list[float]  #: per rank: compute seconds per step in those steps
+    peak_bytes: list[int]  #: per rank: its state + the step's allocator peak above it
+    state_bytes: list[int]  #: per rank: parameters + optimizer state (measured storages)
+    source: str = ""
+
+    def steady_bubble(self) -> float:
+        """Idle fraction of back-to-back steps: 1 - mean busy per rank / period (the next
+        step's first actions may overlap this one's last, so this can be below the aligned
+        step's bubble)."""
+        busy = sum(self.busy_s) / len(self.busy_s)
+        return 1.0 - busy / self.period_s if self.period_s > 0 else 0.0
+
+
+class PipelineTrainer:
+    """Trains `model` pipelined over the default process group, optionally with data
+    parallelism (pp x dp): `dp` replicas of the pipeline, global rank = replica x S +
+    pipeline rank (S = pipeline ranks). Pipeline rank r holds stages r, r + S, ... of
+    `pipeline`. `step(*batch)` runs one step on the global batch: every rank passes the same
+    batch, each replica takes its 1/dp slice (rows), each stage reads what it needs; a stage's
+    gradients are averaged over its replicas before its update (one all-reduce of the flat
+    gradients per stage). Returns the global-batch mean loss on the ranks holding the last
+    stage, None elsewhere."""
+
+    def __init__(self, pipeline: Pipeline, timeout_s: float = 300.0, dp: int = 1) -> None:
         from glmc.parallel import init_distributed
         init_distributed("cpu", timeout_s)
         self.pipeline = pipeline
         sched = pipeline.program.schedule
         self.rank, world = dist.get_rank(), dist.get_world_size()
-        if world != sched.num_ranks:
-            raise ConfigError(f"pipeline: {sched.num_ranks} pipeline ranks need as many "
-                              f"processes, got {world} (pp x dp is not supported yet)")
-        self.local = [s for s in range(sched.num_stages) if sched.rank_of(s) == self.rank]
+        if world != sched.num_ranks * dp:
+            raise ConfigError(f"pipeline: {sched.num_ranks} pipeline ranks x {dp} data-parallel "
+                              f"replicas need {sched.num_ranks * dp} processes, got {world}")
+        self.dp, self.replica = dp, self.rank // sched.num_ranks
+        self.pp_rank = self.rank % sched.num_ranks
+        #: global rank of every stage in this replica
+        self.ranks = [self.replica * sched.num_ranks + sched.rank_of(s)
+                      for s in range(sched.num_stages)]
+        # every rank creates every group, in the same order (torch.distributed's rule)
+        groups = [dist.new_group([d * sched.num_ranks + r for d in range(dp)])
+                  for r in range(sched.num_ranks)] if dp > 1 else []
+        self.dp_group = groups[self.pp_rank] if groups else None
+        self.local = [s for s in range(sched.num_stages) if sched.rank_of(s) == self.pp_rank]
         self.last = (sched.num_stages - 1) in self.local
         self.traces: list[StepTrace] = []
 
-    def step(self, *batch: torch.Tensor) -> torch.Tensor | None:
+    def _reduce_grads(self, stage: int, grads: dict[str, torch.Tensor]) -> None:
+        """Average `grads` over this stage's replicas: one all-reduce of their flat concat."""
+        if not grads:
+            return
+        names = list(grads)
+        flat = torch.cat([grads[n].reshape(-1) for n in names])
+        dist.all_reduce(flat, group=self.dp_group)
+        flat /= self.dp
+        for n, part in zip(names, flat.split([grads[n].numel() for n in names])):
+            grads[n] = part.view_as(grads[n])
+
+    def replica_batch(self, batch: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """This replica's rows of the global batch."""
+        return tuple(replica_slices(tuple(batch), self.dp)[self.replica])
+
+    def step(self, *batch: torch.Tensor, aligned: bool = False) -> torch.Tensor | None:
+        """One step. `aligned`: every rank waits at a barrier first and its trace is timed
+        from there (what a prediction assumes: all ranks start the step together; on several
+        hosts it also removes their clock offsets)."""
         p = self.pipeline
-        mbs = microbatch_leaves(tuple(batch), p.program.schedule.num_microbatches)
-        trace = StepTrace(self.rank)
+        mbs = microbatch_leaves(self.replica_batch(batch), p.program.schedule.num_microbatches)
+        if aligned:
+            dist.barrier()
+        trace = StepTrace(self.rank, origin=time.time() if aligned else 0.0)
         losses = run_rank(p.program, {s: p.stages[s].module for s in self.local},
-                          {s: p.optimizers[s] for s in self.local}, mbs, spans=trace.spans)
+                          {s: p.optimizers[s] for s in self.local}, mbs, ranks=self.ranks,
+                          spans=trace.spans,
+                          reduce_grads=self._reduce_grads if self.dp > 1 else None)
         self.traces.append(trace)
-        return torch.stack(losses).mean() if self.last else None
+        if not self.last:
+            return None
+        loss = torch.stack(losses).mean()
+        if self.dp > 1:  # every replica's slice has as many rows: the mean of the means
+            dist.all_reduce(loss, group=self.dp_group)
+            loss /= self.dp
+        return loss
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """This rank's persistent state: its stages' parameters and optimizer state."""
+        out: list[torch.Tensor] = []
+        for s in self.local:
+            out += list(self.pipeline.stages[s].module.parameters())
+            opt = self.pipeline.optimizers[s]
+            out += [v for st in opt.state.values() for v in st.values()
+                    if isinstance(v, torch.Tensor)]
+        return out
+
+    def measure(self, *batch: torch.Tensor, steps: int = 3) -> "PipelineMeasurement":
+        """Train `steps` more steps and measure them (every rank calls this): the wall time
+        per step back to back (steady state), one barrier-aligned step's timeline, and one
+        step's peak memory per rank (c10 allocator events above the live state, plus that
+        state). Returns replica 0's measurement on every rank."""
+        from glmc.memory import measure_peak
+
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            self.step(*batch)
+        period = (time.perf_counter() - t0) / steps
+        busy = sum(t.busy() for t in self.traces[-steps:]) / steps
+        self.step(*batch, aligned=True)
+        trace = self.traces[-1]
+        spans = [(a, s - trace.origin, e - trace.origin) for a, s, e in trace.spans]
+        _, mem = measure_peak(lambda: self.step(*batch), state=self.state_tensors())
+        mine = {"spans": spans, "period": period, "busy": busy, "peak": mem.peak_bytes,
+                "state": mem.persistent_bytes or 0, "source": mem.source}
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        ranks = self.pipeline.program.schedule.num_ranks
+        every = every[:ranks]  # replica 0
+        timeline = measured_timeline([StepTrace(r, e["spans"]) for r, e in enumerate(every)],
+                                     ranks)
+        return PipelineMeasurement(timeline, max(e["period"] for e in every),
+                                   [e["busy"] for e in every],
+                                   [e["state"] + e["peak"] for e in every],
+                                   [e["state"] for e in every], every[0]["source"])
+
+
+def replica_slices(batch: tuple[torch.Tensor, ...], dp: int) -> list[list[torch.Tensor]]:
+    """The global batch's rows cut into `dp` equal replica slices."""
+    rows = batch[0].shape[0]
+    if rows % dp:
+        raise InputError(f"pipeline: {dp} data-parallel replicas do not divide the batch of "
+                         f"{rows} rows; use a batch divisible by {dp} x the microbatches")
+    return [[t.chunk(dp)[d] for t in batch] for d in range(dp)]
 
 
 def from_env_world() -> int:
@@ -263,81 +375,158 @@ def from_env_world() -> int:
 
 def plan_stages(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any,
                 example_inputs: Any, stages: int, microbatches: int, schedule: str,
-                virtual: int = 1, profile: Any = None) -> Any:
-    """The partition pass's plan for the whole step (captured once, on this process)."""
+                virtual: int = 1, profile: Any = None, link: Any = None) -> Any:
+    """The partition pass's plan for the whole step (captured once, on this process);
+    `link`: the link between stages the predicted schedule prices transfers on."""
     import glmc
     from glmc.passes.partition import PartitionPass
     from glmc.passmanager import PassContext
 
     graph = glmc.capture(model, example_inputs, loss_fn, optimizer)
     ps = PartitionPass(stages=stages, microbatches=microbatches, schedule=schedule,
-                       virtual=virtual)
+                       virtual=virtual, link=link or "")
     return ps.run(graph, PassContext(profile=profile)).stats
 
 
 def pipeline_trainer(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any,
                      example_inputs: Any, microbatches: int, schedule: str = "1f1b",
-                     virtual: int = 1, timeout_s: float = 300.0) -> PipelineTrainer:
+                     virtual: int = 1, timeout_s: float = 300.0, dp: int = 1
+                     ) -> PipelineTrainer:
     """A PipelineTrainer over every process of the default group (from torchrun's env):
-    rank 0 plans the cut (the cost model may be calibrated differently per process, so one
-    process decides) and broadcasts it; every rank captures its program."""
+    world / dp pipeline ranks, `dp` replicas. Rank 0 plans the cut for one replica's slice of
+    the batch (the cost model may be calibrated differently per process, so one process
+    decides) and broadcasts it; every rank captures its program."""
+    from glmc.comm import measure_link
     from glmc.parallel import init_distributed
     init_distributed("cpu", timeout_s)
-    stages = dist.get_world_size() * virtual
+    world = dist.get_world_size()
+    if dp < 1 or world % dp:
+        raise ConfigError(f"pipeline: {dp} data-parallel replicas do not divide the {world} "
+                          "processes")
+    stages = world // dp * virtual
+    args, _ = split_batch(example_inputs)
+    example = tuple(replica_slices(tuple(args), dp)[0])
+    link = measure_link()  # every rank takes part; the same figures everywhere
     box: list[Any] = [None]
     if dist.get_rank() == 0:
-        box[0] = plan_stages(model, optimizer, loss_fn, example_inputs, stages, microbatches,
-                             schedule, virtual)
+        box[0] = plan_stages(model, optimizer, loss_fn, example, stages, microbatches,
+                             schedule, virtual, link=link)
     dist.broadcast_object_list(box, src=0)
     plan = box[0]
-    pipe = build_program(model, optimizer, loss_fn, example_inputs,
+    pipe = build_program(model, optimizer, loss_fn, example,
                          [s.blocks for s in plan.stages], microbatches, schedule, virtual)
     pipe.plan = plan
-    return PipelineTrainer(pipe, timeout_s)
+    return PipelineTrainer(pipe, timeout_s, dp)
 
 
 def train_cli(work: Any, steps: int, microbatches: int, schedule: str, pp: int,
               report_dir: str | None = None) -> int:
-    """`glmc compile FILE --nproc S --pp S ...`: trains `work` pipelined; the rank holding
-    the last stage prints `step i  loss x` lines as a single process does, then the plan and
-    predicted vs measured bubble."""
-    import json
-    import time
-    from pathlib import Path
-
-    from glmc.capture import split_batch
-
-    if from_env_world() != pp:
-        raise ConfigError(f"pipeline: --pp {pp} needs --nproc {pp} (pp x dp is not supported "
-                          f"yet); this run has {from_env_world()} processes")
+    """`glmc compile FILE --nproc N --pp S ...`: trains `work` pipelined; the rank holding
+    replica 0's last stage prints `step i  loss x` lines as a single process does, then the plan and
+    its predictions against three more measured steps (per-stage peak, bubble); with
+    `report_dir`, also report.html (plan, Gantt charts), report.json and Chrome traces.
+    More processes than stages: pp x dp (`--nproc` a multiple of `--pp`)."""
+    world = from_env_world()
+    if world % pp:
+        raise ConfigError(f"pipeline: --pp {pp} needs a multiple of {pp} processes (pp x dp); "
+                          f"this run has {world}")
     virtual = 2 if schedule == "interleaved" else 1
     trainer = pipeline_trainer(work.model, work.optimizer, work.loss_fn, work.example_inputs,
-                               microbatches, schedule, virtual)
+                               microbatches, schedule, virtual, dp=world // pp)
     args, _ = split_batch(work.example_inputs)
-    t0 = time.perf_counter()
+    printer = trainer.last and trainer.replica == 0
     for i in range(steps):
         loss = trainer.step(*args)
-        if trainer.last:
+        if printer:
             print(f"step {i:4d}  loss {loss.item():.6f}", flush=True)
-    elapsed = time.perf_counter() - t0
-    spans: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(spans, trainer.traces[-1].spans)
-    timeline = measured_timeline([StepTrace(r, s) for r, s in enumerate(spans)],
-                                 dist.get_world_size())
-    if trainer.last:
-        plan = trainer.pipeline.plan
-        for i, s in enumerate(plan.stages):
-            print(f"stage {i}: {', '.join(s.blocks)}  predicted {s.seconds * 1e3:.2f} ms/step, "
-                  f"peak {s.peak_bytes / 2**20:.2f} MiB ({s.in_flight} microbatches in flight)")
-        print(f"pipeline: {schedule}, {microbatches} microbatches; imbalance "
-              f"{plan.imbalance:.3f} (equal split {plan.equal_imbalance:.3f}); bubble predicted "
-              f"{plan.bubble:.1%}, measured {timeline.bubble():.1%} (last step); "
-              f"{elapsed / max(steps, 1) * 1e3:.1f} ms/step")
+    measured = trainer.measure(*args)  # three more steps: not printed as training steps
+    if printer:
+        data = pipeline_report(trainer.pipeline.plan, measured)
+        print(summary(data), flush=True)
         if report_dir:
-            out = Path(report_dir)
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "pipeline-trace.json").write_text(json.dumps(
-                {"traceEvents": timeline.trace_events()}))
-            print(f"report: {out / 'pipeline-trace.json'}")
+            print(f"report: {write_report(data, report_dir)}")
     dist.destroy_process_group()
     return 0
+
+
+# ---- the report --------------------------------------------------------------------------------
+
+def _spans(timeline: Timeline | None) -> list[dict]:
+    if timeline is None:
+        return []
+    return [{"rank": r, "action": str(a), "kind": a.kind.value, "start_s": s, "end_s": e}
+            for a, (r, s, e) in sorted(timeline.spans.items(), key=lambda x: x[1][1:])]
+
+
+def pipeline_report(plan: Any, measured: PipelineMeasurement) -> dict:
+    """The plan's predictions next to the measurement, as plain data (report.json)."""
+    sched_ranks = measured.timeline.num_ranks
+    stages = []
+    for i, s in enumerate(plan.stages):
+        rank = i % sched_ranks
+        stages.append({"stage": i, "rank": rank, "blocks": list(s.blocks), "profile": s.profile,
+                       "forward_s": s.forward_s, "backward_s": s.backward_s,
+                       "update_s": s.update_s, "seconds": s.seconds, "in_flight": s.in_flight,
+                       "predicted_peak_bytes": s.peak_bytes, "send_bytes": s.send_bytes})
+    ranks = []
+    for r in range(sched_ranks):
+        own = [st for st in stages if st["rank"] == r]
+        ranks.append({"rank": r, "stages": [st["stage"] for st in own],
+                      "predicted_peak_bytes": sum(st["predicted_peak_bytes"] for st in own),
+                      "measured_peak_bytes": measured.peak_bytes[r],
+                      "measured_state_bytes": measured.state_bytes[r]})
+    pred = plan.timeline
+    return {"created": time.strftime("%Y-%m-%d %H:%M:%S"), "schedule": plan.schedule,
+            "microbatches": plan.microbatches, "cut": list(plan.cut), "link": plan.link,
+            "imbalance": plan.imbalance, "equal_imbalance": plan.equal_imbalance,
+            "stages": stages, "ranks": ranks,
+            "bubble": {"predicted": plan.bubble, "measured": measured.timeline.bubble(),
+                       "measured_steady": measured.steady_bubble()},
+            "step_seconds": {"predicted": pred.makespan if pred is not None else None,
+                             "measured": measured.timeline.makespan,
+                             "measured_steady": measured.period_s},
+            "memory_source": measured.source,
+            "predicted_timeline": _spans(pred), "measured_timeline": _spans(measured.timeline)}
+
+
+def summary(data: dict) -> str:
+    """The report in a few lines (what `glmc compile --pp` prints)."""
+    lines = []
+    for st in data["stages"]:
+        lines.append(f"stage {st['stage']}: {', '.join(st['blocks'])}  predicted "
+                     f"{st['seconds'] * 1e3:.2f} ms/step, peak "
+                     f"{st['predicted_peak_bytes'] / 2**20:.2f} MiB ({st['in_flight']} "
+                     f"microbatches in flight)")
+    for r in data["ranks"]:
+        lines.append(f"rank {r['rank']}: peak predicted {r['predicted_peak_bytes'] / 2**20:.2f} "
+                     f"MiB, measured {r['measured_peak_bytes'] / 2**20:.2f} MiB")
+    b, t = data["bubble"], data["step_seconds"]
+    pred_t = f"{t['predicted'] * 1e3:.1f}" if t["predicted"] is not None else "-"
+    lines.append(f"pipeline: {data['schedule']}, {data['microbatches']} microbatches; imbalance "
+                 f"{data['imbalance']:.3f} (equal split {data['equal_imbalance']:.3f}); bubble "
+                 f"predicted {b['predicted']:.1%}, measured {b['measured']:.1%} (one aligned "
+                 f"step), {b['measured_steady']:.1%} back to back; step predicted {pred_t} ms, "
+                 f"measured {t['measured'] * 1e3:.1f} ms ({t['measured_steady'] * 1e3:.1f} ms "
+                 "back to back)")
+    return "\n".join(lines)
+
+
+def write_report(data: dict, report_dir: str) -> str:
+    """report.json, report.html and the two timelines as Chrome/Perfetto traces in
+    `report_dir`; returns the html's path."""
+    import json
+    from pathlib import Path
+
+    from glmc.report_html import render_pipeline_html
+
+    out = Path(report_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(data, indent=1))
+    for key, name in (("measured_timeline", "pipeline-trace.json"),
+                      ("predicted_timeline", "pipeline-predicted.json")):
+        events = [{"name": e["action"], "ph": "X", "pid": 0, "tid": e["rank"],
+                   "ts": e["start_s"] * 1e6, "dur": (e["end_s"] - e["start_s"]) * 1e6,
+                   "cat": e["kind"]} for e in data[key]]
+        (out / name).write_text(json.dumps({"traceEvents": events}))
+    (out / "report.html").write_text(render_pipeline_html(data))
+    return str(out / "report.html")

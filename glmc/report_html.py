@@ -312,3 +312,83 @@ def render_html(data: dict[str, Any]) -> str:
     body += [_compile_section(i, c) for i, c in enumerate(data["compiles"])]
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>glmc report</title>"
             f"<style>{_CSS}</style></head><body>{''.join(body)}</body></html>")
+
+
+# ---- the pipeline report ----------------------------------------------------------------------
+
+#: Gantt colours per action kind (torch.distributed.pipelining's vocabulary, plus UPDATE)
+_KIND_COLOURS = {"F": "#4878d0", "B": "#6acc64", "I": "#6acc64", "W": "#ee854a",
+                 "UPDATE": "#956cb4", "SEND_F": "#bbbbbb", "SEND_B": "#bbbbbb",
+                 "RECV_F": "#dddddd", "RECV_B": "#dddddd"}
+
+
+def _gantt(spans: list[dict[str, Any]], ranks: int, title: str, ax: Any) -> None:
+    """One row per rank, one bar per action (labelled with its microbatch where wide)."""
+    end = max((s["end_s"] for s in spans), default=0.0) or 1.0
+    for s in spans:
+        width = (s["end_s"] - s["start_s"]) * 1e3
+        ax.broken_barh([(s["start_s"] * 1e3, width)], (s["rank"] - 0.4, 0.8),
+                       facecolors=_KIND_COLOURS.get(s["kind"], "#999999"), edgecolors="white",
+                       linewidth=0.5)
+        if s["kind"] in ("F", "B", "I", "W") and width > end * 1e3 / 60:
+            ax.text(s["start_s"] * 1e3 + width / 2, s["rank"], s["action"], ha="center",
+                    va="center", fontsize=6)
+    ax.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)])
+    ax.set_ylim(ranks - 0.5, -0.5)
+    ax.set_xlim(0, end * 1e3)
+    ax.set_xlabel("ms from the step's start")
+    ax.set_title(title, fontsize=10)
+
+
+def _gantt_plot(data: dict[str, Any]) -> str:
+    ranks = len(data["ranks"])
+    fig = _figure(12, 1.2 + 1.3 * ranks)
+    ax1, ax2 = fig.subplots(2, 1)
+    b = data["bubble"]
+    _gantt(data["predicted_timeline"], ranks, f"predicted (bubble {b['predicted']:.1%})", ax1)
+    _gantt(data["measured_timeline"], ranks, f"measured, one barrier-aligned step (bubble "
+           f"{b['measured']:.1%})", ax2)
+    from matplotlib.patches import Patch
+    legend = {"F": "forward", "B": "backward", "W": "weight grad", "UPDATE": "update",
+              "SEND_F": "send", "RECV_F": "receive (incl. waiting)"}
+    ax1.legend(handles=[Patch(color=_KIND_COLOURS[k], label=v) for k, v in legend.items()],
+               ncol=6, fontsize=7, loc="lower right")
+    fig.tight_layout()
+    return _svg(fig)
+
+
+def render_pipeline_html(data: dict[str, Any]) -> str:
+    """report.html of a pipelined run (glmc.pipeline_parallel.pipeline_report's dict)."""
+    b, t = data["bubble"], data["step_seconds"]
+    stages = Table(("stage", "rank", "blocks", "profile", "F", "B", "update", "total",
+                    "in flight", "predicted peak", "sends per microbatch"),
+                   tuple((str(s["stage"]), str(s["rank"]), ", ".join(s["blocks"]), s["profile"],
+                          ms(s["forward_s"]), ms(s["backward_s"]), ms(s["update_s"]),
+                          ms(s["seconds"]), str(s["in_flight"]), mib(s["predicted_peak_bytes"]),
+                          mib(s["send_bytes"])) for s in data["stages"]))
+    ranks = Table(("rank", "stages", "predicted peak", "measured peak", "measured state"),
+                  tuple((str(r["rank"]), ", ".join(map(str, r["stages"])),
+                         mib(r["predicted_peak_bytes"]), mib(r["measured_peak_bytes"]),
+                         mib(r["measured_state_bytes"])) for r in data["ranks"]))
+    pred_t = ms(t["predicted"])
+    body = [
+        f"<h1>glmc pipeline report</h1><p>{_esc(data['created'])} &middot; schedule "
+        f"{_esc(data['schedule'])}, {data['microbatches']} microbatches, "
+        f"{len(data['stages'])} stages on {len(data['ranks'])} ranks</p>",
+        f"<h2>Plan</h2><p>Cut before blocks {_esc(data['cut'])}; imbalance (max/mean) "
+        f"{data['imbalance']:.3f} (an equal split of blocks: {data['equal_imbalance']:.3f}). "
+        f"Boundary transfers priced on link {_esc(data['link'] or 'none (free)')}.</p>",
+        _table(stages),
+        "<h2>Schedule</h2>",
+        f"<p>Bubble predicted {b['predicted']:.1%}, measured {b['measured']:.1%} in one "
+        f"barrier-aligned step and {b['measured_steady']:.1%} with steps back to back. Step "
+        f"predicted {pred_t}, measured {ms(t['measured'])} "
+        f"({ms(t['measured_steady'])} back to back).</p>",
+        _gantt_plot(data),
+        "<p class=note>pipeline-predicted.json and pipeline-trace.json (next to this report) "
+        "open in Perfetto.</p>",
+        "<h2>Memory per rank</h2>", _table(ranks),
+        f"<p class=note>Measured: {_esc(data['memory_source'])}, one step: the allocator's "
+        "peak above the live state, plus that state (parameters, optimizer state).</p>"]
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>glmc pipeline report"
+            f"</title><style>{_CSS}</style></head><body>{''.join(body)}</body></html>")

@@ -292,13 +292,6 @@ class Timeline:
             peak = max(peak, level)
         return peak
 
-    def trace_events(self) -> list[dict]:
-        """Chrome/Perfetto trace events (one row per rank), times in microseconds."""
-        t0 = min((s for _, s, _ in self.spans.values()), default=0.0)
-        return [{"name": str(a), "ph": "X", "pid": 0, "tid": r, "ts": (s - t0) * 1e6,
-                 "dur": (e - s) * 1e6, "cat": a.kind.value}
-                for a, (r, s, e) in self.spans.items()]
-
 
 COMPUTE = frozenset({ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W, ActionKind.UPDATE})
 
@@ -342,6 +335,9 @@ class _StageRun:
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     works: list = field(default_factory=list)
+    #: called with the accumulated gradients (by name) before the update, e.g. to average
+    #: them over data-parallel replicas of this stage; may replace them in place
+    reduce_grads: Callable[[int, dict[str, torch.Tensor]], None] | None = None
 
     def __post_init__(self) -> None:
         self.state = state_values(self.module, self.optimizer)
@@ -403,6 +399,8 @@ class _StageRun:
         return split
 
     def update(self, a: Action) -> None:
+        if self.reduce_grads is not None:
+            self.reduce_grads(self.index, self.grads)
         grads = {(Role.GRADIENT, n): g for n, g in self.grads.items()}
         graph = self.stage.update
         write_back(graph, graph.gm(*gather(graph, grads, self.state)), self.module,
@@ -437,11 +435,15 @@ class _StageRun:
 def run_rank(program: StagedProgram, modules: dict[int, nn.Module],
              optimizers: dict[int, torch.optim.Optimizer],
              microbatches: Sequence[Sequence[torch.Tensor]], ranks: Sequence[int] | None = None,
-             spans: list | None = None) -> list[torch.Tensor]:
+             spans: list | None = None,
+             reduce_grads: Callable[[int, dict[str, torch.Tensor]], None] | None = None
+             ) -> list[torch.Tensor]:
     """One training step of every stage this process holds (`modules` / `optimizers` by stage):
     `run_stage` for several (virtual) stages. `ranks[s]`: the process of stage s (default:
     the schedule's `rank_of`). `spans`, if given, receives (action, start, end) of every
-    action in wall-clock seconds (`time.time()`: comparable across processes of one host)."""
+    action in wall-clock seconds (`time.time()`: comparable across processes of one host).
+    `reduce_grads(stage, grads)`: run on each stage's accumulated gradients before its
+    update (data-parallel replicas average theirs there)."""
     import time
 
     sched = program.schedule
@@ -451,7 +453,8 @@ def run_rank(program: StagedProgram, modules: dict[int, nn.Module],
     ranks = [sched.rank_of(s) for s in range(sched.num_stages)] if ranks is None \
         else list(ranks)
     runs = {s: _StageRun(program, s, modules[s], optimizers[s], ranks,
-                         [batch_values(b) for b in microbatches]) for s in modules}
+                         [batch_values(b) for b in microbatches], reduce_grads=reduce_grads)
+            for s in modules}
     for action in sched.rank_actions(sched.rank_of(next(iter(modules)))):
         t0 = time.time()
         runs[action.stage].run(action)

@@ -75,6 +75,8 @@ class PartitionPlan:
     bubble: float  #: predicted idle fraction of the schedule on these stage times
     equal_imbalance: float  #: imbalance of an equal split of blocks, for comparison
     notes: tuple[str, ...] = field(default=())
+    timeline: Any = None  #: the predicted schedule (glmc.schedule.Timeline), if simulated
+    link: str = ""  #: the link boundary transfers were priced on ("" : free)
 
     @property
     def imbalance(self) -> float:
@@ -237,6 +239,8 @@ class PartitionPass(Pass):
     schedule: str = "1f1b"
     virtual: int = 1
     profiles: str = ""
+    link: Any = ""  #: glmc.comm link between stages (name, figures or a LinkProfile); empty:
+    #: transfers are free in the predicted schedule
 
     def needs(self) -> frozenset[Need]:
         return frozenset({Need.STEP})
@@ -247,8 +251,10 @@ class PartitionPass(Pass):
                             f"{', '.join(SCHEDULES)}")
         if self.microbatches < 1 or self.stages < 1:
             raise PassError("partition: stages and microbatches must be positive")
+        from glmc.comm import get_link
         plan = plan_partition(graph, self.stages, self.microbatches, self.schedule,
-                              self._profiles(ctx), ctx.traits, self.virtual)
+                              self._profiles(ctx), ctx.traits, self.virtual,
+                              get_link(self.link) if self.link else None)
         graph.meta["partition"] = plan
         return PassResult(False, plan)
 
@@ -262,8 +268,11 @@ class PartitionPass(Pass):
 
 def plan_partition(graph: TrainGraph, stages: int, microbatches: int, schedule: str = "1f1b",
                    profiles: Sequence[Any] | None = None, traits: Any = None,
-                   virtual: int = 1) -> PartitionPlan:
-    """The cost-balanced plan for `graph` (see the module docstring)."""
+                   virtual: int = 1, link: Any = None) -> PartitionPlan:
+    """The cost-balanced plan for `graph` (see the module docstring). `link`: the link
+    between neighbouring stages (glmc.comm; e.g. this host's, measured): boundary transfers
+    then take time in the predicted schedule (a send its call cost, a receive the latency and
+    bytes / bandwidth after its send); without one they are free."""
     profiles = list(profiles or [None] * stages)
     by_profile = {}
     for p in profiles:
@@ -278,12 +287,13 @@ def plan_partition(graph: TrainGraph, stages: int, microbatches: int, schedule: 
     cut = balanced_cut(times, send, stages)
     bounds = list(zip((0, *cut), (*cut, len(names))))
     plans = [_stage_plan(costs[s][i:j], microbatches, keys[s]) for s, (i, j) in enumerate(bounds)]
-    timeline = _timeline(plans, schedule, microbatches, virtual)
+    timeline = _timeline(plans, schedule, microbatches, virtual, link)
     if timeline is not None:
         plans = [_with_in_flight(p, timeline.in_flight(s)) for s, p in enumerate(plans)]
     eq = _equal_imbalance(times, stages)
     return PartitionPlan(names, cut, tuple(plans), schedule, microbatches,
-                         timeline.bubble() if timeline else 0.0, eq)
+                         timeline.bubble() if timeline else 0.0, eq, timeline=timeline,
+                         link=getattr(link, "name", ""))
 
 
 def _stage_plan(blocks: Sequence[BlockCost], mbs: int, profile: str) -> StagePlan:
@@ -299,20 +309,40 @@ def _with_in_flight(p: StagePlan, k: int) -> StagePlan:
     return dataclasses.replace(p, in_flight=k)
 
 
-def _timeline(plans: Sequence[StagePlan], schedule: str, mbs: int, virtual: int) -> Any:
-    """The schedule simulated on per-microbatch stage times; None for interleaved stages
-    whose count is not a multiple of the virtual stages per rank."""
+def _timeline(plans: Sequence[StagePlan], schedule: str, mbs: int, virtual: int,
+              link: Any = None) -> Any:
+    """The schedule simulated on per-microbatch stage times (and boundary transfers on
+    `link`); None for interleaved stages whose count is not a multiple of the virtual stages
+    per rank."""
     if len(plans) % virtual or (schedule == "interleaved") != (virtual > 1):
         return None
     sched = from_torch(schedule, len(plans) // virtual, mbs, virtual)
+    return simulate(sched, action_seconds(plans, mbs, link))
+
+
+def action_seconds(plans: Sequence[StagePlan], mbs: int, link: Any = None) -> Any:
+    """Predicted seconds of each action of a schedule over `plans`' stages: compute from the
+    stage's predicted times per microbatch; a send costs the link's call cost (the transfer
+    is asynchronous); a receive the latency plus the bytes over the bandwidth (it starts when
+    its send has been issued); transfers are free without a link. The activation gradient
+    sent back has the activation's size."""
     K = ActionKind
 
     def seconds(a: Action) -> float:
         p = plans[a.stage]
-        return {K.F: p.forward_s, K.B: p.backward_s, K.I: p.backward_s / 2,
-                K.W: p.backward_s / 2}.get(a.kind, 0.0) / mbs + \
-            (p.update_s if a.kind is K.UPDATE else 0.0)
-    return simulate(sched, seconds)
+        if a.kind is K.UPDATE:
+            return p.update_s
+        compute = {K.F: p.forward_s, K.B: p.backward_s, K.I: p.backward_s / 2,
+                   K.W: p.backward_s / 2}
+        if a.kind in compute:
+            return compute[a.kind] / mbs
+        if link is None:
+            return 0.0
+        if a.kind in (K.SEND_F, K.SEND_B):
+            return link.call_s
+        nbytes = plans[a.stage - 1].send_bytes if a.kind is K.RECV_F else p.send_bytes
+        return link.latency_s + nbytes / link.bandwidth
+    return seconds
 
 
 def _equal_imbalance(times: Sequence[Sequence[float]], stages: int) -> float:

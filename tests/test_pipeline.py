@@ -89,6 +89,24 @@ def test_partition_pass_plans_the_glm_step(glm_graph: glmc.TrainGraph) -> None:
     assert section.title == "Pipeline partition"
 
 
+def test_a_link_prices_boundary_transfers(glm_graph: glmc.TrainGraph) -> None:
+    from glmc.comm import get_link
+    link = get_link("200us:0.05GBps:30us")
+    free = plan_partition(glm_graph, 2, 4, "1f1b")
+    priced = plan_partition(glm_graph, 2, 4, "1f1b", link=link)
+    assert priced.cut == free.cut and priced.link == link.name and free.link == ""
+    spans = priced.timeline.spans
+    nbytes = priced.stages[0].send_bytes
+    recv = spans[Action(1, ActionKind.RECV_F, 0)]
+    assert recv[2] - recv[1] == pytest.approx(200e-6 + nbytes / 0.05e9)
+    send = spans[Action(0, ActionKind.SEND_F, 0)]
+    assert send[2] - send[1] == pytest.approx(30e-6)
+    assert all(e - s == 0 for a, (_, s, e) in free.timeline.spans.items()
+               if a.kind.value.startswith(("SEND", "RECV")))
+    assert priced.bubble > free.bubble  # waiting for transfers is idle time
+    assert priced.timeline.makespan > free.timeline.makespan
+
+
 def test_heterogeneous_profiles_balance_predicted_time(glm_graph: glmc.TrainGraph) -> None:
     plan = plan_partition(glm_graph, 2, 4, "1f1b", ["h100", "kunpeng920"])
     assert {s.profile for s in plan.stages} == {"NVIDIA H100 SXM5",
@@ -167,9 +185,23 @@ def _pipeline_part(rank: int, name: str) -> dict:
             "state": {k: v for k, v in model.state_dict().items() if k in names}}
 
 
+def _trainer_part(rank: int, out: Path) -> dict:
+    """The CLI's path: rank 0 plans (on the measured link), every rank trains, then measures."""
+    from glmc.pipeline_parallel import pipeline_report, pipeline_trainer, write_report
+    model, batch, loss_fn, opt = CASES["glm"].make()
+    trainer = pipeline_trainer(model, opt, loss_fn, batch, MICROBATCHES, "1f1b")
+    losses = [trainer.step(*batch) for _ in range(STEPS)]
+    measured = trainer.measure(*batch, steps=2)
+    data = pipeline_report(trainer.pipeline.plan, measured)
+    if trainer.last:
+        write_report(data, str(out / "pipeline-report"))
+    return {"losses": [float(v) for v in losses if v is not None], "data": data,
+            "last": trainer.last}
+
+
 def _worker(rank: int, port: int, out: str, names: list[str]) -> None:
     run_parts(rank, port, 2, out, [(name, lambda r, _, n=name: _pipeline_part(r, n))
-                                   for name in names])
+                                   for name in names] + [("trainer", _trainer_part)])
 
 
 DEFAULT = ["1f1b", "zbh1"]  #: gpipe and interleaved (4 stages to capture) run under -m slow
@@ -216,3 +248,59 @@ def measured_timeline_of(got: list[dict]):
 
 def test_actions_are_data() -> None:
     assert str(Action(1, ActionKind.I, 3)) == "1I3"
+
+
+def test_trainer_measures_its_pipeline_and_writes_a_report(distributed: Path,
+                                                           eager: tuple) -> None:
+    got = [result(distributed, "trainer", r) for r in range(2)]
+    assert [g["last"] for g in got] == [False, True]
+    assert got[1]["losses"] == pytest.approx(eager[0], rel=RTOL)
+    data = got[1]["data"]
+    assert data["link"].startswith("measured-gloo")  # transfers priced on this host's link
+    pred = {e["action"]: e for e in data["predicted_timeline"]}
+    assert pred["1RECV_F0"]["end_s"] > pred["1RECV_F0"]["start_s"]
+    assert {e["action"] for e in data["measured_timeline"]} == set(pred)
+    for b in data["bubble"].values():
+        assert 0.0 <= b < 1.0
+    for r in data["ranks"]:  # measured from the allocator: the state plus the step's peak
+        assert r["measured_peak_bytes"] > r["measured_state_bytes"] > 0
+        assert 0.5 < r["predicted_peak_bytes"] / r["measured_peak_bytes"] < 2.0
+    html = (distributed / "pipeline-report" / "report.html").read_text()
+    assert html.count("<svg") == 1 and "Memory per rank" in html and "Bubble predicted" in html
+    for name in ("report.json", "pipeline-trace.json", "pipeline-predicted.json"):
+        assert (distributed / "pipeline-report" / name).stat().st_size > 100
+
+
+# ---- pp x dp: four processes, two replicas of a two-stage pipeline ---------------------------------
+
+def _ppdp_part(rank: int, out: Path) -> dict:
+    from glmc.pipeline_parallel import pipeline_trainer
+    model, batch, loss_fn, opt = CASES["glm"].make()
+    trainer = pipeline_trainer(model, opt, loss_fn, batch, 2, "1f1b", dp=2)
+    losses = [trainer.step(*batch) for _ in range(STEPS)]
+    names = {n for s in trainer.local for n, _ in trainer.pipeline.stages[s].module
+             .named_parameters()}
+    return {"losses": [float(v) for v in losses if v is not None], "replica": trainer.replica,
+            "last": trainer.last, "state": {k: v for k, v in model.state_dict().items()
+                                            if k in names}}
+
+
+def _ppdp_worker(rank: int, port: int, out: str) -> None:
+    run_parts(rank, port, 4, out, [("ppdp", _ppdp_part)])
+
+
+def test_pp_x_dp_on_four_processes_matches_one_process(tmp_path: Path, eager: tuple) -> None:
+    spawn(_ppdp_worker, str(tmp_path), nprocs=4)
+    got = [result(tmp_path, "ppdp", r) for r in range(4)]
+    assert [(g["replica"], g["last"]) for g in got] == [(0, False), (0, True), (1, False),
+                                                         (1, True)]
+    want_losses, want_state = eager
+    for g in got:  # both replicas' last stages report the global-batch loss
+        assert g["losses"] == (pytest.approx(want_losses, rel=RTOL) if g["last"] else [])
+    state = {**got[0]["state"], **got[1]["state"]}
+    assert set(state) == {k for k in want_state if not k.endswith(("cos", "sin"))}
+    for k, v in state.items():
+        torch.testing.assert_close(v, want_state[k], rtol=RTOL, atol=1e-5)
+    for r in (0, 1):  # the replicas hold the same parameters: averaged gradients, same update
+        for k, v in got[r]["state"].items():
+            torch.testing.assert_close(got[r + 2]["state"][k], v, rtol=0, atol=0)
