@@ -11,7 +11,8 @@ from tests.models import CASES, RTOL, assert_state_close, eager_losses, glmc_los
 STEPS = 3
 
 
-@pytest.mark.parametrize("passes", ["cleanup", None], ids=["cleanup", "default-fusion"])
+@pytest.mark.parametrize("passes", [pytest.param("cleanup", marks=pytest.mark.slow), None],
+                         ids=["cleanup", "default-fusion"])  # cleanup-only: -m slow (70 s)
 def test_tiny_glm_on_inductor_matches_eager(passes: str | None) -> None:
     (m, x, loss_fn, opt), (m2, _, _, opt2) = twin(CASES["glm"].make)
     trainer = glmc.optimize(m, x, loss_fn=loss_fn, optimizer=opt, backend="inductor",

@@ -120,7 +120,8 @@ def _run_export(directory: Path, *args: str) -> list[float]:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("case,onnx", [("glm", False), ("cnn", False), ("glm", True),
+@pytest.mark.parametrize("case,onnx", [("glm", False), ("cnn", False),  # ONNX GLM: -m slow
+                                       pytest.param("glm", True, marks=pytest.mark.slow),
                                        ("mlp", True)])
 def test_export_reproduces_the_next_steps(tmp_path: Path, case: str, onnx: bool) -> None:
     if onnx:
@@ -138,7 +139,8 @@ def test_export_reproduces_the_next_steps(tmp_path: Path, case: str, onnx: bool)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=ATOL)
 
 
-@pytest.mark.parametrize("precision,onnx", [("bf16", False), ("fp16", True)])
+@pytest.mark.parametrize("precision,onnx", [  # fp16 through ONNX (60 s): -m slow
+    ("bf16", False), pytest.param("fp16", True, marks=pytest.mark.slow)])
 def test_export_carries_precision(tmp_path: Path, precision: str, onnx: bool) -> None:
     """The casts, the fused loss (lowered to plain ATen) and fp16's loss-scaler state travel
     with the export; onnxruntime's CPU kernels take fp16 (not bf16)."""
