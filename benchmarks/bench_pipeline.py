@@ -1,13 +1,13 @@
-"""glmc's pipeline executor against torch.distributed.pipelining: same model, same split (glmc's
-cost-balanced cut), same schedule, 2 gloo processes on this host.
+"""glmc's pipeline schedules, predicted against measured (step time, bubble, per-rank peak), and
+optionally torch.distributed.pipelining on the same split: 2 gloo processes on this host.
 
-    .venv/bin/python benchmarks/bench_pipeline.py [--config tiny|small] [--schedule 1f1b|gpipe]
-        [--microbatches 4] [--steps 5]
+    .venv/bin/python benchmarks/bench_pipeline.py [--config tiny|small]
+        [--schedules 1f1b,zbh1,gpipe] [--microbatches 4] [--steps 5] [--torch]
 
-torch runs the *same stage modules* (glmc's fx split of the model, as PipelineStage
-submodules) under ScheduleGPipe / Schedule1F1B with eager autograd and torch.optim; glmc runs
-its captured F/B/update graphs under its own schedule DAG. Prints one markdown row per
-executor: median step time, measured bubble (glmc), peak RSS growth per rank.
+glmc runs `pipeline_trainer` + `PipelineTrainer.measure` as `glmc compile --pp 2` does (its
+own cut, predicted on the measured gloo link). With --torch, torch runs the *same stage
+modules* (glmc's fx split, as PipelineStage submodules) under Schedule1F1B with eager autograd
+and torch.optim. Prints one markdown row per executor.
 """
 from __future__ import annotations
 
@@ -37,17 +37,23 @@ def _glm(config: str):
     return mod.workload(config)
 
 
-def _worker(rank: int, port: int, args: argparse.Namespace, blocks: list, out: str) -> None:
+def _worker(rank: int, port: int, args: argparse.Namespace, blocks: list, out: str,
+            schedule: str) -> None:
+    """One executor in fresh processes (a link measured after another run in the same
+    processes came out 3-4x slower here)."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2, timeout=timedelta(seconds=300))
     torch.set_num_threads(1)
     rows = {}
     try:
-        rows["glmc"] = _run_glmc(rank, args, blocks)
-        try:  # partial: torch's stage-to-stage integer leaves arrive corrupted (see report)
-            rows["torch.distributed.pipelining"] = _run_torch(rank, args, blocks)
-        except Exception as e:  # noqa: BLE001 - reported in the table
-            rows["torch.distributed.pipelining"] = {"error": f"{type(e).__name__}: {e}"[:80]}
+        if schedule != "torch":
+            rows[f"glmc {schedule}"] = _run_glmc(rank, args, schedule)
+        else:
+            try:  # partial: torch's stage-to-stage integer leaves arrive corrupted (see README)
+                rows["torch.distributed.pipelining 1f1b"] = _run_torch(rank, args, blocks)
+            except Exception as e:  # noqa: BLE001 - reported in the table
+                rows["torch.distributed.pipelining 1f1b"] = {
+                    "error": f"{type(e).__name__}: {e}"[:300]}
     finally:
         torch.save(rows, Path(out) / f"rank{rank}.pt")
         dist.destroy_process_group()
@@ -57,30 +63,23 @@ def _rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _run_glmc(rank: int, args: argparse.Namespace, blocks: list) -> dict:
-    from glmc.pipeline_parallel import (StepTrace, build_program, measured_timeline,
-                                        microbatch_leaves)
-    from glmc.schedule import run_rank
+def _run_glmc(rank: int, args: argparse.Namespace, schedule: str) -> dict:
+    """glmc's trainer as `glmc compile --pp 2` runs it: its own plan (on the measured link),
+    warm-up steps, then `measure` (back-to-back steps, one aligned step, one memory step)."""
+    from glmc.pipeline_parallel import pipeline_report, pipeline_trainer
     model, batch, loss_fn, opt = _glm(args.config)
-    pipe = build_program(model, opt, loss_fn, batch, blocks, args.microbatches, args.schedule)
-    mbs = microbatch_leaves(batch, args.microbatches)
-    before, times, spans = _rss(), [], []
-    for _ in range(args.steps):
-        dist.barrier()
-        spans = []
-        t0 = time.perf_counter()
-        run_rank(pipe.program, {rank: pipe.stages[rank].module}, {rank: pipe.optimizers[rank]},
-                 mbs, spans=spans)
-        times.append(time.perf_counter() - t0)
-    every: list = [None, None]
-    dist.all_gather_object(every, spans)
-    bubble = measured_timeline([StepTrace(r, s) for r, s in enumerate(every)], 2).bubble()
-    return {"step_s": statistics.median(times[1:] or times), "rss_growth": _rss() - before,
-            "bubble": bubble}
+    virtual = 2 if schedule == "interleaved" else 1
+    trainer = pipeline_trainer(model, opt, loss_fn, batch, args.microbatches, schedule, virtual)
+    before = _rss()
+    for _ in range(2):
+        trainer.step(*batch)
+    m = trainer.measure(*batch, steps=args.steps)
+    data = pipeline_report(trainer.pipeline.plan, m, trainer.pipeline.program.schedule)
+    return {"step_s": m.period_s, "rss_growth": _rss() - before, "data": data}
 
 
 def _run_torch(rank: int, args: argparse.Namespace, blocks: list) -> dict:
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     from glmc.pipeline_parallel import split_module, trace_blocks
     model, batch, loss_fn, opt = _glm(args.config)
@@ -106,9 +105,8 @@ def _run_torch(rank: int, args: argparse.Namespace, blocks: list) -> dict:
 
     stage_mod = Stage()
     stage = PipelineStage(stage_mod, rank, 2, torch.device("cpu"))
-    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.schedule]
     # the last stage returns the loss itself; torch's loss_fn is then the identity on it
-    sched = cls(stage, args.microbatches, loss_fn=(lambda out, _t: out) if rank else None)
+    sched = Schedule1F1B(stage, args.microbatches, loss_fn=(lambda out, _t: out) if rank else None)
     torch_opt = type(opt)(stage_mod.parameters(), **{k: v for k, v in opt.defaults.items()
                                                      if k != "decoupled_weight_decay"})
     before, times = _rss(), []
@@ -130,39 +128,54 @@ def _run_torch(rank: int, args: argparse.Namespace, blocks: list) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--config", default="tiny")
-    p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b"))
+    p.add_argument("--schedules", default="1f1b,zbh1,gpipe",
+                   help="glmc schedules to run, comma-separated")
     p.add_argument("--microbatches", type=int, default=4)
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=int, default=5, help="measured back-to-back steps")
+    p.add_argument("--torch", action="store_true",
+                   help="also run torch.distributed.pipelining's Schedule1F1B (fails: README)")
     args = p.parse_args()
     import glmc
     from glmc.pipeline_parallel import plan_stages
     model, batch, loss_fn, opt = _glm(args.config)
-    plan = plan_stages(model, opt, loss_fn, batch, 2, args.microbatches, args.schedule)
+    plan = plan_stages(model, opt, loss_fn, batch, 2, args.microbatches, "1f1b")
     blocks = [list(s.blocks) for s in plan.stages]
     import tempfile
 
     from tests.distributed import free_port
-    with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_worker, args=(free_port(), args, blocks, out), nprocs=2,
-                           start_method="spawn")
-        ranks = [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    ranks: list[dict] = [{}, {}]
+    for schedule in args.schedules.split(",") + (["torch"] if args.torch else []):
+        with tempfile.TemporaryDirectory() as out:
+            mp.start_processes(_worker, args=(free_port(), args, blocks, out, schedule),
+                               nprocs=2, start_method="spawn")
+            for r in range(2):
+                ranks[r].update(torch.load(Path(out) / f"rank{r}.pt", weights_only=False))
     print(f"# {time.strftime('%Y-%m-%d')} {os.uname().machine} {os.cpu_count()} CPUs, "
-          f"GLM {args.config}, {args.schedule}, {args.microbatches} microbatches, cut "
-          f"{blocks}, predicted imbalance {plan.imbalance:.3f}, bubble {plan.bubble:.1%}, "
+          f"GLM {args.config}, 2 stages, {args.microbatches} microbatches, "
           f"glmc {glmc.__version__}, torch {torch.__version__}")
-    print("| executor | step ms (max rank) | measured bubble | RSS growth rank0 / rank1 MiB |")
-    print("|---|---|---|---|")
+    print("| executor | cut | step ms predicted / measured (back to back) | bubble predicted / "
+          "measured aligned / back to back / replayed | peak MiB predicted / measured "
+          "(rank 0; rank 1) | measured link |")
+    print("|---|---|---|---|---|---|")
     for name in ranks[0]:
         if any("error" in r[name] for r in ranks):
-            err = next(r[name]["error"] for r in ranks if "error" in r[name])
-            print(f"| {name} | failed: {err} | - | - |")
+            err = " / ".join(f"rank {i}: {r[name]['error']}" for i, r in enumerate(ranks)
+                             if "error" in r[name])
+            print(f"| {name} | failed: {err} | - | - | - | - |")
             continue
-        step = max(r[name]["step_s"] for r in ranks)
-        bubble = ranks[0][name]["bubble"]
-        print(f"| {name} | {step * 1e3:.1f} | "
-              f"{'-' if bubble is None else f'{bubble:.1%}'} | "
-              f"{ranks[0][name]['rss_growth'] / 2**20:.1f} / "
-              f"{ranks[1][name]['rss_growth'] / 2**20:.1f} |")
+        d = ranks[0][name].get("data")
+        if d is None:
+            print(f"| {name} | same | - / {max(r[name]['step_s'] for r in ranks) * 1e3:.1f} "
+                  "| - | - | - |")
+            continue
+        b, t = d["bubble"], d["step_seconds"]
+        cut = " \\| ".join(", ".join(s["blocks"]) for s in d["stages"])
+        peaks = "; ".join(f"{r['predicted_peak_bytes'] / 2**20:.2f} / "
+                          f"{r['measured_peak_bytes'] / 2**20:.2f}" for r in d["ranks"])
+        print(f"| {name} | {cut} | {t['predicted'] * 1e3:.1f} / {t['measured_steady'] * 1e3:.1f}"
+              f" | {b['predicted']:.1%} / {b['measured']:.1%} / {b['measured_steady']:.1%} / "
+              f"{b['replayed']:.1%} | {peaks} | {d['link']['latency_us']:.0f} us, "
+              f"{d['link']['bandwidth_GBps']:.2f} GB/s |")
 
 
 if __name__ == "__main__":

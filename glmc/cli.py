@@ -384,7 +384,7 @@ def _compile(args: argparse.Namespace) -> int:
     if args.pp is not None:
         from glmc.pipeline_parallel import train_cli
         return train_cli(work, args.steps, args.microbatches or args.pp, args.schedule, args.pp,
-                         args.report_dir)
+                         args.report_dir, args.memory_budget)
     trainer = glmc.optimize(work.model, work.example_inputs, loss_fn=work.loss_fn,
                             optimizer=work.optimizer, backend=args.backend, passes=args.passes,
                             memory_budget=args.memory_budget, precision=args.precision,

@@ -27,7 +27,8 @@ import torch.nn as nn
 from glmc.capture import split_batch
 from glmc.errors import ConfigError, InputError
 from glmc.program import StagedProgram, capture_stage, link, split_backward
-from glmc.schedule import COMPUTE, Timeline, from_torch, run_rank
+from glmc.schedule import (COMPUTE, Action, ActionKind, Timeline, from_torch, run_rank,
+                            simulate)
 
 
 # ---- splitting a module into stage modules -----------------------------------------------------
@@ -155,13 +156,16 @@ class Pipeline:
     stages: list[StageModule]
     optimizers: list[torch.optim.Optimizer]
     plan: Any = None
+    saved_fractions: list[float | None] | None = None  #: per stage, under a memory budget
 
 
 def build_program(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any,
                   example_inputs: Any, stage_blocks: Sequence[Sequence[str]], microbatches: int,
-                  schedule: str = "1f1b", virtual: int = 1) -> Pipeline:
+                  schedule: str = "1f1b", virtual: int = 1,
+                  saved_fractions: Sequence[float | None] | None = None) -> Pipeline:
     """Capture every stage of `model` cut at `stage_blocks` on one microbatch of
-    `example_inputs`, link them and attach the schedule (torch's generator for `schedule`)."""
+    `example_inputs`, link them and attach the schedule (torch's generator for `schedule`).
+    `saved_fractions[s]`: stage s's saved-activation budget (`capture_stage`; None: all)."""
     leaves = microbatch_leaves(example_inputs, microbatches)[0]
     blocks = [b for bs in stage_blocks for b in bs]
     gm = trace_blocks(model, blocks, loss_fn)
@@ -171,7 +175,9 @@ def build_program(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: A
     for sm in mods:
         opt = stage_optimizer(optimizer, sm.module)
         args = [(a, leaves[a] if isinstance(a, int) else values[a].detach()) for a in sm.args]
-        stage = capture_stage(sm.index, sm.module, opt, args, send=sm.send)
+        fraction = saved_fractions[sm.index] if saved_fractions is not None else None
+        stage = capture_stage(sm.index, sm.module, opt, args, send=sm.send,
+                              saved_fraction=fraction)
         if schedule == "zbh1":
             stage = split_backward(stage)
         stages.append(stage)
@@ -376,26 +382,63 @@ def from_env_world() -> int:
 def plan_stages(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any,
                 example_inputs: Any, stages: int, microbatches: int, schedule: str,
                 virtual: int = 1, profile: Any = None, link: Any = None) -> Any:
-    """The partition pass's plan for the whole step (captured once, on this process);
-    `link`: the link between stages the predicted schedule prices transfers on."""
+    """The partition pass's plan for the whole step, captured once on this process on one
+    microbatch (what each stage runs per action); `link`: the link between stages the
+    predicted schedule prices transfers on."""
     import glmc
     from glmc.passes.partition import PartitionPass
     from glmc.passmanager import PassContext
 
-    graph = glmc.capture(model, example_inputs, loss_fn, optimizer)
+    one = tuple(microbatch_leaves(example_inputs, microbatches)[0])
+    graph = glmc.capture(model, one, loss_fn, optimizer)
     ps = PartitionPass(stages=stages, microbatches=microbatches, schedule=schedule,
-                       virtual=virtual, link=link or "")
+                       virtual=virtual, link=link or "", microbatch_graph=True)
     return ps.run(graph, PassContext(profile=profile)).stats
+
+
+def saved_fractions(plan: Any, budget: Any, ranks: int) -> list[float | None]:
+    """Per stage, the fraction of its saved activations that fits `budget` (glmc's recompute
+    Budget spelling) given the microbatches the schedule keeps in flight on it: a size is the
+    peak allowed per *rank* (its stages' state first, the rest shared by their in-flight
+    activations); a fraction keeps that share of every stage's activations; "min" recomputes
+    all it can. None: no budget. A size below a rank's state is a BudgetError naming it."""
+    from glmc.errors import BudgetError
+    from glmc.passes.recompute import Budget
+
+    if budget is None:
+        return [None] * len(plan.stages)
+    b = Budget.parse(budget)
+    if b.kind == "min":
+        return [0.0] * len(plan.stages)
+    if b.kind == "fraction":
+        return [b.value] * len(plan.stages)
+    out: list[float | None] = [None] * len(plan.stages)
+    for r in range(ranks):
+        own = [i for i in range(len(plan.stages)) if i % ranks == r]
+        state = sum(plan.stages[i].state_bytes for i in own)
+        acts = sum(plan.stages[i].in_flight * plan.stages[i].saved_bytes_per_microbatch
+                   for i in own)
+        if b.value <= state:
+            raise BudgetError(
+                f"pipeline: rank {r} (stage{'s' if len(own) > 1 else ''} "
+                f"{', '.join(map(str, own))}) needs more than {state / 2**20:.1f} MiB for its "
+                f"parameters, gradients and optimizer state before any activation; the budget "
+                f"is {b.value / 2**20:.1f} MiB per rank. Raise the budget or use more stages")
+        for i in own:
+            out[i] = min(1.0, (b.value - state) / acts) if acts else None
+    return out
 
 
 def pipeline_trainer(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any,
                      example_inputs: Any, microbatches: int, schedule: str = "1f1b",
-                     virtual: int = 1, timeout_s: float = 300.0, dp: int = 1
-                     ) -> PipelineTrainer:
+                     virtual: int = 1, timeout_s: float = 300.0, dp: int = 1,
+                     memory_budget: Any = None) -> PipelineTrainer:
     """A PipelineTrainer over every process of the default group (from torchrun's env):
     world / dp pipeline ranks, `dp` replicas. Rank 0 plans the cut for one replica's slice of
     the batch (the cost model may be calibrated differently per process, so one process
-    decides) and broadcasts it; every rank captures its program."""
+    decides) and broadcasts it; every rank captures its program. `memory_budget` (a size per
+    rank, a fraction or "min"): each stage recomputes activations in its backward so that its
+    in-flight microbatches fit (`saved_fractions`)."""
     from glmc.comm import measure_link
     from glmc.parallel import init_distributed
     init_distributed("cpu", timeout_s)
@@ -406,21 +449,24 @@ def pipeline_trainer(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn
     stages = world // dp * virtual
     args, _ = split_batch(example_inputs)
     example = tuple(replica_slices(tuple(args), dp)[0])
-    link = measure_link()  # every rank takes part; the same figures everywhere
+    link = measure_link(reps=21)  # every rank takes part; the same figures everywhere
     box: list[Any] = [None]
     if dist.get_rank() == 0:
         box[0] = plan_stages(model, optimizer, loss_fn, example, stages, microbatches,
                              schedule, virtual, link=link)
     dist.broadcast_object_list(box, src=0)
     plan = box[0]
+    fractions = saved_fractions(plan, memory_budget, stages // virtual)
     pipe = build_program(model, optimizer, loss_fn, example,
-                         [s.blocks for s in plan.stages], microbatches, schedule, virtual)
+                         [s.blocks for s in plan.stages], microbatches, schedule, virtual,
+                         fractions)
     pipe.plan = plan
+    pipe.saved_fractions = fractions
     return PipelineTrainer(pipe, timeout_s, dp)
 
 
 def train_cli(work: Any, steps: int, microbatches: int, schedule: str, pp: int,
-              report_dir: str | None = None) -> int:
+              report_dir: str | None = None, memory_budget: Any = None) -> int:
     """`glmc compile FILE --nproc N --pp S ...`: trains `work` pipelined; the rank holding
     replica 0's last stage prints `step i  loss x` lines as a single process does, then the plan and
     its predictions against three more measured steps (per-stage peak, bubble); with
@@ -432,7 +478,8 @@ def train_cli(work: Any, steps: int, microbatches: int, schedule: str, pp: int,
                           f"this run has {world}")
     virtual = 2 if schedule == "interleaved" else 1
     trainer = pipeline_trainer(work.model, work.optimizer, work.loss_fn, work.example_inputs,
-                               microbatches, schedule, virtual, dp=world // pp)
+                               microbatches, schedule, virtual, dp=world // pp,
+                               memory_budget=memory_budget)
     args, _ = split_batch(work.example_inputs)
     printer = trainer.last and trainer.replica == 0
     for i in range(steps):
@@ -441,7 +488,10 @@ def train_cli(work: Any, steps: int, microbatches: int, schedule: str, pp: int,
             print(f"step {i:4d}  loss {loss.item():.6f}", flush=True)
     measured = trainer.measure(*args)  # three more steps: not printed as training steps
     if printer:
-        data = pipeline_report(trainer.pipeline.plan, measured)
+        data = pipeline_report(trainer.pipeline.plan, measured,
+                               trainer.pipeline.program.schedule,
+                               trainer.pipeline.saved_fractions,
+                               [st.saved_bytes() for st in trainer.pipeline.program.stages])
         print(summary(data), flush=True)
         if report_dir:
             print(f"report: {write_report(data, report_dir)}")
@@ -458,16 +508,43 @@ def _spans(timeline: Timeline | None) -> list[dict]:
             for a, (r, s, e) in sorted(timeline.spans.items(), key=lambda x: x[1][1:])]
 
 
-def pipeline_report(plan: Any, measured: PipelineMeasurement) -> dict:
-    """The plan's predictions next to the measurement, as plain data (report.json)."""
+def replay(schedule: Any, measured: Timeline) -> Timeline:
+    """`schedule` simulated with each action's *measured* duration (a receive: its share
+    after its send was issued is transfer; the rest was waiting, which the simulation derives
+    again): what the schedule model predicts given perfect action times. Near the measured
+    timeline, the schedule model holds and the remaining error is in the predicted action
+    times."""
+    K = ActionKind
+    spans = measured.spans
+
+    def seconds(a: Action) -> float:
+        r, s, e = spans[a]
+        if a.kind in (K.RECV_F, K.RECV_B):
+            send = next((p for p in schedule.dag.predecessors(a)
+                         if p.kind in (K.SEND_F, K.SEND_B)), None)
+            return e - max(s, spans[send][2]) if send in spans else e - s
+        return e - s
+    return simulate(schedule, seconds)
+
+
+def pipeline_report(plan: Any, measured: PipelineMeasurement, schedule: Any = None,
+                    fractions: Sequence[float | None] | None = None,
+                    saved: Sequence[int] | None = None) -> dict:
+    """The plan's predictions next to the measurement, as plain data (report.json);
+    `schedule` (the program's): also the measured action times replayed through it;
+    `fractions`: the stages' saved-activation budgets (`saved_fractions`), with `saved` the
+    bytes per microbatch each captured stage then saves (the predicted peak uses these)."""
     sched_ranks = measured.timeline.num_ranks
     stages = []
     for i, s in enumerate(plan.stages):
         rank = i % sched_ranks
-        stages.append({"stage": i, "rank": rank, "blocks": list(s.blocks), "profile": s.profile,
+        f = fractions[i] if fractions is not None else None
+        peak = s.peak_bytes if f is None or saved is None else \
+            s.state_bytes + s.in_flight * saved[i]
+        stages.append({"saved_fraction": f, "stage": i, "rank": rank, "blocks": list(s.blocks), "profile": s.profile,
                        "forward_s": s.forward_s, "backward_s": s.backward_s,
                        "update_s": s.update_s, "seconds": s.seconds, "in_flight": s.in_flight,
-                       "predicted_peak_bytes": s.peak_bytes, "send_bytes": s.send_bytes})
+                       "predicted_peak_bytes": peak, "send_bytes": s.send_bytes})
     ranks = []
     for r in range(sched_ranks):
         own = [st for st in stages if st["rank"] == r]
@@ -476,12 +553,14 @@ def pipeline_report(plan: Any, measured: PipelineMeasurement) -> dict:
                       "measured_peak_bytes": measured.peak_bytes[r],
                       "measured_state_bytes": measured.state_bytes[r]})
     pred = plan.timeline
+    replayed = replay(schedule, measured.timeline) if schedule is not None else None
     return {"created": time.strftime("%Y-%m-%d %H:%M:%S"), "schedule": plan.schedule,
             "microbatches": plan.microbatches, "cut": list(plan.cut), "link": plan.link,
             "imbalance": plan.imbalance, "equal_imbalance": plan.equal_imbalance,
             "stages": stages, "ranks": ranks,
             "bubble": {"predicted": plan.bubble, "measured": measured.timeline.bubble(),
-                       "measured_steady": measured.steady_bubble()},
+                       "measured_steady": measured.steady_bubble(),
+                       "replayed": replayed.bubble() if replayed is not None else None},
             "step_seconds": {"predicted": pred.makespan if pred is not None else None,
                              "measured": measured.timeline.makespan,
                              "measured_steady": measured.period_s},
@@ -493,15 +572,25 @@ def summary(data: dict) -> str:
     """The report in a few lines (what `glmc compile --pp` prints)."""
     lines = []
     for st in data["stages"]:
+        budget = "" if st["saved_fraction"] is None else \
+            f", activations kept under a budget: {st['saved_fraction']:.0%}"
         lines.append(f"stage {st['stage']}: {', '.join(st['blocks'])}  predicted "
                      f"{st['seconds'] * 1e3:.2f} ms/step, peak "
                      f"{st['predicted_peak_bytes'] / 2**20:.2f} MiB ({st['in_flight']} "
-                     f"microbatches in flight)")
+                     f"microbatches in flight{budget})")
     for r in data["ranks"]:
         lines.append(f"rank {r['rank']}: peak predicted {r['predicted_peak_bytes'] / 2**20:.2f} "
                      f"MiB, measured {r['measured_peak_bytes'] / 2**20:.2f} MiB")
     b, t = data["bubble"], data["step_seconds"]
     pred_t = f"{t['predicted'] * 1e3:.1f}" if t["predicted"] is not None else "-"
+    if data["link"]:
+        lk = data["link"]
+        lines.append(f"link between stages: {lk['name']}, latency {lk['latency_us']:.1f} us, "
+                     f"{lk['bandwidth_GBps']:.2f} GB/s (prices the predicted transfers)")
+    if b.get("replayed") is not None:
+        lines.append(f"schedule model: the measured action times replayed through the "
+                     f"schedule give a bubble of {b['replayed']:.1%} (measured "
+                     f"{b['measured']:.1%}); the rest of the gap is in predicted action times")
     lines.append(f"pipeline: {data['schedule']}, {data['microbatches']} microbatches; imbalance "
                  f"{data['imbalance']:.3f} (equal split {data['equal_imbalance']:.3f}); bubble "
                  f"predicted {b['predicted']:.1%}, measured {b['measured']:.1%} (one aligned "

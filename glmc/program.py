@@ -470,6 +470,13 @@ class Stage:
         return {Phase.FORWARD: self.forward, Phase.BACKWARD: self.backward,
                 Phase.OPTIMIZER: self.update}
 
+    def saved_bytes(self) -> int:
+        """Bytes the forward saves for the backward, per microbatch (from its output specs)."""
+        g = self.forward
+        out = next(n for n in g.gm.graph.nodes if n.op == "output")
+        return sum(g.info(v).spec.nbytes for spec, v in zip(g.outputs, out.args[0])
+                   if spec.kind is OutputKind.SAVED and g.info(v).spec is not None)
+
 
 @dataclass
 class StagedProgram:
@@ -579,15 +586,19 @@ StageArg = tuple["int | str", torch.Tensor]  #: (batch leaf index | received bou
 
 def capture_stage(index: int, module: nn.Module, optimizer: torch.optim.Optimizer,
                   args: Sequence[StageArg], *, send: Sequence[str] = (), loss_fn: Any = None,
-                  target: tuple[int, torch.Tensor] | None = None) -> Stage:
+                  target: tuple[int, torch.Tensor] | None = None,
+                  saved_fraction: float | None = None) -> Stage:
     """Stage `index` of a pipeline: `module(*args)` then either sends its outputs under the
     names `send`, or (last stage) computes `loss_fn(output, target)` — or, without `loss_fn`,
     returns the loss itself. An arg is `(i, example)` for leaf `i` of the microbatch, or
     `(name, example)` for a value received from the stage that sends `name`; its gradient is
     sent back as `"grad:" + name`. Buffers are read-only inputs (`Role.BUFFER`; a stage that
     writes a buffer, as batch norm does, is rejected). AOTAutograd's default partition decides
-    what the forward saves for the backward; the update is the optimizer's glmc rule
-    (`glmc.optim`), so it matches torch.optim exactly."""
+    what the forward saves for the backward — or, with `saved_fraction` f in [0, 1], its
+    min-cut rematerialization partition under `activation_memory_budget` f (recompute in the
+    backward until the saved bytes are about f of what the default saves; 0: as little as
+    possible). The update is the optimizer's glmc rule (`glmc.optim`), so it matches
+    torch.optim exactly."""
     if (loss_fn is not None) != (target is not None) or (bool(send) and loss_fn is not None):
         raise ConfigError(f"capture_stage: stage {index} needs either send= (names of its "
                           "outputs) or, as the last stage, loss_fn= with target= (or neither: "
@@ -606,7 +617,7 @@ def capture_stage(index: int, module: nn.Module, optimizer: torch.optim.Optimize
     examples = [p.detach().requires_grad_() for p in module.parameters()]
     examples += [b.detach() for b in module.buffers()]
     examples += [t.detach().requires_grad_(isinstance(k, str)) for k, t in leaves]
-    fw, bw, n_out = _aot_graphs(step, examples)
+    fw, bw, n_out = _aot_graphs(step, examples, saved_fraction)
     if n_out != max(len(send), 1):
         raise ConfigError(f"capture_stage: stage {index} returns {n_out} values but send= "
                           f"names {len(send)} (a stage that writes a buffer returns more)")
@@ -622,11 +633,16 @@ def capture_stage(index: int, module: nn.Module, optimizer: torch.optim.Optimize
     return Stage(index, forward, backward, _update_graph(index, module, optimizer))
 
 
-def _aot_graphs(fn: Callable, examples: list[torch.Tensor]
+def _aot_graphs(fn: Callable, examples: list[torch.Tensor], saved_fraction: float | None = None
                 ) -> tuple[fx.GraphModule, fx.GraphModule, int]:
-    """AOTAutograd's forward and backward graphs of `fn` (run once on `examples`)."""
+    """AOTAutograd's forward and backward graphs of `fn` (run once on `examples`), split by
+    the default partition, or under a saved-activation budget (see `capture_stage`)."""
+    import contextlib
+
+    import torch._functorch.config as functorch_config
     from functorch.compile import aot_function, make_boxed_func
-    from torch._functorch.partitioners import default_partition
+    from torch._functorch.partitioners import (default_partition,
+                                               min_cut_rematerialization_partition)
 
     got: dict[str, fx.GraphModule] = {}
 
@@ -636,9 +652,13 @@ def _aot_graphs(fn: Callable, examples: list[torch.Tensor]
             return make_boxed_func(gm.forward)
         return compiler
 
+    budget = contextlib.nullcontext() if saved_fraction is None else \
+        functorch_config.patch(activation_memory_budget=max(0.0, min(1.0, saved_fraction)))
     compiled = aot_function(fn, fw_compiler=keep("F"), bw_compiler=keep("B"),
-                            partition_fn=default_partition)
-    out = compiled(*examples)
+                            partition_fn=default_partition if saved_fraction is None
+                            else min_cut_rematerialization_partition)
+    with budget:
+        out = compiled(*examples)
     outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
     torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
     return got["F"], got["B"], len(outs)

@@ -357,14 +357,24 @@ def _gantt_plot(data: dict[str, Any]) -> str:
     return _svg(fig)
 
 
+def _link(link: dict[str, Any] | None) -> str:
+    if not link:
+        return "none (free)"
+    return (f"{link['name']}: latency {link['latency_us']:.1f} us, "
+            f"{link['bandwidth_GBps']:.2f} GB/s ({link['source']})")
+
+
 def render_pipeline_html(data: dict[str, Any]) -> str:
     """report.html of a pipelined run (glmc.pipeline_parallel.pipeline_report's dict)."""
     b, t = data["bubble"], data["step_seconds"]
     stages = Table(("stage", "rank", "blocks", "profile", "F", "B", "update", "total",
-                    "in flight", "predicted peak", "sends per microbatch"),
+                    "in flight", "activations kept", "predicted peak", "sends per microbatch"),
                    tuple((str(s["stage"]), str(s["rank"]), ", ".join(s["blocks"]), s["profile"],
                           ms(s["forward_s"]), ms(s["backward_s"]), ms(s["update_s"]),
-                          ms(s["seconds"]), str(s["in_flight"]), mib(s["predicted_peak_bytes"]),
+                          ms(s["seconds"]), str(s["in_flight"]),
+                          "all" if s.get("saved_fraction") is None
+                          else f"{s['saved_fraction']:.0%} (budget)",
+                          mib(s["predicted_peak_bytes"]),
                           mib(s["send_bytes"])) for s in data["stages"]))
     ranks = Table(("rank", "stages", "predicted peak", "measured peak", "measured state"),
                   tuple((str(r["rank"]), ", ".join(map(str, r["stages"])),
@@ -377,11 +387,14 @@ def render_pipeline_html(data: dict[str, Any]) -> str:
         f"{len(data['stages'])} stages on {len(data['ranks'])} ranks</p>",
         f"<h2>Plan</h2><p>Cut before blocks {_esc(data['cut'])}; imbalance (max/mean) "
         f"{data['imbalance']:.3f} (an equal split of blocks: {data['equal_imbalance']:.3f}). "
-        f"Boundary transfers priced on link {_esc(data['link'] or 'none (free)')}.</p>",
+        f"Boundary transfers priced on link {_esc(_link(data['link']))}.</p>",
         _table(stages),
         "<h2>Schedule</h2>",
         f"<p>Bubble predicted {b['predicted']:.1%}, measured {b['measured']:.1%} in one "
-        f"barrier-aligned step and {b['measured_steady']:.1%} with steps back to back. Step "
+        f"barrier-aligned step and {b['measured_steady']:.1%} with steps back to back"
+        + (f"; the measured action times replayed through the schedule give "
+           f"{b['replayed']:.1%} (the schedule model's own error; the rest is in the predicted "
+           f"action times)" if b.get("replayed") is not None else "") + ". Step "
         f"predicted {pred_t}, measured {ms(t['measured'])} "
         f"({ms(t['measured_steady'])} back to back).</p>",
         _gantt_plot(data),

@@ -76,7 +76,7 @@ class PartitionPlan:
     equal_imbalance: float  #: imbalance of an equal split of blocks, for comparison
     notes: tuple[str, ...] = field(default=())
     timeline: Any = None  #: the predicted schedule (glmc.schedule.Timeline), if simulated
-    link: str = ""  #: the link boundary transfers were priced on ("" : free)
+    link: dict | None = None  #: the link transfers were priced on (LinkProfile.to_dict)
 
     @property
     def imbalance(self) -> float:
@@ -171,8 +171,11 @@ def step_blocks(graph: TrainGraph) -> list[str]:
     return order + sorted(names - set(order))
 
 
-def block_costs(graph: TrainGraph, profile: Any = None, traits: Any = None) -> list[BlockCost]:
-    """Forward, backward and update seconds, state and activation bytes of every block."""
+def block_costs(graph: TrainGraph, profile: Any = None, traits: Any = None,
+                repeat: int = 1) -> list[BlockCost]:
+    """Forward, backward and update seconds, state and activation bytes of every block.
+    `repeat`: the graph is of one microbatch and the step runs it that many times (forward,
+    backward and activations scale by it, per-op overheads included; the update does not)."""
     blocks = step_blocks(graph)
     kw = {"traits": traits} if traits is not None else {}
     node_s = predict(graph, profile=profile, **kw).time.node_seconds
@@ -200,8 +203,9 @@ def block_costs(graph: TrainGraph, profile: Any = None, traits: Any = None) -> l
                 out[b] += size
     params, state = _state_bytes(graph, blocks)
     total = sum(params.values()) or 1
-    return [BlockCost(b, (secs[b][0], secs[b][1], update * params[b] / total), state[b],
-                      saved[b], out[b]) for b in blocks]
+    return [BlockCost(b, (secs[b][0] * repeat, secs[b][1] * repeat,
+                          update * params[b] / total), state[b], saved[b] * repeat,
+                      out[b] * repeat) for b in blocks]
 
 
 def _state_bytes(graph: TrainGraph, blocks: Sequence[str]) -> tuple[dict, dict]:
@@ -241,6 +245,7 @@ class PartitionPass(Pass):
     profiles: str = ""
     link: Any = ""  #: glmc.comm link between stages (name, figures or a LinkProfile); empty:
     #: transfers are free in the predicted schedule
+    microbatch_graph: bool = False  #: the graph is of one microbatch (see plan_partition)
 
     def needs(self) -> frozenset[Need]:
         return frozenset({Need.STEP})
@@ -254,7 +259,8 @@ class PartitionPass(Pass):
         from glmc.comm import get_link
         plan = plan_partition(graph, self.stages, self.microbatches, self.schedule,
                               self._profiles(ctx), ctx.traits, self.virtual,
-                              get_link(self.link) if self.link else None)
+                              get_link(self.link) if self.link else None,
+                              self.microbatch_graph)
         graph.meta["partition"] = plan
         return PassResult(False, plan)
 
@@ -268,17 +274,21 @@ class PartitionPass(Pass):
 
 def plan_partition(graph: TrainGraph, stages: int, microbatches: int, schedule: str = "1f1b",
                    profiles: Sequence[Any] | None = None, traits: Any = None,
-                   virtual: int = 1, link: Any = None) -> PartitionPlan:
+                   virtual: int = 1, link: Any = None,
+                   microbatch_graph: bool = False) -> PartitionPlan:
     """The cost-balanced plan for `graph` (see the module docstring). `link`: the link
     between neighbouring stages (glmc.comm; e.g. this host's, measured): boundary transfers
     then take time in the predicted schedule (a send its call cost, a receive the latency and
-    bytes / bandwidth after its send); without one they are free."""
+    bytes / bandwidth after its send); without one they are free. `microbatch_graph`:
+    `graph` is the step on one microbatch (the accurate input: per-op overheads are paid per
+    microbatch); otherwise the full batch, its forward and backward split evenly."""
     profiles = list(profiles or [None] * stages)
     by_profile = {}
     for p in profiles:
         key = getattr(get_profile(p), "name", str(p))
         if key not in by_profile:
-            by_profile[key] = block_costs(graph, p, traits)
+            by_profile[key] = block_costs(graph, p, traits,
+                                          microbatches if microbatch_graph else 1)
     keys = [getattr(get_profile(p), "name", str(p)) for p in profiles]
     costs = [by_profile[k] for k in keys]
     names = tuple(c.name for c in costs[0])
@@ -293,7 +303,7 @@ def plan_partition(graph: TrainGraph, stages: int, microbatches: int, schedule: 
     eq = _equal_imbalance(times, stages)
     return PartitionPlan(names, cut, tuple(plans), schedule, microbatches,
                          timeline.bubble() if timeline else 0.0, eq, timeline=timeline,
-                         link=getattr(link, "name", ""))
+                         link=link.to_dict() if link is not None else None)
 
 
 def _stage_plan(blocks: Sequence[BlockCost], mbs: int, profile: str) -> StagePlan:
