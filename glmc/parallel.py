@@ -148,6 +148,14 @@ def topology(nodes: int | None, world: int, rank: int) -> tuple[int, int]:
     return nodes, world // nodes
 
 
+def comm_failure(e: BaseException) -> str | None:
+    """The first line of `e` when it is a failed or timed-out collective / point-to-point
+    operation of the process group (gloo, NCCL, c10d), else None."""
+    text = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    words = ("gloo", "nccl", "timeout", "timed out", "connection", "peer", "socket", "c10d")
+    return text if any(w in text.lower() for w in words) else None
+
+
 def init_distributed(device: str, timeout_s: float) -> None:
     """The default process group from torchrun's environment, unless the user made one."""
     if dist.is_initialized():
@@ -378,9 +386,8 @@ class DataParallel:
         try:
             yield
         except RuntimeError as e:
-            text = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-            if not any(w in text.lower() for w in ("gloo", "nccl", "timeout", "timed out",
-                                                     "connection", "peer", "socket", "c10d")):
+            text = comm_failure(e)
+            if text is None:
                 raise
             raise CommError(f"parallel: a collective failed on rank {self.rank} of "
                             f"{self.world} ({text}); another rank has probably died, hung or "

@@ -286,6 +286,32 @@ class PipelineTrainer:
         self.last = (sched.num_stages - 1) in self.local
         self.traces: list[StepTrace] = []
 
+    def _comm_error(self, e: RuntimeError, done: int) -> None:
+        """A failed point-to-point op or gradient all-reduce (another rank died, hung or ran
+        a different program) as a CommError naming this rank and the action it was in; other
+        errors pass through."""
+        from glmc.errors import CommError
+        from glmc.parallel import comm_failure
+
+        text = comm_failure(e)
+        if text is None:
+            return
+        sched = self.pipeline.program.schedule
+        actions = sched.rank_actions(self.pp_rank)
+        action = actions[done] if done < len(actions) else None
+        peer = ""
+        if action is not None and action.kind.value.startswith(("SEND", "RECV")):
+            forward = action.kind.value.endswith("_F")
+            other = action.stage + (1 if forward == action.kind.value.startswith("SEND")
+                                    else -1)
+            if 0 <= other < sched.num_stages:
+                peer = f" with stage {other} on rank {self.ranks[other]}"
+        raise CommError(f"pipeline: rank {self.rank} (stages {', '.join(map(str, self.local))}) "
+                        f"failed in action {action or 'after its last action'}{peer} ({text}); "
+                        "that rank has probably died, hung or runs a different pipeline (a "
+                        "hung rank fails the others after the process group's timeout, "
+                        "timeout_s); check its output") from e
+
     def _reduce_grads(self, stage: int, grads: dict[str, torch.Tensor]) -> None:
         """Average `grads` over this stage's replicas: one all-reduce of their flat concat."""
         if not grads:
@@ -310,10 +336,14 @@ class PipelineTrainer:
         if aligned:
             dist.barrier()
         trace = StepTrace(self.rank, origin=time.time() if aligned else 0.0)
-        losses = run_rank(p.program, {s: p.stages[s].module for s in self.local},
-                          {s: p.optimizers[s] for s in self.local}, mbs, ranks=self.ranks,
-                          spans=trace.spans,
-                          reduce_grads=self._reduce_grads if self.dp > 1 else None)
+        try:
+            losses = run_rank(p.program, {s: p.stages[s].module for s in self.local},
+                              {s: p.optimizers[s] for s in self.local}, mbs, ranks=self.ranks,
+                              spans=trace.spans,
+                              reduce_grads=self._reduce_grads if self.dp > 1 else None)
+        except RuntimeError as e:
+            self._comm_error(e, len(trace.spans))
+            raise
         self.traces.append(trace)
         if not self.last:
             return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -199,9 +200,27 @@ def _trainer_part(rank: int, out: Path) -> dict:
             "last": trainer.last}
 
 
+def _dead_part(rank: int, out: Path) -> dict:
+    """Rank 1 dies after building its pipeline; rank 0's step must fail typed, not hang."""
+    import os
+
+    from glmc.errors import CommError
+    from glmc.pipeline_parallel import pipeline_trainer
+    model, batch, loss_fn, opt = CASES["glm"].make()
+    trainer = pipeline_trainer(model, opt, loss_fn, batch, MICROBATCHES, "1f1b")
+    if rank == 1:
+        os._exit(0)  # as a crashed process does: no word to the others
+    try:
+        trainer.step(*batch)
+    except CommError as e:
+        return {"error_text": str(e)}
+    return {"error_text": None}
+
+
 def _worker(rank: int, port: int, out: str, names: list[str]) -> None:
     run_parts(rank, port, 2, out, [(name, lambda r, _, n=name: _pipeline_part(r, n))
-                                   for name in names] + [("trainer", _trainer_part)])
+                                   for name in names]
+              + [("trainer", _trainer_part), ("dead", _dead_part)])  # "dead" kills rank 1: last
 
 
 DEFAULT = ["1f1b", "zbh1"]  #: gpipe and interleaved (4 stages to capture) run under -m slow
@@ -342,3 +361,10 @@ def test_budget_per_rank_becomes_each_stages_kept_fraction(glm_graph) -> None:
         min(1.0, (budget - s1.state_bytes) / (s1.in_flight * s1.saved_bytes_per_microbatch)))
     with pytest.raises(BudgetError, match=r"rank 0 \(stage 0\) needs more than .* MiB"):
         saved_fractions(plan, s0.state_bytes, 2)
+
+
+def test_a_dead_stage_is_a_typed_error_naming_the_rank_and_action(distributed: Path) -> None:
+    text = result(distributed, "dead", 0)["error_text"]
+    assert text is not None and "pipeline: rank 0 (stages 0)" in text
+    # the first exchange with the dead rank fails: its send or a receive, by timing
+    assert re.search(r"failed in action 0(SEND_F|RECV_B)\d with stage 1 on rank 1", text)
