@@ -74,7 +74,7 @@ def _run_glmc(rank: int, args: argparse.Namespace, schedule: str) -> dict:
     for _ in range(2):
         trainer.step(*batch)
     m = trainer.measure(*batch, steps=args.steps)
-    data = pipeline_report(trainer.pipeline.plan, m, trainer.pipeline.program.schedule)
+    data = pipeline_report(trainer.pipeline.plan, m, trainer.pipeline.program)
     return {"step_s": m.period_s, "rss_growth": _rss() - before, "data": data}
 
 
@@ -154,8 +154,8 @@ def main() -> None:
           f"GLM {args.config}, 2 stages, {args.microbatches} microbatches, "
           f"glmc {glmc.__version__}, torch {torch.__version__}")
     print("| executor | cut | step ms predicted / measured (back to back) | bubble predicted / "
-          "measured aligned / back to back / replayed | peak MiB predicted / measured "
-          "(rank 0; rank 1) | measured link |")
+          "measured aligned / back to back / replayed | peak MiB planned / predicted / "
+          "measured (rank 0; rank 1) | measured link |")
     print("|---|---|---|---|---|---|")
     for name in ranks[0]:
         if any("error" in r[name] for r in ranks):
@@ -170,8 +170,9 @@ def main() -> None:
             continue
         b, t = d["bubble"], d["step_seconds"]
         cut = " \\| ".join(", ".join(s["blocks"]) for s in d["stages"])
-        peaks = "; ".join(f"{r['predicted_peak_bytes'] / 2**20:.2f} / "
-                          f"{r['measured_peak_bytes'] / 2**20:.2f}" for r in d["ranks"])
+        peaks = "; ".join(f"{r['planned_peak_bytes'] / 2**20:.1f} / "
+                          f"{r['predicted_peak_bytes'] / 2**20:.1f} / "
+                          f"{r['measured_peak_bytes'] / 2**20:.1f}" for r in d["ranks"])
         print(f"| {name} | {cut} | {t['predicted'] * 1e3:.1f} / {t['measured_steady'] * 1e3:.1f}"
               f" | {b['predicted']:.1%} / {b['measured']:.1%} / {b['measured_steady']:.1%} / "
               f"{b['replayed']:.1%} | {peaks} | {d['link']['latency_us']:.0f} us, "

@@ -27,8 +27,8 @@ import torch.nn as nn
 from glmc.capture import split_batch
 from glmc.errors import ConfigError, InputError
 from glmc.program import StagedProgram, capture_stage, link, split_backward
-from glmc.schedule import (COMPUTE, Action, ActionKind, Timeline, from_torch, run_rank,
-                            simulate)
+from glmc.schedule import (COMPUTE, Action, ActionKind, Timeline, from_torch,
+                            predicted_peaks, run_rank, simulate)
 
 
 # ---- splitting a module into stage modules -----------------------------------------------------
@@ -518,10 +518,8 @@ def train_cli(work: Any, steps: int, microbatches: int, schedule: str, pp: int,
             print(f"step {i:4d}  loss {loss.item():.6f}", flush=True)
     measured = trainer.measure(*args)  # three more steps: not printed as training steps
     if printer:
-        data = pipeline_report(trainer.pipeline.plan, measured,
-                               trainer.pipeline.program.schedule,
-                               trainer.pipeline.saved_fractions,
-                               [st.saved_bytes() for st in trainer.pipeline.program.stages])
+        data = pipeline_report(trainer.pipeline.plan, measured, trainer.pipeline.program,
+                               trainer.pipeline.saved_fractions)
         print(summary(data), flush=True)
         if report_dir:
             print(f"report: {write_report(data, report_dir)}")
@@ -557,33 +555,34 @@ def replay(schedule: Any, measured: Timeline) -> Timeline:
     return simulate(schedule, seconds)
 
 
-def pipeline_report(plan: Any, measured: PipelineMeasurement, schedule: Any = None,
-                    fractions: Sequence[float | None] | None = None,
-                    saved: Sequence[int] | None = None) -> dict:
-    """The plan's predictions next to the measurement, as plain data (report.json);
-    `schedule` (the program's): also the measured action times replayed through it;
-    `fractions`: the stages' saved-activation budgets (`saved_fractions`), with `saved` the
-    bytes per microbatch each captured stage then saves (the predicted peak uses these)."""
+def pipeline_report(plan: Any, measured: PipelineMeasurement, program: Any = None,
+                    fractions: Sequence[float | None] | None = None) -> dict:
+    """The plan's predictions next to the measurement, as plain data (report.json). With the
+    captured `program`: each rank's peak predicted from its stages' graphs walked through the
+    schedule (`glmc.schedule.predicted_peaks`; else the plan's estimate), and the measured
+    action times replayed through the schedule. `fractions`: the stages' saved-activation
+    budgets (`saved_fractions`)."""
     sched_ranks = measured.timeline.num_ranks
     stages = []
     for i, s in enumerate(plan.stages):
-        rank = i % sched_ranks
-        f = fractions[i] if fractions is not None else None
-        peak = s.peak_bytes if f is None or saved is None else \
-            s.state_bytes + s.in_flight * saved[i]
-        stages.append({"saved_fraction": f, "stage": i, "rank": rank, "blocks": list(s.blocks), "profile": s.profile,
-                       "forward_s": s.forward_s, "backward_s": s.backward_s,
-                       "update_s": s.update_s, "seconds": s.seconds, "in_flight": s.in_flight,
-                       "predicted_peak_bytes": peak, "send_bytes": s.send_bytes})
+        stages.append({"stage": i, "rank": i % sched_ranks, "blocks": list(s.blocks),
+                       "profile": s.profile, "forward_s": s.forward_s,
+                       "backward_s": s.backward_s, "update_s": s.update_s,
+                       "seconds": s.seconds, "in_flight": s.in_flight,
+                       "saved_fraction": fractions[i] if fractions is not None else None,
+                       "planned_peak_bytes": s.peak_bytes, "send_bytes": s.send_bytes})
+    peaks = predicted_peaks(program) if program is not None else None
     ranks = []
     for r in range(sched_ranks):
         own = [st for st in stages if st["rank"] == r]
         ranks.append({"rank": r, "stages": [st["stage"] for st in own],
-                      "predicted_peak_bytes": sum(st["predicted_peak_bytes"] for st in own),
+                      "planned_peak_bytes": sum(st["planned_peak_bytes"] for st in own),
+                      "predicted_peak_bytes": peaks[r] if peaks is not None else
+                      sum(st["planned_peak_bytes"] for st in own),
                       "measured_peak_bytes": measured.peak_bytes[r],
                       "measured_state_bytes": measured.state_bytes[r]})
     pred = plan.timeline
-    replayed = replay(schedule, measured.timeline) if schedule is not None else None
+    replayed = replay(program.schedule, measured.timeline) if program is not None else None
     return {"created": time.strftime("%Y-%m-%d %H:%M:%S"), "schedule": plan.schedule,
             "microbatches": plan.microbatches, "cut": list(plan.cut), "link": plan.link,
             "imbalance": plan.imbalance, "equal_imbalance": plan.equal_imbalance,
@@ -605,12 +604,14 @@ def summary(data: dict) -> str:
         budget = "" if st["saved_fraction"] is None else \
             f", activations kept under a budget: {st['saved_fraction']:.0%}"
         lines.append(f"stage {st['stage']}: {', '.join(st['blocks'])}  predicted "
-                     f"{st['seconds'] * 1e3:.2f} ms/step, peak "
-                     f"{st['predicted_peak_bytes'] / 2**20:.2f} MiB ({st['in_flight']} "
+                     f"{st['seconds'] * 1e3:.2f} ms/step, planned peak "
+                     f"{st['planned_peak_bytes'] / 2**20:.2f} MiB ({st['in_flight']} "
                      f"microbatches in flight{budget})")
     for r in data["ranks"]:
         lines.append(f"rank {r['rank']}: peak predicted {r['predicted_peak_bytes'] / 2**20:.2f} "
-                     f"MiB, measured {r['measured_peak_bytes'] / 2**20:.2f} MiB")
+                     f"MiB (stage graphs through the schedule; the cut's plan "
+                     f"{r['planned_peak_bytes'] / 2**20:.2f}), measured "
+                     f"{r['measured_peak_bytes'] / 2**20:.2f} MiB")
     b, t = data["bubble"], data["step_seconds"]
     pred_t = f"{t['predicted'] * 1e3:.1f}" if t["predicted"] is not None else "-"
     if data["link"]:

@@ -471,11 +471,14 @@ class Stage:
                 Phase.OPTIMIZER: self.update}
 
     def saved_bytes(self) -> int:
-        """Bytes the forward saves for the backward, per microbatch (from its output specs)."""
-        g = self.forward
-        out = next(n for n in g.gm.graph.nodes if n.op == "output")
-        return sum(g.info(v).spec.nbytes for spec, v in zip(g.outputs, out.args[0])
-                   if spec.kind is OutputKind.SAVED and g.info(v).spec is not None)
+        """New bytes one forward leaves behind (what it saves for the backward, and what it
+        sends): glmc.memory's liveness simulation at the forward's end, above its inputs —
+        saved views of parameters or received values share their storage and add nothing."""
+        from glmc.memory import simulate
+
+        est = simulate(self.forward.graph)
+        end = sum(est.timeline[-1][1].values()) if est.timeline else est.persistent_bytes
+        return end - est.persistent_bytes
 
 
 @dataclass

@@ -368,17 +368,19 @@ def render_pipeline_html(data: dict[str, Any]) -> str:
     """report.html of a pipelined run (glmc.pipeline_parallel.pipeline_report's dict)."""
     b, t = data["bubble"], data["step_seconds"]
     stages = Table(("stage", "rank", "blocks", "profile", "F", "B", "update", "total",
-                    "in flight", "activations kept", "predicted peak", "sends per microbatch"),
+                    "in flight", "activations kept", "planned peak", "sends per microbatch"),
                    tuple((str(s["stage"]), str(s["rank"]), ", ".join(s["blocks"]), s["profile"],
                           ms(s["forward_s"]), ms(s["backward_s"]), ms(s["update_s"]),
                           ms(s["seconds"]), str(s["in_flight"]),
                           "all" if s.get("saved_fraction") is None
                           else f"{s['saved_fraction']:.0%} (budget)",
-                          mib(s["predicted_peak_bytes"]),
+                          mib(s["planned_peak_bytes"]),
                           mib(s["send_bytes"])) for s in data["stages"]))
-    ranks = Table(("rank", "stages", "predicted peak", "measured peak", "measured state"),
+    ranks = Table(("rank", "stages", "planned peak (cut)", "predicted peak (stage graphs)",
+                   "measured peak", "measured state"),
                   tuple((str(r["rank"]), ", ".join(map(str, r["stages"])),
-                         mib(r["predicted_peak_bytes"]), mib(r["measured_peak_bytes"]),
+                         mib(r["planned_peak_bytes"]), mib(r["predicted_peak_bytes"]),
+                         mib(r["measured_peak_bytes"]),
                          mib(r["measured_state_bytes"])) for r in data["ranks"]))
     pred_t = ms(t["predicted"])
     body = [
@@ -401,7 +403,11 @@ def render_pipeline_html(data: dict[str, Any]) -> str:
         "<p class=note>pipeline-predicted.json and pipeline-trace.json (next to this report) "
         "open in Perfetto.</p>",
         "<h2>Memory per rank</h2>", _table(ranks),
-        f"<p class=note>Measured: {_esc(data['memory_source'])}, one step: the allocator's "
-        "peak above the live state, plus that state (parameters, optimizer state).</p>"]
+        f"<p class=note>Planned: the partition plan's estimate (state + in-flight microbatches "
+        "x saved bytes, from the whole step's graph), what the cut was chosen on. Predicted: "
+        "the captured stage graphs' liveness walked through the schedule (in-flight saved "
+        "activations, accumulated gradients, each action's transient bytes). Measured: "
+        f"{_esc(data['memory_source'])}, one step: the allocator's peak above the live state, "
+        "plus that state (parameters, optimizer state).</p>"]
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>glmc pipeline report"
             f"</title><style>{_CSS}</style></head><body>{''.join(body)}</body></html>")

@@ -485,3 +485,53 @@ def run_stage(program: StagedProgram, stage: int, module: nn.Module,
     for work in run.works:
         work.wait()
     return [run.losses[m] for m in sorted(run.losses)]
+
+
+# ---- predicting a rank's memory -----------------------------------------------------------------
+
+def predicted_peaks(program: StagedProgram) -> list[int]:
+    """Per rank, the predicted peak bytes of one step of `program` under its schedule: the
+    rank's parameters and optimizer state, plus, walking its actions in order, the saved
+    activations of its in-flight microbatches, the gradients accumulated so far and the
+    running action's own transient bytes (glmc.memory's liveness simulation of the stage's
+    forward, backward or update graph, above that graph's inputs)."""
+    from glmc.memory import simulate
+
+    sched = program.schedule
+    transient: dict[tuple[int, str], int] = {}
+    saved, params, grads, state = {}, {}, {}, {}
+    for st in program.stages:
+        for key, g in (("F", st.forward), ("B", st.backward), ("U", st.update)):
+            est = simulate(g.graph)
+            transient[st.index, key] = est.peak_bytes - est.persistent_bytes
+        saved[st.index] = st.saved_bytes()
+        sizes = {role: 0 for role in Role}
+        for spec, ph in zip(st.update.inputs, st.update.placeholders()):
+            info = st.update.info(ph).spec
+            sizes[spec.role] += info.nbytes if info is not None else 0
+        params[st.index], grads[st.index] = sizes[Role.PARAMETER], sizes[Role.GRADIENT]
+        state[st.index] = sizes[Role.OPTIMIZER_STATE]
+    K = ActionKind
+    peaks = []
+    for r in range(sched.num_ranks):
+        mine = [s for s in range(sched.num_stages) if sched.rank_of(s) == r]
+        base = sum(params[s] + state[s] for s in mine)
+        in_flight = dict.fromkeys(mine, 0)
+        grads_live = dict.fromkeys(mine, 0)
+        peak = base
+        for a in sched.rank_actions(r):
+            s = a.stage
+            live = base + sum(in_flight.values()) + sum(grads_live.values())
+            if a.kind is K.F:
+                peak = max(peak, live + transient[s, "F"])
+                in_flight[s] += saved[s]
+            elif a.kind in (K.B, K.I, K.W):
+                peak = max(peak, live + transient[s, "B"])
+                if a.kind is not K.W:  # I frees the activations (W keeps only its stash)
+                    in_flight[s] -= saved[s]
+                grads_live[s] = grads[s] if a.kind is not K.I else grads_live[s]
+            elif a.kind is K.UPDATE:
+                peak = max(peak, live + transient[s, "U"])
+                grads_live[s] = 0
+        peaks.append(peak)
+    return peaks

@@ -193,7 +193,7 @@ def _trainer_part(rank: int, out: Path) -> dict:
     trainer = pipeline_trainer(model, opt, loss_fn, batch, MICROBATCHES, "1f1b")
     losses = [trainer.step(*batch) for _ in range(STEPS)]
     measured = trainer.measure(*batch, steps=2)
-    data = pipeline_report(trainer.pipeline.plan, measured, trainer.pipeline.program.schedule)
+    data = pipeline_report(trainer.pipeline.plan, measured, trainer.pipeline.program)
     if trainer.last:
         write_report(data, str(out / "pipeline-report"))
     return {"losses": [float(v) for v in losses if v is not None], "data": data,
@@ -286,7 +286,9 @@ def test_trainer_measures_its_pipeline_and_writes_a_report(distributed: Path,
     assert abs(data["bubble"]["replayed"] - data["bubble"]["measured"]) < 0.05
     for r in data["ranks"]:  # measured from the allocator: the state plus the step's peak
         assert r["measured_peak_bytes"] > r["measured_state_bytes"] > 0
-        assert 0.5 < r["predicted_peak_bytes"] / r["measured_peak_bytes"] < 2.0
+        assert 0.5 < r["planned_peak_bytes"] / r["measured_peak_bytes"] < 2.0
+        # the stage graphs walked through the schedule: within 15% here (3-11% measured)
+        assert r["predicted_peak_bytes"] == pytest.approx(r["measured_peak_bytes"], rel=0.15)
     html = (distributed / "pipeline-report" / "report.html").read_text()
     assert html.count("<svg") == 1 and "Memory per rank" in html and "Bubble predicted" in html
     for name in ("report.json", "pipeline-trace.json", "pipeline-predicted.json"):
