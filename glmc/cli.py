@@ -7,6 +7,7 @@ the compiled step is checked against the ONNX exporter before any training step 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import traceback
 from pathlib import Path
@@ -347,7 +348,46 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
         rest += ["--zero", "0"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={args.nproc}", "-m", "glmc", *rest]
-    return subprocess.call(cmd)
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace")
+    assert proc.stderr is not None
+    for chunk in _without_launcher_noise(proc.stderr):
+        sys.stderr.write(chunk)
+        sys.stderr.flush()
+    rc = proc.wait()
+    if rc:
+        print(f"glmc: error: {args.nproc} processes were launched and at least one failed "
+              f"(exit status {rc}); each rank's own error is above", file=sys.stderr)
+    return rc
+
+
+def _without_launcher_noise(lines: Any) -> Any:
+    """The processes' stderr as it comes, less torchrun's own report of a failed child (its
+    log lines, the launcher's traceback and its 'Failures' box between two rules of '='):
+    the ranks' errors (a typed glmc error, or a real traceback) already say what failed."""
+    held: list[str] = []  #: a traceback being read: the launcher's is dropped when it ends
+    rules = 0  #: rules of the launcher's box still to skip past
+    for line in lines:
+        if held:
+            held.append(line)
+            if line.startswith((" ", "\t")):
+                continue
+            block, held = "".join(held), []
+            if "torch/distributed/run.py" in block or "distributed.elastic" in block:
+                rules = 2 if "ChildFailedError" in block else 0
+                continue
+            yield block
+        elif rules:
+            rules -= line.startswith("=" * 20)
+        elif line.startswith("Traceback (most recent call last):"):
+            held = [line]
+        elif not _LAUNCHER_LOG.match(line):
+            yield line
+    if held:
+        yield "".join(held)
+
+
+#: torchrun's own log lines ("E1201 04:53:00.123000 123 .../elastic/...")
+_LAUNCHER_LOG = re.compile(r"^[EWI]\d{4} [\d:.]+ \d+ .*(elastic|torch/distributed/run)")
 
 
 def _parallel(args: argparse.Namespace) -> dict | None:

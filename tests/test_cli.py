@@ -193,3 +193,35 @@ def test_compile_export_onnx_fails_before_training(tmp_path: Path) -> None:
     assert "nothing was written" in r.stderr and "Traceback" not in r.stderr
     assert "step " not in r.stdout  # no training step ran
     assert list(tmp_path.iterdir()) == []
+
+
+def test_launcher_noise_is_dropped_and_rank_errors_kept() -> None:
+    """torchrun's report of a failed child (log line, its own traceback, the Failures box)
+    goes; the ranks' own output — a typed error, a real traceback — stays, in order."""
+    from glmc.cli import _without_launcher_noise
+    stderr = """glmc: error: pipeline: rank 0 needs more than 0.9 MiB
+E1201 04:53:00.123000 4242 torch/distributed/elastic/multiprocessing/api.py:900] failed (exitcode: 1)
+Traceback (most recent call last):
+  File "/x/torch/distributed/run.py", line 7, in <module>
+    main()
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError: 
+============================================================
+glmc FAILED
+------------------------------------------------------------
+Failures:
+  <NO_OTHER_FAILURES>
+============================================================
+Traceback (most recent call last):
+  File "/home/u/model.py", line 3, in forward
+    x = y
+NameError: name 'y' is not defined
+after
+"""
+    out = "".join(_without_launcher_noise(stderr.splitlines(keepends=True)))
+    assert out == """glmc: error: pipeline: rank 0 needs more than 0.9 MiB
+Traceback (most recent call last):
+  File "/home/u/model.py", line 3, in forward
+    x = y
+NameError: name 'y' is not defined
+after
+"""
