@@ -47,7 +47,9 @@ def _worker(rank: int, port: int, args: argparse.Namespace, blocks: list, out: s
     rows = {}
     try:
         if schedule != "torch":
-            rows[f"glmc {schedule}"] = _run_glmc(rank, args, schedule)
+            name, _, cut = schedule.partition(":")
+            rows[f"glmc {name}" + (f" ({cut} split)" if cut else "")] = \
+                _run_glmc(rank, args, name, cut or None)
         else:
             try:  # partial: torch's stage-to-stage integer leaves arrive corrupted (see README)
                 rows["torch.distributed.pipelining 1f1b"] = _run_torch(rank, args, blocks)
@@ -63,13 +65,14 @@ def _rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _run_glmc(rank: int, args: argparse.Namespace, schedule: str) -> dict:
+def _run_glmc(rank: int, args: argparse.Namespace, schedule: str, cut: str | None) -> dict:
     """glmc's trainer as `glmc compile --pp 2` runs it: its own plan (on the measured link),
     warm-up steps, then `measure` (back-to-back steps, one aligned step, one memory step)."""
     from glmc.pipeline_parallel import pipeline_report, pipeline_trainer
     model, batch, loss_fn, opt = _glm(args.config)
     virtual = 2 if schedule == "interleaved" else 1
-    trainer = pipeline_trainer(model, opt, loss_fn, batch, args.microbatches, schedule, virtual)
+    trainer = pipeline_trainer(model, opt, loss_fn, batch, args.microbatches, schedule, virtual,
+                               cut=cut)
     before = _rss()
     for _ in range(2):
         trainer.step(*batch)
@@ -129,7 +132,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--config", default="tiny")
     p.add_argument("--schedules", default="1f1b,zbh1,gpipe",
-                   help="glmc schedules to run, comma-separated")
+                   help="glmc schedules to run, comma-separated; NAME:equal runs NAME on an "
+                        "equal split of blocks instead of glmc's cut")
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--steps", type=int, default=5, help="measured back-to-back steps")
     p.add_argument("--torch", action="store_true",
@@ -153,19 +157,20 @@ def main() -> None:
     print(f"# {time.strftime('%Y-%m-%d')} {os.uname().machine} {os.cpu_count()} CPUs, "
           f"GLM {args.config}, 2 stages, {args.microbatches} microbatches, "
           f"glmc {glmc.__version__}, torch {torch.__version__}")
-    print("| executor | cut | step ms predicted / measured (back to back) | bubble predicted / "
+    print("| executor | cut | imbalance predicted / measured | step ms predicted / measured "
+          "(back to back) | bubble predicted / "
           "measured aligned / back to back / replayed | peak MiB planned / predicted / "
           "measured (rank 0; rank 1) | measured link |")
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for name in ranks[0]:
         if any("error" in r[name] for r in ranks):
             err = " / ".join(f"rank {i}: {r[name]['error']}" for i, r in enumerate(ranks)
                              if "error" in r[name])
-            print(f"| {name} | failed: {err} | - | - | - | - |")
+            print(f"| {name} | failed: {err} | - | - | - | - | - |")
             continue
         d = ranks[0][name].get("data")
         if d is None:
-            print(f"| {name} | same | - / {max(r[name]['step_s'] for r in ranks) * 1e3:.1f} "
+            print(f"| {name} | same | - | - / {max(r[name]['step_s'] for r in ranks) * 1e3:.1f} "
                   "| - | - | - |")
             continue
         b, t = d["bubble"], d["step_seconds"]
@@ -173,7 +178,8 @@ def main() -> None:
         peaks = "; ".join(f"{r['planned_peak_bytes'] / 2**20:.1f} / "
                           f"{r['predicted_peak_bytes'] / 2**20:.1f} / "
                           f"{r['measured_peak_bytes'] / 2**20:.1f}" for r in d["ranks"])
-        print(f"| {name} | {cut} | {t['predicted'] * 1e3:.1f} / {t['measured_steady'] * 1e3:.1f}"
+        print(f"| {name} | {cut} | {d['imbalance']:.3f} / {d['measured_imbalance']:.3f} "
+              f"| {t['predicted'] * 1e3:.1f} / {t['measured_steady'] * 1e3:.1f}"
               f" | {b['predicted']:.1%} / {b['measured']:.1%} / {b['measured_steady']:.1%} / "
               f"{b['replayed']:.1%} | {peaks} | {d['link']['latency_us']:.0f} us, "
               f"{d['link']['bandwidth_GBps']:.2f} GB/s |")

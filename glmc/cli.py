@@ -252,15 +252,7 @@ def _usage_problems(args: argparse.Namespace) -> list[str]:
         if out is not None and out.exists() and not out.is_dir():
             problems.append(f"--export-dir: {out} exists and is not a directory")
         parallel = args.nproc is not None or args.zero is not None
-        if args.pp is not None and args.zero is not None:
-            problems.append(f"--pp {args.pp}: no --zero (pp x dp averages the gradients of "
-                            "each stage's replicas, i.e. stage 0; sharded stages are not "
-                            "supported with a pipeline yet)")
-        if args.pp is not None and args.nproc is not None and args.nproc % args.pp:
-            problems.append(f"--pp {args.pp}: --nproc must be a multiple of {args.pp} (the "
-                            "processes beyond one pipeline are its data-parallel replicas)")
-        if args.pp is None and (args.microbatches is not None or args.schedule != "1f1b"):
-            problems.append("--microbatches / --schedule need --pp")
+        problems += _pipeline_problems(args)
         if args.bucket_mb is not None and (not parallel or args.bucket_mb <= 0):
             problems.append("--bucket-mb needs --nproc or --zero and a positive size")
         if (args.compress or args.compress_rank or args.compress_ratio) and not parallel:
@@ -322,6 +314,21 @@ def _tvm_problems(args: argparse.Namespace) -> list[str]:
     except (GlmcError, ValueError) as e:  # ValueError: JSON that does not parse
         return [f"--target: {e}"]
     return []
+
+
+def _pipeline_problems(args: argparse.Namespace) -> list[str]:
+    """What is wrong with the pipeline-parallel options (`--pp` and its companions)."""
+    problems = []
+    if args.pp is not None and args.zero is not None:
+        problems.append(f"--pp {args.pp}: no --zero (pp x dp averages the gradients of each "
+                        "stage's replicas, i.e. stage 0; sharded stages are not supported "
+                        "with a pipeline yet)")
+    if args.pp is not None and args.nproc is not None and args.nproc % args.pp:
+        problems.append(f"--pp {args.pp}: --nproc must be a multiple of {args.pp} (the "
+                        "processes beyond one pipeline are its data-parallel replicas)")
+    if args.pp is None and (args.microbatches is not None or args.schedule != "1f1b"):
+        problems.append("--microbatches / --schedule need --pp")
+    return problems
 
 
 def _calibrate(args: argparse.Namespace) -> int:

@@ -411,16 +411,22 @@ def from_env_world() -> int:
 
 def plan_stages(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any,
                 example_inputs: Any, stages: int, microbatches: int, schedule: str,
-                virtual: int = 1, profile: Any = None, link: Any = None) -> Any:
+                virtual: int = 1, profile: Any = None, link: Any = None,
+                cut: Any = None) -> Any:
     """The partition pass's plan for the whole step, captured once on this process on one
     microbatch (what each stage runs per action); `link`: the link between stages the
-    predicted schedule prices transfers on."""
+    predicted schedule prices transfers on; `cut`: predict this cut instead of choosing
+    (`plan_partition`'s `cut`: block indices or "equal")."""
     import glmc
     from glmc.passes.partition import PartitionPass
     from glmc.passmanager import PassContext
 
     one = tuple(microbatch_leaves(example_inputs, microbatches)[0])
     graph = glmc.capture(model, one, loss_fn, optimizer)
+    if cut is not None:
+        from glmc.passes.partition import plan_partition
+        return plan_partition(graph, stages, microbatches, schedule, [profile] * stages,
+                              virtual=virtual, link=link, microbatch_graph=True, cut=cut)
     ps = PartitionPass(stages=stages, microbatches=microbatches, schedule=schedule,
                        virtual=virtual, link=link or "", microbatch_graph=True)
     return ps.run(graph, PassContext(profile=profile)).stats
@@ -462,13 +468,14 @@ def saved_fractions(plan: Any, budget: Any, ranks: int) -> list[float | None]:
 def pipeline_trainer(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any,
                      example_inputs: Any, microbatches: int, schedule: str = "1f1b",
                      virtual: int = 1, timeout_s: float = 300.0, dp: int = 1,
-                     memory_budget: Any = None) -> PipelineTrainer:
+                     memory_budget: Any = None, cut: Any = None) -> PipelineTrainer:
     """A PipelineTrainer over every process of the default group (from torchrun's env):
     world / dp pipeline ranks, `dp` replicas. Rank 0 plans the cut for one replica's slice of
     the batch (the cost model may be calibrated differently per process, so one process
     decides) and broadcasts it; every rank captures its program. `memory_budget` (a size per
     rank, a fraction or "min"): each stage recomputes activations in its backward so that its
-    in-flight microbatches fit (`saved_fractions`)."""
+    in-flight microbatches fit (`saved_fractions`). `cut`: use this cut (block indices, or
+    "equal") instead of the planned one."""
     from glmc.comm import measure_link
     from glmc.parallel import init_distributed
     init_distributed("cpu", timeout_s)
@@ -483,7 +490,7 @@ def pipeline_trainer(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn
     box: list[Any] = [None]
     if dist.get_rank() == 0:
         box[0] = plan_stages(model, optimizer, loss_fn, example, stages, microbatches,
-                             schedule, virtual, link=link)
+                             schedule, virtual, link=link, cut=cut)
     dist.broadcast_object_list(box, src=0)
     plan = box[0]
     fractions = saved_fractions(plan, memory_budget, stages // virtual)
@@ -586,6 +593,9 @@ def pipeline_report(plan: Any, measured: PipelineMeasurement, program: Any = Non
     return {"created": time.strftime("%Y-%m-%d %H:%M:%S"), "schedule": plan.schedule,
             "microbatches": plan.microbatches, "cut": list(plan.cut), "link": plan.link,
             "imbalance": plan.imbalance, "equal_imbalance": plan.equal_imbalance,
+            "measured_imbalance": max(measured.busy_s) / (sum(measured.busy_s)
+                                                          / len(measured.busy_s))
+            if sum(measured.busy_s) > 0 else None,
             "stages": stages, "ranks": ranks,
             "bubble": {"predicted": plan.bubble, "measured": measured.timeline.bubble(),
                        "measured_steady": measured.steady_bubble(),
@@ -623,7 +633,8 @@ def summary(data: dict) -> str:
                      f"schedule give a bubble of {b['replayed']:.1%} (measured "
                      f"{b['measured']:.1%}); the rest of the gap is in predicted action times")
     lines.append(f"pipeline: {data['schedule']}, {data['microbatches']} microbatches; imbalance "
-                 f"{data['imbalance']:.3f} (equal split {data['equal_imbalance']:.3f}); bubble "
+                 f"{data['imbalance']:.3f} (equal split {data['equal_imbalance']:.3f}; measured "
+                 f"{data['measured_imbalance'] or 0:.3f}: busiest rank / mean); bubble "
                  f"predicted {b['predicted']:.1%}, measured {b['measured']:.1%} (one aligned "
                  f"step), {b['measured_steady']:.1%} back to back; step predicted {pred_t} ms, "
                  f"measured {t['measured'] * 1e3:.1f} ms ({t['measured_steady'] * 1e3:.1f} ms "

@@ -388,7 +388,9 @@ def render_pipeline_html(data: dict[str, Any]) -> str:
         f"{_esc(data['schedule'])}, {data['microbatches']} microbatches, "
         f"{len(data['stages'])} stages on {len(data['ranks'])} ranks</p>",
         f"<h2>Plan</h2><p>Cut before blocks {_esc(data['cut'])}; imbalance (max/mean) "
-        f"{data['imbalance']:.3f} (an equal split of blocks: {data['equal_imbalance']:.3f}). "
+        f"{data['imbalance']:.3f} (an equal split of blocks: {data['equal_imbalance']:.3f}); "
+        f"measured {data.get('measured_imbalance') or 0:.3f} (busiest rank's compute over the "
+        "mean, steps back to back). "
         f"Boundary transfers priced on link {_esc(_link(data['link']))}.</p>",
         _table(stages),
         "<h2>Schedule</h2>",

@@ -275,13 +275,16 @@ class PartitionPass(Pass):
 def plan_partition(graph: TrainGraph, stages: int, microbatches: int, schedule: str = "1f1b",
                    profiles: Sequence[Any] | None = None, traits: Any = None,
                    virtual: int = 1, link: Any = None,
-                   microbatch_graph: bool = False) -> PartitionPlan:
+                   microbatch_graph: bool = False, cut: Sequence[int] | str | None = None
+                   ) -> PartitionPlan:
     """The cost-balanced plan for `graph` (see the module docstring). `link`: the link
     between neighbouring stages (glmc.comm; e.g. this host's, measured): boundary transfers
     then take time in the predicted schedule (a send its call cost, a receive the latency and
     bytes / bandwidth after its send); without one they are free. `microbatch_graph`:
     `graph` is the step on one microbatch (the accurate input: per-op overheads are paid per
-    microbatch); otherwise the full batch, its forward and backward split evenly."""
+    microbatch); otherwise the full batch, its forward and backward split evenly. `cut`: the
+    first block of each stage after the first, or "equal" (an equal split of blocks), to
+    predict a given cut instead of choosing one (e.g. to compare against glmc's)."""
     profiles = list(profiles or [None] * stages)
     by_profile = {}
     for p in profiles:
@@ -294,7 +297,15 @@ def plan_partition(graph: TrainGraph, stages: int, microbatches: int, schedule: 
     names = tuple(c.name for c in costs[0])
     times = [[sum(c.seconds) for c in cs] for cs in costs]
     send = [c.out_bytes / microbatches / LINK_BYTES_PER_S for c in costs[0]]
-    cut = balanced_cut(times, send, stages)
+    if cut is None:
+        cut = balanced_cut(times, send, stages)
+    elif cut == "equal":
+        cut = tuple(_equal_bounds(len(names), stages)[1:-1])
+    cut = tuple(cut)
+    if len(cut) != stages - 1 or list(cut) != sorted(set(cut)) or \
+            not all(0 < c < len(names) for c in cut):
+        raise ConfigError(f"partition: cut {cut} does not split {len(names)} blocks into "
+                          f"{stages} non-empty stages")
     bounds = list(zip((0, *cut), (*cut, len(names))))
     plans = [_stage_plan(costs[s][i:j], microbatches, keys[s]) for s, (i, j) in enumerate(bounds)]
     timeline = _timeline(plans, schedule, microbatches, virtual, link)
@@ -355,8 +366,11 @@ def action_seconds(plans: Sequence[StagePlan], mbs: int, link: Any = None) -> An
     return seconds
 
 
+def _equal_bounds(n: int, stages: int) -> list[int]:
+    return [round(n * s / stages) for s in range(stages + 1)]
+
+
 def _equal_imbalance(times: Sequence[Sequence[float]], stages: int) -> float:
-    n = len(times[0])
-    bounds = [round(n * s / stages) for s in range(stages + 1)]
+    bounds = _equal_bounds(len(times[0]), stages)
     per = [sum(times[s][bounds[s]:bounds[s + 1]]) for s in range(stages)]
     return max(per) / (sum(per) / stages) if sum(per) > 0 and all(per) else float("inf")

@@ -281,6 +281,7 @@ def test_trainer_measures_its_pipeline_and_writes_a_report(distributed: Path,
     assert {e["action"] for e in data["measured_timeline"]} == set(pred)
     for b in data["bubble"].values():
         assert 0.0 <= b < 1.0
+    assert data["measured_imbalance"] >= 1.0  # busiest rank over the mean
     # the schedule model itself: measured action times replayed reproduce the measured step
     # (its receives' waiting derived again) within a generous bound on this shared machine
     assert abs(data["bubble"]["replayed"] - data["bubble"]["measured"]) < 0.05
@@ -370,3 +371,12 @@ def test_a_dead_stage_is_a_typed_error_naming_the_rank_and_action(distributed: P
     assert text is not None and "pipeline: rank 0 (stages 0)" in text
     # the first exchange with the dead rank fails: its send or a receive, by timing
     assert re.search(r"failed in action 0(SEND_F|RECV_B)\d with stage 1 on rank 1", text)
+
+
+def test_a_given_cut_is_predicted_not_chosen(glm_graph) -> None:
+    chosen = plan_partition(glm_graph, 2, 4, "1f1b")
+    equal = plan_partition(glm_graph, 2, 4, "1f1b", cut="equal")
+    assert equal.cut == (2,)  # 5 blocks in 2 stages: round(5 / 2) = 2
+    assert plan_partition(glm_graph, 2, 4, "1f1b", cut=(1,)).imbalance >= chosen.imbalance
+    with pytest.raises(ConfigError, match=r"cut \(5,\) does not split 5 blocks"):
+        plan_partition(glm_graph, 2, 4, "1f1b", cut=(5,))
