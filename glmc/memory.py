@@ -58,6 +58,12 @@ class MemoryEstimate:
         """Peak minus what is live for the whole step (activations + gradients + temporaries)."""
         return self.peak_bytes - self.persistent_bytes
 
+    @property
+    def left_bytes(self) -> int:
+        """What the graph leaves live above its inputs when it ends (its new outputs)."""
+        end = sum(self.timeline[-1][1].values()) if self.timeline else self.persistent_bytes
+        return end - self.persistent_bytes
+
     def to_dict(self, points: int = 400) -> dict[str, Any]:
         step = max(1, len(self.timeline) // points)
         peak_i = max(range(len(self.timeline)), key=lambda i: sum(self.timeline[i][1].values()),

@@ -208,12 +208,19 @@ def microbatch_leaves(batch: Any, microbatches: int) -> list[list[torch.Tensor]]
     args, kwargs = split_batch(batch)
     if kwargs:
         raise InputError("pipeline: keyword batches are not supported yet; pass a tuple")
-    rows = args[0].shape[0]
-    if microbatches < 1 or rows % microbatches:
-        raise InputError(f"pipeline: {microbatches} microbatches do not divide the batch of "
-                         f"{rows} rows; use a divisor of {rows}")
-    parts = [t.chunk(microbatches) for t in args]
-    return [[p[m] for p in parts] for m in range(microbatches)]
+    return _equal_rows(args, microbatches, "microbatches", "use a divisor of {rows}")
+
+
+def _equal_rows(leaves: Sequence[torch.Tensor], parts: int, what: str, fix: str
+                ) -> list[list[torch.Tensor]]:
+    """`leaves` cut into `parts` equal slices of rows (dim 0), or an InputError saying `what`
+    does not divide the batch and how to `fix` it (formatted with `rows`)."""
+    rows = leaves[0].shape[0]
+    if parts < 1 or rows % parts:
+        raise InputError(f"pipeline: {parts} {what} do not divide the batch of {rows} rows; "
+                         + fix.format(rows=rows))
+    chunks = [t.chunk(parts) for t in leaves]
+    return [[c[m] for c in chunks] for m in range(parts)]
 
 
 # ---- the trainer -------------------------------------------------------------------------------
@@ -245,6 +252,11 @@ class PipelineMeasurement:
     peak_bytes: list[int]  #: per rank: its state + the step's allocator peak above it
     state_bytes: list[int]  #: per rank: parameters + optimizer state (measured storages)
     source: str = ""
+
+    def imbalance(self) -> float | None:
+        """The busiest rank's compute per step over the ranks' mean (None: nothing ran)."""
+        mean = sum(self.busy_s) / len(self.busy_s)
+        return max(self.busy_s) / mean if mean > 0 else None
 
     def steady_bubble(self) -> float:
         """Idle fraction of back-to-back steps: 1 - mean busy per rank / period (the next
@@ -396,11 +408,8 @@ class PipelineTrainer:
 
 def replica_slices(batch: tuple[torch.Tensor, ...], dp: int) -> list[list[torch.Tensor]]:
     """The global batch's rows cut into `dp` equal replica slices."""
-    rows = batch[0].shape[0]
-    if rows % dp:
-        raise InputError(f"pipeline: {dp} data-parallel replicas do not divide the batch of "
-                         f"{rows} rows; use a batch divisible by {dp} x the microbatches")
-    return [[t.chunk(dp)[d] for t in batch] for d in range(dp)]
+    return _equal_rows(batch, dp, "data-parallel replicas",
+                       f"use a batch divisible by {dp} x the microbatches")
 
 
 def from_env_world() -> int:
@@ -544,9 +553,9 @@ def _spans(timeline: Timeline | None) -> list[dict]:
 
 
 def replay(schedule: Any, measured: Timeline) -> Timeline:
-    """`schedule` simulated with each action's *measured* duration (a receive: its share
-    after its send was issued is transfer; the rest was waiting, which the simulation derives
-    again): what the schedule model predicts given perfect action times. Near the measured
+    """`schedule` simulated with each action's *measured* duration (a receive: only its part
+    after its send finished, as the transfer; the rest was waiting, which the simulation
+    derives again): what the schedule model predicts given perfect action times. Near the measured
     timeline, the schedule model holds and the remaining error is in the predicted action
     times."""
     K = ActionKind
@@ -593,9 +602,7 @@ def pipeline_report(plan: Any, measured: PipelineMeasurement, program: Any = Non
     return {"created": time.strftime("%Y-%m-%d %H:%M:%S"), "schedule": plan.schedule,
             "microbatches": plan.microbatches, "cut": list(plan.cut), "link": plan.link,
             "imbalance": plan.imbalance, "equal_imbalance": plan.equal_imbalance,
-            "measured_imbalance": max(measured.busy_s) / (sum(measured.busy_s)
-                                                          / len(measured.busy_s))
-            if sum(measured.busy_s) > 0 else None,
+            "measured_imbalance": measured.imbalance(),
             "stages": stages, "ranks": ranks,
             "bubble": {"predicted": plan.bubble, "measured": measured.timeline.bubble(),
                        "measured_steady": measured.steady_bubble(),

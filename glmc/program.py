@@ -475,10 +475,7 @@ class Stage:
         sends): glmc.memory's liveness simulation at the forward's end, above its inputs —
         saved views of parameters or received values share their storage and add nothing."""
         from glmc.memory import simulate
-
-        est = simulate(self.forward.graph)
-        end = sum(est.timeline[-1][1].values()) if est.timeline else est.persistent_bytes
-        return end - est.persistent_bytes
+        return simulate(self.forward.graph).left_bytes
 
 
 @dataclass

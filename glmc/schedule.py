@@ -503,8 +503,9 @@ def predicted_peaks(program: StagedProgram) -> list[int]:
     for st in program.stages:
         for key, g in (("F", st.forward), ("B", st.backward), ("U", st.update)):
             est = simulate(g.graph)
-            transient[st.index, key] = est.peak_bytes - est.persistent_bytes
-        saved[st.index] = st.saved_bytes()
+            transient[st.index, key] = est.transient_bytes
+            if key == "F":  # what Stage.saved_bytes() says, without simulating again
+                saved[st.index] = est.left_bytes
         sizes = {role: 0 for role in Role}
         for spec, ph in zip(st.update.inputs, st.update.placeholders()):
             info = st.update.info(ph).spec
@@ -529,7 +530,8 @@ def predicted_peaks(program: StagedProgram) -> list[int]:
                 peak = max(peak, live + transient[s, "B"])
                 if a.kind is not K.W:  # I frees the activations (W keeps only its stash)
                     in_flight[s] -= saved[s]
-                grads_live[s] = grads[s] if a.kind is not K.I else grads_live[s]
+                if a.kind is not K.I:  # B and W produce the parameter gradients
+                    grads_live[s] = grads[s]
             elif a.kind is K.UPDATE:
                 peak = max(peak, live + transient[s, "U"])
                 grads_live[s] = 0
