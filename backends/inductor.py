@@ -61,6 +61,7 @@ class InductorBackend(Backend):
         in_place_fused_updates(gm)
         _split_alpha(gm)
         _views_as_reshapes(gm)
+        _cross_entropy_backward(gm)
         example = [ph.meta["val"] for ph in gm.graph.nodes if ph.op == "placeholder"]
         # fallback_random: draw dropout masks with ATen's generator, exactly as eager does
         with torch.no_grad():
@@ -249,6 +250,51 @@ def _views_as_reshapes(gm: fx.GraphModule) -> None:
         if node.op == "call_function" and node.target is torch.ops.aten.view.default:
             node.target = torch.ops.aten.reshape.default
     gm.recompile()
+
+
+def _cross_entropy_backward(gm: fx.GraphModule) -> int:
+    """log_softmax_backward(nll_loss_backward(...)) -> the row sum of the gradient read at
+    each row's target instead of summed over the classes.
+
+    `_log_softmax_backward_data(g, out, dim)` is `g - exp(out) * g.sum(dim)`; when g comes from
+    `nll_loss_backward`, each row of g holds one non-zero (at the row's target; none on an
+    ignored row), so the sum is exactly that entry: `gather(g, dim, target)` (target clamped
+    to 0 on ignored rows, where the row is all zeros). Inductor's C++ backend vectorizes that
+    class-dim sum across rows and walks the vocabulary one element at a time (Llama, vocab
+    32000 x 1024 rows: the loss kernel took 196 ms against 138 ms for torch.compile's two);
+    the gather reads one element per row. The values are bit-identical: adding zeros is exact.
+    Returns how many were rewritten.
+    """
+    aten = torch.ops.aten
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.target is not aten._log_softmax_backward_data.default:
+            continue
+        g, out, dim = node.args[:3]
+        if not (isinstance(g, fx.Node) and g.target is aten.nll_loss_backward.default):
+            continue
+        val, gval = node.meta.get("val"), g.meta.get("val")
+        if (val is None or gval is None or gval.dim() != 2 or dim % 2 != 1
+                or val.dtype != gval.dtype):
+            continue
+        target, ignore = g.args[2], g.args[5]
+        graph = gm.graph
+        with graph.inserting_before(node):
+            ignored = graph.call_function(aten.eq.Scalar, (target, ignore))
+            index = graph.call_function(aten.where.ScalarSelf, (ignored, 0, target))
+            index = graph.call_function(aten.unsqueeze.default, (index, 1))
+            picked = graph.call_function(aten.gather.default, (g, 1, index))
+            prob = graph.call_function(aten.exp.default, (out,))
+            scaled = graph.call_function(aten.mul.Tensor, (prob, picked))
+            grad = graph.call_function(aten.sub.Tensor, (g, scaled))
+        grad.meta = dict(node.meta)
+        node.replace_all_uses_with(grad)
+        graph.erase_node(node)
+        count += 1
+    if count:
+        gm.graph.lint()
+        gm.recompile()
+    return count
 
 
 def _split_alpha(gm: fx.GraphModule) -> None:

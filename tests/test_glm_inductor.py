@@ -26,3 +26,38 @@ def test_tiny_glm_on_inductor_matches_eager(passes: str | None) -> None:
         assert counts["attention"] > 0 and counts["norm"] > 0  # fusion really fired
     # wk.bias: exact gradient zero, Adam turns its rounding noise into lr-sized steps
     assert_state_close(m, m2, opt, opt2, zero_grad_params=("wk.bias",))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_cross_entropy_backward_reads_the_target_instead_of_summing(reduction, weighted) -> None:
+    """The Inductor lowering's cross-entropy rewrite: same gradient, the class-dim sum gone."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from glmc.backends.inductor import _cross_entropy_backward
+    aten = torch.ops.aten
+    red = {"mean": 1, "sum": 2}[reduction]
+
+    def grad(x, t, w, g):
+        out = aten._log_softmax.default(x, 1, False)
+        _, total = aten.nll_loss_forward.default(out, t, w, red, -100)
+        gl = aten.nll_loss_backward.default(g, out, t, w, red, -100, total)
+        return aten._log_softmax_backward_data.default(gl, out, 1, x.dtype)
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(12, 37, generator=gen, dtype=torch.float64)
+    t = torch.randint(0, 37, (12,), generator=gen)
+    t[[2, 7]] = -100  # ignored rows: their gradient is zero
+    w = torch.rand(37, generator=gen, dtype=torch.float64) if weighted else None
+    args = (x, t, w, torch.tensor(1.5, dtype=torch.float64))
+    gm = make_fx(grad)(*args)
+    want = gm(*args)
+    assert _cross_entropy_backward(gm) == 1
+    assert not [n for n in gm.graph.nodes if n.target is aten._log_softmax_backward_data.default]
+    got = gm(*args)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-15)
+    assert (got[[2, 7]] == 0).all()
+    xr = x.clone().requires_grad_()
+    loss = torch.nn.functional.cross_entropy(xr, t, weight=w, reduction=reduction) * 1.5
+    loss.backward()
+    torch.testing.assert_close(got, xr.grad, rtol=1e-12, atol=1e-15)
