@@ -30,7 +30,8 @@ def optimize(model: nn.Module, example_inputs: Any, *, loss_fn: Any = None,
     Further `options` are `TrainerOptions` fields: `profile` (cost-model device: None for the
     calibrated host CPU, or "h100", "h200", "a100", "kunpeng920"), `predict`, `measure`,
     `profile_guided`, `dump_dir`, `max_cache`, `retain_memory` (CPU: glibc malloc keeps freed
-    memory, glmc.hostalloc; True by default).
+    memory, glmc.hostalloc; True by default), `cuda_graphs` (CUDA: the whole step recorded
+    once as a CUDA graph and replayed, glmc.cudagraph; partial: not yet run on a GPU).
     """
     return make_trainer(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer,
                         backend=backend, passes=passes, memory_budget=memory_budget,

@@ -73,6 +73,9 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
                         "cuda | h100 | h200 | a100, or a TVM target as JSON, e.g. "
                         '\'{"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mcpu": "tsv110"}\'')
     c.add_argument("--strict", action="store_true", help="fail on ops the backend cannot take")
+    c.add_argument("--cuda-graphs", action="store_true",
+                   help="CUDA: record the whole step once as a CUDA graph and replay it "
+                        "(partial: not yet run on a GPU)")
     _parallel_args(c)
     c.add_argument("--debug", action="store_true", help="print tracebacks")
     k = sub.add_parser("check", help="list every op the backend (or the ONNX export) cannot "
@@ -438,7 +441,7 @@ def _compile(args: argparse.Namespace) -> int:
                             fusion=args.fusion, strict=args.strict,
                             disable=tuple(args.disable), profile=args.profile,
                             profile_guided=args.profile_guided, progress=_rank() == 0,
-                            parallel=_parallel(args),
+                            parallel=_parallel(args), cuda_graphs=args.cuda_graphs,
                             dump_dir=str(Path(args.report_dir) / "graphs") if args.report_dir
                             and _rank() == 0 else None)
     if args.export_onnx:

@@ -23,6 +23,7 @@ from glmc.analysis import Prediction, predict
 from glmc.backends import CompiledStep, get_backend
 from glmc.capture import Batch, batch_leaves, capture_step, describe, split_batch
 from glmc.cost import get_profile, measure_node_times
+from glmc.cudagraph import GraphedStep, check_cuda_graphs
 from glmc.errors import CaptureError, ConfigError, GraphBreakError, InputError
 from glmc.ir import OutputKind, Role, TrainGraph
 from glmc.memory import MeasurementUnavailable, measure_peak
@@ -51,6 +52,7 @@ class _Entry:
     #: the step's state outputs are taken over, not copied (CompiledStep.adopt): input index ->
     #: the nn.Parameter behind a parameter input (its detached alias is what the step reads)
     owners: dict[int, torch.Tensor] | None = None
+    graphed: GraphedStep | None = None  #: the step as one CUDA graph (glmc.cudagraph)
     calls: int = 0
     retried: bool = False  #: compiled again because a pass asked after measurement
 
@@ -78,6 +80,9 @@ class TrainerOptions:
     #: CPU steps: glibc malloc keeps freed memory, so a step's buffers are not page-faulted in
     #: again every step (glmc.hostalloc; process-wide, measured 24-26% faster steps)
     retain_memory: bool = True
+    #: CUDA: the whole step recorded once as a CUDA graph and replayed (glmc.cudagraph; partial:
+    #: not yet run on a GPU)
+    cuda_graphs: bool = False
 
 
 @dataclass
@@ -97,6 +102,8 @@ class Trainer:
         self._pipeline = parse_pipeline(self.options.passes, self.options.memory_budget,
                                         self.options.precision, self.options.fusion,
                                         self._device)
+        if self.options.cuda_graphs:
+            check_cuda_graphs(self._device, self.options.parallel)
         self._backend = get_backend(self.options.backend)
         self._traits = self._backend.traits()
         options = Parallel.of(self.options.parallel)
@@ -137,9 +144,10 @@ class Trainer:
         inputs = [get(leaves) for get in entry.getters]
         entry.calls += 1
         measured = False
+        step = entry.graphed or entry.step
         if self.options.measure and entry.calls == 2:
             try:
-                outs, m = measure_peak(lambda: entry.step(inputs), self._device, state=inputs)
+                outs, m = measure_peak(lambda: step(inputs), self._device, state=inputs)
                 entry.record.measured = m.to_dict()
                 measured = True
             except MeasurementUnavailable as e:  # e.g. the user's own profiler is running
@@ -152,11 +160,13 @@ class Trainer:
             measured = True
         if not measured:
             t0 = time.perf_counter()
-            outs = _run(entry.step, inputs, batch)
+            outs = _run(step, inputs, batch)
             if self._device == "cuda":
                 torch.cuda.synchronize()
             entry.record.step_seconds.append(time.perf_counter() - t0)
-        if entry.owners is not None:
+        if entry.graphed is not None:
+            pass  # its write-back is part of the recorded graph
+        elif entry.owners is not None:
             _adopt(entry.writeback, inputs, outs, entry.owners)
         elif not entry.step.inplace:
             _write_back(entry.writeback, inputs, outs)
@@ -342,14 +352,16 @@ class Trainer:
         if self.parallel is not None and graph.meta["sharding"].accumulators:
             micro_graph = self.parallel.micro_program(runnable)
             micro = self._backend.compile(micro_graph, strict=self.options.strict)
-        owners = None
-        if compiled.adopt and self.parallel is None:  # glmc.parallel's state is views of a store
+        owners = None  # with cuda_graphs, state is copied back inside the graph: addresses stay
+        graphed = GraphedStep(compiled, graph, writeback_pairs(graph)) \
+            if self.options.cuda_graphs else None
+        if graphed is None and compiled.adopt and self.parallel is None:  # glmc.parallel's state is views of a store
             params = dict(self.model.named_parameters(remove_duplicate=False))
             owners = {i: params[s.target] for i, s in enumerate(graph.inputs)
                       if s.role is Role.PARAMETER}
         return _Entry(graph, compiled, getters, record, list(pipeline),
                       writeback=writeback_pairs(graph), owners=owners, micro=micro,
-                      micro_graph=micro_graph)
+                      micro_graph=micro_graph, graphed=graphed)
 
     def _pieces_entry(self, batch: Batch, error: GraphBreakError, seconds: float) -> _Entry:
         """The model breaks into several graphs: compile the pieces (glmc.pieces), say so in

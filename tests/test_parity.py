@@ -66,6 +66,46 @@ def test_lr_scheduler_changes_lr_without_recompile() -> None:
     assert len(trainer.report.compiles) == 1
 
 
+class _StandInRecorder:
+    """CUDA graph semantics on the CPU: recording runs nothing; a replay runs what was
+    recorded, into the tensor recording returned."""
+
+    def record(self, fn):
+        self.fn, self.out = fn, torch.zeros(())
+        return "graph", self.out
+
+    def replay(self, graph) -> None:
+        self.out.copy_(self.fn())
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_graphed_step_replays_new_batches_and_records_again_when_lr_changes(backend) -> None:
+    """glmc.cudagraph's logic (partial: no GPU here) through a stand-in recorder: every step
+    on a new batch, an lr change mid-way; losses and state equal eager PyTorch's."""
+    from glmc.cudagraph import GraphedStep
+    from glmc.errors import ConfigError
+    from glmc.runtime import writeback_pairs
+    (m, x, loss_fn, opt), (m2, _, _, opt2) = twin(CASES["mlp"].make)
+    trainer = glmc.optimize(m, x, loss_fn=loss_fn, optimizer=opt, backend=backend,
+                            measure=False)
+    (entry,) = trainer._cache.values()
+    entry.graphed = GraphedStep(entry.step, entry.graph, writeback_pairs(entry.graph),
+                                _StandInRecorder())
+    got, want = [], []
+    for i in range(5):
+        batch = tuple(t + 0.1 * i if t.is_floating_point() else t for t in x)  # new each step
+        if i == 3:
+            for o in (opt, opt2):
+                o.param_groups[0]["lr"] *= 0.5
+        got.append(trainer.step(*batch).item())
+        want += eager_losses(m2, batch, loss_fn, opt2, 1, seed=i)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=0)
+    assert_state_close(m, m2, opt, opt2)
+    assert entry.graphed.recordings == 2  # after the first step, again after the lr change
+    with pytest.raises(ConfigError, match="CUDA graphs need the model and batch on a CUDA"):
+        glmc.optimize(m, x, loss_fn=loss_fn, optimizer=opt, cuda_graphs=True)
+
+
 def test_state_dict_roundtrip_and_resume(tmp_path) -> None:
     (m, x, loss_fn, opt), (m2, _, _, opt2) = twin(CASES["mlp"].make)
     trainer = glmc.optimize(m, x, loss_fn=loss_fn, optimizer=opt, backend="eager")
