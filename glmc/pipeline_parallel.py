@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
-from glmc.capture import split_batch
+from glmc.capture import batch_leaves, split_batch
 from glmc.errors import ConfigError, InputError
 from glmc.program import StagedProgram, capture_stage, link, split_backward
 from glmc.schedule import (COMPUTE, Action, ActionKind, Timeline, from_torch,
@@ -43,6 +43,9 @@ class _BlockTracer(fx.Tracer):
         return qualname in self.blocks or (not self.blocks and super().is_leaf_module(m, qualname))
 
 
+BLOCK = "glmc_block"  #: node meta of an exported graph: the block the node computes
+
+
 @dataclass
 class StageModule:
     """One stage: `module(*[leaf or received value for each arg])` -> sent values or loss."""
@@ -53,22 +56,89 @@ class StageModule:
     send: list[str]
 
 
-def trace_blocks(model: nn.Module, blocks: Sequence[str], loss_fn: Any = None) -> fx.GraphModule:
-    """`model`'s forward (then `loss_fn(output, target)`) as an fx graph over `blocks`."""
-    try:
-        graph = _BlockTracer(set(blocks)).trace(model)
-    except Exception as e:
+def trace_blocks(model: nn.Module, blocks: Sequence[str], loss_fn: Any = None,
+                 example: Any = None) -> fx.GraphModule:
+    """`model`'s forward (then the loss) as an fx graph over `blocks`. torch.fx's symbolic
+    trace, the blocks kept as leaf calls; where that cannot trace the model (transformers'
+    models: decorators, data-dependent Python) or the batch is by keyword, torch.export's
+    graph of model and loss on the `example` microbatch (`export_blocks`)."""
+    fx_error = "a keyword batch"
+    if example is None or not split_batch(example)[1]:
+        try:
+            graph = _BlockTracer(set(blocks)).trace(model)
+        except Exception as e:
+            fx_error = f"{type(e).__name__}: {e}"
+        else:
+            if loss_fn is not None:
+                out = next(n for n in graph.nodes if n.op == "output")
+                last_ph = [n for n in graph.nodes if n.op == "placeholder"][-1]
+                with graph.inserting_after(last_ph):
+                    target = graph.placeholder("target")
+                with graph.inserting_before(out):
+                    loss = graph.call_function(loss_fn, (out.args[0], target))
+                out.args = (loss,)
+            return fx.GraphModule(model, graph)
+    if example is None:
         raise ConfigError(f"pipeline: the model's forward cannot be traced by torch.fx to split "
-                          f"it into stages ({type(e).__name__}: {e})") from None
-    if loss_fn is not None:
-        out = next(n for n in graph.nodes if n.op == "output")
-        last_ph = [n for n in graph.nodes if n.op == "placeholder"][-1]
-        with graph.inserting_after(last_ph):
-            target = graph.placeholder("target")
-        with graph.inserting_before(out):
-            loss = graph.call_function(loss_fn, (out.args[0], target))
-        out.args = (loss,)
-    return fx.GraphModule(model, graph)
+                          f"it into stages ({fx_error})")
+    return export_blocks(model, blocks, loss_fn, example, fx_error)
+
+
+def export_blocks(model: nn.Module, blocks: Sequence[str], loss_fn: Any, example: Any,
+                  fx_error: str = "") -> fx.GraphModule:
+    """Model and loss exported by torch.export (non-strict) on `example`, as one fx graph:
+    batch leaves as placeholders (`split_batch` order), parameters and buffers read from the
+    model itself (get_attr: stage modules share its tensors), every node computed inside a
+    block marked `node.meta[BLOCK]` (from the module stack export records), the loss as the
+    output. Shapes are those of `example` (one microbatch)."""
+    from glmc.capture import LossModule
+    from glmc.passes.partition import owner
+
+    wrapper = LossModule(model, loss_fn)  # holds the model as `model`: paths start "model."
+    args, kwargs = split_batch(example)
+    try:
+        ep = torch.export.export(wrapper, tuple(args), dict(kwargs), strict=False)
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise ConfigError(f"pipeline: the model's forward cannot be traced to split it into "
+                          f"stages: torch.fx failed ({fx_error}) and torch.export failed "
+                          f"({type(e).__name__}: {first})") from None
+    sig = ep.graph_signature
+    if sig.buffers_to_mutate or sig.user_inputs_to_mutate:
+        raise ConfigError("pipeline: the forward updates buffers or inputs in place (e.g. "
+                          "BatchNorm running statistics: "
+                          f"{sorted(sig.buffers_to_mutate.values())[:3]}); a model traced by "
+                          "torch.export cannot be pipelined with them yet")
+    # the root: the model's own children and tensors (names as in model.state_dict()), plus
+    # the tensor constants export lifted out of the forward
+    root = nn.Module()
+    for name, child in model.named_children():
+        root.add_module(name, child)
+    for name, p in model.named_parameters(recurse=False):
+        root.register_parameter(name, p)
+    for name, b in model.named_buffers(recurse=False):
+        root.register_buffer(name, b)
+    state = {ph: fqn.removeprefix("model.")
+             for ph, fqn in {**sig.inputs_to_parameters, **sig.inputs_to_buffers}.items()}
+    consts = {}
+    for i, (ph, name) in enumerate(sig.inputs_to_lifted_tensor_constants.items()):
+        root.register_buffer(f"_glmc_const{i}", ep.constants[name], persistent=False)
+        consts[ph] = f"_glmc_const{i}"
+    graph, env = fx.Graph(), {}
+    for n in ep.graph.nodes:
+        if n.op == "placeholder":
+            attr = state.get(n.name) or consts.get(n.name)
+            env[n] = graph.get_attr(attr) if attr else graph.placeholder(n.name)
+            env[n].meta = dict(n.meta)
+        elif n.op == "output":
+            graph.output(env[n.args[0][0]])  # LossModule returns (loss,)
+        else:
+            env[n] = graph.node_copy(n, lambda a: env[a])
+            stack = list((n.meta.get("nn_module_stack") or {}).values())
+            block = owner(stack[-1][0].removeprefix("model."), blocks) if stack else None
+            if block is not None:
+                env[n].meta[BLOCK] = block
+    return fx.GraphModule(root, graph)
 
 
 def split_module(gm: fx.GraphModule, stage_blocks: Sequence[Sequence[str]]) -> list[StageModule]:
@@ -79,11 +149,12 @@ def split_module(gm: fx.GraphModule, stage_blocks: Sequence[Sequence[str]]) -> l
         if n.op == "output":
             continue
         deps = [stage[a] for a in n.all_input_nodes if stage[a] is not None]
-        if n.op == "call_module" and n.target in where:
-            if deps and max(deps) > where[n.target]:
-                raise ConfigError(f"pipeline: block {n.target!r} (stage {where[n.target]}) reads "
+        block = n.target if n.op == "call_module" else n.meta.get(BLOCK)
+        if block in where:
+            if deps and max(deps) > where[block]:
+                raise ConfigError(f"pipeline: block {block!r} (stage {where[block]}) reads "
                                   f"a value of stage {max(deps)}; cut in forward order")
-            stage[n] = where[n.target]
+            stage[n] = where[block]
         else:
             stage[n] = max(deps) if deps else None
     leaves = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -168,7 +239,7 @@ def build_program(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: A
     `saved_fractions[s]`: stage s's saved-activation budget (`capture_stage`; None: all)."""
     leaves = microbatch_leaves(example_inputs, microbatches)[0]
     blocks = [b for bs in stage_blocks for b in bs]
-    gm = trace_blocks(model, blocks, loss_fn)
+    gm = trace_blocks(model, blocks, loss_fn, like(example_inputs, leaves))
     mods = split_module(gm, stage_blocks)
     values = _values(gm, leaves)
     stages, opts = [], []
@@ -204,11 +275,16 @@ def _values(gm: fx.GraphModule, leaves: Sequence[torch.Tensor]) -> dict[str, Any
 
 
 def microbatch_leaves(batch: Any, microbatches: int) -> list[list[torch.Tensor]]:
-    """The batch's leaves cut into `microbatches` equal parts along dim 0."""
-    args, kwargs = split_batch(batch)
-    if kwargs:
-        raise InputError("pipeline: keyword batches are not supported yet; pass a tuple")
-    return _equal_rows(args, microbatches, "microbatches", "use a divisor of {rows}")
+    """The batch's leaves (`batch_leaves` order) cut into `microbatches` equal parts along
+    dim 0."""
+    return _equal_rows(batch_leaves(split_batch(batch)), microbatches, "microbatches",
+                       "use a divisor of {rows}")
+
+
+def like(batch: Any, leaves: Sequence[torch.Tensor]) -> Any:
+    """`leaves` in the form of `batch`: a tuple, or a dict with `batch`'s keys."""
+    _, kwargs = split_batch(batch)
+    return dict(zip(kwargs, leaves)) if kwargs else tuple(leaves)
 
 
 def _equal_rows(leaves: Sequence[torch.Tensor], parts: int, what: str, fix: str
@@ -339,11 +415,14 @@ class PipelineTrainer:
         """This replica's rows of the global batch."""
         return tuple(replica_slices(tuple(batch), self.dp)[self.replica])
 
-    def step(self, *batch: torch.Tensor, aligned: bool = False) -> torch.Tensor | None:
-        """One step. `aligned`: every rank waits at a barrier first and its trace is timed
-        from there (what a prediction assumes: all ranks start the step together; on several
-        hosts it also removes their clock offsets)."""
+    def step(self, *args: torch.Tensor, aligned: bool = False, **kwargs: torch.Tensor
+             ) -> torch.Tensor | None:
+        """One step on the batch (positional or keyword tensors, as the model takes them).
+        `aligned`: every rank waits at a barrier first and its trace is timed from there
+        (what a prediction assumes: all ranks start the step together; on several hosts it
+        also removes their clock offsets)."""
         p = self.pipeline
+        batch = batch_leaves((args, kwargs))
         mbs = microbatch_leaves(self.replica_batch(batch), p.program.schedule.num_microbatches)
         if aligned:
             dist.barrier()
@@ -375,7 +454,8 @@ class PipelineTrainer:
                     if isinstance(v, torch.Tensor)]
         return out
 
-    def measure(self, *batch: torch.Tensor, steps: int = 3) -> "PipelineMeasurement":
+    def measure(self, *args: torch.Tensor, steps: int = 3, **kwargs: torch.Tensor
+                ) -> "PipelineMeasurement":
         """Train `steps` more steps and measure them (every rank calls this): the wall time
         per step back to back (steady state), one barrier-aligned step's timeline, and one
         step's peak memory per rank (c10 allocator events above the live state, plus that
@@ -385,13 +465,13 @@ class PipelineTrainer:
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(steps):
-            self.step(*batch)
+            self.step(*args, **kwargs)
         period = (time.perf_counter() - t0) / steps
         busy = sum(t.busy() for t in self.traces[-steps:]) / steps
-        self.step(*batch, aligned=True)
+        self.step(*args, aligned=True, **kwargs)
         trace = self.traces[-1]
         spans = [(a, s - trace.origin, e - trace.origin) for a, s, e in trace.spans]
-        _, mem = measure_peak(lambda: self.step(*batch), state=self.state_tensors())
+        _, mem = measure_peak(lambda: self.step(*args, **kwargs), state=self.state_tensors())
         mine = {"spans": spans, "period": period, "busy": busy, "peak": mem.peak_bytes,
                 "state": mem.persistent_bytes or 0, "source": mem.source}
         every: list[Any] = [None] * dist.get_world_size()
@@ -430,7 +510,7 @@ def plan_stages(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any
     from glmc.passes.partition import PartitionPass
     from glmc.passmanager import PassContext
 
-    one = tuple(microbatch_leaves(example_inputs, microbatches)[0])
+    one = like(example_inputs, microbatch_leaves(example_inputs, microbatches)[0])
     graph = glmc.capture(model, one, loss_fn, optimizer)
     if cut is not None:
         from glmc.passes.partition import plan_partition
@@ -493,8 +573,8 @@ def pipeline_trainer(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn
         raise ConfigError(f"pipeline: {dp} data-parallel replicas do not divide the {world} "
                           "processes")
     stages = world // dp * virtual
-    args, _ = split_batch(example_inputs)
-    example = tuple(replica_slices(tuple(args), dp)[0])
+    leaves = batch_leaves(split_batch(example_inputs))
+    example = like(example_inputs, replica_slices(tuple(leaves), dp)[0])
     link = measure_link(reps=21)  # every rank takes part; the same figures everywhere
     box: list[Any] = [None]
     if dist.get_rank() == 0:
@@ -526,13 +606,13 @@ def train_cli(work: Any, steps: int, microbatches: int, schedule: str, pp: int,
     trainer = pipeline_trainer(work.model, work.optimizer, work.loss_fn, work.example_inputs,
                                microbatches, schedule, virtual, dp=world // pp,
                                memory_budget=memory_budget)
-    args, _ = split_batch(work.example_inputs)
+    args, kwargs = split_batch(work.example_inputs)
     printer = trainer.last and trainer.replica == 0
     for i in range(steps):
-        loss = trainer.step(*args)
+        loss = trainer.step(*args, **kwargs)
         if printer:
             print(f"step {i:4d}  loss {loss.item():.6f}", flush=True)
-    measured = trainer.measure(*args)  # three more steps: not printed as training steps
+    measured = trainer.measure(*args, **kwargs)  # three more steps: not printed as training steps
     if printer:
         data = pipeline_report(trainer.pipeline.plan, measured, trainer.pipeline.program,
                                trainer.pipeline.saved_fractions)

@@ -2,8 +2,9 @@
 
 Guarantees: the step is not rewritten (the pass plans; `glmc.pipeline_parallel` applies the
 plan by capturing each stage of the module, `glmc.program.capture_stage`). The plan cuts the
-forward between *layer-granular blocks* — a parameter's top module, or an item of a top-level
-`ModuleList`/`Sequential` (`embed`, `blocks.0`, ..., `head`) — in the order the forward first
+forward between *layer-granular blocks* — an item of the model's list of layers (`blocks.0`,
+or nested as in transformers, `model.layers.0`), or a module at that list's depth (`embed`,
+`head`; `model.embed_tokens`, `lm_head`): `block_names` — in the order the forward first
 uses them, into `stages` contiguous groups, minimising the predicted time of the slowest stage
 (forward + backward + its parameters' update, from the cost model's node times, per stage's
 device profile) and, among equally slow cuts, the bytes sent across cuts. Dynamic programming
@@ -21,7 +22,7 @@ keeps in flight on it (`glmc.schedule.Timeline.in_flight`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from glmc.analysis import predict
 from glmc.cost import get_profile
@@ -137,19 +138,33 @@ def balanced_cut(times: Sequence[Sequence[float]], cut_cost: Sequence[float], st
 
 # ---- costing the blocks of a captured step -----------------------------------------------------
 
-def block_name(param: str) -> str:
-    """`blocks.3.attn.wq.weight` -> `blocks.3` (an item of a top-level list); `head.weight`
-    -> `head`; a parameter of the root itself -> its own name."""
-    parts = param.split(".")
-    if len(parts) > 2 and parts[1].isdigit():
-        return ".".join(parts[:2])
-    return parts[0]
+def block_names(params: Iterable[str]) -> dict[str, str]:
+    """Each parameter's layer-granular block: an item of the model's list of layers
+    (`blocks.3.attn.wq.weight` -> `blocks.3`; nested, as in transformers:
+    `model.layers.3.mlp.up_proj.weight` -> `model.layers.3`), else its module at the depth
+    of that list (`head.weight` -> `head`; `model.embed_tokens.weight` ->
+    `model.embed_tokens`, `lm_head.weight` -> `lm_head`); a parameter of the root itself is
+    its own block."""
+    def list_index(parts: list[str]) -> int | None:
+        return next((i for i, p in enumerate(parts[:-1]) if p.isdigit()), None)
+
+    split = {n: n.split(".") for n in params}
+    depth = min((i for i in map(list_index, split.values()) if i is not None), default=1)
+    out = {}
+    for name, parts in split.items():
+        i = list_index(parts)
+        keep = i + 1 if i is not None else max(1, min(depth, len(parts) - 1))
+        out[name] = ".".join(parts[:keep])
+    return out
 
 
-def _owner(path: str | None, blocks: Sequence[str]) -> str | None:
+def owner(path: str | None, blocks: Sequence[str]) -> str | None:
+    """The block holding module `path`: the longest block name that is `path` or a prefix of
+    it (a block `model` never takes the nodes of `model.layers.0`)."""
     if not path:
         return None
-    return next((b for b in blocks if path == b or path.startswith(b + ".")), None)
+    found = [b for b in blocks if path == b or path.startswith(b + ".")]
+    return max(found, key=len) if found else None
 
 
 def _module_of(n: Any, info: Any) -> str | None:
@@ -161,11 +176,12 @@ def _module_of(n: Any, info: Any) -> str | None:
 
 def step_blocks(graph: TrainGraph) -> list[str]:
     """The step's blocks in the order its forward first uses them."""
-    names = {block_name(s.target) for s in graph.inputs if s.role is Role.PARAMETER}
+    params = (s.target for s in graph.inputs if s.role is Role.PARAMETER)
+    names = set(block_names(params).values())
     order: list[str] = []
     for n in graph.compute_nodes():
         info = graph.info(n)
-        b = _owner(info.module, sorted(names)) if info.phase is Phase.FORWARD else None
+        b = owner(info.module, sorted(names)) if info.phase is Phase.FORWARD else None
         if b is not None and b not in order:
             order.append(b)
     return order + sorted(names - set(order))
@@ -191,14 +207,14 @@ def block_costs(graph: TrainGraph, profile: Any = None, traits: Any = None,
             continue
         if info.phase not in (Phase.FORWARD, Phase.BACKWARD):
             continue
-        b = _owner(_module_of(n, info), blocks) or blocks[-1]  # glue and loss: the last block
+        b = owner(_module_of(n, info), blocks) or blocks[-1]  # glue and loss: the last block
         secs[b][0 if info.phase is Phase.FORWARD else 1] += t
         if info.phase is Phase.FORWARD and info.spec is not None:
             size = info.spec.nbytes
             users = [graph.info(u) for u in n.users if u.op == "call_function"]
             if any(u.phase is Phase.BACKWARD for u in users):
                 saved[b] += size
-            if any(u.phase is Phase.FORWARD and _owner(u.module, blocks) not in (b, None)
+            if any(u.phase is Phase.FORWARD and owner(u.module, blocks) not in (b, None)
                    for u in users):
                 out[b] += size
     params, state = _state_bytes(graph, blocks)
@@ -210,12 +226,13 @@ def block_costs(graph: TrainGraph, profile: Any = None, traits: Any = None,
 
 def _state_bytes(graph: TrainGraph, blocks: Sequence[str]) -> tuple[dict, dict]:
     params, state = dict.fromkeys(blocks, 0), dict.fromkeys(blocks, 0)
+    named = block_names(s.target for s in graph.inputs if s.role is Role.PARAMETER)
     for spec, ph in zip(graph.inputs, graph.placeholders()):
         t = graph.info(ph).spec
         if t is None or spec.role not in (Role.PARAMETER, Role.OPTIMIZER_STATE):
             continue
         name = spec.target.split(":", 1)[-1]
-        b = _owner(name, blocks) or block_name(name)
+        b = owner(name, blocks) or named.get(name)
         if b not in params:
             continue
         size = t.nbytes

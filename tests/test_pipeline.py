@@ -200,6 +200,21 @@ def _trainer_part(rank: int, out: Path) -> dict:
             "last": trainer.last}
 
 
+def _hf_part(rank: int, out: Path) -> dict:
+    """transformers' GLM (torch.fx cannot trace it: the torch.export path), a keyword batch,
+    its layers nested at `model.layers.N`; rank 0 plans the cut."""
+    from glmc.pipeline_parallel import pipeline_trainer
+    from tests.models import BACKEND_CASES
+    model, batch, loss_fn, opt = BACKEND_CASES["hf_glm"]()
+    trainer = pipeline_trainer(model, opt, loss_fn, batch, 2, "1f1b")
+    losses = [trainer.step(**batch) for _ in range(STEPS)]
+    names = {n for s in trainer.local for n, _ in trainer.pipeline.stages[s].module
+             .named_parameters()}
+    return {"losses": [float(v) for v in losses if v is not None],
+            "blocks": [list(s.blocks) for s in trainer.pipeline.plan.stages],
+            "state": {k: v for k, v in model.state_dict().items() if k in names}}
+
+
 def _dead_part(rank: int, out: Path) -> dict:
     """Rank 1 dies after building its pipeline; rank 0's step must fail typed, not hang."""
     import os
@@ -220,7 +235,8 @@ def _dead_part(rank: int, out: Path) -> dict:
 def _worker(rank: int, port: int, out: str, names: list[str]) -> None:
     run_parts(rank, port, 2, out, [(name, lambda r, _, n=name: _pipeline_part(r, n))
                                    for name in names]
-              + [("trainer", _trainer_part), ("dead", _dead_part)])  # "dead" kills rank 1: last
+              + [("trainer", _trainer_part), ("hf", _hf_part),
+                 ("dead", _dead_part)])  # "dead" kills rank 1: last
 
 
 DEFAULT = ["1f1b", "zbh1"]  #: gpipe and interleaved (4 stages to capture) run under -m slow
@@ -263,6 +279,22 @@ def test_two_ranks_match_one_process(name: str, distributed: Path, eager: tuple)
 def measured_timeline_of(got: list[dict]):
     from glmc.pipeline_parallel import StepTrace
     return measured_timeline([StepTrace(r, g["spans"]) for r, g in enumerate(got)], 2)
+
+
+def test_transformers_glm_pipelines_through_torch_export(distributed: Path) -> None:
+    pytest.importorskip("transformers")
+    from tests.models import BACKEND_CASES
+    model, batch, loss_fn, opt = BACKEND_CASES["hf_glm"]()
+    want = eager_losses(model, batch, loss_fn, opt, STEPS)
+    got = [result(distributed, "hf", r) for r in range(2)]
+    blocks = got[0]["blocks"]
+    assert [b for bs in blocks for b in bs] == ["model.embed_tokens", "model.layers.0",
+                                                "model.layers.1", "model.norm", "lm_head"]
+    assert got[1]["losses"] == pytest.approx(want, rel=RTOL)
+    state = {**got[0]["state"], **got[1]["state"]}
+    assert set(state) == {n for n, _ in model.named_parameters()}  # each on one rank
+    for k, v in state.items():
+        torch.testing.assert_close(v, model.state_dict()[k], rtol=RTOL, atol=1e-5, msg=k)
 
 
 def test_actions_are_data() -> None:
