@@ -241,6 +241,7 @@ def build_program(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: A
     blocks = [b for bs in stage_blocks for b in bs]
     gm = trace_blocks(model, blocks, loss_fn, like(example_inputs, leaves))
     mods = split_module(gm, stage_blocks)
+    _check_unshared(mods)
     values = _values(gm, leaves)
     stages, opts = [], []
     for sm in mods:
@@ -258,6 +259,21 @@ def build_program(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: A
     program = StagedProgram(stages_t, link(stages_t), sched)
     program.verify()
     return Pipeline(program, mods, opts)
+
+
+def _check_unshared(mods: Sequence[StageModule]) -> None:
+    """A parameter read by two stages (tied input and output embeddings cut apart) would be
+    updated twice from half its gradient each: refused until stages exchange such gradients."""
+    seen: dict[int, tuple[int, str]] = {}
+    for sm in mods:
+        for name, p in sm.module.named_parameters():
+            if id(p) in seen and seen[id(p)][0] != sm.index:
+                first, other = seen[id(p)]
+                raise ConfigError(f"pipeline: parameter {other!r} is used by stage {first} and "
+                                  f"as {name!r} by stage {sm.index} (tied weights); shared "
+                                  "parameters across stages are not supported yet — untie them "
+                                  "or use fewer stages")
+            seen.setdefault(id(p), (sm.index, name))
 
 
 def _values(gm: fx.GraphModule, leaves: Sequence[torch.Tensor]) -> dict[str, Any]:

@@ -148,6 +148,45 @@ def test_microbatches_must_divide_the_batch() -> None:
         microbatch_leaves((torch.zeros(4, 2),), 3)
 
 
+def test_blocks_are_layer_list_items_at_any_depth() -> None:
+    from glmc.passes.partition import block_names, owner
+    flat = ["embed.weight", "blocks.0.attn.wq.weight", "blocks.1.mlp.w1.bias", "head.weight",
+            "pos"]
+    assert block_names(flat) == {"embed.weight": "embed", "blocks.0.attn.wq.weight": "blocks.0",
+                                 "blocks.1.mlp.w1.bias": "blocks.1", "head.weight": "head",
+                                 "pos": "pos"}
+    hf = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+          "model.layers.11.mlp.down_proj.weight", "model.norm.weight", "lm_head.weight"]
+    assert list(block_names(hf).values()) == ["model.embed_tokens", "model.layers.0",
+                                              "model.layers.11", "model.norm", "lm_head"]
+    # the longest block wins: `model.layers.1` is not `model.layers.11`'s, `model` is last
+    blocks = ["model", "model.layers.1", "model.layers.11"]
+    assert owner("model.layers.11.mlp", blocks) == "model.layers.11"
+    assert owner("model.layers.1", blocks) == "model.layers.1"
+    assert owner("model.rotary_emb", blocks) == "model"
+    assert owner("lm_head", blocks) is None
+
+
+def test_tied_weights_cut_apart_are_a_typed_error() -> None:
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(16, 8)
+            self.head = torch.nn.Linear(8, 16, bias=False)
+            self.head.weight = self.embed.weight
+
+        def forward(self, ids):
+            return self.head(self.embed(ids))
+
+    model = Tied()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ids = torch.randint(0, 16, (4, 3))
+    loss_fn = lambda out, y: torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())
+    with pytest.raises(ConfigError, match="'embed.weight' is used by stage 0 and as "
+                                          "'head.weight' by stage 1 \\(tied weights\\)"):
+        build_program(model, opt, loss_fn, (ids, ids), [["embed"], ["head"]], 2)
+
+
 def test_split_backward_is_the_backward(glm_graph: glmc.TrainGraph) -> None:
     model, batch, loss_fn, opt = CASES["glm"].make()
     pipe = build_program(model, opt, loss_fn, batch, [["embed", "blocks.0"],
