@@ -253,17 +253,17 @@ def _views_as_reshapes(gm: fx.GraphModule) -> None:
 
 
 def _cross_entropy_backward(gm: fx.GraphModule) -> int:
-    """log_softmax_backward(nll_loss_backward(...)) -> the row sum of the gradient read at
-    each row's target instead of summed over the classes.
+    """log_softmax_backward(nll_loss_backward(...)): the row sum of the gradient computed from
+    the loss's arguments instead of summed over the classes.
 
     `_log_softmax_backward_data(g, out, dim)` is `g - exp(out) * g.sum(dim)`; when g comes from
-    `nll_loss_backward`, each row of g holds one non-zero (at the row's target; none on an
-    ignored row), so the sum is exactly that entry: `gather(g, dim, target)` (target clamped
-    to 0 on ignored rows, where the row is all zeros). Inductor's C++ backend vectorizes that
-    class-dim sum across rows and walks the vocabulary one element at a time (Llama, vocab
-    32000 x 1024 rows: the loss kernel took 196 ms against 138 ms for torch.compile's two);
-    the gather reads one element per row. The values are bit-identical: adding zeros is exact.
-    Returns how many were rewritten.
+    `nll_loss_backward`, each row of g holds one non-zero, at the row's target:
+    `-(grad_output [/ total_weight] [* weight[target]])`, and none on an ignored row — so the
+    sum is that value, computed per row (the same operations in the same order as torch's
+    decomposition of `nll_loss_backward`: bit-identical; adding the zeros was exact). Inductor's
+    C++ backend vectorized that class-dim sum across rows and walked the vocabulary one
+    element at a time (Llama, vocab 32000 x 1024 rows: the loss kernel took 196 ms against 138
+    ms for torch.compile's two). Returns how many were rewritten.
     """
     aten = torch.ops.aten
     count = 0
@@ -277,15 +277,21 @@ def _cross_entropy_backward(gm: fx.GraphModule) -> int:
         if (val is None or gval is None or gval.dim() != 2 or dim % 2 != 1
                 or val.dtype != gval.dtype):
             continue
-        target, ignore = g.args[2], g.args[5]
+        grad_out, _, target, weight, reduction, ignore, total = g.args
         graph = gm.graph
         with graph.inserting_before(node):
-            ignored = graph.call_function(aten.eq.Scalar, (target, ignore))
-            index = graph.call_function(aten.where.ScalarSelf, (ignored, 0, target))
-            index = graph.call_function(aten.unsqueeze.default, (index, 1))
-            picked = graph.call_function(aten.gather.default, (g, 1, index))
+            keep = graph.call_function(aten.ne.Scalar, (target, ignore))
+            scale = graph.call_function(aten.div.Tensor, (grad_out, total)) \
+                if reduction == 1 else grad_out  # 1: mean
+            if weight is not None:
+                safe = graph.call_function(aten.where.ScalarOther, (keep, target, 0))
+                picked_w = graph.call_function(aten.index.Tensor, (weight, [safe]))
+                scale = graph.call_function(aten.mul.Tensor, (scale, picked_w))
+            value = graph.call_function(aten.neg.default, (scale,))
+            row = graph.call_function(aten.where.ScalarOther, (keep, value, 0.0))
+            row = graph.call_function(aten.unsqueeze.default, (row, 1))
             prob = graph.call_function(aten.exp.default, (out,))
-            scaled = graph.call_function(aten.mul.Tensor, (prob, picked))
+            scaled = graph.call_function(aten.mul.Tensor, (prob, row))
             grad = graph.call_function(aten.sub.Tensor, (g, scaled))
         grad.meta = dict(node.meta)
         node.replace_all_uses_with(grad)

@@ -91,7 +91,8 @@ WORKLOADS = {
 }
 SETS = {"transformers": ["glm-2x128-4x256", "qwen2-tied-4x256-4x512", "glm-4x512-4x256",
                          "llama-2x384-4x256", "qwen2-6x640-2x512", "llama-8x768-1x1024", "cnn"]}
-SET_CONTENDERS = {"transformers": ("torch.compile", "torch.compile+opt", "glmc-inductor")}
+SET_CONTENDERS = {"transformers": ("torch.compile", "torch.compile+opt", "glmc-inductor",
+                                   "glmc-inductor-nofusion")}
 CONTENDERS = ("eager", "torch.compile", "glmc-eager", "glmc-inductor")
 #: glmc's host memory policy (glmc.hostalloc) is process-wide: with it (the default) every
 #: contender of the run gets it once glmc compiles; `--default-malloc` runs all without it
@@ -111,8 +112,11 @@ class _Contender:
         self.trainer = None
         if name.startswith("glmc-"):
             # glmc's own measurement is switched off: the harness measures every contender alike
+            # `glmc-BACKEND` is the default pipeline; `glmc-BACKEND-nofusion` without fusion
+            backend, _, variant = name.removeprefix("glmc-").partition("-")
             self.trainer = glmc.optimize(model, x, loss_fn=loss_fn, optimizer=optimizer,
-                                         backend=name.removeprefix("glmc-"), measure=False,
+                                         backend=backend, measure=False,
+                                         fusion=False if variant == "nofusion" else None,
                                          retain_memory=RETAIN_MEMORY)
             self.fn = lambda a, k: self.trainer.step(*a, **k)
         else:
@@ -280,34 +284,36 @@ def markdown(result: dict, meta: dict) -> str:
 
 
 def summary(results: list[dict], meta: dict) -> str:
-    """The set's ratio table: glmc against both torch.compile references, geometric means."""
+    """The set's ratio table: glmc against both torch.compile references, and glmc without
+    fusion against torch.compile; geometric means."""
     import math
-    ref_names = ("torch.compile", "torch.compile+opt")
+    cols = (("glmc-inductor", "torch.compile"), ("glmc-inductor", "torch.compile+opt"),
+            ("glmc-inductor-nofusion", "torch.compile"))
     lines = [f"step time of glmc-inductor / reference (median of interleaved steps); "
              f"{meta['date']}, {meta['cpu']}, {meta['machine']}, torch {meta['torch']}; "
              f"malloc: {meta.get('malloc', '')}", "",
              "| model | params | glmc (ms) | / torch.compile | / torch.compile + compiled opt |"
-             " glmc compile (s) | torch.compile compile (s) |", "|---|---|---|---|---|---|---|"]
-    ratios: dict[str, list[float]] = {r: [] for r in ref_names}
+             " glmc without fusion / torch.compile | glmc compile (s) | torch.compile compile "
+             "(s) |", "|---|---|---|---|---|---|---|---|"]
+    ratios: list[list[float]] = [[] for _ in cols]
     for res in results:
         rows = {r["contender"]: r for r in res["rows"]}
         g = rows.get("glmc-inductor")
         if g is None:
             continue
         cells = []
-        for ref in ref_names:
-            if ref in rows:
-                q = g["median_step_ms"] / rows[ref]["median_step_ms"]
-                ratios[ref].append(q)
+        for (mine, ref), found in zip(cols, ratios):
+            if mine in rows and ref in rows:
+                q = rows[mine]["median_step_ms"] / rows[ref]["median_step_ms"]
+                found.append(q)
                 cells.append(f"{q:.3f}")
             else:
                 cells.append("-")
         lines.append(f"| {res['model']} | {res['params'] / 1e6:.1f}M | {g['median_step_ms']} | "
                      f"{' | '.join(cells)} | {g['first_step_s']} | "
                      f"{rows.get('torch.compile', {}).get('first_step_s', '-')} |")
-    geo = [f"{math.exp(sum(map(math.log, v)) / len(v)):.3f}" if v else "-"
-           for v in ratios.values()]
-    lines.append(f"| geometric mean | | | {geo[0]} | {geo[1]} | | |")
+    geo = [f"{math.exp(sum(map(math.log, v)) / len(v)):.3f}" if v else "-" for v in ratios]
+    lines.append(f"| geometric mean | | | {' | '.join(geo)} | | |")
     return "\n".join(lines)
 
 

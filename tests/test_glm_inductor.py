@@ -28,15 +28,45 @@ def test_tiny_glm_on_inductor_matches_eager(passes: str | None) -> None:
     assert_state_close(m, m2, opt, opt2, zero_grad_params=("wk.bias",))
 
 
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_cross_entropy_backward_reads_the_target_instead_of_summing(reduction, weighted) -> None:
-    """The Inductor lowering's cross-entropy rewrite: same gradient, the class-dim sum gone."""
-    from torch.fx.experimental.proxy_tensor import make_fx
+    """The Inductor lowering's cross-entropy rewrite: the same gradient, the class-dim sum
+    gone (float64 through ATen here; bit-identity under Inductor: the next test)."""
+    gm, args, grad = _cross_entropy_grad_graph(reduction, weighted, torch.float64)
+    from glmc.backends.inductor import _cross_entropy_backward
+    want = gm(*args)
+    assert _cross_entropy_backward(gm) == 1
+    aten = torch.ops.aten
+    assert not [n for n in gm.graph.nodes if n.target is aten._log_softmax_backward_data.default]
+    got = gm(*args)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-15)
+    assert (got[[2, 7]] == 0).all()  # ignored rows
+    x, t, w, g = args
+    xr = x.clone().requires_grad_()
+    loss = torch.nn.functional.cross_entropy(xr, t, weight=w, reduction=reduction) * g
+    loss.sum().backward()
+    torch.testing.assert_close(got, xr.grad, rtol=1e-12, atol=1e-15)
+
+
+def test_cross_entropy_backward_rewrite_is_bit_identical_under_inductor() -> None:
+    from torch._inductor.compile_fx import compile_fx
 
     from glmc.backends.inductor import _cross_entropy_backward
+    gm, args, _ = _cross_entropy_grad_graph("mean", True, torch.float32)
+    want = compile_fx(gm, list(args))(*args)
+    assert _cross_entropy_backward(gm) == 1
+    got = compile_fx(gm, list(args))(*args)
+    assert torch.equal(got[0] if isinstance(got, (tuple, list)) else got,
+                       want[0] if isinstance(want, (tuple, list)) else want)
+
+
+def _cross_entropy_grad_graph(reduction: str, weighted: bool, dtype: torch.dtype):
+    """make_fx graph of cross-entropy's input gradient (log_softmax + nll_loss, forward and
+    backward as ATen ops), its inputs (two ignored rows) and the gradient's scale."""
+    from torch.fx.experimental.proxy_tensor import make_fx
     aten = torch.ops.aten
-    red = {"mean": 1, "sum": 2}[reduction]
+    red = {"none": 0, "mean": 1, "sum": 2}[reduction]
 
     def grad(x, t, w, g):
         out = aten._log_softmax.default(x, 1, False)
@@ -45,19 +75,10 @@ def test_cross_entropy_backward_reads_the_target_instead_of_summing(reduction, w
         return aten._log_softmax_backward_data.default(gl, out, 1, x.dtype)
 
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(12, 37, generator=gen, dtype=torch.float64)
+    x = torch.randn(12, 37, generator=gen, dtype=dtype)
     t = torch.randint(0, 37, (12,), generator=gen)
-    t[[2, 7]] = -100  # ignored rows: their gradient is zero
-    w = torch.rand(37, generator=gen, dtype=torch.float64) if weighted else None
-    args = (x, t, w, torch.tensor(1.5, dtype=torch.float64))
-    gm = make_fx(grad)(*args)
-    want = gm(*args)
-    assert _cross_entropy_backward(gm) == 1
-    assert not [n for n in gm.graph.nodes if n.target is aten._log_softmax_backward_data.default]
-    got = gm(*args)
-    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-15)
-    assert (got[[2, 7]] == 0).all()
-    xr = x.clone().requires_grad_()
-    loss = torch.nn.functional.cross_entropy(xr, t, weight=w, reduction=reduction) * 1.5
-    loss.backward()
-    torch.testing.assert_close(got, xr.grad, rtol=1e-12, atol=1e-15)
+    t[[2, 7]] = -100
+    w = torch.rand(37, generator=gen, dtype=dtype) if weighted else None
+    g = torch.rand(12, generator=gen, dtype=dtype) if red == 0 else torch.tensor(1.5, dtype=dtype)
+    args = (x, t, w, g)
+    return make_fx(grad)(*args), args, g
