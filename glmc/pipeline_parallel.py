@@ -5,8 +5,10 @@
     StagedProgram = capture_stage per stage + link + schedule       (`build_program`)
     PipelineTrainer.step(batch): this rank's stages run the schedule (glmc.schedule.run_rank)
 
-The model is traced with torch.fx, its blocks (`embed`, `blocks.0`, ...) kept as leaf calls.
-Every other node (glue: residual adds, the loss) runs on the stage of the latest block it
+The model is traced with torch.fx, its blocks (`embed`, `blocks.0`, ...) kept as leaf calls;
+where torch.fx cannot trace it (transformers' models) or the batch is by keyword, it is
+exported by torch.export and each node belongs to the block its module stack names
+(`export_blocks`). Every other node (glue: residual adds, the loss) runs on the stage of the latest block it
 depends on; nodes that depend on no block (shapes, slices of constant buffers) are copied into
 every stage that reads them. A value crossing a cut is sent once per microbatch; the batch
 leaves (input ids, labels) are given to every stage that reads them. The stage modules share
