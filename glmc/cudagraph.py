@@ -21,13 +21,15 @@ offsets. Status: partial — written for CUDA and tested on the CPU through a st
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 
 from glmc.errors import BackendError, ConfigError
 from glmc.ir import Role, TrainGraph
+from glmc.writeback import copy_back, writeback_pairs
 
+#: a compiled step, as glmc.backends.base.StepFn (the core does not import backends)
 StepFn = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 
 #: inputs that live at fixed addresses between steps (checked before every replay)
@@ -53,14 +55,14 @@ class Recorder:
 
 
 class GraphedStep:
-    """`step` (inputs -> outputs, outputs[0] the loss) recorded as one graph, the state
-    write-back (`pairs`: output index -> input index it replaces) inside it; a step that
-    updates its state in place (`step.inplace`, returns [loss]) needs none."""
+    """`step` (inputs -> outputs, outputs[0] the loss) of `graph` recorded as one graph, the
+    state write-back (`writeback_pairs`) inside it; a step that updates its state in place
+    (`step.inplace`, returns [loss]) needs none."""
 
-    def __init__(self, step: StepFn, graph: TrainGraph, pairs: Sequence[tuple[int, int]],
-                 recorder: Recorder | None = None) -> None:
+    def __init__(self, step: StepFn, graph: TrainGraph, recorder: Recorder | None = None
+                 ) -> None:
         self.step = step
-        self.pairs = [] if getattr(step, "inplace", False) else list(pairs)
+        self.pairs = [] if getattr(step, "inplace", False) else writeback_pairs(graph)
         self.recorder = recorder or Recorder()
         self.batch = [i for i, s in enumerate(graph.inputs) if s.role is Role.INPUT]
         self.state = [i for i, s in enumerate(graph.inputs) if s.role in _STATE]
@@ -77,29 +79,26 @@ class GraphedStep:
                 self.static[i].copy_(inputs[i], non_blocking=True)
             self.recorder.replay(self.graph)
             return [self.loss.clone()]
-        outs = self._write_back(inputs, self.step(inputs))  # runs the step: also the warm-up
+        loss = self._recorded(inputs)  # runs the step: also the warm-up
         self._record(inputs, key)
-        return outs
+        return [loss]
 
     def _key(self, inputs: list[torch.Tensor]) -> tuple:
         scalars = tuple(float(t) for t in inputs if t.device.type == "cpu" and t.dim() == 0)
         return scalars + tuple(inputs[i].data_ptr() for i in self.state)
 
-    def _write_back(self, inputs: list[torch.Tensor], outs: list[torch.Tensor]
-                    ) -> list[torch.Tensor]:
-        with torch.no_grad():
-            for k, i in self.pairs:
-                if outs[k] is not inputs[i]:
-                    inputs[i].copy_(outs[k])
-        return [outs[0]]
+    def _recorded(self, inputs: list[torch.Tensor]) -> torch.Tensor:
+        """The step with its write-back: what is recorded (and the warm-up run)."""
+        outs = self.step(inputs)
+        copy_back(self.pairs, inputs, outs)
+        return outs[0]
 
     def _record(self, inputs: list[torch.Tensor], key: tuple) -> None:
         # the batch gets recorded tensors of its own (the caller's change every step); the
         # state tensors are recorded where they are
         self.static = [t.clone() if i in self.batch else t for i, t in enumerate(inputs)]
         try:
-            self.graph, self.loss = self.recorder.record(
-                lambda: self._write_back(self.static, self.step(self.static))[0])
+            self.graph, self.loss = self.recorder.record(lambda: self._recorded(self.static))
         except RuntimeError as e:
             self.graph = None
             first = (str(e).strip().splitlines() or [""])[0]

@@ -25,7 +25,7 @@ from glmc.capture import Batch, batch_leaves, capture_step, describe, split_batc
 from glmc.cost import get_profile, measure_node_times
 from glmc.cudagraph import GraphedStep, check_cuda_graphs
 from glmc.errors import CaptureError, ConfigError, GraphBreakError, InputError
-from glmc.ir import OutputKind, Role, TrainGraph
+from glmc.ir import Role, TrainGraph
 from glmc.memory import MeasurementUnavailable, measure_peak
 from glmc.optim import ensure_state, rule_for
 from glmc.parallel import DataParallel, Parallel
@@ -34,6 +34,7 @@ from glmc.pieces import PieceStep, fallback_warning
 from glmc.pipeline import parse_pipeline, with_pass
 from glmc.report import CompileRecord, Report
 from glmc.valuestats import record_value_stats
+from glmc.writeback import copy_back, writeback_pairs
 
 
 
@@ -169,7 +170,7 @@ class Trainer:
         elif entry.owners is not None:
             _adopt(entry.writeback, inputs, outs, entry.owners)
         elif not entry.step.inplace:
-            _write_back(entry.writeback, inputs, outs)
+            copy_back(entry.writeback, inputs, outs)
         if measured:
             self._check_prediction(entry.record)
             self._check_budget(batch, entry)
@@ -353,8 +354,7 @@ class Trainer:
             micro_graph = self.parallel.micro_program(runnable)
             micro = self._backend.compile(micro_graph, strict=self.options.strict)
         owners = None  # with cuda_graphs, state is copied back inside the graph: addresses stay
-        graphed = GraphedStep(compiled, graph, writeback_pairs(graph)) \
-            if self.options.cuda_graphs else None
+        graphed = GraphedStep(compiled, graph) if self.options.cuda_graphs else None
         if graphed is None and compiled.adopt and self.parallel is None:  # glmc.parallel's state is views of a store
             params = dict(self.model.named_parameters(remove_duplicate=False))
             owners = {i: params[s.target] for i, s in enumerate(graph.inputs)
@@ -534,22 +534,6 @@ def _run(step: CompiledStep, inputs: list[torch.Tensor], batch: Batch) -> list[t
         raise InputError(f"step: the step failed on the batch {describe(batch)}: {text}; check "
                          "the batch's values (e.g. labels within [0, number of classes), "
                          "token ids within the vocabulary)") from e
-
-
-def writeback_pairs(graph: TrainGraph) -> list[tuple[int, int]]:
-    """(output index, input index) of every new state value and the input it replaces."""
-    slot = {spec.target: i for i, spec in enumerate(graph.inputs)}
-    return [(k, slot[spec.target]) for k, spec in enumerate(graph.outputs)
-            if spec.kind in (OutputKind.PARAM, OutputKind.BUFFER, OutputKind.STATE)]
-
-
-def _write_back(pairs: list[tuple[int, int]], inputs: list[torch.Tensor],
-                outputs: list[torch.Tensor]) -> None:
-    """Copy a functional step's new state into the tensors it was read from."""
-    with torch.no_grad():
-        for k, i in pairs:
-            if inputs[i] is not outputs[k]:
-                inputs[i].copy_(outputs[k])
 
 
 def _adopt(pairs: list[tuple[int, int]], inputs: list[torch.Tensor],

@@ -58,6 +58,23 @@ def lower_writeback(graph: TrainGraph, early: bool = True) -> fx.GraphModule:
 _STATE_KINDS = (OutputKind.PARAM, OutputKind.BUFFER, OutputKind.STATE)
 
 
+def writeback_pairs(graph: TrainGraph) -> list[tuple[int, int]]:
+    """(output index, input index) of every new state value and the input it replaces."""
+    slot = {spec.target: i for i, spec in enumerate(graph.inputs)}
+    return [(k, slot[spec.target]) for k, spec in enumerate(graph.outputs)
+            if spec.kind in (OutputKind.PARAM, OutputKind.BUFFER, OutputKind.STATE)]
+
+
+def copy_back(pairs: list[tuple[int, int]], inputs: list[torch.Tensor],
+                outputs: list[torch.Tensor]) -> None:
+    """Copy a functional step's new state into the tensors it was read from (the runtime
+    after a functional step; glmc.cudagraph inside its recorded graph)."""
+    with torch.no_grad():
+        for k, i in pairs:
+            if inputs[i] is not outputs[k]:
+                inputs[i].copy_(outputs[k])
+
+
 def copy_graph(graph: TrainGraph) -> fx.GraphModule:
     """A GraphModule over a copy of `graph`'s fx graph (node metadata shared, shallowly), for
     backends that rewrite what they compile."""

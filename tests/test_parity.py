@@ -84,13 +84,11 @@ def test_graphed_step_replays_new_batches_and_records_again_when_lr_changes(back
     on a new batch, an lr change mid-way; losses and state equal eager PyTorch's."""
     from glmc.cudagraph import GraphedStep
     from glmc.errors import ConfigError
-    from glmc.runtime import writeback_pairs
     (m, x, loss_fn, opt), (m2, _, _, opt2) = twin(CASES["mlp"].make)
     trainer = glmc.optimize(m, x, loss_fn=loss_fn, optimizer=opt, backend=backend,
                             measure=False)
     (entry,) = trainer._cache.values()
-    entry.graphed = GraphedStep(entry.step, entry.graph, writeback_pairs(entry.graph),
-                                _StandInRecorder())
+    entry.graphed = GraphedStep(entry.step, entry.graph, _StandInRecorder())
     got, want = [], []
     for i in range(5):
         batch = tuple(t + 0.1 * i if t.is_floating_point() else t for t in x)  # new each step
