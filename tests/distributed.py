@@ -2,8 +2,13 @@
 a failure is the child's traceback, a hang a test failure, never a stuck test session."""
 from __future__ import annotations
 
+import faulthandler
+import os
 import socket
+import sys
+import tempfile
 import time
+import warnings
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -13,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
 JOIN_TIMEOUT_S = 600  #: generous: 2 loaded cores run both processes and their compiles
 PG_TIMEOUT_S = 300  #: every collective of a test fails after this (a rank may still be compiling)
@@ -26,15 +32,63 @@ def free_port() -> int:
 
 def spawn(worker: Callable, *args: object, nprocs: int = 2) -> None:
     """Runs worker(rank, port, *args) in `nprocs` processes; a failure or a hang fails the
-    test."""
-    ctx = mp.start_processes(worker, args=(free_port(), *args), nprocs=nprocs, join=False,
-                             start_method="spawn")
+    test with each rank's own output (a crash in C++ — gloo aborting, a segfault — leaves no
+    Python traceback, so every rank writes its stdout, stderr and faulthandler's stacks to a
+    log whose tail the failure shows).
+
+    A run killed by a signal (not a Python error, not a wrong result) is run once more, on a
+    fresh port, and the first crash's logs are reported as a warning: gloo has aborted a rank
+    once in a CI run on a loaded host, and a crash that does not recur must not hide the
+    results of the parts that ran — while one that does recur fails the test with its logs."""
+    for attempt in (1, 2):
+        crash = _spawn_once(worker, args, nprocs)
+        if crash is None:
+            return
+        if attempt == 1:
+            warnings.warn(f"distributed workers crashed; running them once more:\n{crash}")
+    pytest.fail(crash)
+
+
+def _spawn_once(worker: Callable, args: tuple, nprocs: int) -> str | None:
+    """None on success; the crash with each rank's log tail when a rank died by a signal."""
+    logs = Path(tempfile.mkdtemp(prefix="glmc-ranks-"))
+    ctx = mp.start_processes(_logged, args=(worker, str(logs), free_port(), *args),
+                             nprocs=nprocs, join=False, start_method="spawn")
     deadline = time.monotonic() + JOIN_TIMEOUT_S
-    while not ctx.join(timeout=2):  # raises ProcessRaisedException with the child's traceback
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.terminate()
-            pytest.fail(f"distributed workers did not finish within {JOIN_TIMEOUT_S} s")
+    try:
+        while not ctx.join(timeout=2):  # raises with the child's traceback or exit signal
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.terminate()
+                pytest.fail(f"distributed workers did not finish within {JOIN_TIMEOUT_S} s"
+                            f"\n{_tails(logs, nprocs)}")
+    except ProcessExitedException as e:
+        if e.signal_name is None:
+            pytest.fail(f"{e}\n{_tails(logs, nprocs)}")
+        return f"{e}\n{_tails(logs, nprocs)}"
+    except ProcessException as e:
+        pytest.fail(f"{e}\n{_tails(logs, nprocs)}")
+    return None
+
+
+def _logged(rank: int, worker: Callable, logs: str, port: int, *args: object) -> None:
+    log = open(Path(logs) / f"rank{rank}.log", "w", buffering=1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    faulthandler.enable(log, all_threads=True)  # SIGABRT/SIGSEGV: every thread's Python stack
+    worker(rank, port, *args)
+
+
+def _tails(logs: Path, nprocs: int, lines: int = 40) -> str:
+    out = []
+    for rank in range(nprocs):
+        path = logs / f"rank{rank}.log"
+        text = path.read_text(errors="replace").splitlines() if path.exists() else ["(no log)"]
+        out.append(f"---- rank {rank}: last {lines} lines of {path} ----")
+        out.extend(text[-lines:])
+    return "\n".join(out)
 
 
 def run_parts(rank: int, port: int, world: int, out: str,
