@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
-import statistics
 import sys
 import time
 from datetime import timedelta
@@ -51,7 +49,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, blocks: list, out: s
             rows[f"glmc {name}" + (f" ({cut} split)" if cut else "")] = \
                 _run_glmc(rank, args, name, cut or None)
         else:
-            try:  # partial: torch's stage-to-stage integer leaves arrive corrupted (see README)
+            try:
                 rows["torch.distributed.pipelining 1f1b"] = _run_torch(rank, args, blocks)
             except Exception as e:  # noqa: BLE001 - reported in the table
                 rows["torch.distributed.pipelining 1f1b"] = {
@@ -59,10 +57,6 @@ def _worker(rank: int, port: int, args: argparse.Namespace, blocks: list, out: s
     finally:
         torch.save(rows, Path(out) / f"rank{rank}.pt")
         dist.destroy_process_group()
-
-
-def _rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _run_glmc(rank: int, args: argparse.Namespace, schedule: str, cut: str | None) -> dict:
@@ -73,59 +67,78 @@ def _run_glmc(rank: int, args: argparse.Namespace, schedule: str, cut: str | Non
     virtual = 2 if schedule == "interleaved" else 1
     trainer = pipeline_trainer(model, opt, loss_fn, batch, args.microbatches, schedule, virtual,
                                cut=cut)
-    before = _rss()
-    for _ in range(2):
-        trainer.step(*batch)
+    losses = [trainer.step(*batch) for _ in range(2)]
     m = trainer.measure(*batch, steps=args.steps)
     data = pipeline_report(trainer.pipeline.plan, m, trainer.pipeline.program)
-    return {"step_s": m.period_s, "rss_growth": _rss() - before, "data": data}
+    return {"step_s": m.period_s, "data": data,
+            "losses": [None if x is None else x.item() for x in losses]}
 
 
 def _run_torch(rank: int, args: argparse.Namespace, blocks: list) -> dict:
+    """torch.distributed.pipelining's Schedule1F1B on the same stage modules (glmc's fx
+    split), eager autograd and torch.optim: back-to-back steps timed as glmc's are, one step's
+    peak measured as glmc's is (c10 allocator events above the stage's parameters and
+    optimizer state, plus that state), the mean microbatch loss for a parity check."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
+    from glmc.memory import measure_peak
     from glmc.pipeline_parallel import split_module, trace_blocks
     model, batch, loss_fn, opt = _glm(args.config)
     gm = trace_blocks(model, [b for bs in blocks for b in bs], loss_fn)
-    mods = split_module(gm, blocks)
-    sm = mods[rank]
-    mb = [t.chunk(args.microbatches)[0] for t in batch]
+    sm = split_module(gm, blocks)[rank]
+    chunks = [t.chunk(args.microbatches) for t in batch]
 
-    class Stage(torch.nn.Module):  # torch's stage: (received..., ids, labels) in a fixed order
+    class Stage(torch.nn.Module):
+        """Only activations travel between torch's stages, as between glmc's: stage 0 gets
+        the batch from the schedule; a later stage reads the batch leaves it needs (labels)
+        itself, microbatch by microbatch — torch's schedules run a stage's forwards in
+        microbatch order. (Forwarding the integer leaves through stage 0 corrupted them.)"""
+
         def __init__(self) -> None:
             super().__init__()
             self.inner = sm.module
+            self.microbatch = iter(())
 
-        def forward(self, *xs):
-            # torch gives only stage 0 the batch: stage 0 forwards the leaves with its
-            # activations (ids and labels are integer tensors, no gradient)
+        def forward(self, *xs: torch.Tensor):
             if rank == 0:
-                out = self.inner(*[xs[a] for a in sm.args])
-                return (*(out if isinstance(out, tuple) else (out,)), *xs)
-            received, leaves = iter(xs[:-len(batch)]), xs[-len(batch):]
-            return self.inner(*[leaves[a] if isinstance(a, int) else next(received)
+                return self.inner(*[xs[a] for a in sm.args])
+            received = iter(xs)
+            meta = bool(xs) and xs[0].is_meta  # torch's shape inference on the first step
+            i = 0 if meta else next(self.microbatch)
+            leaf = (lambda a: chunks[a][i].to("meta")) if meta else (lambda a: chunks[a][i])
+            return self.inner(*[leaf(a) if isinstance(a, int) else next(received)
                                 for a in sm.args])
 
     stage_mod = Stage()
     stage = PipelineStage(stage_mod, rank, 2, torch.device("cpu"))
     # the last stage returns the loss itself; torch's loss_fn is then the identity on it
-    sched = Schedule1F1B(stage, args.microbatches, loss_fn=(lambda out, _t: out) if rank else None)
+    sched = Schedule1F1B(stage, args.microbatches,
+                         loss_fn=(lambda out, _t: out) if rank else None)
     torch_opt = type(opt)(stage_mod.parameters(), **{k: v for k, v in opt.defaults.items()
                                                      if k != "decoupled_weight_decay"})
-    before, times = _rss(), []
-    for _ in range(args.steps):
-        dist.barrier()
-        t0 = time.perf_counter()
+
+    def step() -> float | None:
         torch_opt.zero_grad()
+        stage_mod.microbatch = iter(range(args.microbatches))
+        losses: list[torch.Tensor] = []
         if rank == 0:
             sched.step(*batch)
         else:
-            sched.step(target=batch[1])
+            sched.step(target=batch[1], losses=losses)
         torch_opt.step()
-        times.append(time.perf_counter() - t0)
-    del mb
-    return {"step_s": statistics.median(times[1:] or times), "rss_growth": _rss() - before,
-            "bubble": None}
+        return torch.stack(losses).mean().item() if losses else None
+
+    first = [step() for _ in range(3)]  # 2 warm-up steps as glmc's, then one more
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    period = (time.perf_counter() - t0) / args.steps
+    state = list(stage_mod.parameters()) + [v for st in torch_opt.state.values()
+                                            for v in st.values() if isinstance(v, torch.Tensor)]
+    _, mem = measure_peak(step, state=state)
+    return {"step_s": period, "peak": (mem.persistent_bytes or 0) + mem.peak_bytes,
+            "losses": first}
 
 
 def main() -> None:
@@ -137,7 +150,7 @@ def main() -> None:
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--steps", type=int, default=5, help="measured back-to-back steps")
     p.add_argument("--torch", action="store_true",
-                   help="also run torch.distributed.pipelining's Schedule1F1B (fails: README)")
+                   help="also run torch.distributed.pipelining's Schedule1F1B on glmc's split")
     args = p.parse_args()
     import glmc
     from glmc.pipeline_parallel import plan_stages
@@ -170,8 +183,9 @@ def main() -> None:
             continue
         d = ranks[0][name].get("data")
         if d is None:
-            print(f"| {name} | same | - | - / {max(r[name]['step_s'] for r in ranks) * 1e3:.1f} "
-                  "| - | - | - |")
+            peaks = "; ".join(f"- / - / {r[name]['peak'] / 2**20:.1f}" for r in ranks)
+            print(f"| {name} | same as glmc's | - | - / "
+                  f"{max(r[name]['step_s'] for r in ranks) * 1e3:.1f} | - | {peaks} | - |")
             continue
         b, t = d["bubble"], d["step_seconds"]
         cut = " \\| ".join(", ".join(s["blocks"]) for s in d["stages"])
@@ -183,6 +197,25 @@ def main() -> None:
               f" | {b['predicted']:.1%} / {b['measured']:.1%} / {b['measured_steady']:.1%} / "
               f"{b['replayed']:.1%} | {peaks} | {d['link']['latency_us']:.0f} us, "
               f"{d['link']['bandwidth_GBps']:.2f} GB/s |")
+    _compare(ranks)
+
+
+def _compare(ranks: list[dict]) -> None:
+    """glmc 1F1B against torch's on the same split: ratios, and the losses of both."""
+    mine, theirs = "glmc 1f1b", "torch.distributed.pipelining 1f1b"
+    if not all(mine in r and theirs in r and "error" not in r[mine] and "error" not in r[theirs]
+               for r in ranks):
+        return
+    step = max(r[mine]["step_s"] for r in ranks) / max(r[theirs]["step_s"] for r in ranks)
+    peaks = [r[mine]["data"]["ranks"][i]["measured_peak_bytes"] / r[theirs]["peak"]
+             for i, r in enumerate(ranks)]
+    a, b = ranks[-1][mine]["losses"], ranks[-1][theirs]["losses"][:2]
+    diff = max(abs(x - y) / abs(y) for x, y in zip(a, b))
+    print(f"\nglmc 1f1b / torch.distributed.pipelining 1f1b, same split and microbatches: "
+          f"step time {step:.3f}, peak per rank "
+          f"{', '.join(f'{p:.3f}' for p in peaks)}; first two losses glmc "
+          f"{', '.join(f'{x:.6f}' for x in a)}, torch {', '.join(f'{x:.6f}' for x in b)} "
+          f"(max relative difference {diff:.1e})")
 
 
 if __name__ == "__main__":
