@@ -85,8 +85,18 @@ def _run_torch(rank: int, args: argparse.Namespace, blocks: list) -> dict:
     from glmc.pipeline_parallel import split_module, trace_blocks
     model, batch, loss_fn, opt = _glm(args.config)
     gm = trace_blocks(model, [b for bs in blocks for b in bs], loss_fn)
-    sm = split_module(gm, blocks)[rank]
+    stages = split_module(gm, blocks)
+    sm = stages[rank]
     chunks = [t.chunk(args.microbatches) for t in batch]
+    with torch.no_grad():  # each stage's input and output on one microbatch, given to torch
+        first = stages[0].module(*[chunks[a][0] for a in stages[0].args])
+        first = first if isinstance(first, tuple) else (first,)
+        last = stages[1].module(*[chunks[a][0] if isinstance(a, int)
+                                  else first[stages[0].send.index(a)] for a in stages[1].args])
+    # a received activation requires grad (torch's receive buffers copy this metadata)
+    example_in = tuple(c[0] for c in chunks) if rank == 0 else \
+        tuple(t.detach().requires_grad_(t.is_floating_point()) for t in first)
+    example_out = first if rank == 0 else last
 
     class Stage(torch.nn.Module):
         """Only activations travel between torch's stages, as between glmc's: stage 0 gets
@@ -102,18 +112,21 @@ def _run_torch(rank: int, args: argparse.Namespace, blocks: list) -> dict:
         def forward(self, *xs: torch.Tensor):
             if rank == 0:
                 return self.inner(*[xs[a] for a in sm.args])
-            received = iter(xs)
-            meta = bool(xs) and xs[0].is_meta  # torch's shape inference on the first step
-            i = 0 if meta else next(self.microbatch)
-            leaf = (lambda a: chunks[a][i].to("meta")) if meta else (lambda a: chunks[a][i])
-            return self.inner(*[leaf(a) if isinstance(a, int) else next(received)
+            received, i = dict(zip(stages[0].send, xs)), next(self.microbatch)
+            return self.inner(*[chunks[a][i] if isinstance(a, int) else received[a]
                                 for a in sm.args])
 
     stage_mod = Stage()
-    stage = PipelineStage(stage_mod, rank, 2, torch.device("cpu"))
-    # the last stage returns the loss itself; torch's loss_fn is then the identity on it
-    sched = Schedule1F1B(stage, args.microbatches,
-                         loss_fn=(lambda out, _t: out) if rank else None)
+    # static shapes: torch's runtime shape inference deadlocked on gloo (both ranks waiting
+    # on a send) with this module
+    grads = tuple(torch.zeros_like(t) for t in first)  # of the activations that travel
+    stage = PipelineStage(stage_mod, rank, 2, torch.device("cpu"), input_args=example_in,
+                          output_args=example_out,
+                          input_grads=(None,) * len(example_in) if rank == 0 else grads,
+                          output_grads=grads if rank == 0 else None)
+    # the last stage returns the loss itself; torch's loss_fn is then the identity on it.
+    # Every rank passes it: without a loss_fn a rank's schedule runs no backward at all
+    sched = Schedule1F1B(stage, args.microbatches, loss_fn=lambda out, _t: out)
     torch_opt = type(opt)(stage_mod.parameters(), **{k: v for k, v in opt.defaults.items()
                                                      if k != "decoupled_weight_decay"})
 
@@ -122,9 +135,12 @@ def _run_torch(rank: int, args: argparse.Namespace, blocks: list) -> dict:
         stage_mod.microbatch = iter(range(args.microbatches))
         losses: list[torch.Tensor] = []
         if rank == 0:
-            sched.step(*batch)
+            sched.step(*batch, return_outputs=False)
         else:
-            sched.step(target=batch[1], losses=losses)
+            sched.step(target=batch[1], losses=losses, return_outputs=False)
+        if any(p.grad is None for p in stage_mod.parameters()):
+            raise RuntimeError(f"torch.distributed.pipelining left stage {rank}'s parameters "
+                               "without gradients")
         torch_opt.step()
         return torch.stack(losses).mean().item() if losses else None
 

@@ -77,7 +77,7 @@ class MemoryEstimate:
                 "timeline": [[self.timeline[i][0], self.timeline[i][1]] for i in picked]}
 
 
-def _storage_bytes(v: Any) -> int:
+def storage_bytes(v: Any) -> int:
     if isinstance(v, torch.Tensor):
         try:
             return int(v.untyped_storage().nbytes())
@@ -89,9 +89,12 @@ def _storage_bytes(v: Any) -> int:
 Key = tuple[fx.Node, int]  #: one storage: (producer node, output index)
 
 
-def simulate(graph: fx.Graph, traits: BackendTraits = EAGER) -> MemoryEstimate:
+def simulate(graph: fx.Graph, traits: BackendTraits = EAGER,
+             consumed: Iterable[fx.Node] = ()) -> MemoryEstimate:
     """Predicted live bytes after each node of the *lowered* step (see module docstring) on
-    the backend described by `traits` (its fusion model decides which ops own a buffer)."""
+    the backend described by `traits` (its fusion model decides which ops own a buffer).
+    `consumed`: placeholders the caller hands over (`glmc.program.run_inplace`'s `consume`),
+    freed after their last read instead of living for the whole graph."""
     fusion = traits.fusion(graph) if traits.fusion is not None else None
     nodes = list(graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
@@ -99,7 +102,9 @@ def simulate(graph: fx.Graph, traits: BackendTraits = EAGER) -> MemoryEstimate:
     last_use, readers = _last_uses(nodes, index, storage, fusion)
     category = {k: _category(k[0], readers.get(k, [])) for k in size}
     _staging(nodes, index, storage, size, last_use, category)
-    persistent = {k for k in size if k[0].op in ("placeholder", "get_attr")}
+    consumed = set(consumed)
+    persistent = {k for k in size if k[0].op in ("placeholder", "get_attr")
+                  and k[0] not in consumed}
     frees: dict[int, list[Key]] = {}
     for k in size:
         if k not in persistent:  # never read: freed right after it is produced
@@ -140,7 +145,7 @@ def _storages(nodes: list[fx.Node], fusion: FusionModel | None
                 continue
             vals = list(val) if isinstance(val, (tuple, list)) else [val]
             storage[n] = [(n, i) for i in range(len(vals))]
-            size.update({(n, i): _storage_bytes(v) for i, v in enumerate(vals)})
+            size.update({(n, i): storage_bytes(v) for i, v in enumerate(vals)})
         elif n.op == "call_function":  # a view, getitem or in-place op: aliases its base
             storage[n] = _aliased(n, storage)
         else:

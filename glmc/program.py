@@ -421,6 +421,38 @@ def write_back(graph: TrainGraph, outputs: Sequence[torch.Tensor], module: nn.Mo
     return rest
 
 
+def run_inplace(graph: TrainGraph, *sources: Values, consume: Iterable[Role] = ()
+                ) -> dict[tuple[OutputKind, str], torch.Tensor]:
+    """Run `graph` on its inputs from `sources` (`gather`) in its write-back form
+    (`glmc.writeback.lower_writeback`, made once and kept in `graph.meta`): each new parameter,
+    buffer and optimizer-state value is copied into the tensor it was read from as soon as the
+    old value's last read is done, so an update holds one parameter's new values at a time,
+    not a whole stage's. The inputs of the roles in `consume` are taken out of `sources` and
+    handed to the graph alone (fx's boxed calling convention), so each is freed after its
+    last read inside the graph — a backward frees its saved activations as it goes, an update
+    each gradient. Returns the other outputs (loss, sent, saved values, gradients) by
+    (kind, target)."""
+    from torch.fx.graph import _BoxedCodeGen
+
+    from glmc.writeback import STATE_KINDS, lower_writeback
+    gm = graph.meta.get("inplace_gm")
+    if gm is None:
+        gm = lower_writeback(graph)
+        gm.graph.set_codegen(_BoxedCodeGen())
+        gm.recompile()
+        graph.meta["inplace_gm"] = gm
+    args = gather(graph, *sources)
+    consume = set(consume)
+    for spec in graph.inputs:
+        if spec.role in consume:
+            for source in sources:
+                source.pop((spec.role, spec.target), None)
+    with torch.no_grad():  # copies into leaf parameters
+        outs = gm(args)  # clears `args`: the graph holds the only references
+    kept = [spec for spec in graph.outputs if spec.kind not in STATE_KINDS]
+    return {(spec.kind, spec.target): v for spec, v in zip(kept, outs)}
+
+
 def run_step(graph: TrainGraph, module: nn.Module, optimizer: torch.optim.Optimizer,
              batch: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """One step of a (bound) step graph on `batch`, updating `module` and `optimizer`;

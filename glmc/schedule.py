@@ -21,12 +21,13 @@ from typing import Callable, Iterable, Sequence
 import networkx as nx
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 import torch.nn as nn
 
 from glmc.errors import ConfigError, PassError
 from glmc.ir import OutputKind, Role, TrainGraph
-from glmc.program import (Boundary, Stage, StagedProgram, Values, batch_values, gather,
-                          state_values, write_back)
+from glmc.program import (Boundary, Stage, StagedProgram, Values, batch_values, run_inplace,
+                          state_values)
 
 
 class ActionKind(str, enum.Enum):
@@ -333,6 +334,7 @@ class _StageRun:
     state: Values = field(default_factory=dict)
     sent: list[dict[str, torch.Tensor]] = field(default_factory=list)
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    owned: set[str] = field(default_factory=set)  #: gradient sums this run allocated
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     works: list = field(default_factory=list)
     #: called with the accumulated gradients (by name) before the update, e.g. to average
@@ -358,9 +360,8 @@ class _StageRun:
                               f"{self.index} does not have")
         handlers[a.kind](a)
 
-    def _call(self, graph: TrainGraph, m: int) -> dict:
-        outs = graph.gm(*gather(graph, self.mb[m], self.state))
-        return write_back(graph, outs, self.module, self.optimizer)
+    def _call(self, graph: TrainGraph, m: int, consume: Iterable[Role] = ()) -> dict:
+        return run_inplace(graph, self.mb[m], self.state, consume=consume)
 
     def forward(self, a: Action) -> None:
         m = a.microbatch
@@ -375,15 +376,28 @@ class _StageRun:
 
     def backward(self, a: Action, graph: TrainGraph | None = None, last: bool = True) -> None:
         m = a.microbatch
-        for (kind, target), v in self._call(graph or self.stage.backward, m).items():
+        # the microbatch's last backward action takes its saved values and cotangents along
+        consume = CONSUMED["B"] if last else ()
+        for (kind, target), v in self._call(graph or self.stage.backward, m, consume).items():
             if kind is OutputKind.GRADIENT:
-                self.grads[target] = self.grads[target] + v if target in self.grads else v
+                self._accumulate(target, v)
             elif kind is OutputKind.SAVED:  # what I stashes for W
                 self.mb[m][(Role.SAVED, target)] = v
             else:
                 self.sent[m][target] = v
         if last:
             self.mb[m] = {k: v for k, v in self.mb[m].items() if k[0] is not Role.SAVED}
+
+    def _accumulate(self, target: str, v: torch.Tensor) -> None:
+        """Sum a microbatch's gradient in: the first is kept as the graph returned it (it may
+        be a view or expanded), the second sum is a fresh tensor, later ones add into it."""
+        if target not in self.grads:
+            self.grads[target] = v
+        elif target in self.owned:
+            self.grads[target].add_(v)
+        else:
+            self.grads[target] = self.grads[target] + v
+            self.owned.add(target)
 
     def backward_input(self, a: Action) -> None:
         self.backward(a, self._split(a)[0], last=False)
@@ -402,9 +416,8 @@ class _StageRun:
         if self.reduce_grads is not None:
             self.reduce_grads(self.index, self.grads)
         grads = {(Role.GRADIENT, n): g for n, g in self.grads.items()}
-        graph = self.stage.update
-        write_back(graph, graph.gm(*gather(graph, grads, self.state)), self.module,
-                   self.optimizer)
+        self.grads = {}  # each gradient is freed in the update after its last read
+        run_inplace(self.stage.update, grads, self.state, consume=CONSUMED["U"])
 
     def _boundaries(self, a: Action, sending: bool) -> list[tuple[int, Boundary]]:
         gradient = a.kind in (ActionKind.SEND_B, ActionKind.RECV_B)
@@ -489,21 +502,38 @@ def run_stage(program: StagedProgram, stage: int, module: nn.Module,
 
 # ---- predicting a rank's memory -----------------------------------------------------------------
 
+#: the inputs each action's graph takes over from the runner (`_StageRun`: the last backward
+#: of a microbatch, the update), by action
+CONSUMED = {"B": (Role.SAVED, Role.BOUNDARY, Role.GRADIENT), "U": (Role.GRADIENT,)}
+
 def predicted_peaks(program: StagedProgram) -> list[int]:
     """Per rank, the predicted peak bytes of one step of `program` under its schedule: the
     rank's parameters and optimizer state, plus, walking its actions in order, the saved
     activations of its in-flight microbatches, the gradients accumulated so far and the
     running action's own transient bytes (glmc.memory's liveness simulation of the stage's
     forward, backward or update graph, above that graph's inputs)."""
-    from glmc.memory import simulate
+    from glmc.memory import simulate, storage_bytes
+    from glmc.writeback import alias_root, lower_writeback
 
     sched = program.schedule
     transient: dict[tuple[int, str], int] = {}
     saved, params, grads, state = {}, {}, {}, {}
     for st in program.stages:
+        views = {spec.target for spec, v in zip(st.forward.outputs, st.forward.output_values())
+                 if spec.kind is OutputKind.SAVED and isinstance(v, fx.Node)
+                 and alias_root(v).op == "placeholder"}  # saved views of parameters, inputs
         for key, g in (("F", st.forward), ("B", st.backward), ("U", st.update)):
-            est = simulate(g.graph)
-            transient[st.index, key] = est.transient_bytes
+            # as run_inplace runs it: early write-back, and the backward's saved values and
+            # the update's gradients freed after their last read
+            lowered = lower_writeback(g).graph
+            phs = [n for n in lowered.nodes if n.op == "placeholder"]
+            roles = CONSUMED.get(key, ())
+            taken = [ph for ph, spec in zip(phs, g.inputs) if spec.role in roles
+                     and spec.target not in views]  # freeing a view frees nothing
+            est = simulate(lowered, consumed=taken)
+            # above all its inputs (the runner counts the taken ones until the action starts)
+            transient[st.index, key] = est.transient_bytes - sum(
+                storage_bytes(ph.meta.get("val")) for ph in taken)
             if key == "F":  # what Stage.saved_bytes() says, without simulating again
                 saved[st.index] = est.left_bytes
         sizes = {role: 0 for role in Role}

@@ -30,15 +30,15 @@ def lower_writeback(graph: TrainGraph, early: bool = True) -> fx.GraphModule:
     for n in order:
         env[n] = new.node_copy(n, lambda a: env[a])
     position = {n: i for i, n in enumerate(order)}
-    placeholders = {ph.meta["glmc"].target: ph for ph in order if ph.op == "placeholder"}
+    phs = [n for n in order if n.op == "placeholder"]
     kept: list[fx.Node] = []  #: the loss, and a joint graph's forward/gradient outputs
     copies: list[tuple[int, fx.Node, fx.Node]] = []
-    for spec, value in zip(graph.outputs, graph.output_values()):
-        if spec.kind not in _STATE_KINDS:
+    for (k, i), value in zip(_pairs(graph, kept_too=True), graph.output_values()):
+        if i is None:
             kept.append(value)
             continue
-        dest = placeholders[spec.target]
-        if value is dest or _alias_root(value) is dest:
+        dest = phs[i]
+        if value is dest or alias_root(value) is dest:
             continue
         at = len(order) - 1
         if early:
@@ -55,14 +55,28 @@ def lower_writeback(graph: TrainGraph, early: bool = True) -> fx.GraphModule:
     return fx.GraphModule(graph.gm, new)
 
 
-_STATE_KINDS = (OutputKind.PARAM, OutputKind.BUFFER, OutputKind.STATE)
+STATE_KINDS = (OutputKind.PARAM, OutputKind.BUFFER, OutputKind.STATE)
+#: inputs a new state value never replaces, though they may share its target name (a pipeline
+#: stage's update reads each parameter's gradient under the parameter's name)
+NOT_STATE = (Role.GRADIENT, Role.INPUT, Role.BOUNDARY, Role.SAVED)
 
 
 def writeback_pairs(graph: TrainGraph) -> list[tuple[int, int]]:
     """(output index, input index) of every new state value and the input it replaces."""
-    slot = {spec.target: i for i, spec in enumerate(graph.inputs)}
-    return [(k, slot[spec.target]) for k, spec in enumerate(graph.outputs)
-            if spec.kind in (OutputKind.PARAM, OutputKind.BUFFER, OutputKind.STATE)]
+    return [(k, i) for k, i in _pairs(graph) if i is not None]
+
+
+def _pairs(graph: TrainGraph, kept_too: bool = False) -> list[tuple[int, int | None]]:
+    """(output index, index of the input it replaces — None for an output that replaces
+    nothing, listed with `kept_too`)."""
+    slot = {spec.target: i for i, spec in enumerate(graph.inputs) if spec.role not in NOT_STATE}
+    out: list[tuple[int, int | None]] = []
+    for k, spec in enumerate(graph.outputs):
+        if spec.kind in STATE_KINDS:
+            out.append((k, slot[spec.target]))
+        elif kept_too:
+            out.append((k, None))
+    return out
 
 
 def copy_back(pairs: list[tuple[int, int]], inputs: list[torch.Tensor],
@@ -81,7 +95,7 @@ def copy_graph(graph: TrainGraph) -> fx.GraphModule:
     return graph.copy().gm
 
 
-def _alias_root(n: fx.Node) -> fx.Node:
+def alias_root(n: fx.Node) -> fx.Node:
     while n.op == "call_function" and is_view(n) and n.args and isinstance(n.args[0], fx.Node):
         n = n.args[0]
     return n
