@@ -45,9 +45,11 @@ def _worker(rank: int, port: int, args: argparse.Namespace, blocks: list, out: s
     rows = {}
     try:
         if schedule != "torch":
-            name, _, cut = schedule.partition(":")
-            rows[f"glmc {name}" + (f" ({cut} split)" if cut else "")] = \
-                _run_glmc(rank, args, name, cut or None)
+            spec, _, budget = schedule.partition("@")
+            name, _, cut = spec.partition(":")
+            label = f"glmc {name}" + (f" ({cut} split)" if cut else "") + \
+                (f" (memory budget {budget})" if budget else "")
+            rows[label] = _run_glmc(rank, args, name, cut or None, budget or None)
         else:
             try:
                 rows["torch.distributed.pipelining 1f1b"] = _run_torch(rank, args, blocks)
@@ -59,14 +61,15 @@ def _worker(rank: int, port: int, args: argparse.Namespace, blocks: list, out: s
         dist.destroy_process_group()
 
 
-def _run_glmc(rank: int, args: argparse.Namespace, schedule: str, cut: str | None) -> dict:
+def _run_glmc(rank: int, args: argparse.Namespace, schedule: str, cut: str | None,
+              budget: str | None) -> dict:
     """glmc's trainer as `glmc compile --pp 2` runs it: its own plan (on the measured link),
     warm-up steps, then `measure` (back-to-back steps, one aligned step, one memory step)."""
     from glmc.pipeline_parallel import pipeline_report, pipeline_trainer
     model, batch, loss_fn, opt = _glm(args.config)
     virtual = 2 if schedule == "interleaved" else 1
     trainer = pipeline_trainer(model, opt, loss_fn, batch, args.microbatches, schedule, virtual,
-                               cut=cut)
+                               cut=cut, memory_budget=budget)
     losses = [trainer.step(*batch) for _ in range(2)]
     m = trainer.measure(*batch, steps=args.steps)
     data = pipeline_report(trainer.pipeline.plan, m, trainer.pipeline.program)
@@ -162,7 +165,8 @@ def main() -> None:
     p.add_argument("--config", default="tiny")
     p.add_argument("--schedules", default="1f1b,zbh1,gpipe",
                    help="glmc schedules to run, comma-separated; NAME:equal runs NAME on an "
-                        "equal split of blocks instead of glmc's cut")
+                        "equal split of blocks instead of glmc's cut; NAME@BUDGET under a "
+                        "per-rank memory budget (a size, a fraction of the activations, min)")
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--steps", type=int, default=5, help="measured back-to-back steps")
     p.add_argument("--torch", action="store_true",
@@ -217,21 +221,23 @@ def main() -> None:
 
 
 def _compare(ranks: list[dict]) -> None:
-    """glmc 1F1B against torch's on the same split: ratios, and the losses of both."""
-    mine, theirs = "glmc 1f1b", "torch.distributed.pipelining 1f1b"
-    if not all(mine in r and theirs in r and "error" not in r[mine] and "error" not in r[theirs]
-               for r in ranks):
+    """Each glmc 1F1B row against torch's 1F1B on the same split: ratios, and the losses."""
+    theirs = "torch.distributed.pipelining 1f1b"
+    if any(theirs not in r or "error" in r[theirs] for r in ranks):
         return
-    step = max(r[mine]["step_s"] for r in ranks) / max(r[theirs]["step_s"] for r in ranks)
-    peaks = [r[mine]["data"]["ranks"][i]["measured_peak_bytes"] / r[theirs]["peak"]
-             for i, r in enumerate(ranks)]
-    a, b = ranks[-1][mine]["losses"], ranks[-1][theirs]["losses"][:2]
-    diff = max(abs(x - y) / abs(y) for x, y in zip(a, b))
-    print(f"\nglmc 1f1b / torch.distributed.pipelining 1f1b, same split and microbatches: "
-          f"step time {step:.3f}, peak per rank "
-          f"{', '.join(f'{p:.3f}' for p in peaks)}; first two losses glmc "
-          f"{', '.join(f'{x:.6f}' for x in a)}, torch {', '.join(f'{x:.6f}' for x in b)} "
-          f"(max relative difference {diff:.1e})")
+    for mine in ranks[0]:
+        if not mine.startswith("glmc 1f1b") or "split)" in mine or \
+                any("error" in r[mine] for r in ranks):
+            continue
+        step = max(r[mine]["step_s"] for r in ranks) / max(r[theirs]["step_s"] for r in ranks)
+        peaks = [r[mine]["data"]["ranks"][i]["measured_peak_bytes"] / r[theirs]["peak"]
+                 for i, r in enumerate(ranks)]
+        a, b = ranks[-1][mine]["losses"], ranks[-1][theirs]["losses"][:2]
+        diff = max(abs(x - y) / abs(y) for x, y in zip(a, b))
+        print(f"\n{mine} / {theirs}, same split and microbatches: step time {step:.3f}, peak "
+              f"per rank {', '.join(f'{p:.3f}' for p in peaks)}; first two losses glmc "
+              f"{', '.join(f'{x:.6f}' for x in a)}, torch {', '.join(f'{x:.6f}' for x in b)} "
+              f"(max relative difference {diff:.1e})")
 
 
 if __name__ == "__main__":
