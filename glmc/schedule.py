@@ -504,27 +504,72 @@ def run_stage(program: StagedProgram, stage: int, module: nn.Module,
 
 #: the inputs each action's graph takes over from the runner (`_StageRun`: the last backward
 #: of a microbatch, the update), by action
-CONSUMED = {"B": (Role.SAVED, Role.BOUNDARY, Role.GRADIENT), "U": (Role.GRADIENT,)}
+CONSUMED = {"B": (Role.SAVED, Role.BOUNDARY, Role.GRADIENT),
+            "W": (Role.SAVED, Role.BOUNDARY, Role.GRADIENT), "U": (Role.GRADIENT,)}
 
 def predicted_peaks(program: StagedProgram) -> list[int]:
     """Per rank, the predicted peak bytes of one step of `program` under its schedule: the
     rank's parameters and optimizer state, plus, walking its actions in order, the saved
-    activations of its in-flight microbatches, the gradients accumulated so far and the
-    running action's own transient bytes (glmc.memory's liveness simulation of the stage's
-    forward, backward or update graph, above that graph's inputs)."""
-    from glmc.memory import simulate, storage_bytes
-    from glmc.writeback import alias_root, lower_writeback
-
+    activations of its in-flight microbatches (and ZB-H1's stash between I and W), the
+    gradients accumulated so far and the running action's own transient bytes (glmc.memory's
+    liveness simulation of the graph the action runs, above that graph's inputs)."""
     sched = program.schedule
-    transient: dict[tuple[int, str], int] = {}
-    saved, params, grads, state = {}, {}, {}, {}
-    for st in program.stages:
+    mem = {st.index: _StageMemory.of(st) for st in program.stages}
+    K = ActionKind
+    peaks = []
+    for r in range(sched.num_ranks):
+        mine = [s for s in range(sched.num_stages) if sched.rank_of(s) == r]
+        base = sum(mem[s].params + mem[s].state for s in mine)
+        in_flight = dict.fromkeys(mine, 0)
+        grads_live = dict.fromkeys(mine, 0)
+        peak = base
+        for a in sched.rank_actions(r):
+            s, m = a.stage, mem[a.stage]
+            live = base + sum(in_flight.values()) + sum(grads_live.values())
+            key = {K.F: "F", K.B: "B", K.I: "I", K.W: "W", K.UPDATE: "U"}.get(a.kind)
+            if key is None:
+                continue
+            peak = max(peak, live + m.transient[key])
+            if a.kind is K.F:
+                in_flight[s] += m.saved
+            elif a.kind is K.I:  # the saved values stay for W, with I's stash
+                in_flight[s] += m.stash
+            elif a.kind in (K.B, K.W):  # the microbatch's last backward frees them
+                in_flight[s] -= m.saved + (m.stash if a.kind is K.W else 0)
+                grads_live[s] = m.grads
+            else:
+                grads_live[s] = 0
+        peaks.append(peak)
+    return peaks
+
+
+@dataclass
+class _StageMemory:
+    """One stage's bytes for `predicted_peaks`: its state, what a forward saves, what ZB-H1's
+    I stashes, and each action's transient bytes above its graph's inputs."""
+
+    params: int
+    grads: int
+    state: int
+    saved: int
+    stash: int
+    transient: dict[str, int]
+
+    @classmethod
+    def of(cls, st: Stage) -> "_StageMemory":
+        from glmc.memory import simulate, storage_bytes
+        from glmc.writeback import alias_root, lower_writeback
+
         views = {spec.target for spec, v in zip(st.forward.outputs, st.forward.output_values())
                  if spec.kind is OutputKind.SAVED and isinstance(v, fx.Node)
                  and alias_root(v).op == "placeholder"}  # saved views of parameters, inputs
-        for key, g in (("F", st.forward), ("B", st.backward), ("U", st.update)):
-            # as run_inplace runs it: early write-back, and the backward's saved values and
-            # the update's gradients freed after their last read
+        graphs = {"F": st.forward, "B": st.backward, "U": st.update}
+        if st.split is not None:
+            graphs.update(I=st.split[0], W=st.split[1])
+        transient, left = {}, {}
+        for key, g in graphs.items():
+            # as run_inplace runs it: early write-back, and the inputs the action takes
+            # along freed after their last read
             lowered = lower_writeback(g).graph
             phs = [n for n in lowered.nodes if n.op == "placeholder"]
             roles = CONSUMED.get(key, ())
@@ -532,38 +577,12 @@ def predicted_peaks(program: StagedProgram) -> list[int]:
                      and spec.target not in views]  # freeing a view frees nothing
             est = simulate(lowered, consumed=taken)
             # above all its inputs (the runner counts the taken ones until the action starts)
-            transient[st.index, key] = est.transient_bytes - sum(
-                storage_bytes(ph.meta.get("val")) for ph in taken)
-            if key == "F":  # what Stage.saved_bytes() says, without simulating again
-                saved[st.index] = est.left_bytes
+            transient[key] = est.transient_bytes - sum(storage_bytes(ph.meta.get("val"))
+                                                       for ph in taken)
+            left[key] = est.left_bytes
         sizes = {role: 0 for role in Role}
         for spec, ph in zip(st.update.inputs, st.update.placeholders()):
             info = st.update.info(ph).spec
             sizes[spec.role] += info.nbytes if info is not None else 0
-        params[st.index], grads[st.index] = sizes[Role.PARAMETER], sizes[Role.GRADIENT]
-        state[st.index] = sizes[Role.OPTIMIZER_STATE]
-    K = ActionKind
-    peaks = []
-    for r in range(sched.num_ranks):
-        mine = [s for s in range(sched.num_stages) if sched.rank_of(s) == r]
-        base = sum(params[s] + state[s] for s in mine)
-        in_flight = dict.fromkeys(mine, 0)
-        grads_live = dict.fromkeys(mine, 0)
-        peak = base
-        for a in sched.rank_actions(r):
-            s = a.stage
-            live = base + sum(in_flight.values()) + sum(grads_live.values())
-            if a.kind is K.F:
-                peak = max(peak, live + transient[s, "F"])
-                in_flight[s] += saved[s]
-            elif a.kind in (K.B, K.I, K.W):
-                peak = max(peak, live + transient[s, "B"])
-                if a.kind is not K.W:  # I frees the activations (W keeps only its stash)
-                    in_flight[s] -= saved[s]
-                if a.kind is not K.I:  # B and W produce the parameter gradients
-                    grads_live[s] = grads[s]
-            elif a.kind is K.UPDATE:
-                peak = max(peak, live + transient[s, "U"])
-                grads_live[s] = 0
-        peaks.append(peak)
-    return peaks
+        return cls(sizes[Role.PARAMETER], sizes[Role.GRADIENT], sizes[Role.OPTIMIZER_STATE],
+                   left["F"], left.get("I", 0), transient)
