@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
-JOIN_TIMEOUT_S = 600  #: generous: 2 loaded cores run both processes and their compiles
+JOIN_TIMEOUT_S = int(os.environ.get("GLMC_TEST_JOIN_TIMEOUT", 600))  #: generous: 2 loaded cores run both processes and their compiles
 PG_TIMEOUT_S = 300  #: every collective of a test fails after this (a rank may still be compiling)
 
 
@@ -36,10 +36,10 @@ def spawn(worker: Callable, *args: object, nprocs: int = 2) -> None:
     Python traceback, so every rank writes its stdout, stderr and faulthandler's stacks to a
     log whose tail the failure shows).
 
-    A run killed by a signal (not a Python error, not a wrong result) is run once more, on a
-    fresh port, and the first crash's logs are reported as a warning: gloo has aborted a rank
-    once in a CI run on a loaded host, and a crash that does not recur must not hide the
-    results of the parts that ran — while one that does recur fails the test with its logs."""
+    A run killed by a signal or hung (not a Python error, not a wrong result) is run once
+    more, on a fresh port, and the first attempt's logs are reported as a warning: gloo
+    aborted a rank once in a CI run, and a rank spun for 10 minutes once locally, neither
+    reproduced since; one that recurs fails the test with its logs."""
     for attempt in (1, 2):
         crash = _spawn_once(worker, args, nprocs)
         if crash is None:
@@ -50,9 +50,9 @@ def spawn(worker: Callable, *args: object, nprocs: int = 2) -> None:
 
 
 def _spawn_once(worker: Callable, args: tuple, nprocs: int) -> str | None:
-    """None on success; the crash with each rank's log tail when a rank died by a signal."""
+    """None on success; the crash or hang with each rank's log tail."""
     logs = Path(tempfile.mkdtemp(prefix="glmc-ranks-"))
-    ctx = mp.start_processes(_logged, args=(worker, str(logs), free_port(), *args),
+    ctx = mp.start_processes(_logged, args=(worker, str(logs), nprocs, free_port(), *args),
                              nprocs=nprocs, join=False, start_method="spawn")
     deadline = time.monotonic() + JOIN_TIMEOUT_S
     try:
@@ -60,8 +60,8 @@ def _spawn_once(worker: Callable, args: tuple, nprocs: int) -> str | None:
             if time.monotonic() > deadline:
                 for p in ctx.processes:
                     p.terminate()
-                pytest.fail(f"distributed workers did not finish within {JOIN_TIMEOUT_S} s"
-                            f"\n{_tails(logs, nprocs)}")
+                return (f"distributed workers did not finish within {JOIN_TIMEOUT_S} s "
+                        f"(every thread's stack is in the logs)\n{_tails(logs, nprocs)}")
     except ProcessExitedException as e:
         if e.signal_name is None:
             pytest.fail(f"{e}\n{_tails(logs, nprocs)}")
@@ -71,17 +71,22 @@ def _spawn_once(worker: Callable, args: tuple, nprocs: int) -> str | None:
     return None
 
 
-def _logged(rank: int, worker: Callable, logs: str, port: int, *args: object) -> None:
+def _logged(rank: int, worker: Callable, logs: str, nprocs: int, port: int,
+            *args: object) -> None:
+    # the ranks share this host's cores: more threads than cores spin against each other
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // nprocs))
     log = open(Path(logs) / f"rank{rank}.log", "w", buffering=1)
     sys.stdout.flush()
     sys.stderr.flush()
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
     faulthandler.enable(log, all_threads=True)  # SIGABRT/SIGSEGV: every thread's Python stack
+    # a hang: every thread's stack in the log before the parent gives up on this rank
+    faulthandler.dump_traceback_later(JOIN_TIMEOUT_S - 60, file=log)
     worker(rank, port, *args)
 
 
-def _tails(logs: Path, nprocs: int, lines: int = 40) -> str:
+def _tails(logs: Path, nprocs: int, lines: int = 80) -> str:
     out = []
     for rank in range(nprocs):
         path = logs / f"rank{rank}.log"

@@ -67,6 +67,7 @@ def test_debug_prints_traceback(tmp_path: Path) -> None:
     assert r.returncode == 1 and "Traceback" in r.stderr and "boom" in r.stderr
 
 
+@pytest.mark.slow  # 31 s; the recompute pass's numerics and budget: tests/test_recompute.py
 def test_compile_with_memory_budget(tmp_path: Path) -> None:
     r = glmc("compile", "examples/glm.py", "--backend", "eager", "--steps", "3",
              "--memory-budget", "0.6", "--no-fusion", "--report-dir", str(tmp_path))

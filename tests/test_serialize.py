@@ -39,7 +39,8 @@ def _train_in_fresh_process(case: str, path: Path, backend: str, passes: str) ->
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("case,backend", [("glm", "eager"), ("mlp", "inductor")])
+@pytest.mark.parametrize("case,backend", [pytest.param("glm", "eager", marks=pytest.mark.slow),
+                                          ("mlp", "inductor")])  # GLM: 24 s
 def test_saved_step_reloads_through_rederiving_passes(tmp_path, case, backend):
     """Capture, save, load in a fresh process, run fusion and precision (both re-derive the
     backward from the IR alone) and compile: the same losses as the same pipeline on the
