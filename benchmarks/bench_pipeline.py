@@ -147,7 +147,7 @@ def _run_torch(rank: int, args: argparse.Namespace, blocks: list) -> dict:
         torch_opt.step()
         return torch.stack(losses).mean().item() if losses else None
 
-    first = [step() for _ in range(3)]  # 2 warm-up steps as glmc's, then one more
+    warm = [step() for _ in range(3)]  # 2 warm-up steps as glmc's, then one more
     dist.barrier()
     t0 = time.perf_counter()
     for _ in range(args.steps):
@@ -157,7 +157,7 @@ def _run_torch(rank: int, args: argparse.Namespace, blocks: list) -> dict:
                                             for v in st.values() if isinstance(v, torch.Tensor)]
     _, mem = measure_peak(step, state=state)
     return {"step_s": period, "peak": (mem.persistent_bytes or 0) + mem.peak_bytes,
-            "losses": first}
+            "losses": warm}
 
 
 def main() -> None:

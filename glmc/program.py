@@ -432,15 +432,8 @@ def run_inplace(graph: TrainGraph, *sources: Values, consume: Iterable[Role] = (
     last read inside the graph — a backward frees its saved activations as it goes, an update
     each gradient. Returns the other outputs (loss, sent, saved values, gradients) by
     (kind, target)."""
-    from torch.fx.graph import _BoxedCodeGen
-
-    from glmc.writeback import STATE_KINDS, lower_writeback
-    gm = graph.meta.get("inplace_gm")
-    if gm is None:
-        gm = lower_writeback(graph)
-        gm.graph.set_codegen(_BoxedCodeGen())
-        gm.recompile()
-        graph.meta["inplace_gm"] = gm
+    from glmc.writeback import STATE_KINDS
+    gm = inplace_module(graph)
     args = gather(graph, *sources)
     consume = set(consume)
     for spec in graph.inputs:
@@ -451,6 +444,22 @@ def run_inplace(graph: TrainGraph, *sources: Values, consume: Iterable[Role] = (
         outs = gm(args)  # clears `args`: the graph holds the only references
     kept = [spec for spec in graph.outputs if spec.kind not in STATE_KINDS]
     return {(spec.kind, spec.target): v for spec, v in zip(kept, outs)}
+
+
+def inplace_module(graph: TrainGraph) -> fx.GraphModule:
+    """`graph`'s early write-back form with fx's boxed calling convention (`gm(args)` clears
+    `args`), made once and kept in `graph.meta`: what `run_inplace` runs and what
+    `glmc.schedule.predicted_peaks` simulates."""
+    from torch.fx.graph import _BoxedCodeGen
+
+    from glmc.writeback import lower_writeback
+    gm = graph.meta.get("inplace_gm")
+    if gm is None:
+        gm = lower_writeback(graph)
+        gm.graph.set_codegen(_BoxedCodeGen())
+        gm.recompile()
+        graph.meta["inplace_gm"] = gm
+    return gm
 
 
 def run_step(graph: TrainGraph, module: nn.Module, optimizer: torch.optim.Optimizer,

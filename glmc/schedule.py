@@ -26,8 +26,8 @@ import torch.nn as nn
 
 from glmc.errors import ConfigError, PassError
 from glmc.ir import OutputKind, Role, TrainGraph
-from glmc.program import (Boundary, Stage, StagedProgram, Values, batch_values, run_inplace,
-                          state_values)
+from glmc.program import (Boundary, Stage, StagedProgram, Values, batch_values, inplace_module,
+                          run_inplace, state_values)
 
 
 class ActionKind(str, enum.Enum):
@@ -504,8 +504,9 @@ def run_stage(program: StagedProgram, stage: int, module: nn.Module,
 
 #: the inputs each action's graph takes over from the runner (`_StageRun`: the last backward
 #: of a microbatch, the update), by action
-CONSUMED = {"B": (Role.SAVED, Role.BOUNDARY, Role.GRADIENT),
-            "W": (Role.SAVED, Role.BOUNDARY, Role.GRADIENT), "U": (Role.GRADIENT,)}
+CONSUMED = {"B": (Role.SAVED, Role.BOUNDARY, Role.GRADIENT), "U": (Role.GRADIENT,)}
+CONSUMED["W"] = CONSUMED["B"]  # ZB-H1's W is the microbatch's last backward action
+
 
 def predicted_peaks(program: StagedProgram) -> list[int]:
     """Per rank, the predicted peak bytes of one step of `program` under its schedule: the
@@ -558,7 +559,7 @@ class _StageMemory:
     @classmethod
     def of(cls, st: Stage) -> "_StageMemory":
         from glmc.memory import simulate, storage_bytes
-        from glmc.writeback import alias_root, lower_writeback
+        from glmc.writeback import alias_root
 
         views = {spec.target for spec, v in zip(st.forward.outputs, st.forward.output_values())
                  if spec.kind is OutputKind.SAVED and isinstance(v, fx.Node)
@@ -570,7 +571,7 @@ class _StageMemory:
         for key, g in graphs.items():
             # as run_inplace runs it: early write-back, and the inputs the action takes
             # along freed after their last read
-            lowered = lower_writeback(g).graph
+            lowered = inplace_module(g).graph
             phs = [n for n in lowered.nodes if n.op == "placeholder"]
             roles = CONSUMED.get(key, ())
             taken = [ph for ph, spec in zip(phs, g.inputs) if spec.role in roles

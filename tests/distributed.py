@@ -20,7 +20,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
-JOIN_TIMEOUT_S = int(os.environ.get("GLMC_TEST_JOIN_TIMEOUT", 600))  #: generous: 2 loaded cores run both processes and their compiles
+#: generous: 2 loaded cores run both processes and their compiles
+JOIN_TIMEOUT_S = int(os.environ.get("GLMC_TEST_JOIN_TIMEOUT", 600))
 PG_TIMEOUT_S = 300  #: every collective of a test fails after this (a rank may still be compiling)
 
 
@@ -45,7 +46,8 @@ def spawn(worker: Callable, *args: object, nprocs: int = 2) -> None:
         if crash is None:
             return
         if attempt == 1:
-            warnings.warn(f"distributed workers crashed; running them once more:\n{crash}")
+            warnings.warn("distributed workers crashed or hung; running them once more:\n"
+                          + crash)
     pytest.fail(crash)
 
 
