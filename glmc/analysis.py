@@ -53,7 +53,8 @@ def predict(graph: TrainGraph, traits: BackendTraits = EAGER,
     comm = None
     if link is not None and has_comm(graph):
         comm = estimate_comm(lowered, time.node_seconds, ranks, link)
-    return Prediction(time, simulate(lowered, traits), comm)
+    done = comm.done_at if comm is not None else None
+    return Prediction(time, simulate(lowered, traits, done_at=done), comm)
 
 
 def graph_device(graph: TrainGraph) -> str:

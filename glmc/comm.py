@@ -111,6 +111,9 @@ class CommEstimate:
     #: compute as contiguous spans of one phase, split at collectives and waits:
     #: {"phase", "start_s", "end_s"}; a wait that blocks shows as a gap
     compute_spans: list[dict[str, Any]] = field(default_factory=list)
+    #: collective node name -> the node during which it is predicted to finish (its wait, if
+    #: the step blocks for it): what lives only while a collective is in flight ends there
+    done_at: dict[str, str] = field(default_factory=dict)
 
     @property
     def step_seconds(self) -> float:
@@ -143,10 +146,13 @@ def estimate_comm(graph: fx.Graph, node_seconds: dict[str, float], ranks: int,
     volume: dict[str, int] = {}
     timeline: list[dict[str, Any]] = []
     spans: list[dict[str, Any]] = []
+    done_at: dict[str, str] = {}
     for n in graph.nodes:
         kind = ops.get(n.target) if n.op == "call_function" else None
         if kind is None:
             t = node_seconds.get(n.name, 0.0)
+            done_at.update((c.name, n.name) for c, end in ends.items()
+                           if c.name not in done_at and end <= clock + t)
             info = n.meta.get("glmc")
             phase = info.phase.value if info is not None else "other"
             if t and spans and spans[-1]["phase"] == phase and spans[-1]["end_s"] == clock:
@@ -158,6 +164,7 @@ def estimate_comm(graph: fx.Graph, node_seconds: dict[str, float], ranks: int,
         if kind == "wait_tensor":
             end = ends.get(n.args[0], clock)
             waited = max(0.0, end - clock)
+            done_at.setdefault(n.args[0].name, n.name)
             exposed += waited
             clock += waited
             for entry in timeline:
@@ -182,7 +189,7 @@ def estimate_comm(graph: fx.Graph, node_seconds: dict[str, float], ranks: int,
                          "phase": info.phase.value if info is not None else None})
     compute = sum(node_seconds.values())
     return CommEstimate(link.to_dict(), ranks, len(timeline), volume, comm, exposed, compute,
-                        timeline, spans)
+                        timeline, spans, done_at)
 
 
 def chrome_trace(comm: dict[str, Any], rank: int = 0) -> dict[str, Any]:

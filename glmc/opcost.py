@@ -220,7 +220,8 @@ def op_cost(node: fx.Node) -> OpCost:
 def _comm_staging(node: fx.Node) -> int:
     """Bytes a collective allocates while in flight: gloo (CPU) stages the whole buffer of a
     reduce-scatter (its input) and of an all-gather (its output) in a temporary — measured
-    with the c10 allocator, torch 2.13; NCCL works in place."""
+    with the c10 allocator, torch 2.13; NCCL works in place. How long it lives:
+    glmc.memory's `_staging`."""
     name = comm_ops().get(node.target)
     out = node.meta.get("val")
     if not isinstance(out, torch.Tensor) or out.device.type != "cpu":

@@ -421,7 +421,8 @@ def write_back(graph: TrainGraph, outputs: Sequence[torch.Tensor], module: nn.Mo
     return rest
 
 
-def run_inplace(graph: TrainGraph, *sources: Values, consume: Iterable[Role] = ()
+def run_inplace(graph: TrainGraph, *sources: Values,
+                consume: Iterable[Role | tuple[Role, str]] = ()
                 ) -> dict[tuple[OutputKind, str], torch.Tensor]:
     """Run `graph` on its inputs from `sources` (`gather`) in its write-back form
     (`glmc.writeback.lower_writeback`, made once and kept in `graph.meta`): each new parameter,
@@ -430,14 +431,14 @@ def run_inplace(graph: TrainGraph, *sources: Values, consume: Iterable[Role] = (
     not a whole stage's. The inputs of the roles in `consume` are taken out of `sources` and
     handed to the graph alone (fx's boxed calling convention), so each is freed after its
     last read inside the graph — a backward frees its saved activations as it goes, an update
-    each gradient. Returns the other outputs (loss, sent, saved values, gradients) by
+    each gradient; a (role, target) key in `consume` takes that one input. Returns the other outputs (loss, sent, saved values, gradients) by
     (kind, target)."""
     from glmc.writeback import STATE_KINDS
     gm = inplace_module(graph)
     args = gather(graph, *sources)
     consume = set(consume)
     for spec in graph.inputs:
-        if spec.role in consume:
+        if spec.role in consume or (spec.role, spec.target) in consume:
             for source in sources:
                 source.pop((spec.role, spec.target), None)
     with torch.no_grad():  # copies into leaf parameters
@@ -449,13 +450,16 @@ def run_inplace(graph: TrainGraph, *sources: Values, consume: Iterable[Role] = (
 def inplace_module(graph: TrainGraph) -> fx.GraphModule:
     """`graph`'s early write-back form with fx's boxed calling convention (`gm(args)` clears
     `args`), made once and kept in `graph.meta`: what `run_inplace` runs and what
-    `glmc.schedule.predicted_peaks` simulates."""
+    `glmc.schedule.predicted_peaks` simulates. ATen's fused optimizer kernels in it run in
+    place on the state (`glmc.kernels.in_place_fused_updates`)."""
     from torch.fx.graph import _BoxedCodeGen
 
+    from glmc.kernels import in_place_fused_updates
     from glmc.writeback import lower_writeback
     gm = graph.meta.get("inplace_gm")
     if gm is None:
         gm = lower_writeback(graph)
+        in_place_fused_updates(gm)
         gm.graph.set_codegen(_BoxedCodeGen())
         gm.recompile()
         graph.meta["inplace_gm"] = gm
@@ -628,7 +632,7 @@ StageArg = tuple["int | str", torch.Tensor]  #: (batch leaf index | received bou
 def capture_stage(index: int, module: nn.Module, optimizer: torch.optim.Optimizer,
                   args: Sequence[StageArg], *, send: Sequence[str] = (), loss_fn: Any = None,
                   target: tuple[int, torch.Tensor] | None = None,
-                  saved_fraction: float | None = None) -> Stage:
+                  saved_fraction: float | None = None, update: str = "fused") -> Stage:
     """Stage `index` of a pipeline: `module(*args)` then either sends its outputs under the
     names `send`, or (last stage) computes `loss_fn(output, target)` — or, without `loss_fn`,
     returns the loss itself. An arg is `(i, example)` for leaf `i` of the microbatch, or
@@ -638,8 +642,15 @@ def capture_stage(index: int, module: nn.Module, optimizer: torch.optim.Optimize
     what the forward saves for the backward — or, with `saved_fraction` f in [0, 1], its
     min-cut rematerialization partition under `activation_memory_budget` f (recompute in the
     backward until the saved bytes are about f of what the default saves; 0: as little as
-    possible). The update is the optimizer's glmc rule (`glmc.optim`), so it matches
-    torch.optim exactly."""
+    possible). The update is the optimizer's glmc rule (`glmc.optim`): with `update="single"`
+    one parameter at a time, as torch.optim's default CPU loop computes it (bit-identical);
+    `"foreach"`: one multi-tensor op per group (torch's foreach path); `"fused"` (default):
+    ATen's fused kernel per group where the rule has one (AdamW/Adam on fp32: what
+    `fused=True` runs; `run_inplace` runs it in place on the state), else foreach — equal to
+    the single-tensor update within rounding."""
+    if update not in ("fused", "foreach", "single"):
+        raise ConfigError(f"capture_stage: update={update!r}; use 'fused', 'foreach' or "
+                          "'single'")
     if (loss_fn is not None) != (target is not None) or (bool(send) and loss_fn is not None):
         raise ConfigError(f"capture_stage: stage {index} needs either send= (names of its "
                           "outputs) or, as the last stage, loss_fn= with target= (or neither: "
@@ -671,7 +682,7 @@ def capture_stage(index: int, module: nn.Module, optimizer: torch.optim.Optimize
     forward = _retype(fw, ins, [*outs, *(OutputSpec(OutputKind.SAVED, f"saved:{k}")
                                          for k in range(n_saved))], Phase.FORWARD, index)
     backward = _backward(index, bw, names, len(buffers), leaves, send, n_saved)
-    return Stage(index, forward, backward, _update_graph(index, module, optimizer))
+    return Stage(index, forward, backward, _update_graph(index, module, optimizer, update))
 
 
 def _aot_graphs(fn: Callable, examples: list[torch.Tensor], saved_fraction: float | None = None
@@ -758,9 +769,10 @@ def _retype(gm: fx.GraphModule, inputs: list[InputSpec], outputs: Sequence[Outpu
     return graph
 
 
-def _update_graph(index: int, module: nn.Module, optimizer: torch.optim.Optimizer
-                  ) -> TrainGraph:
-    """(lr per group, then per parameter: param, gradient, state...) -> (param, state...)."""
+def _update_graph(index: int, module: nn.Module, optimizer: torch.optim.Optimizer,
+                  update: str = "fused") -> TrainGraph:
+    """(lr per group, then per parameter: param, gradient, state...) -> (param, state...);
+    `update` as `capture_stage` says."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     rule = rule_for(optimizer)
@@ -769,29 +781,44 @@ def _update_graph(index: int, module: nn.Module, optimizer: torch.optim.Optimize
     groups = optimizer.param_groups
     ins = [InputSpec(Role.HYPERPARAM, f"lr:{gi}") for gi in range(len(groups))]
     examples = [torch.tensor(float(g["lr"]), dtype=torch.float64) for g in groups]
-    entries, outs = [], []
+    outs, keys_of = [], []
     for gi, group in enumerate(groups):
+        keys = rule.state_keys(group)
+        keys_of.append((len(group["params"]), keys))
         for p in group["params"]:
             if id(p) not in names:
                 raise ConfigError(f"capture_stage: stage {index}'s optimizer holds a tensor "
                                   "that is not a parameter of the stage's module")
-            name, keys = names[id(p)], rule.state_keys(group)
-            entries.append((gi, group, keys))
+            name = names[id(p)]
             ins += [InputSpec(Role.PARAMETER, name), InputSpec(Role.GRADIENT, name)]
             ins += [InputSpec(Role.OPTIMIZER_STATE, f"{k}:{name}") for k in keys]
             examples += [p.detach(), torch.zeros_like(p), *(optimizer.state[p][k] for k in keys)]
             outs += [OutputSpec(OutputKind.PARAM, name)]
             outs += [OutputSpec(OutputKind.STATE, f"{k}:{name}") for k in keys]
 
-    def update(*flat: torch.Tensor) -> list[torch.Tensor]:
+    def update_group(ps: list, gs: list, ss: list, lr: torch.Tensor, group: dict
+                     ) -> tuple[list, list]:
+        if update != "single" and rule.update_foreach is not None:
+            fused = rule.update_fused if update == "fused" else None
+            return (fused and fused(ps, gs, ss, lr, group)) or \
+                rule.update_foreach(ps, gs, ss, lr, group)
+        pairs = [rule.update(p, g, s, lr, group) for p, g, s in zip(ps, gs, ss)]
+        return [p for p, _ in pairs], [s for _, s in pairs]
+
+    def step(*flat: torch.Tensor) -> list[torch.Tensor]:
         rest, new = list(flat[len(groups):]), []
-        for gi, group, keys in entries:
-            (p, g, *state), rest = rest[:2 + len(keys)], rest[2 + len(keys):]
-            new_p, new_s = rule.update(p, g, dict(zip(keys, state)), flat[gi], group)
-            new += [new_p, *(new_s[k] for k in keys)]
+        for gi, (count, keys) in enumerate(keys_of):
+            width = 2 + len(keys)
+            mine, rest = rest[:count * width], rest[count * width:]
+            entries = [mine[k * width:(k + 1) * width] for k in range(count)]
+            new_ps, new_ss = update_group([e[0] for e in entries], [e[1] for e in entries],
+                                          [dict(zip(keys, e[2:])) for e in entries],
+                                          flat[gi], groups[gi])
+            for p, s in zip(new_ps, new_ss):
+                new += [p, *(s[k] for k in keys)]
         return new
 
-    gm = make_fx(update, tracing_mode="fake")(*examples)
+    gm = make_fx(step, tracing_mode="fake")(*examples)
     return _retype(gm, ins, outs, Phase.OPTIMIZER, index)
 
 

@@ -374,10 +374,11 @@ class _StageRun:
             else:
                 self.mb[m][(Role.SAVED, target)] = v
 
-    def backward(self, a: Action, graph: TrainGraph | None = None, last: bool = True) -> None:
+    def backward(self, a: Action, graph: TrainGraph | None = None, last: bool = True,
+                 consume: Iterable[Role | tuple[Role, str]] = ()) -> None:
         m = a.microbatch
         # the microbatch's last backward action takes its saved values and cotangents along
-        consume = CONSUMED["B"] if last else ()
+        consume = CONSUMED["B"] if last else consume
         for (kind, target), v in self._call(graph or self.stage.backward, m, consume).items():
             if kind is OutputKind.GRADIENT:
                 self._accumulate(target, v)
@@ -400,7 +401,10 @@ class _StageRun:
             self.owned.add(target)
 
     def backward_input(self, a: Action) -> None:
-        self.backward(a, self._split(a)[0], last=False)
+        """ZB-H1's I: also takes along (frees as it goes) the microbatch's saved values and
+        cotangents that W does not read (`i_only`)."""
+        self.backward(a, self._split(a)[0], last=False,
+                      consume=i_only(*self._split(a)))
 
     def backward_weight(self, a: Action) -> None:
         self.backward(a, self._split(a)[1])
@@ -508,6 +512,14 @@ CONSUMED = {"B": (Role.SAVED, Role.BOUNDARY, Role.GRADIENT), "U": (Role.GRADIENT
 CONSUMED["W"] = CONSUMED["B"]  # ZB-H1's W is the microbatch's last backward action
 
 
+def i_only(i_graph: TrainGraph, w_graph: TrainGraph) -> list[tuple[Role, str]]:
+    """The inputs of ZB-H1's I (saved values, cotangents) that its W does not read: I's run
+    takes them along, so a microbatch keeps only W's part of its saved values until W."""
+    needed = {(spec.role, spec.target) for spec in w_graph.inputs}
+    return [(spec.role, spec.target) for spec in i_graph.inputs
+            if spec.role in CONSUMED["B"] and (spec.role, spec.target) not in needed]
+
+
 def predicted_peaks(program: StagedProgram) -> list[int]:
     """Per rank, the predicted peak bytes of one step of `program` under its schedule: the
     rank's parameters and optimizer state, plus, walking its actions in order, the saved
@@ -533,10 +545,10 @@ def predicted_peaks(program: StagedProgram) -> list[int]:
             peak = max(peak, live + m.transient[key])
             if a.kind is K.F:
                 in_flight[s] += m.saved
-            elif a.kind is K.I:  # the saved values stay for W, with I's stash
-                in_flight[s] += m.stash
+            elif a.kind is K.I:  # W's part of the saved values stays, with I's stash
+                in_flight[s] += m.stash - m.i_frees
             elif a.kind in (K.B, K.W):  # the microbatch's last backward frees them
-                in_flight[s] -= m.saved + (m.stash if a.kind is K.W else 0)
+                in_flight[s] -= m.saved + (m.stash - m.i_frees if a.kind is K.W else 0)
                 grads_live[s] = m.grads
             else:
                 grads_live[s] = 0
@@ -547,13 +559,15 @@ def predicted_peaks(program: StagedProgram) -> list[int]:
 @dataclass
 class _StageMemory:
     """One stage's bytes for `predicted_peaks`: its state, what a forward saves, what ZB-H1's
-    I stashes, and each action's transient bytes above its graph's inputs."""
+    I stashes and frees of the saved values (`i_only`), and each action's transient bytes
+    above its graph's inputs."""
 
     params: int
     grads: int
     state: int
     saved: int
     stash: int
+    i_frees: int
     transient: dict[str, int]
 
     @classmethod
@@ -567,15 +581,19 @@ class _StageMemory:
         graphs = {"F": st.forward, "B": st.backward, "U": st.update}
         if st.split is not None:
             graphs.update(I=st.split[0], W=st.split[1])
-        transient, left = {}, {}
+        transient, left, i_frees = {}, {}, 0
         for key, g in graphs.items():
             # as run_inplace runs it: early write-back, and the inputs the action takes
             # along freed after their last read
             lowered = inplace_module(g).graph
             phs = [n for n in lowered.nodes if n.op == "placeholder"]
             roles = CONSUMED.get(key, ())
-            taken = [ph for ph, spec in zip(phs, g.inputs) if spec.role in roles
+            keys = set(i_only(*st.split)) if key == "I" and st.split is not None else set()
+            taken = [ph for ph, spec in zip(phs, g.inputs)
+                     if (spec.role in roles or (spec.role, spec.target) in keys)
                      and spec.target not in views]  # freeing a view frees nothing
+            i_frees += sum(storage_bytes(ph.meta.get("val")) for ph, spec in zip(phs, g.inputs)
+                           if ph in taken and spec.role is Role.SAVED)
             est = simulate(lowered, consumed=taken)
             # above all its inputs (the runner counts the taken ones until the action starts)
             transient[key] = est.transient_bytes - sum(storage_bytes(ph.meta.get("val"))
@@ -586,4 +604,4 @@ class _StageMemory:
             info = st.update.info(ph).spec
             sizes[spec.role] += info.nbytes if info is not None else 0
         return cls(sizes[Role.PARAMETER], sizes[Role.GRADIENT], sizes[Role.OPTIMIZER_STATE],
-                   left["F"], left.get("I", 0), transient)
+                   left["F"], left.get("I", 0), i_frees, transient)

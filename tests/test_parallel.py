@@ -365,6 +365,36 @@ def test_exposed_communication_is_what_compute_does_not_hide() -> None:
     assert busy.collectives == free.collectives > 1
 
 
+def test_all_gather_staging_lives_until_the_transfer_ends() -> None:
+    """gloo frees an all-gather's staging copy when the transfer ends: with compute to hide
+    behind, the model ends it at the node during which the transfer is predicted done, not
+    at the wait; a transfer that cannot end before its wait keeps it to the wait."""
+    from glmc.comm import LinkProfile, estimate_comm
+    from glmc.memory import simulate
+    model, batch, loss_fn, opt = CASES["mlp"].make()
+    graph = glmc.capture(model, batch, loss_fn, opt)
+    ShardPass(stage=3, bucket_mb=0.001).run(graph, PassContext(mesh=MeshSpec((2,), ("dp",))))
+    names = [n.name for n in graph.graph.nodes if n.op == "call_function"]
+    nodes = {n.name: n for n in graph.graph.nodes}
+    fast = estimate_comm(graph.graph, {n: 1.0 for n in names}, 2,
+                         LinkProfile("fast", 1e-9, 1e15, "made up"))
+    slow = estimate_comm(graph.graph, {n: 1.0 for n in names}, 2,
+                         LinkProfile("slow", 1e3, 1.0, "made up"))
+    gathers = [n for n in names if nodes[n].target is
+               torch.ops._c10d_functional.all_gather_into_tensor.default]
+    early = [g for g in gathers if not fast.done_at[g].startswith("wait")]
+    assert early, "no all-gather was issued ahead of its wait"
+    for g in gathers:
+        wait = next(u.name for u in nodes[g].users)
+        assert slow.done_at[g] == wait
+    temporaries = {name: sum(live["temporaries"] for _, live in
+                             simulate(graph.graph, done_at=est.done_at).timeline)
+                   for name, est in (("fast", fast), ("slow", slow))}
+    assert temporaries["slow"] == sum(live["temporaries"]
+                                      for _, live in simulate(graph.graph).timeline)
+    assert temporaries["fast"] < temporaries["slow"]
+
+
 # ---- transformers' GLM (slow: builds the HF model in both processes) ----------------------------
 
 def _hf_worker(rank: int, port: int, out: str) -> None:
