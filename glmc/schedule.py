@@ -593,7 +593,8 @@ class _StageMemory:
                      if (spec.role in roles or (spec.role, spec.target) in keys)
                      and spec.target not in views]  # freeing a view frees nothing
             i_frees += sum(storage_bytes(ph.meta.get("val")) for ph, spec in zip(phs, g.inputs)
-                           if ph in taken and spec.role is Role.SAVED)
+                           if ph in taken and (spec.role, spec.target) in keys
+                           and spec.role is Role.SAVED)
             est = simulate(lowered, consumed=taken)
             # above all its inputs (the runner counts the taken ones until the action starts)
             transient[key] = est.transient_bytes - sum(storage_bytes(ph.meta.get("val"))

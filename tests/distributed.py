@@ -75,8 +75,10 @@ def _spawn_once(worker: Callable, args: tuple, nprocs: int) -> str | None:
 
 def _logged(rank: int, worker: Callable, logs: str, nprocs: int, port: int,
             *args: object) -> None:
-    # the ranks share this host's cores: more threads than cores spin against each other
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // nprocs))
+    # the ranks (and other pytest workers) share this host's cores: more threads than cores
+    # spin against each other
+    from tests.conftest import threads_per_process
+    torch.set_num_threads(threads_per_process(nprocs))
     log = open(Path(logs) / f"rank{rank}.log", "w", buffering=1)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -1,0 +1,23 @@
+"""Session setup. The default run is spread over pytest-xdist workers (`-n`, pyproject's
+addopts), one test file per worker at a time (`--dist loadfile`: a file's module fixtures,
+such as the spawned multi-process runs, run once); each worker takes its share of the cores,
+so workers and the ranks they spawn do not spin against each other."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def workers() -> int:
+    """How many pytest processes share this host (1 without xdist)."""
+    return max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+
+
+def threads_per_process(processes: int = 1) -> int:
+    return max(1, (os.cpu_count() or 1) // (processes * workers()))
+
+
+def pytest_configure(config: object) -> None:
+    if workers() > 1:
+        torch.set_num_threads(threads_per_process())
