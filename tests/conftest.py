@@ -21,3 +21,15 @@ def threads_per_process(processes: int = 1) -> int:
 def pytest_configure(config: object) -> None:
     if workers() > 1:
         torch.set_num_threads(threads_per_process())
+
+
+#: the files that take longest (a CI run's durations), handed to the workers first so that no
+#: long file starts last and runs alone (longest-first keeps the workers busy to the end)
+HEAVY_FIRST = ("test_zoo.py", "test_parallel.py", "test_cli.py", "test_pipeline.py",
+               "test_ort.py", "test_tvm.py", "test_cost_memory.py",
+               "test_compress_topology.py", "test_report_export.py", "test_recompute.py")
+
+
+def pytest_collection_modifyitems(session: object, config: object, items: list) -> None:
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
