@@ -147,12 +147,18 @@ def estimate_comm(graph: fx.Graph, node_seconds: dict[str, float], ranks: int,
     timeline: list[dict[str, Any]] = []
     spans: list[dict[str, Any]] = []
     done_at: dict[str, str] = {}
+    pending: dict[fx.Node, float] = {}  #: issued, not yet predicted done
+
+    def finish(until: float, at: fx.Node) -> None:
+        for c in [c for c, end in pending.items() if end <= until]:
+            done_at[c.name] = at.name
+            del pending[c]
+
     for n in graph.nodes:
         kind = ops.get(n.target) if n.op == "call_function" else None
         if kind is None:
             t = node_seconds.get(n.name, 0.0)
-            done_at.update((c.name, n.name) for c, end in ends.items()
-                           if c.name not in done_at and end <= clock + t)
+            finish(clock + t, n)
             info = n.meta.get("glmc")
             phase = info.phase.value if info is not None else "other"
             if t and spans and spans[-1]["phase"] == phase and spans[-1]["end_s"] == clock:
@@ -165,8 +171,10 @@ def estimate_comm(graph: fx.Graph, node_seconds: dict[str, float], ranks: int,
             end = ends.get(n.args[0], clock)
             waited = max(0.0, end - clock)
             done_at.setdefault(n.args[0].name, n.name)
+            pending.pop(n.args[0], None)
             exposed += waited
             clock += waited
+            finish(clock, n)  # others that ended while this wait blocked
             for entry in timeline:
                 if entry["node"] == n.args[0].name:
                     entry["wait_s"] = clock
@@ -182,7 +190,7 @@ def estimate_comm(graph: fx.Graph, node_seconds: dict[str, float], ranks: int,
         n_ranks, on = (groups or {}).get(dim, (n_ranks, link))
         seconds = collective_seconds(kind, nbytes, n_ranks, on)
         start = max(clock, link_free)
-        link_free = ends[n] = start + seconds
+        link_free = ends[n] = pending[n] = start + seconds
         comm += seconds
         timeline.append({"node": n.name, "kind": kind, "bytes": nbytes, "issue_s": clock,
                          "start_s": start, "end_s": start + seconds,

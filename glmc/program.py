@@ -798,6 +798,8 @@ def _update_graph(index: int, module: nn.Module, optimizer: torch.optim.Optimize
 
     def update_group(ps: list, gs: list, ss: list, lr: torch.Tensor, group: dict
                      ) -> tuple[list, list]:
+        if not ps:  # multi-tensor ops refuse empty lists
+            return [], []
         if update != "single" and rule.update_foreach is not None:
             fused = rule.update_fused if update == "fused" else None
             return (fused and fused(ps, gs, ss, lr, group)) or \

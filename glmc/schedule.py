@@ -581,7 +581,7 @@ class _StageMemory:
         graphs = {"F": st.forward, "B": st.backward, "U": st.update}
         if st.split is not None:
             graphs.update(I=st.split[0], W=st.split[1])
-        transient, left, i_frees = {}, {}, 0
+        transient, left = {}, {}
         for key, g in graphs.items():
             # as run_inplace runs it: early write-back, and the inputs the action takes
             # along freed after their last read
@@ -592,9 +592,6 @@ class _StageMemory:
             taken = [ph for ph, spec in zip(phs, g.inputs)
                      if (spec.role in roles or (spec.role, spec.target) in keys)
                      and spec.target not in views]  # freeing a view frees nothing
-            i_frees += sum(storage_bytes(ph.meta.get("val")) for ph, spec in zip(phs, g.inputs)
-                           if ph in taken and (spec.role, spec.target) in keys
-                           and spec.role is Role.SAVED)
             est = simulate(lowered, consumed=taken)
             # above all its inputs (the runner counts the taken ones until the action starts)
             transient[key] = est.transient_bytes - sum(storage_bytes(ph.meta.get("val"))
@@ -605,4 +602,20 @@ class _StageMemory:
             info = st.update.info(ph).spec
             sizes[spec.role] += info.nbytes if info is not None else 0
         return cls(sizes[Role.PARAMETER], sizes[Role.GRADIENT], sizes[Role.OPTIMIZER_STATE],
-                   left["F"], left.get("I", 0), i_frees, transient)
+                   left["F"], left.get("I", 0), _i_frees(st), transient)
+
+
+def _i_frees(st: Stage) -> int:
+    """Bytes ZB-H1's I frees of a microbatch's saved values: each storage the forward saves
+    (views of one value share it) whose every saved alias W does not read."""
+    from glmc.memory import storage_bytes
+    from glmc.writeback import alias_root
+    if st.split is None:
+        return 0
+    mine = {target for role, target in i_only(*st.split) if role is Role.SAVED}
+    roots: dict[fx.Node, list[str]] = {}
+    for spec, v in zip(st.forward.outputs, st.forward.output_values()):
+        if spec.kind is OutputKind.SAVED and isinstance(v, fx.Node):
+            roots.setdefault(alias_root(v), []).append(spec.target)
+    return sum(storage_bytes(root.meta.get("val")) for root, targets in roots.items()
+               if root.op != "placeholder" and all(t in mine for t in targets))

@@ -1,7 +1,9 @@
 """Session setup. The default run is spread over pytest-xdist workers (`-n`, pyproject's
 addopts), one test file per worker at a time (`--dist loadfile`: a file's module fixtures,
-such as the spawned multi-process runs, run once); each worker takes its share of the cores,
-so workers and the ranks they spawn do not spin against each other."""
+such as the spawned multi-process runs, run once), files in `HEAVY_FIRST` order
+(`--no-loadscope-reorder`: xdist would order them by test count); each worker takes its share
+of the cores, so workers and the ranks they spawn do not spin against each other. `-n 0`
+runs in one process (e.g. for `--pdb`)."""
 from __future__ import annotations
 
 import os

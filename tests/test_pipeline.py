@@ -208,10 +208,10 @@ def _stage_blocks(name: str) -> list[list[str]]:
     return [["embed", "blocks.0"], ["blocks.1", "norm", "head"]]
 
 
-def _pipeline_part(rank: int, name: str) -> dict:
+def _pipeline_part(rank: int, name: str, blocks: list[list[str]] | None = None) -> dict:
     model, batch, loss_fn, opt = CASES["glm"].make()
-    pipe = build_program(model, opt, loss_fn, batch, _stage_blocks(name), MICROBATCHES, name,
-                         SCHEDULES[name])
+    pipe = build_program(model, opt, loss_fn, batch, blocks or _stage_blocks(name),
+                         MICROBATCHES, name, SCHEDULES[name])
     sched = pipe.program.schedule
     local = [s for s in range(sched.num_stages) if sched.rank_of(s) == rank]
     losses, spans = [], []
@@ -400,6 +400,32 @@ def test_pp_x_dp_on_four_processes_matches_one_process(tmp_path: Path, eager: tu
     for r in (0, 1):  # the replicas hold the same parameters: averaged gradients, same update
         for k, v in got[r]["state"].items():
             torch.testing.assert_close(got[r + 2]["state"][k], v, rtol=0, atol=0)
+
+
+FOUR = [["embed"], ["blocks.0"], ["blocks.1"], ["norm", "head"]]  #: one stage per rank
+
+
+def _four_worker(rank: int, port: int, out: str, names: list[str]) -> None:
+    run_parts(rank, port, 4, out, [(name, lambda r, _, n=name: _pipeline_part(r, n, FOUR))
+                                   for name in names])
+
+
+@pytest.mark.parametrize("names", [["1f1b", "zbh1"],
+                                   pytest.param(["gpipe"], marks=pytest.mark.slow)])
+def test_four_stages_on_four_processes_match_one_process(names: list[str], tmp_path: Path,
+                                                         eager: tuple) -> None:
+    spawn(_four_worker, str(tmp_path), names, nprocs=4)
+    want_losses, want_state = eager
+    for name in names:
+        got = [result(tmp_path, name, r) for r in range(4)]
+        assert [g["losses"] for g in got[:3]] == [[[]] * STEPS] * 3
+        means = [sum(ls) / len(ls) for ls in got[3]["losses"]]
+        assert means == pytest.approx(want_losses, rel=RTOL), name
+        state = {k: v for g in got for k, v in g["state"].items()}
+        assert set(state) == {k for k in want_state if not k.endswith(("cos", "sin"))}
+        for k, v in state.items():
+            torch.testing.assert_close(v, want_state[k], rtol=RTOL, atol=1e-5,
+                                       msg=lambda m: f"{name} {k}: {m}")
 
 
 # ---- per-stage memory budgets ------------------------------------------------------------------
