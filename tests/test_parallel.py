@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -40,12 +41,20 @@ def _hyper(opt: torch.optim.Optimizer) -> dict:
     return {k: group[k] for k in keys if k in group}
 
 
-def _stage_part(stage: int, precision: str | None = None, fusion: bool = False):
+def _recomputed(trainer: Any) -> int:
+    """How many values the recompute pass rematerializes (0 when it did not run)."""
+    runs = [p for p in trainer.report.compiles[-1].history if p.name == "recompute"]
+    return sum(p.stats.recomputed for p in runs if p.stats is not None)
+
+
+def _stage_part(stage: int, precision: str | None = None, fusion: bool = False,
+                memory_budget: str | None = None):
     def part(rank: int, out: Path) -> dict:
         (model, batch, loss_fn, opt), (ref_model, ref_opt) = _case()
         ref = eager_losses(ref_model, batch, loss_fn, ref_opt, STEPS)
         trainer = glmc.optimize(model, batch, loss_fn=loss_fn, optimizer=opt, backend="eager",
                                 precision=precision, fusion=fusion, predict=False,
+                                memory_budget=memory_budget,
                                 parallel={"zero": stage, "bucket_mb": BUCKET_MB})
         args, kwargs = split_batch(batch)
         losses = [trainer.step(*args, **kwargs).item() for _ in range(STEPS)]
@@ -61,6 +70,7 @@ def _stage_part(stage: int, precision: str | None = None, fusion: bool = False):
                                          for t in st.values() if t.dim() > 0),
                 "local_param_numel": sum(p.numel() for p in model.parameters()),
                 "measured": trainer.report.compiles[-1].measured,
+                "recomputed": _recomputed(trainer),
                 "plan": trainer.parallel.plan}
     return part
 
@@ -153,7 +163,9 @@ def _errors_part(rank: int, out: Path) -> dict:
 
 def _worker(rank: int, port: int, out: str) -> None:
     parts = [(f"stage{s}", _stage_part(s, fusion=s == 2)) for s in (0, 1, 2, 3)]
-    parts += [("stage3_bf16", _stage_part(3, "bf16")), ("checkpoint", _checkpoint_part),
+    parts += [("stage3_bf16", _stage_part(3, "bf16")),
+              ("stage3_recompute", _stage_part(3, memory_budget="min")),
+              ("checkpoint", _checkpoint_part),
               ("accumulate", _accumulate_part), ("compress", _compress_part),
               ("errors", _errors_part)]
     run_parts(rank, port, 2, out, parts)
@@ -180,6 +192,17 @@ def test_every_zero_stage_trains_like_one_process_on_the_global_batch(runs: Path
         for key, ref in r["ref_state"].items():
             torch.testing.assert_close(r["state"][key].to(ref.dtype), ref, rtol=1e-4,
                                        atol=1e-7, msg=key)
+
+
+def test_recompute_composes_with_stage_3(runs: Path) -> None:
+    """The recompute pass after the shard pass (memory budget "min"): it recomputes some
+    activations and the step stays eager's on the global batch."""
+    for rank in (0, 1):
+        r = result(runs, "stage3_recompute", rank)
+        assert r["recomputed"] > 0
+        torch.testing.assert_close(r["losses"], r["ref"], rtol=1e-4, atol=0)
+        for name, ref in r["ref_params"].items():
+            torch.testing.assert_close(r["params"][name], ref, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_bf16_composes_with_stage_3(runs: Path) -> None:
