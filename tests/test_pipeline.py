@@ -239,13 +239,13 @@ def _trainer_part(rank: int, out: Path) -> dict:
             "last": trainer.last}
 
 
-def _hf_part(rank: int, out: Path) -> dict:
+def _hf_part(rank: int, out: Path, schedule: str = "1f1b") -> dict:
     """transformers' GLM (torch.fx cannot trace it: the torch.export path), a keyword batch,
     its layers nested at `model.layers.N`; rank 0 plans the cut."""
     from glmc.pipeline_parallel import pipeline_trainer
     from tests.models import BACKEND_CASES
     model, batch, loss_fn, opt = BACKEND_CASES["hf_glm"]()
-    trainer = pipeline_trainer(model, opt, loss_fn, batch, 2, "1f1b")
+    trainer = pipeline_trainer(model, opt, loss_fn, batch, 2, schedule, SCHEDULES[schedule])
     losses = [trainer.step(**batch) for _ in range(STEPS)]
     names = {n for s in trainer.local for n, _ in trainer.pipeline.stages[s].module
              .named_parameters()}
@@ -274,8 +274,8 @@ def _dead_part(rank: int, out: Path) -> dict:
 def _worker(rank: int, port: int, out: str, names: list[str]) -> None:
     run_parts(rank, port, 2, out, [(name, lambda r, _, n=name: _pipeline_part(r, n))
                                    for name in names]
-              + [("trainer", _trainer_part), ("hf", _hf_part),
-                 ("dead", _dead_part)])  # "dead" kills rank 1: last
+              + [(f"hf_{name}", lambda r, o, n=name: _hf_part(r, o, n)) for name in names]
+              + [("trainer", _trainer_part), ("dead", _dead_part)])  # "dead" kills rank 1
 
 
 DEFAULT = ["1f1b", "zbh1"]  #: gpipe and interleaved (4 stages to capture) run under -m slow
@@ -320,13 +320,16 @@ def measured_timeline_of(got: list[dict]):
     return measured_timeline([StepTrace(r, g["spans"]) for r, g in enumerate(got)], 2)
 
 
-def test_transformers_glm_pipelines_through_torch_export(distributed: Path) -> None:
+@pytest.mark.parametrize("name", [*DEFAULT, *(pytest.param(n, marks=pytest.mark.slow)
+                                               for n in ("gpipe", "interleaved"))])
+def test_transformers_glm_pipelines_through_torch_export(name: str, distributed: Path) -> None:
     pytest.importorskip("transformers")
     from tests.models import BACKEND_CASES
     model, batch, loss_fn, opt = BACKEND_CASES["hf_glm"]()
     want = eager_losses(model, batch, loss_fn, opt, STEPS)
-    got = [result(distributed, "hf", r) for r in range(2)]
+    got = [result(distributed, f"hf_{name}", r) for r in range(2)]
     blocks = got[0]["blocks"]
+    assert len(blocks) == 2 * SCHEDULES[name]
     assert [b for bs in blocks for b in bs] == ["model.embed_tokens", "model.layers.0",
                                                 "model.layers.1", "model.norm", "lm_head"]
     assert got[1]["losses"] == pytest.approx(want, rel=RTOL)
