@@ -48,6 +48,20 @@ class OptimizerRule:
     def guard(self, group: dict) -> tuple:
         return tuple((k, _freeze(group.get(k))) for k in self.guarded)
 
+    def update_group(self, ps: list[Tensor], gs: list[Tensor], ss: list[State], lr: Tensor,
+                     group: dict, kind: str = "foreach") -> tuple[list[Tensor], list[State]]:
+        """One param group's update: `kind` "fused" — ATen's fused kernel where the rule has
+        one and it applies, else as "foreach"; "foreach" — one multi-tensor update where the
+        rule has one, else as "single"; "single" — parameter by parameter."""
+        if not ps:  # multi-tensor ops refuse empty lists
+            return [], []
+        if kind != "single" and self.update_foreach is not None:
+            done = self.update_fused(ps, gs, ss, lr, group) \
+                if kind == "fused" and self.update_fused is not None else None
+            return done or self.update_foreach(ps, gs, ss, lr, group)
+        pairs = [self.update(p, g, s, lr, group) for p, g, s in zip(ps, gs, ss)]
+        return [p for p, _ in pairs], [s for _, s in pairs]
+
 
 def _freeze(v: Any) -> Any:
     return tuple(v) if isinstance(v, (list, tuple)) else v

@@ -431,8 +431,8 @@ def run_inplace(graph: TrainGraph, *sources: Values,
     not a whole stage's. The inputs of the roles in `consume` are taken out of `sources` and
     handed to the graph alone (fx's boxed calling convention), so each is freed after its
     last read inside the graph — a backward frees its saved activations as it goes, an update
-    each gradient; a (role, target) key in `consume` takes that one input. Returns the other outputs (loss, sent, saved values, gradients) by
-    (kind, target)."""
+    each gradient; a (role, target) key in `consume` takes that one input. Returns the other
+    outputs (loss, sent, saved values, gradients) by (kind, target)."""
     from glmc.writeback import STATE_KINDS
     gm = inplace_module(graph)
     args = gather(graph, *sources)
@@ -796,26 +796,15 @@ def _update_graph(index: int, module: nn.Module, optimizer: torch.optim.Optimize
             outs += [OutputSpec(OutputKind.PARAM, name)]
             outs += [OutputSpec(OutputKind.STATE, f"{k}:{name}") for k in keys]
 
-    def update_group(ps: list, gs: list, ss: list, lr: torch.Tensor, group: dict
-                     ) -> tuple[list, list]:
-        if not ps:  # multi-tensor ops refuse empty lists
-            return [], []
-        if update != "single" and rule.update_foreach is not None:
-            fused = rule.update_fused if update == "fused" else None
-            return (fused and fused(ps, gs, ss, lr, group)) or \
-                rule.update_foreach(ps, gs, ss, lr, group)
-        pairs = [rule.update(p, g, s, lr, group) for p, g, s in zip(ps, gs, ss)]
-        return [p for p, _ in pairs], [s for _, s in pairs]
-
     def step(*flat: torch.Tensor) -> list[torch.Tensor]:
         rest, new = list(flat[len(groups):]), []
         for gi, (count, keys) in enumerate(keys_of):
             width = 2 + len(keys)
             mine, rest = rest[:count * width], rest[count * width:]
             entries = [mine[k * width:(k + 1) * width] for k in range(count)]
-            new_ps, new_ss = update_group([e[0] for e in entries], [e[1] for e in entries],
-                                          [dict(zip(keys, e[2:])) for e in entries],
-                                          flat[gi], groups[gi])
+            new_ps, new_ss = rule.update_group(
+                [e[0] for e in entries], [e[1] for e in entries],
+                [dict(zip(keys, e[2:])) for e in entries], flat[gi], groups[gi], update)
             for p, s in zip(new_ps, new_ss):
                 new += [p, *(s[k] for k in keys)]
         return new

@@ -403,8 +403,8 @@ class _StageRun:
     def backward_input(self, a: Action) -> None:
         """ZB-H1's I: also takes along (frees as it goes) the microbatch's saved values and
         cotangents that W does not read (`i_only`)."""
-        self.backward(a, self._split(a)[0], last=False,
-                      consume=i_only(*self._split(a)))
+        i_graph, w_graph = self._split(a)
+        self.backward(a, i_graph, last=False, consume=i_only(i_graph, w_graph))
 
     def backward_weight(self, a: Action) -> None:
         self.backward(a, self._split(a)[1])

@@ -360,7 +360,7 @@ class _UpdateFn:
     def __init__(self, rule: OptimizerRule, live: list, scaling: LossScaling | None,
                  foreach: bool, fused: bool = False) -> None:
         self.rule, self.live, self.scaling, self.foreach = rule, live, scaling, foreach
-        self.fused = fused and rule.update_fused is not None
+        self.fused = fused
         width = [3 + len(states) for _, _, states, _ in live]
         self.starts = [sum(width[:k]) for k in range(len(live))]
 
@@ -393,10 +393,10 @@ class _UpdateFn:
             groups.setdefault(id(lr), []).append(k)
         results: dict[int, tuple] = {}
         for ks in groups.values():
-            args = ([olds[k][0] for k in ks], [grads[k] for k in ks], [olds[k][1] for k in ks],
-                    flat[self.starts[ks[0]] + 2], self.live[ks[0]][1])
-            done = self.rule.update_fused(*args) if self.fused else None  # type: ignore[misc]
-            new_ps, new_ss = done or self.rule.update_foreach(*args)  # type: ignore[misc]
+            new_ps, new_ss = self.rule.update_group(
+                [olds[k][0] for k in ks], [grads[k] for k in ks], [olds[k][1] for k in ks],
+                flat[self.starts[ks[0]] + 2], self.live[ks[0]][1],
+                "fused" if self.fused else "foreach")
             results.update(zip(ks, zip(new_ps, new_ss)))
         return results
 

@@ -408,7 +408,8 @@ def test_all_gather_staging_lives_until_the_transfer_ends() -> None:
     early = [g for g in gathers if not fast.done_at[g].startswith("wait")]
     assert early, "no all-gather was issued ahead of its wait"
     for g in gathers:
-        wait = next(u.name for u in nodes[g].users)
+        (wait,) = [u.name for u in nodes[g].users
+                   if u.target is torch.ops._c10d_functional.wait_tensor.default]
         assert slow.done_at[g] == wait
     temporaries = {name: sum(live["temporaries"] for _, live in
                              simulate(graph.graph, done_at=est.done_at).timeline)
