@@ -243,7 +243,6 @@ def build_program(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: A
     blocks = [b for bs in stage_blocks for b in bs]
     gm = trace_blocks(model, blocks, loss_fn, like(example_inputs, leaves))
     mods = split_module(gm, stage_blocks)
-    _check_unshared(mods)
     values = _values(gm, leaves)
     stages, opts = [], []
     for sm in mods:
@@ -258,24 +257,21 @@ def build_program(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: A
         opts.append(opt)
     stages_t = tuple(stages)
     sched = from_torch(schedule, len(stages) // virtual, microbatches, virtual)
-    program = StagedProgram(stages_t, link(stages_t), sched)
+    program = StagedProgram(stages_t, link(stages_t), sched, shared_parameters(mods))
     program.verify()
     return Pipeline(program, mods, opts)
 
 
-def _check_unshared(mods: Sequence[StageModule]) -> None:
-    """A parameter read by two stages (tied input and output embeddings cut apart) would be
-    updated twice from half its gradient each: refused until stages exchange such gradients."""
-    seen: dict[int, tuple[int, str]] = {}
+def shared_parameters(mods: Sequence[StageModule]) -> tuple[tuple[tuple[int, str], ...], ...]:
+    """Parameters that several stage modules read (tied input and output embeddings cut
+    apart): each as ((stage, its name in that stage), ...), in first-use order."""
+    where: dict[int, list[tuple[int, str]]] = {}
     for sm in mods:
         for name, p in sm.module.named_parameters():
-            if id(p) in seen and seen[id(p)][0] != sm.index:
-                first, other = seen[id(p)]
-                raise ConfigError(f"pipeline: parameter {other!r} is used by stage {first} and "
-                                  f"as {name!r} by stage {sm.index} (tied weights); shared "
-                                  "parameters across stages are not supported yet — untie them "
-                                  "or use fewer stages")
-            seen.setdefault(id(p), (sm.index, name))
+            copies = where.setdefault(id(p), [])
+            if not copies or copies[-1][0] != sm.index:
+                copies.append((sm.index, name))
+    return tuple(tuple(c) for c in where.values() if len(c) > 1)
 
 
 def _values(gm: fx.GraphModule, leaves: Sequence[torch.Tensor]) -> dict[str, Any]:
@@ -390,6 +386,15 @@ class PipelineTrainer:
         self.dp_group = groups[self.pp_rank] if groups else None
         self.local = [s for s in range(sched.num_stages) if sched.rank_of(s) == self.pp_rank]
         self.last = (sched.num_stages - 1) in self.local
+        #: per shared parameter (`program.shared`): its copies on this rank's stages, and the
+        #: group of every rank (all replicas) holding a copy, which sums their gradients
+        self.ties: list[tuple[dict[int, str], Any]] = []
+        for copies in pipeline.program.shared:
+            members = sorted({d * sched.num_ranks + sched.rank_of(s)
+                              for d in range(dp) for s, _ in copies})
+            group = dist.new_group(members)
+            if self.rank in members:
+                self.ties.append(({s: n for s, n in copies if s in self.local}, group))
         self.traces: list[StepTrace] = []
 
     def _comm_error(self, e: RuntimeError, done: int) -> None:
@@ -418,16 +423,31 @@ class PipelineTrainer:
                         "hung rank fails the others after the process group's timeout, "
                         "timeout_s); check its output") from e
 
-    def _reduce_grads(self, stage: int, grads: dict[str, torch.Tensor]) -> None:
-        """Average `grads` over this stage's replicas: one all-reduce of their flat concat."""
-        if not grads:
-            return
-        names = list(grads)
-        flat = torch.cat([grads[n].reshape(-1) for n in names])
-        dist.all_reduce(flat, group=self.dp_group)
-        flat /= self.dp
-        for n, part in zip(names, flat.split([grads[n].numel() for n in names])):
-            grads[n] = part.view_as(grads[n])
+    def _reduce_grads(self, grads: dict[int, dict[str, torch.Tensor]]) -> None:
+        """Before this rank's first update: average every local stage's gradients over its
+        replicas (one all-reduce of their flat concat per stage), then sum each shared
+        parameter's copies over the ranks holding one (and average over replicas), in one
+        global order of the shared parameters so no two ranks wait on each other."""
+        tied = {(s, n) for local, _ in self.ties for s, n in local.items()}
+        for stage in sorted(grads):
+            names = [n for n in grads[stage] if (stage, n) not in tied]
+            if self.dp == 1 or not names:
+                continue
+            mine = grads[stage]
+            flat = torch.cat([mine[n].reshape(-1) for n in names])
+            dist.all_reduce(flat, group=self.dp_group)
+            flat /= self.dp
+            for n, part in zip(names, flat.split([mine[n].numel() for n in names])):
+                mine[n] = part.view_as(mine[n])
+        for local, group in self.ties:
+            for stage, name in local.items():  # one copy per rank (StagedProgram.verify)
+                mine = grads[stage].get(name)
+                # a copy of its own: the graph's output may be a view of another value
+                g = torch.zeros_like(self.pipeline.stages[stage].module.get_parameter(name)) \
+                    if mine is None else mine.clone(memory_format=torch.contiguous_format)
+                dist.all_reduce(g, group=group)
+                if mine is not None:
+                    grads[stage][name] = g.div_(self.dp) if self.dp > 1 else g
 
     def replica_batch(self, batch: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """This replica's rows of the global batch."""
@@ -449,7 +469,8 @@ class PipelineTrainer:
             losses = run_rank(p.program, {s: p.stages[s].module for s in self.local},
                               {s: p.optimizers[s] for s in self.local}, mbs, ranks=self.ranks,
                               spans=trace.spans,
-                              reduce_grads=self._reduce_grads if self.dp > 1 else None)
+                              reduce_grads=self._reduce_grads
+                              if self.dp > 1 or self.ties else None)
         except RuntimeError as e:
             self._comm_error(e, len(trace.spans))
             raise

@@ -47,6 +47,8 @@ class ScheduleLike(Protocol):
 
     def verify(self, num_stages: int, links: Any) -> None: ...
 
+    def rank_of(self, stage: int) -> int: ...
+
 
 #: the process-group argument of a collective before `bind_mesh`: this prefix + the mesh dim
 UNBOUND = "glmc-unbound:"
@@ -528,11 +530,17 @@ class StagedProgram:
     """A pipeline: stages, the boundary values between them, and a schedule (data; see
     `glmc.schedule`). `verify()` guarantees every stage graph is well formed, every sent value
     is received by exactly one stage with the same spec (and vice versa), and the schedule is
-    acyclic and runs every stage's F and B for every microbatch and its update once."""
+    acyclic and runs every stage's F and B for every microbatch and its update once.
+
+    `shared`: parameters that several stages read (tied input and output embeddings cut
+    apart), each as its ((stage, parameter name), ...) in those stages. Each stage holds a
+    copy and updates it; the copies stay equal because every stage's update gets the *sum* of
+    their gradients (`glmc.schedule.run_rank` asks its `reduce_grads` to form it)."""
 
     stages: tuple[Stage, ...]
     boundaries: tuple[Boundary, ...]
     schedule: ScheduleLike
+    shared: tuple[tuple[tuple[int, str], ...], ...] = ()
 
     def links(self) -> set[tuple[int, int]]:
         """(sender, receiver) stage pairs of forward activations."""
@@ -551,7 +559,35 @@ class StagedProgram:
                             f"{sorted(sends)} and received value {sorted(recvs)} exactly once")
         for b in self.boundaries:
             _verify_boundary(b, sends[b.name], recvs[b.name])
+        self._verify_shared()
         self.schedule.verify(len(self.stages), self.links())
+
+    def _verify_shared(self) -> None:
+        """Each shared parameter: a parameter input of 2+ different stages, of one spec, its
+        stages on different ranks (two stages of one process would update one tensor twice)."""
+        for copies in self.shared:
+            specs = []
+            for s, name in copies:
+                if not 0 <= s < len(self.stages):
+                    raise PassError(f"program: shared parameter {copies}: no stage {s}")
+                fw = self.stages[s].forward
+                ph = next((n for i, n in zip(fw.inputs, fw.placeholders())
+                           if i.role is Role.PARAMETER and i.target == name), None)
+                if ph is None:
+                    raise PassError(f"program: shared parameter {copies}: stage {s} has no "
+                                    f"parameter {name!r}")
+                specs.append((tuple(ph.meta["val"].shape), ph.meta["val"].dtype))
+            stages = [s for s, _ in copies]
+            if len(set(stages)) < 2 or len(set(specs)) != 1:
+                raise PassError(f"program: shared parameter {copies} must name one shape and "
+                                "dtype in two or more different stages")
+            ranks = [self.schedule.rank_of(s) for s in stages]
+            if len(set(ranks)) != len(ranks):
+                raise ConfigError(f"pipeline: stages {stages} share the parameter "
+                                  f"{copies[0][1]!r} (tied weights) and would run on one rank "
+                                  f"(ranks {ranks}); a rank cannot hold two copies of one "
+                                  "tensor — choose a cut or schedule that puts them on "
+                                  "different ranks")
 
     def code(self) -> str:
         """The boundaries, every stage's graphs with their typed signatures, the schedule."""
@@ -561,6 +597,9 @@ class StagedProgram:
             lines.append(f"#   {b.name}: stage {b.src_stage} -> stage {b.dst_stage} "
                          f"{'(gradient) ' if b.is_gradient else ''}{list(b.spec.shape)} "
                          f"{str(b.spec.dtype)[6:]}")
+        for copies in self.shared:
+            lines.append("# shared parameter (gradients summed before each update): "
+                         + " = ".join(f"stage {s} {n}" for s, n in copies))
         for stage in self.stages:
             for phase, graph in stage.graphs().items():
                 lines.append(f"# ---- stage {stage.index}: {_LABEL[phase]} ----")

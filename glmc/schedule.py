@@ -337,9 +337,6 @@ class _StageRun:
     owned: set[str] = field(default_factory=set)  #: gradient sums this run allocated
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     works: list = field(default_factory=list)
-    #: called with the accumulated gradients (by name) before the update, e.g. to average
-    #: them over data-parallel replicas of this stage; may replace them in place
-    reduce_grads: Callable[[int, dict[str, torch.Tensor]], None] | None = None
 
     def __post_init__(self) -> None:
         self.state = state_values(self.module, self.optimizer)
@@ -417,8 +414,6 @@ class _StageRun:
         return split
 
     def update(self, a: Action) -> None:
-        if self.reduce_grads is not None:
-            self.reduce_grads(self.index, self.grads)
         grads = {(Role.GRADIENT, n): g for n, g in self.grads.items()}
         self.grads = {}  # each gradient is freed in the update after its last read
         run_inplace(self.stage.update, grads, self.state, consume=CONSUMED["U"])
@@ -453,14 +448,17 @@ def run_rank(program: StagedProgram, modules: dict[int, nn.Module],
              optimizers: dict[int, torch.optim.Optimizer],
              microbatches: Sequence[Sequence[torch.Tensor]], ranks: Sequence[int] | None = None,
              spans: list | None = None,
-             reduce_grads: Callable[[int, dict[str, torch.Tensor]], None] | None = None
+             reduce_grads: Callable[[dict[int, dict[str, torch.Tensor]]], None] | None = None
              ) -> list[torch.Tensor]:
     """One training step of every stage this process holds (`modules` / `optimizers` by stage):
     `run_stage` for several (virtual) stages. `ranks[s]`: the process of stage s (default:
     the schedule's `rank_of`). `spans`, if given, receives (action, start, end) of every
     action in wall-clock seconds (`time.time()`: comparable across processes of one host).
-    `reduce_grads(stage, grads)`: run on each stage's accumulated gradients before its
-    update (data-parallel replicas average theirs there)."""
+    `reduce_grads({stage: {name: gradient}})`: run once, before this rank's first update, on
+    every local stage's accumulated gradients (the schedule runs every backward first); it
+    may replace them: data-parallel replicas average theirs there, and the copies of a
+    shared parameter (`program.shared`) must be summed there — required when a local stage
+    has one."""
     import time
 
     sched = program.schedule
@@ -470,9 +468,14 @@ def run_rank(program: StagedProgram, modules: dict[int, nn.Module],
     ranks = [sched.rank_of(s) for s in range(sched.num_stages)] if ranks is None \
         else list(ranks)
     runs = {s: _StageRun(program, s, modules[s], optimizers[s], ranks,
-                         [batch_values(b) for b in microbatches], reduce_grads=reduce_grads)
-            for s in modules}
-    for action in sched.rank_actions(sched.rank_of(next(iter(modules)))):
+                         [batch_values(b) for b in microbatches]) for s in modules}
+    actions = sched.rank_actions(sched.rank_of(next(iter(modules))))
+    _check_reduction(program, actions, set(runs), reduce_grads is not None)
+    reduced = False
+    for action in actions:
+        if action.kind is ActionKind.UPDATE and not reduced and reduce_grads is not None:
+            reduce_grads({s: run.grads for s, run in runs.items()})
+            reduced = True
         t0 = time.time()
         runs[action.stage].run(action)
         if spans is not None:
@@ -481,6 +484,28 @@ def run_rank(program: StagedProgram, modules: dict[int, nn.Module],
         for work in run.works:
             work.wait()
     return [v for run in runs.values() for _, v in sorted(run.losses.items())]
+
+
+def _check_reduction(program: StagedProgram, actions: Sequence[Action], local: set[int],
+                     reducing: bool) -> None:
+    """A rank whose stages hold a shared parameter needs `reduce_grads` (else each copy
+    would take only its own stage's part of the gradient), and a reduction needs every local
+    backward done before the rank's first update."""
+    tied = sorted({s for copies in program.shared for s, _ in copies} & local)
+    if tied and not reducing:
+        raise ConfigError(f"run_rank: stage{'s' if len(tied) > 1 else ''} "
+                          f"{', '.join(map(str, tied))} hold a parameter shared with other "
+                          "stages (tied weights): their gradients must be summed across those "
+                          "stages' ranks before the update — run the pipeline through "
+                          "glmc.pipeline_parallel.PipelineTrainer, or pass reduce_grads")
+    kinds = [a.kind for a in actions]
+    if reducing and ActionKind.UPDATE in kinds:
+        first = kinds.index(ActionKind.UPDATE)
+        late = [a for a in actions[first:] if a.kind in (ActionKind.B, ActionKind.W)]
+        if late:
+            raise ConfigError(f"run_rank: {late[0]} runs after this rank's first update; "
+                              "gradients are reduced once before it, so the schedule must "
+                              "run every backward first")
 
 
 def run_stage(program: StagedProgram, stage: int, module: nn.Module,
@@ -497,7 +522,9 @@ def run_stage(program: StagedProgram, stage: int, module: nn.Module,
     ranks = list(range(len(program.stages))) if ranks is None else list(ranks)
     run = _StageRun(program, stage, module, optimizer, ranks,
                     [batch_values(b) for b in microbatches])
-    for action in program.schedule.actions(stage):
+    actions = program.schedule.actions(stage)
+    _check_reduction(program, actions, {stage}, False)
+    for action in actions:
         run.run(action)
     for work in run.works:
         work.wait()

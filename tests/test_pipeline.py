@@ -3,6 +3,7 @@ generators), the zero-bubble backward split, and the GLM example trained on two 
 under every schedule against one eager process."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import re
@@ -167,24 +168,38 @@ def test_blocks_are_layer_list_items_at_any_depth() -> None:
     assert owner("lm_head", blocks) is None
 
 
-def test_tied_weights_cut_apart_are_a_typed_error() -> None:
-    class Tied(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.embed = torch.nn.Embedding(16, 8)
-            self.head = torch.nn.Linear(8, 16, bias=False)
-            self.head.weight = self.embed.weight
+def tied_glm():
+    """The GLM example with its LM head tied to the embedding (as GPT-2, Qwen2-tied)."""
+    model, batch, loss_fn, opt = CASES["glm"].make()
+    untied, model.head.weight = model.head.weight, model.embed.weight
+    for group in opt.param_groups:  # no state yet: the example's groups, less the old head
+        group["params"] = [p for p in group["params"] if p is not untied]
+    return model, batch, loss_fn, opt
 
-        def forward(self, ids):
-            return self.head(self.embed(ids))
 
-    model = Tied()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ids = torch.randint(0, 16, (4, 3))
-    loss_fn = lambda out, y: torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())
-    with pytest.raises(ConfigError, match="'embed.weight' is used by stage 0 and as "
-                                          "'head.weight' by stage 1 \\(tied weights\\)"):
-        build_program(model, opt, loss_fn, (ids, ids), [["embed"], ["head"]], 2)
+TIED_CUT = [["embed", "blocks.0"], ["blocks.1", "norm", "head"]]
+
+
+def test_tied_weights_cut_apart_are_one_shared_parameter() -> None:
+    model, batch, loss_fn, opt = tied_glm()
+    pipe = build_program(model, opt, loss_fn, batch, TIED_CUT, 2)
+    assert pipe.program.shared == (((0, "embed.weight"), (1, "head.weight")),)
+    assert "stage 0 embed.weight = stage 1 head.weight" in pipe.program.code()
+    # one process running both copies without summing their gradients: refused, not wrong
+    with pytest.raises(ConfigError, match="stages 0, 1 hold a parameter shared"):
+        run_rank(pipe.program, {s: pipe.stages[s].module for s in (0, 1)},
+                 dict(enumerate(pipe.optimizers)), microbatch_leaves(batch, 2))
+    # two copies on one rank (interleaved: stages 1 and 3 on rank 1) cannot be kept apart
+    model, batch, loss_fn, opt = CASES["glm"].make()
+    pipe = build_program(model, opt, loss_fn, batch, _stage_blocks("interleaved"), 2,
+                         "interleaved", 2)
+    tie = ((1, "blocks.0.norm1.weight"), (3, "norm.weight"))
+    with pytest.raises(ConfigError, match=r"stages \[1, 3\] share the parameter "
+                                          "'blocks.0.norm1.weight' \(tied weights\) and would "
+                                          "run on one rank"):
+        dataclasses.replace(pipe.program, shared=(tie,)).verify()
+    with pytest.raises(PassError, match="stage 2 has no parameter 'norm.weight'"):
+        dataclasses.replace(pipe.program, shared=((tie[0], (2, "norm.weight")),)).verify()
 
 
 def test_split_backward_is_the_backward(glm_graph: glmc.TrainGraph) -> None:
@@ -254,6 +269,19 @@ def _hf_part(rank: int, out: Path, schedule: str = "1f1b") -> dict:
             "state": {k: v for k, v in model.state_dict().items() if k in names}}
 
 
+def _tied_part(rank: int, out: Path, schedule: str) -> dict:
+    """The tied GLM on PipelineTrainer: the copies' gradients summed between the ranks."""
+    from glmc.pipeline_parallel import PipelineTrainer
+    model, batch, loss_fn, opt = tied_glm()
+    trainer = PipelineTrainer(build_program(model, opt, loss_fn, batch, TIED_CUT,
+                                            MICROBATCHES, schedule), timeout_s=120)
+    losses = [trainer.step(*batch) for _ in range(STEPS)]
+    names = {n for s in trainer.local for n, _ in trainer.pipeline.stages[s].module
+             .named_parameters()} | {"embed.weight", "head.weight"}  # one tensor: the copy
+    return {"losses": [float(v) for v in losses if v is not None],
+            "state": {k: v for k, v in model.state_dict().items() if k in names}}
+
+
 def _dead_part(rank: int, out: Path) -> dict:
     """Rank 1 dies after building its pipeline; rank 0's step must fail typed, not hang."""
     import os
@@ -271,10 +299,24 @@ def _dead_part(rank: int, out: Path) -> dict:
     return {"error_text": None}
 
 
-def _worker(rank: int, port: int, out: str, names: list[str]) -> None:
+def _hf_tied_part(rank: int, out: Path) -> dict:
+    """transformers' Qwen2 with tied embeddings (torch.export path), cut by the planner."""
+    from glmc.pipeline_parallel import pipeline_trainer
+    from tests.zoo import ZOO
+    model, batch, loss_fn, opt = ZOO["qwen2_tied"].make()
+    trainer = pipeline_trainer(model, opt, loss_fn, batch, 2, "1f1b", timeout_s=120)
+    losses = [trainer.step(**batch) for _ in range(STEPS)]
+    return {"losses": [float(v) for v in losses if v is not None],
+            "shared": trainer.pipeline.program.shared, "state": model.state_dict()}
+
+
+def _worker(rank: int, port: int, out: str, names: list[str], slow: bool = False) -> None:
     run_parts(rank, port, 2, out, [(name, lambda r, _, n=name: _pipeline_part(r, n))
                                    for name in names]
               + [(f"hf_{name}", lambda r, o, n=name: _hf_part(r, o, n)) for name in names]
+              + [(f"tied_{name}", lambda r, o, n=name: _tied_part(r, o, n)) for name in names
+                 if SCHEDULES[name] == 1]
+              + ([("hf_tied", _hf_tied_part)] if slow else [])
               + [("trainer", _trainer_part), ("dead", _dead_part)])  # "dead" kills rank 1
 
 
@@ -285,8 +327,11 @@ DEFAULT = ["1f1b", "zbh1"]  #: gpipe and interleaved (4 stages to capture) run u
 def distributed(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
                 ) -> Path:
     out = tmp_path_factory.mktemp("pipeline")
-    slow = request.config.getoption("-m", default="") and "slow" in request.config.getoption("-m")
-    spawn(_worker, str(out), DEFAULT + (["gpipe", "interleaved"] if slow else []))
+    # the slow parts only when a slow test of this file was selected (`-m slow`; the
+    # default run's `-m 'not slow'` names the marker too)
+    slow = any(item.get_closest_marker("slow") for item in request.session.items
+               if item.path == request.path)
+    spawn(_worker, str(out), DEFAULT + (["gpipe", "interleaved"] if slow else []), slow)
     return out
 
 
@@ -339,6 +384,39 @@ def test_transformers_glm_pipelines_through_torch_export(name: str, distributed:
         torch.testing.assert_close(v, model.state_dict()[k], rtol=RTOL, atol=1e-5, msg=k)
 
 
+@pytest.mark.parametrize("name", [*DEFAULT, pytest.param("gpipe", marks=pytest.mark.slow)])
+def test_tied_weights_across_stages_train_like_one_process(name: str, distributed: Path) -> None:
+    """Embedding on stage 0, the LM head reading the same weight on stage 1: each rank
+    updates its copy with the summed gradient, so both copies stay equal to eager's one."""
+    model, batch, loss_fn, opt = tied_glm()
+    want = eager_losses(model, batch, loss_fn, opt, STEPS)
+    got = [result(distributed, f"tied_{name}", r) for r in range(2)]
+    assert got[1]["losses"] == pytest.approx(want, rel=RTOL)
+    want_state = model.state_dict()
+    for r in (0, 1):  # each rank's copy (both names on both ranks: one tensor in the model)
+        for k in ("embed.weight", "head.weight"):
+            torch.testing.assert_close(got[r]["state"][k], want_state[k], rtol=RTOL, atol=1e-5,
+                                       msg=lambda m: f"rank {r} {k}: {m}")
+    state = {**got[0]["state"], **got[1]["state"]}
+    for k, v in state.items():
+        torch.testing.assert_close(v, want_state[k], rtol=RTOL, atol=1e-5, msg=k)
+
+
+@pytest.mark.slow
+def test_transformers_tied_embeddings_pipeline_through_torch_export(distributed: Path) -> None:
+    pytest.importorskip("transformers")
+    from tests.zoo import ZOO
+    model, batch, loss_fn, opt = ZOO["qwen2_tied"].make()
+    want = eager_losses(model, batch, loss_fn, opt, STEPS)
+    got = [result(distributed, "hf_tied", r) for r in range(2)]
+    assert got[0]["shared"] == (((0, "lm_head.weight"), (1, "lm_head.weight")),)
+    assert got[1]["losses"] == pytest.approx(want, rel=RTOL)
+    for r in (0, 1):  # both copies, and every parameter on the rank that updated it
+        for k in ("model.embed_tokens.weight", "lm_head.weight"):
+            torch.testing.assert_close(got[r]["state"][k], model.state_dict()[k], rtol=RTOL,
+                                       atol=1e-5, msg=lambda m: f"rank {r} {k}: {m}")
+
+
 def test_actions_are_data() -> None:
     assert str(Action(1, ActionKind.I, 3)) == "1I3"
 
@@ -384,8 +462,20 @@ def _ppdp_part(rank: int, out: Path) -> dict:
                                             if k in names}}
 
 
+def _ppdp_tied_part(rank: int, out: Path) -> dict:
+    """The tied GLM, 2 stages x 2 replicas: the copies sum over all four ranks, / 2."""
+    from glmc.pipeline_parallel import PipelineTrainer
+    model, batch, loss_fn, opt = tied_glm()
+    half = tuple(t[: len(t) // 2] for t in batch)  # one replica's rows: what a stage sees
+    trainer = PipelineTrainer(build_program(model, opt, loss_fn, half, TIED_CUT, 2),
+                              timeout_s=120, dp=2)
+    losses = [trainer.step(*batch) for _ in range(STEPS)]
+    return {"losses": [float(v) for v in losses if v is not None],
+            "state": {k: v for k, v in model.state_dict().items()}}
+
+
 def _ppdp_worker(rank: int, port: int, out: str) -> None:
-    run_parts(rank, port, 4, out, [("ppdp", _ppdp_part)])
+    run_parts(rank, port, 4, out, [("ppdp", _ppdp_part), ("ppdp_tied", _ppdp_tied_part)])
 
 
 def test_pp_x_dp_on_four_processes_matches_one_process(tmp_path: Path, eager: tuple) -> None:
@@ -403,6 +493,14 @@ def test_pp_x_dp_on_four_processes_matches_one_process(tmp_path: Path, eager: tu
     for r in (0, 1):  # the replicas hold the same parameters: averaged gradients, same update
         for k, v in got[r]["state"].items():
             torch.testing.assert_close(got[r + 2]["state"][k], v, rtol=0, atol=0)
+    # tied weights over pp x dp: every rank's copy of the shared weight equals eager's
+    model, batch, loss_fn, opt = tied_glm()
+    want = eager_losses(model, batch, loss_fn, opt, STEPS)
+    got = [result(tmp_path, "ppdp_tied", r) for r in range(4)]
+    assert got[1]["losses"] == got[3]["losses"] == pytest.approx(want, rel=RTOL)
+    for r, g in enumerate(got):
+        torch.testing.assert_close(g["state"]["head.weight"], model.head.weight.detach(),
+                                   rtol=RTOL, atol=1e-5, msg=lambda m: f"rank {r}: {m}")
 
 
 FOUR = [["embed"], ["blocks.0"], ["blocks.1"], ["norm", "head"]]  #: one stage per rank
