@@ -322,10 +322,10 @@ def _tvm_problems(args: argparse.Namespace) -> list[str]:
 def _pipeline_problems(args: argparse.Namespace) -> list[str]:
     """What is wrong with the pipeline-parallel options (`--pp` and its companions)."""
     problems = []
-    if args.pp is not None and args.zero is not None:
-        problems.append(f"--pp {args.pp}: no --zero (pp x dp averages the gradients of each "
-                        "stage's replicas, i.e. stage 0; sharded stages are not supported "
-                        "with a pipeline yet)")
+    if args.pp is not None and (args.zero or 0) > 1:
+        problems.append(f"--pp {args.pp} --zero {args.zero}: a pipeline stage sums its gradients "
+                        "over the microbatches before any reduction, so only the optimizer "
+                        "state is sharded with a pipeline: use --zero 1 (or 0)")
     if args.pp is not None and args.nproc is not None and args.nproc % args.pp:
         problems.append(f"--pp {args.pp}: --nproc must be a multiple of {args.pp} (the "
                         "processes beyond one pipeline are its data-parallel replicas)")
@@ -434,7 +434,7 @@ def _compile(args: argparse.Namespace) -> int:
     if args.pp is not None:
         from glmc.pipeline_parallel import train_cli
         return train_cli(work, args.steps, args.microbatches or args.pp, args.schedule, args.pp,
-                         args.report_dir, args.memory_budget)
+                         args.report_dir, args.memory_budget, args.zero or 0)
     trainer = glmc.optimize(work.model, work.example_inputs, loss_fn=work.loss_fn,
                             optimizer=work.optimizer, backend=args.backend, passes=args.passes,
                             memory_budget=args.memory_budget, precision=args.precision,

@@ -451,17 +451,22 @@ def in_place_fused_updates(gm: "torch.fx.GraphModule") -> int:
     outputs = [a for a in graph.output_node().args[0] if isinstance(a, torch.fx.Node)]
     done = 0
     for node in [n for n in graph.nodes if n.target in kinds]:
-        dead = _in_place_uses(node)
-        if dead is None:
+        found = _in_place_uses(node)
+        if found is None:
             continue
-        last = max(dead, key=order.__getitem__)
+        dead, moved = found
+        # new parameters read on (a sharded update's gather): the update runs where the
+        # functional op ran, on the parameters' private views, and its readers read those
+        last = node if moved else max(dead, key=order.__getitem__)
         a, k = node.args, node.kwargs
         with graph.inserting_after(last):
             new = graph.call_function(torch.ops.glmc.fused_adam_.default, (
                 list(a[0]), list(a[1]), list(a[2]), list(a[3]), list(a[4]), list(a[5]),
                 k["lr"], k["beta1"], k["beta2"], k["weight_decay"], k["eps"], k["amsgrad"],
-                k["maximize"], kinds[node.target], outputs))
+                k["maximize"], kinds[node.target], [] if moved else outputs))
         new.meta = {"val": None, "glmc": node.meta.get("glmc")}
+        for item, src in moved.items():  # readers after `node` in order: after the update
+            item.replace_all_uses_with(src)
         for n in sorted(dead, key=order.__getitem__, reverse=True):
             graph.erase_node(n)
         done += 1
@@ -472,11 +477,16 @@ def in_place_fused_updates(gm: "torch.fx.GraphModule") -> int:
     return done
 
 
-def _in_place_uses(node: "torch.fx.Node") -> "list[torch.fx.Node] | None":
-    """The getitems and write-back copies of `node`'s outputs if every new parameter and state
-    tensor is copied into exactly the input it was computed from (and nothing else reads it);
-    None otherwise."""
+def _in_place_uses(node: "torch.fx.Node"
+                   ) -> "tuple[list[torch.fx.Node], dict[torch.fx.Node, torch.fx.Node]] | None":
+    """(dead, moved) if `node` can run in place: every new state tensor, and every new
+    parameter either, is copied into exactly the input it was computed from (and nothing else
+    reads it) — those getitems and copies are `dead` — or (`moved`: new parameter -> the view
+    it was computed from) a new parameter read on is computed from a private view of a step
+    input that is only overwritten later (`_private_view`: a sharded update's rows of a
+    parameter, gathered after the update). None otherwise."""
     dead: list[torch.fx.Node] = []
+    moved: dict[torch.fx.Node, torch.fx.Node] = {}
     for lst in node.users:  # output list i is the new value of input list i
         if lst.target is not operator.getitem or lst.args[1] not in range(5):
             return None
@@ -491,12 +501,37 @@ def _in_place_uses(node: "torch.fx.Node") -> "list[torch.fx.Node] | None":
                     return None
                 continue
             src = node.args[lst.args[1]][item.args[1]]
-            if len(users) != 1 or users[0].target is not torch.ops.aten.copy_.default or \
-                    users[0].args[0] is not src or users[0].args[1] is not item or \
-                    src.op != "placeholder":
+            if len(users) == 1 and users[0].target is torch.ops.aten.copy_.default and \
+                    users[0].args[0] is src and users[0].args[1] is item and \
+                    src.op == "placeholder":
+                dead.append(users[0])
+            elif lst.args[1] == 0 and _private_view(src, node):
+                moved[item] = src
+            else:
                 return None
-            dead.append(users[0])
-    return [*dead, node]
+    return [*dead, node], moved
+
+
+def _private_view(src: "torch.fx.Node", node: "torch.fx.Node") -> bool:
+    """`src` is read only by `node`, and is a chain of views (ops whose schema says their
+    output aliases their first argument), each read only by the next, of either a fresh
+    tensor or a step input whose other readers only overwrite it (`copy_` into it: the
+    write-back of its new value) — so updating `src` in place changes nothing anyone else
+    reads before that overwrite."""
+    x, reader = src, node
+    while True:
+        if any(u is not reader for u in x.users):
+            return x.op == "placeholder" and all(
+                u is reader or (u.target is torch.ops.aten.copy_.default and u.args[0] is x)
+                for u in x.users)
+        if x.op == "placeholder":
+            return True
+        schema = getattr(x.target, "_schema", None)
+        if x.op != "call_function" or schema is None or len(schema.returns) != 1:
+            return False
+        if schema.returns[0].alias_info is None:
+            return True  # a fresh tensor nobody else reads
+        x, reader = x.args[0], x
 
 
 def _register_flops() -> None:

@@ -16,6 +16,7 @@ the model's parameter tensors, so the model and `state_dict()` stay the source o
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -366,8 +367,15 @@ class PipelineTrainer:
     gradients per stage). Returns the global-batch mean loss on the ranks holding the last
     stage, None elsewhere."""
 
-    def __init__(self, pipeline: Pipeline, timeout_s: float = 300.0, dp: int = 1) -> None:
+    def __init__(self, pipeline: Pipeline, timeout_s: float = 300.0, dp: int = 1,
+                 zero: int = 0) -> None:
         from glmc.parallel import init_distributed
+        if zero not in (0, 1):
+            raise ConfigError(f"pipeline: ZeRO stage {zero} with a pipeline: a stage sums its "
+                              "gradients over the microbatches before any reduction, so only "
+                              "the optimizer state can be sharded (stage 1, as DeepSpeed and "
+                              "Megatron's distributed optimizer do with pipelines); use zero 0 "
+                              "or 1")
         init_distributed("cpu", timeout_s)
         self.pipeline = pipeline
         sched = pipeline.program.schedule
@@ -396,6 +404,52 @@ class PipelineTrainer:
             if self.rank in members:
                 self.ties.append(({s: n for s, n in copies if s in self.local}, group))
         self.traces: list[StepTrace] = []
+        self.zero = zero if dp > 1 else 0
+        #: the program this rank runs: its stages' sharded updates bound to its replicas' group
+        self.runnable = pipeline.program
+        if self.zero:
+            self._shard_updates()
+
+    def _shard_updates(self) -> None:
+        """ZeRO-1 over each stage's replicas: every stage's update becomes glmc's shard pass
+        on it (gradients reduce-scattered in buckets, this replica's rows of the optimizer
+        state updated, the new parameters all-gathered; `ShardPass(stage=2)` on an update
+        alone); the program records the sharded updates (predicted memory), this rank binds
+        its own to its replicas' group (a ("dp", "pp") DeviceMesh) and keeps its optimizer
+        state as its padded rows."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from glmc.ir import MeshSpec
+        from glmc.passes.shard import DIM, ShardPass
+        from glmc.passmanager import PassContext
+        from glmc.program import bind_mesh
+
+        program = self.pipeline.program
+        ranks = program.schedule.num_ranks
+        mesh = init_device_mesh("cpu", (self.dp, ranks), mesh_dim_names=(DIM, "pp"))[DIM]
+        stages, bound = [], []
+        for st in program.stages:
+            update = st.update.copy()
+            update.meta.pop("inplace_gm", None)
+            ShardPass(stage=2).run(update, PassContext(mesh=MeshSpec((self.dp,), (DIM,))))
+            stages.append(dataclasses.replace(st, update=update))
+            if st.index in self.local:
+                self._install(st.index, update.meta["sharding"])
+                ready = bind_mesh(update, mesh)
+                ready.meta.pop("inplace_gm", None)
+                bound.append(dataclasses.replace(st, update=ready))
+            else:
+                bound.append(stages[-1])
+        self.pipeline.program = dataclasses.replace(program, stages=tuple(stages))
+        self.runnable = dataclasses.replace(program, stages=tuple(bound))
+
+    def _install(self, stage: int, plan: Any) -> None:
+        """Stage `stage`'s per-element optimizer state as this replica's padded rows."""
+        module, opt = self.pipeline.stages[stage].module, self.pipeline.optimizers[stage]
+        for target, lay in plan.layouts.items():
+            key, _, name = target.partition(":")
+            state = opt.state[module.get_parameter(name)]
+            state[key] = lay.local(state[key].detach(), self.replica)
 
     def _comm_error(self, e: RuntimeError, done: int) -> None:
         """A failed point-to-point op or gradient all-reduce (another rank died, hung or ran
@@ -431,7 +485,7 @@ class PipelineTrainer:
         tied = {(s, n) for local, _ in self.ties for s, n in local.items()}
         for stage in sorted(grads):
             names = [n for n in grads[stage] if (stage, n) not in tied]
-            if self.dp == 1 or not names:
+            if self.dp == 1 or self.zero or not names:  # ZeRO: the update reduce-scatters
                 continue
             mine = grads[stage]
             flat = torch.cat([mine[n].reshape(-1) for n in names])
@@ -466,11 +520,11 @@ class PipelineTrainer:
             dist.barrier()
         trace = StepTrace(self.rank, origin=time.time() if aligned else 0.0)
         try:
-            losses = run_rank(p.program, {s: p.stages[s].module for s in self.local},
+            losses = run_rank(self.runnable, {s: p.stages[s].module for s in self.local},
                               {s: p.optimizers[s] for s in self.local}, mbs, ranks=self.ranks,
                               spans=trace.spans,
                               reduce_grads=self._reduce_grads
-                              if self.dp > 1 or self.ties else None)
+                              if (self.dp > 1 and not self.zero) or self.ties else None)
         except RuntimeError as e:
             self._comm_error(e, len(trace.spans))
             raise
@@ -596,14 +650,16 @@ def saved_fractions(plan: Any, budget: Any, ranks: int) -> list[float | None]:
 def pipeline_trainer(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any,
                      example_inputs: Any, microbatches: int, schedule: str = "1f1b",
                      virtual: int = 1, timeout_s: float = 300.0, dp: int = 1,
-                     memory_budget: Any = None, cut: Any = None) -> PipelineTrainer:
+                     memory_budget: Any = None, cut: Any = None, zero: int = 0
+                     ) -> PipelineTrainer:
     """A PipelineTrainer over every process of the default group (from torchrun's env):
     world / dp pipeline ranks, `dp` replicas. Rank 0 plans the cut for one replica's slice of
     the batch (the cost model may be calibrated differently per process, so one process
     decides) and broadcasts it; every rank captures its program. `memory_budget` (a size per
     rank, a fraction or "min"): each stage recomputes activations in its backward so that its
     in-flight microbatches fit (`saved_fractions`). `cut`: use this cut (block indices, or
-    "equal") instead of the planned one."""
+    "equal") instead of the planned one. `zero=1`: each stage's optimizer state sharded over
+    its replicas (`PipelineTrainer`)."""
     from glmc.comm import measure_link
     from glmc.parallel import init_distributed
     init_distributed("cpu", timeout_s)
@@ -627,16 +683,17 @@ def pipeline_trainer(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn
                          fractions)
     pipe.plan = plan
     pipe.saved_fractions = fractions
-    return PipelineTrainer(pipe, timeout_s, dp)
+    return PipelineTrainer(pipe, timeout_s, dp, zero)
 
 
 def train_cli(work: Any, steps: int, microbatches: int, schedule: str, pp: int,
-              report_dir: str | None = None, memory_budget: Any = None) -> int:
+              report_dir: str | None = None, memory_budget: Any = None, zero: int = 0) -> int:
     """`glmc compile FILE --nproc N --pp S ...`: trains `work` pipelined; the rank holding
     replica 0's last stage prints `step i  loss x` lines as a single process does, then the plan and
     its predictions against three more measured steps (per-stage peak, bubble); with
     `report_dir`, also report.html (plan, Gantt charts), report.json and Chrome traces.
-    More processes than stages: pp x dp (`--nproc` a multiple of `--pp`)."""
+    More processes than stages: pp x dp (`--nproc` a multiple of `--pp`), with `zero=1` the
+    optimizer state sharded over the replicas."""
     world = from_env_world()
     if world % pp:
         raise ConfigError(f"pipeline: --pp {pp} needs a multiple of {pp} processes (pp x dp); "
@@ -644,7 +701,7 @@ def train_cli(work: Any, steps: int, microbatches: int, schedule: str, pp: int,
     virtual = 2 if schedule == "interleaved" else 1
     trainer = pipeline_trainer(work.model, work.optimizer, work.loss_fn, work.example_inputs,
                                microbatches, schedule, virtual, dp=world // pp,
-                               memory_budget=memory_budget)
+                               memory_budget=memory_budget, zero=zero)
     args, kwargs = split_batch(work.example_inputs)
     printer = trainer.last and trainer.replica == 0
     for i in range(steps):

@@ -629,7 +629,9 @@ class _Sharder:
 
     def _average_loss(self) -> None:
         outs = self.graph.output_values()
-        k = next(i for i, s in enumerate(self.graph.outputs) if s.kind is OutputKind.LOSS)
+        k = next((i for i, s in enumerate(self.graph.outputs) if s.kind is OutputKind.LOSS), None)
+        if k is None:  # an update on its own (a pipeline stage's): no loss
+            return
         loss = outs[k]
         if self.opts.accumulate:  # the mean over the micro-batches
             with self.g.inserting_before(self.graph.output_node()):
@@ -688,7 +690,9 @@ def _first_reader(node: fx.Node) -> fx.Node | None:
 def _gradients(graph: TrainGraph) -> dict[str, fx.Node]:
     """Each updated parameter's gradient node (marked GRAD_OF by the step builder)."""
     updated = [s.target for s in graph.outputs if s.kind is OutputKind.PARAM]
-    found: dict[str, fx.Node] = {}
+    # an update on its own (a pipeline stage's) takes the gradients as inputs
+    found: dict[str, fx.Node] = {s.target: ph for ph, s in zip(graph.placeholders(), graph.inputs)
+                                 if s.role is Role.GRADIENT and s.target in updated}
     for n in graph.graph.nodes:
         for p in n.meta.get(GRAD_OF, ()):
             if any(TrainGraph.info(u).phase is Phase.OPTIMIZER for u in n.users):

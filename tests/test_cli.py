@@ -114,6 +114,8 @@ time.sleep(30)
     ("compile", ["--passes", "recompute{budget=banana}"], ["budget 'banana' is not a fraction"]),
     ("compile", ["--memory-budget", "0.5", "--passes", "recompute"], ["give it in one place"]),
     ("compile", ["--steps", "-1"], ["argument --steps: must be >= 0, got -1"]),
+    ("compile", ["--nproc", "4", "--pp", "2", "--zero", "2"],
+     ["--pp 2 --zero 2: a pipeline stage sums its gradients over the microbatches"]),
     ("check", ["--backend", "nosuch", "--export", "onnx"], ["backend 'nosuch' is unknown"]),
 ])
 def test_usage_errors_exit_2_before_the_file_loads(tmp_path: Path, command: str,

@@ -450,16 +450,21 @@ def test_trainer_measures_its_pipeline_and_writes_a_report(distributed: Path,
 
 # ---- pp x dp: four processes, two replicas of a two-stage pipeline ---------------------------------
 
-def _ppdp_part(rank: int, out: Path) -> dict:
+def _ppdp_part(rank: int, out: Path, zero: int = 0) -> dict:
     from glmc.pipeline_parallel import pipeline_trainer
+    from glmc.schedule import predicted_peaks
     model, batch, loss_fn, opt = CASES["glm"].make()
-    trainer = pipeline_trainer(model, opt, loss_fn, batch, 2, "1f1b", dp=2)
+    trainer = pipeline_trainer(model, opt, loss_fn, batch, 2, "1f1b", dp=2, zero=zero)
     losses = [trainer.step(*batch) for _ in range(STEPS)]
     names = {n for s in trainer.local for n, _ in trainer.pipeline.stages[s].module
              .named_parameters()}
+    exp_avg = {n: trainer.pipeline.optimizers[s].state[p]["exp_avg"].clone()
+               for s in trainer.local for n, p in trainer.pipeline.stages[s].module
+               .named_parameters()}
     return {"losses": [float(v) for v in losses if v is not None], "replica": trainer.replica,
             "last": trainer.last, "state": {k: v for k, v in model.state_dict().items()
-                                            if k in names}}
+                                            if k in names},
+            "exp_avg": exp_avg, "predicted": predicted_peaks(trainer.pipeline.program)}
 
 
 def _ppdp_tied_part(rank: int, out: Path) -> dict:
@@ -475,7 +480,8 @@ def _ppdp_tied_part(rank: int, out: Path) -> dict:
 
 
 def _ppdp_worker(rank: int, port: int, out: str) -> None:
-    run_parts(rank, port, 4, out, [("ppdp", _ppdp_part), ("ppdp_tied", _ppdp_tied_part)])
+    run_parts(rank, port, 4, out, [("ppdp", _ppdp_part), ("ppdp_tied", _ppdp_tied_part),
+                                   ("ppdp_zero", lambda r, o: _ppdp_part(r, o, zero=1))])
 
 
 def test_pp_x_dp_on_four_processes_matches_one_process(tmp_path: Path, eager: tuple) -> None:
@@ -493,6 +499,25 @@ def test_pp_x_dp_on_four_processes_matches_one_process(tmp_path: Path, eager: tu
     for r in (0, 1):  # the replicas hold the same parameters: averaged gradients, same update
         for k, v in got[r]["state"].items():
             torch.testing.assert_close(got[r + 2]["state"][k], v, rtol=0, atol=0)
+    # ZeRO-1 over the replicas: the same training, each replica keeping half of every
+    # optimizer state row-wise (its padded rows), and a lower predicted peak on every rank
+    plain = got
+    zero = [result(tmp_path, "ppdp_zero", r) for r in range(4)]
+    for g, p in zip(zero, plain):
+        assert g["losses"] == (pytest.approx(want_losses, rel=RTOL) if g["last"] else [])
+        for k, v in g["state"].items():
+            torch.testing.assert_close(v, want_state[k], rtol=RTOL, atol=1e-5, msg=k)
+        for k, v in g["exp_avg"].items():
+            full = p["exp_avg"][k]
+            rows = -(-full.shape[0] // 2) if full.dim() else 1
+            assert v.shape[0] == rows and v.shape[1:] == full.shape[1:], k
+            mine = full.reshape(-1, *full.shape[1:])[g["replica"] * rows:][:rows]
+            torch.testing.assert_close(v[: len(mine)], mine, rtol=RTOL, atol=1e-6, msg=k)
+        assert all(z < q for z, q in zip(g["predicted"], p["predicted"])), \
+            (g["predicted"], p["predicted"])
+    for r in (0, 1):
+        for k, v in zero[r]["state"].items():
+            torch.testing.assert_close(zero[r + 2]["state"][k], v, rtol=0, atol=0)
     # tied weights over pp x dp: every rank's copy of the shared weight equals eager's
     model, batch, loss_fn, opt = tied_glm()
     want = eager_losses(model, batch, loss_fn, opt, STEPS)
