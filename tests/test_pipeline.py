@@ -223,8 +223,9 @@ def _stage_blocks(name: str) -> list[list[str]]:
     return [["embed", "blocks.0"], ["blocks.1", "norm", "head"]]
 
 
-def _pipeline_part(rank: int, name: str, blocks: list[list[str]] | None = None) -> dict:
-    model, batch, loss_fn, opt = CASES["glm"].make()
+def _pipeline_part(rank: int, name: str, blocks: list[list[str]] | None = None,
+                   make=CASES["glm"].make) -> dict:
+    model, batch, loss_fn, opt = make()
     pipe = build_program(model, opt, loss_fn, batch, blocks or _stage_blocks(name),
                          MICROBATCHES, name, SCHEDULES[name])
     sched = pipe.program.schedule
@@ -534,6 +535,46 @@ FOUR = [["embed"], ["blocks.0"], ["blocks.1"], ["norm", "head"]]  #: one stage p
 def _four_worker(rank: int, port: int, out: str, names: list[str]) -> None:
     run_parts(rank, port, 4, out, [(name, lambda r, _, n=name: _pipeline_part(r, n, FOUR))
                                    for name in names])
+
+
+def deep_glm():
+    """The GLM example with 6 layers: 9 blocks, enough for 8 virtual stages."""
+    import importlib.util
+    import sys
+
+    from tests.models import EXAMPLES
+    spec = importlib.util.spec_from_file_location("ex_glm_deep", EXAMPLES / "glm.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up by name
+    spec.loader.exec_module(mod)
+    cfg = dataclasses.replace(mod.CONFIGS["tiny"], layers=6)
+    torch.manual_seed(0)
+    model = mod.GLM(cfg)
+    return (model, mod.make_batch(cfg), None,
+            torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1))
+
+
+EIGHT = [["embed"], *([f"blocks.{i}"] for i in range(6)), ["norm", "head"]]
+
+
+def _interleaved_worker(rank: int, port: int, out: str) -> None:
+    run_parts(rank, port, 4, out, [("interleaved", lambda r, _: _pipeline_part(
+        r, "interleaved", EIGHT, deep_glm))])
+
+
+@pytest.mark.slow
+def test_interleaved_on_four_processes_matches_one_process(tmp_path: Path) -> None:
+    """8 virtual stages on 4 ranks (rank r: stages r and r + 4), 4 microbatches."""
+    spawn(_interleaved_worker, str(tmp_path), nprocs=4)
+    model, batch, loss_fn, opt = deep_glm()
+    want = eager_losses(model, batch, loss_fn, opt, STEPS)
+    got = [result(tmp_path, "interleaved", r) for r in range(4)]
+    means = [sum(ls) / len(ls) for ls in got[3]["losses"]]
+    assert means == pytest.approx(want, rel=RTOL)
+    state = {k: v for g in got for k, v in g["state"].items()}
+    assert set(state) == {k for k in model.state_dict() if not k.endswith(("cos", "sin"))}
+    for k, v in state.items():
+        torch.testing.assert_close(v, model.state_dict()[k], rtol=RTOL, atol=1e-5, msg=k)
 
 
 @pytest.mark.parametrize("names", [["1f1b", "zbh1"],
