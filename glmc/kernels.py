@@ -456,8 +456,10 @@ def in_place_fused_updates(gm: "torch.fx.GraphModule") -> int:
             continue
         dead, moved = found
         # new parameters read on (a sharded update's gather): the update runs where the
-        # functional op ran, on the parameters' private views, and its readers read those
-        last = node if moved else max(dead, key=order.__getitem__)
+        # functional op ran, on the parameters' private views, and its readers read those;
+        # else after every copy it replaces and every output it must follow (`after`: a
+        # collective's wait the scheduler placed late, such as the loss's all-reduce)
+        last = node if moved else max([*dead, *outputs], key=order.__getitem__)
         a, k = node.args, node.kwargs
         with graph.inserting_after(last):
             new = graph.call_function(torch.ops.glmc.fused_adam_.default, (

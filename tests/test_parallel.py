@@ -48,11 +48,11 @@ def _recomputed(trainer: Any) -> int:
 
 
 def _stage_part(stage: int, precision: str | None = None, fusion: bool = False,
-                memory_budget: str | None = None):
+                memory_budget: str | None = None, backend: str = "eager"):
     def part(rank: int, out: Path) -> dict:
         (model, batch, loss_fn, opt), (ref_model, ref_opt) = _case()
         ref = eager_losses(ref_model, batch, loss_fn, ref_opt, STEPS)
-        trainer = glmc.optimize(model, batch, loss_fn=loss_fn, optimizer=opt, backend="eager",
+        trainer = glmc.optimize(model, batch, loss_fn=loss_fn, optimizer=opt, backend=backend,
                                 precision=precision, fusion=fusion, predict=False,
                                 memory_budget=memory_budget,
                                 parallel={"zero": stage, "bucket_mb": BUCKET_MB})
@@ -183,8 +183,25 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])  # stage 2 with fusion composed on top
 def test_every_zero_stage_trains_like_one_process_on_the_global_batch(runs: Path,
                                                                       stage: int) -> None:
+    _check_like_one_process(runs, f"stage{stage}")
+
+
+def _inductor_worker(rank: int, port: int, out: str) -> None:
+    run_parts(rank, port, 2, out, [("stage3_inductor", _stage_part(3, fusion=True,
+                                                                   backend="inductor"))])
+
+
+def test_inductor_compiles_the_sharded_step_like_one_process(tmp_path: Path) -> None:
+    """ZeRO-3 + fusion on Inductor: the functional collectives compiled into the step with
+    the fused update in place, the losses, parameters and state those of eager PyTorch (the
+    in-place update once referenced the loss's late all-reduce wait before it existed)."""
+    spawn(_inductor_worker, str(tmp_path))
+    _check_like_one_process(tmp_path, "stage3_inductor")
+
+
+def _check_like_one_process(runs: Path, part: str) -> None:
     for rank in (0, 1):
-        r = result(runs, f"stage{stage}", rank)
+        r = result(runs, part, rank)
         # every rank reports the global batch's loss
         torch.testing.assert_close(r["losses"], r["ref"], rtol=1e-4, atol=0)
         for name, ref in r["ref_params"].items():
