@@ -30,12 +30,12 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from glmc.capture import Batch, batch_leaves, describe
-from glmc.comm import measure_link, measure_waits
+from glmc.comm import LinkProfile, measure_link, measure_waits
 from glmc.errors import CommError, ConfigError, InputError
 from glmc.ir import (ACCUMULATES, RANDOM_OPS, MeshSpec, OutputKind, OutputSpec, Role, TrainGraph,
                      op_name)
 from glmc.passes.shard import DIM, LOCAL, NODE, Layout, ShardPass, ShardPlan
-from glmc.program import bind_mesh
+from glmc.program import bind_mesh, comm_nodes
 
 ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -102,14 +102,21 @@ class Parallel:
                               "'off')")
         return p
 
-    def passes(self) -> list[Any]:
-        """The shard pass, and the compress pass when asked."""
+    def passes(self, link: LinkProfile | None = None, budgeted: bool = False) -> list[Any]:
+        """The shard pass, and the compress pass when asked. `link`: this host's measured
+        link (prices a stage-3 gather again); `budgeted`: a memory budget is set, so stage 3
+        keeps the forward's gathered parameters for the backward where the recompute pass
+        finds room, and gathers again the rest (shard reshard=budget)."""
         # compressed buckets travel flat (compress rewrites one collective per bucket)
         hierarchical = "off" if self.compress is not None else self.hierarchical
+        figures = "" if link is None or not 0 < link.bandwidth < float("inf") else \
+            f"{link.latency_s * 1e6:g}us:{link.bandwidth / 1e9:g}GBps:{link.call_s * 1e6:g}us"
         out: list[Any] = [ShardPass(stage=self.zero, bucket_mb=self.bucket_mb,
                                     overlap=self.overlap, accumulate=self.accumulate > 1,
                                     hierarchical=hierarchical, intra_link=self.intra_link,
-                                    inter_link=self.inter_link)]
+                                    inter_link=self.inter_link,
+                                    reshard="budget" if budgeted else "always",
+                                    link=figures if (self.nodes or 1) == 1 else "")]
         if self.compress is not None:
             from glmc.passes.compress import CompressPass
             opts = {"method": self.compress} if isinstance(self.compress, str) else \
@@ -292,6 +299,24 @@ class DataParallel:
             raise ConfigError(f"parallel: ranks {odd} have a different model, batch structure or "
                               f"options than rank 0 (fingerprints {every}); every rank must run "
                               "the same script on a batch of the same shapes")
+
+    def check_collectives(self, graph: TrainGraph) -> None:
+        """Every rank's step issues the same collectives in the same order (kinds and
+        shapes): plans made per rank (recompute's, which may gather a ZeRO-3 bucket again)
+        could differ where the ranks' cost profiles differ, and a mismatch would hang. A
+        typed error naming the ranks, before the first step."""
+        h = hashlib.sha256()
+        for n in comm_nodes(graph):
+            spec = TrainGraph.info(n).spec
+            h.update(f"{op_name(n)}{tuple(spec.shape) if spec else ()}".encode())
+        every: list[Any] = [None] * self.world
+        dist.all_gather_object(every, h.hexdigest()[:16])
+        odd = [r for r, v in enumerate(every) if v != every[0]]
+        if odd:
+            raise ConfigError(f"parallel: ranks {odd} planned different communication than "
+                              "rank 0 (per-rank plans, e.g. the recompute pass's, differ where "
+                              "the ranks' cost profiles differ); give every rank the same "
+                              "profile (profile=..., --profile) or no memory budget")
 
     # -- the compiled step ----------------------------------------------------------------------
 

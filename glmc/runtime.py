@@ -113,7 +113,8 @@ class Trainer:
             program = {k: v for k, v in dataclasses.asdict(self.options).items()
                        if k not in ("progress", "dump_dir")}  # may differ between ranks
             self.parallel.check_same(self.model, self.example, repr(program))
-            for p in options.passes():
+            budgeted = any(p.name == "recompute" for p in self._pipeline)  # has a budget
+            for p in options.passes(self.parallel.link, budgeted):
                 self._pipeline = with_pass(self._pipeline, p)
         self._entry(self._micro_batches(self._local(self.example))[-1])
 
@@ -330,6 +331,7 @@ class Trainer:
         runnable = graph
         if self.parallel is not None:
             self.parallel.install(graph, self.model, self.optimizer)
+            self.parallel.check_collectives(graph)
             runnable = self.parallel.bind(graph)
         getters = self._getters(graph)
         t2 = time.perf_counter()

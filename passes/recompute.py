@@ -39,7 +39,7 @@ import torch.fx as fx
 from glmc.analysis import graph_device
 from glmc.cost import value_bytes, get_profile, is_view, node_time, op_cost
 from glmc.errors import BudgetError, ConfigError
-from glmc.ir import RANDOM_OPS, Phase, TrainGraph, op_name
+from glmc.ir import RANDOM_OPS, REGATHER_S, Phase, TrainGraph, op_name
 from glmc.memory import simulate
 from glmc.passmanager import Effect, Need, Pass, PassContext, PassResult, Verdict
 from glmc.target import BackendTraits, FusionModel
@@ -381,8 +381,11 @@ def build_problem(lowered: fx.Graph, traits: BackendTraits,
         for a in n.all_input_nodes:
             inputs |= deps.get(a, frozenset())
         info = n.meta.get("glmc")
+        # a kept ZeRO-3 gather is "recomputed" by gathering again: its predicted comm time
+        cost = n.meta[REGATHER_S] if REGATHER_S in n.meta else \
+            node_time(op_cost(n), profile, overhead)
         units.append(Unit(
-            name=_key_name(key), size=size, cost=node_time(op_cost(n), profile, overhead),
+            name=_key_name(key), size=size, cost=cost,
             produced=index[n], last_fwd=fwd_last[key], bwd_reads=tuple(sorted(set(bwd[key]))),
             inputs=tuple(sorted(kidx[u] for u in inputs if u[0] is not n)),
             recomputable=recomputable, source=getattr(info, "source", None)))

@@ -57,10 +57,10 @@ from typing import Any, Iterable
 import torch
 import torch.fx as fx
 
-from glmc.comm import LinkProfile, choose_allreduce, get_link
+from glmc.comm import LinkProfile, choose_allreduce, collective_seconds, get_link
 from glmc.errors import ConfigError, PassError
-from glmc.ir import (ACCUMULATES, GRAD_BUCKET, GRAD_OF, RANK_ARG, MeshSpec, OutputKind,
-                     Phase, Role, TensorSpec, TrainGraph)
+from glmc.ir import (ACCUMULATES, GRAD_BUCKET, GRAD_OF, RANK_ARG, REGATHER_S, MeshSpec,
+                     OutputKind, Phase, Role, TensorSpec, TrainGraph)
 from glmc.passmanager import Effect, Need, Pass, PassContext, PassResult
 from glmc.program import NodeBuilder, SpmdProgram, insert_collective
 
@@ -188,6 +188,13 @@ class ShardPass(Pass):
     hierarchical: str = "auto"
     intra_link: str = "nvlink4"  #: link profile inside a node (glmc.comm.get_link)
     inter_link: str = "infiniband-ndr"  #: link profile between nodes
+    #: stage 3, the backward's parameters: "always" gathered again (FSDP's reshard after
+    #: forward); "budget" the forward's gathered copies kept for the backward, each forward
+    #: gather marked with its predicted time (`REGATHER_S`) so the recompute pass, planning
+    #: activations and gathers under one memory budget, gathers again what does not fit
+    reshard: str = "always"
+    #: the link the collectives cross on a 1-D mesh, pricing a gather again ("" : intra_link)
+    link: str = ""
 
     def needs(self) -> frozenset[Need]:
         return frozenset({Need.STEP})
@@ -202,6 +209,10 @@ class ShardPass(Pass):
             raise ConfigError(f"shard: stage must be 0, 1, 2 or 3, got {self.stage}")
         if self.bucket_mb <= 0:
             raise ConfigError(f"shard: bucket_mb must be positive, got {self.bucket_mb}")
+        if self.reshard not in ("always", "budget"):
+            raise ConfigError(f"shard: reshard must be 'always' or 'budget', got "
+                              f"{self.reshard!r}")
+        get_link(self.link or self.intra_link)  # an unknown link fails before any rewrite
         mesh = ctx.mesh
         if mesh is None or DIM not in mesh.dim_names + tuple(f for f, _ in mesh.flattened):
             raise ConfigError("shard: the step is not compiled for a data-parallel mesh; run it "
@@ -570,12 +581,27 @@ class _Sharder:
             if late:
                 bwd_first[p] = min(late, key=lambda n: _position(self.g, n))
             self._reshape_input(ph, p, self.layout[p])
+        keep = self.opts.reshard == "budget"
         for phase, first in ((Phase.FORWARD, fwd_first), (Phase.BACKWARD, bwd_first)):
+            if keep and phase is Phase.BACKWARD:  # the backward reads the forward's copies
+                first = {p: u for p, u in first.items() if not self._keep(self.params[p])}
             order = sorted(first, key=lambda p: _position(self.g, first[p]))
             buckets = self._buckets(order, "all_gather_into_tensor")
             if phase is Phase.FORWARD:
                 self.plan.gather_buckets = buckets
             self._gather_for(phase, buckets, first, chains)
+
+    def _keep(self, ph: fx.Node) -> bool:
+        """reshard=budget: the backward's readers of parameter `ph` read the forward's
+        gathered copy (False: no forward gather to read)."""
+        full = self.forward_full.get(ph)
+        if full is None:
+            return False
+        for u in list(ph.users):
+            if TrainGraph.info(u).phase is Phase.BACKWARD and \
+                    TrainGraph.info(u).created_by != "shard":
+                u.replace_input_with(ph, full)
+        return True
 
     def _gather_for(self, phase: Phase, buckets: list[Bucket], first: dict[str, fx.Node],
                     chains: dict[fx.Node, str]) -> None:
@@ -589,6 +615,10 @@ class _Sharder:
             if self.opts.overlap and issue_after is not None:
                 where = issue_after  # in flight while the previous bucket's layer computes
             wait = self._gather([self.params[p] for p in bucket.params], phase, role, where)
+            if phase is Phase.FORWARD and self.opts.reshard == "budget":
+                link = get_link(self.opts.link or self.opts.intra_link)
+                wait.args[0].meta[REGATHER_S] = collective_seconds(
+                    "all_gather_into_tensor", bucket.nbytes, self.n, link)
             fulls = self._unpack(bucket.params, wait, phase, role, use)
             for p, full in zip(bucket.params, fulls):
                 self._rewire(self.params[p], full, phase, chains)

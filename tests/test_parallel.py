@@ -21,6 +21,7 @@ from glmc.ir import MeshSpec
 from glmc.parallel import Parallel, load_checkpoint, save_checkpoint
 from glmc.passes.shard import Layout, ShardPass
 from glmc.passmanager import PassContext
+from glmc.memory import simulate
 from tests.distributed import result, run_parts, spawn
 from tests.models import CASES, eager_losses
 
@@ -47,6 +48,17 @@ def _recomputed(trainer: Any) -> int:
     return sum(p.stats.recomputed for p in runs if p.stats is not None)
 
 
+def _gathers(graph: Any) -> dict[str, int]:
+    """All-gathers of the step by phase (ZeRO-3: the forward's, and the backward's)."""
+    from glmc.ir import TrainGraph
+    out: dict[str, int] = {}
+    for n in graph.compute_nodes():
+        if "all_gather" in str(n.target):
+            phase = TrainGraph.info(n).phase.value
+            out[phase] = out.get(phase, 0) + 1
+    return out
+
+
 def _stage_part(stage: int, precision: str | None = None, fusion: bool = False,
                 memory_budget: str | None = None, backend: str = "eager"):
     def part(rank: int, out: Path) -> dict:
@@ -71,6 +83,8 @@ def _stage_part(stage: int, precision: str | None = None, fusion: bool = False,
                 "local_param_numel": sum(p.numel() for p in model.parameters()),
                 "measured": trainer.report.compiles[-1].measured,
                 "recomputed": _recomputed(trainer),
+                "gathers": _gathers(trainer.graph),
+                "peak": simulate(trainer.graph.graph).peak_bytes,
                 "plan": trainer.parallel.plan}
     return part
 
@@ -165,6 +179,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     parts = [(f"stage{s}", _stage_part(s, fusion=s == 2)) for s in (0, 1, 2, 3)]
     parts += [("stage3_bf16", _stage_part(3, "bf16")),
               ("stage3_recompute", _stage_part(3, memory_budget="min")),
+              ("stage3_keep", _stage_part(3, memory_budget="1.0")),
               ("checkpoint", _checkpoint_part),
               ("accumulate", _accumulate_part), ("compress", _compress_part),
               ("errors", _errors_part)]
@@ -212,14 +227,48 @@ def _check_like_one_process(runs: Path, part: str) -> None:
 
 
 def test_recompute_composes_with_stage_3(runs: Path) -> None:
-    """The recompute pass after the shard pass (memory budget "min"): it recomputes some
-    activations and the step stays eager's on the global batch."""
+    """The recompute pass after the shard pass plans activations and parameter gathers under
+    one budget: with "min" it recomputes activations and gathers every bucket again for the
+    backward; with the whole budget (1.0) it keeps the forward's gathered parameters (no
+    backward gather) at a higher predicted peak. Both train as eager on the global batch."""
+    plain = result(runs, "stage3", 0)
+    assert plain["gathers"]["backward"] > 0  # no budget: gathered again (reshard after forward)
     for rank in (0, 1):
-        r = result(runs, "stage3_recompute", rank)
-        assert r["recomputed"] > 0
-        torch.testing.assert_close(r["losses"], r["ref"], rtol=1e-4, atol=0)
-        for name, ref in r["ref_params"].items():
-            torch.testing.assert_close(r["params"][name], ref, rtol=1e-4, atol=1e-6, msg=name)
+        low, keep = result(runs, "stage3_recompute", rank), result(runs, "stage3_keep", rank)
+        assert keep["gathers"].get("backward", 0) == 0 and keep["recomputed"] == 0
+        assert keep["peak"] > plain["peak"]  # what keeping the gathered parameters costs
+        assert low["recomputed"] > 0 and low["peak"] < plain["peak"]
+        assert low["gathers"].get("backward", 0) < plain["gathers"]["backward"]
+        assert keep["gathers"]["forward"] == low["gathers"]["forward"] == \
+            plain["gathers"]["forward"]
+        for r in (low, keep):
+            torch.testing.assert_close(r["losses"], r["ref"], rtol=1e-4, atol=0)
+            for name, ref in r["ref_params"].items():
+                torch.testing.assert_close(r["params"][name], ref, rtol=1e-4, atol=1e-6,
+                                           msg=name)
+
+
+def test_one_budget_plans_gathers_and_activations_together() -> None:
+    """ZeRO-3 on a 2-rank mesh (one process: the plan, not the run): with the forward's
+    gathered parameters kept for the backward (reshard=budget) and priced as a gather again,
+    the recompute pass's smallest peak is no higher than with every bucket gathered again
+    (reshard=always) — and it gathers fewer buckets again to reach it."""
+    from glmc.ir import MeshSpec
+    from glmc.passes.recompute import RecomputePass
+    from glmc.passes.shard import ShardPass
+    from glmc.passmanager import PassContext
+
+    model, batch, loss_fn, opt = CASES["glm"].make()
+    step = glmc.capture(model, batch, loss_fn, opt)
+    ctx = PassContext(mesh=MeshSpec((2,), ("dp",)))
+    found = {}
+    for reshard in ("always", "budget"):
+        g = step.copy()
+        ShardPass(stage=3, bucket_mb=BUCKET_MB, reshard=reshard, link="100us:1GBps").run(g, ctx)
+        stats = RecomputePass(budget="min").run(g, ctx).stats
+        found[reshard] = (stats.predicted_peak, _gathers(g).get("backward", 0))
+    assert found["budget"][0] <= found["always"][0]
+    assert found["budget"][1] < found["always"][1]
 
 
 def test_bf16_composes_with_stage_3(runs: Path) -> None:
