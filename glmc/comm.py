@@ -74,7 +74,7 @@ def collective_seconds(kind: str, nbytes: int, ranks: int, link: LinkProfile) ->
     return link.call_s + steps(ranks) * link.latency_s + share(ranks) * nbytes / link.bandwidth
 
 
-_NUMBER = r"\d+(?:\.\d*)?(?:e-?\d+)?"
+_NUMBER = r"\d+(?:\.\d*)?(?:e[-+]?\d+)?"
 #: a link given by its figures: "ALPHAus:BETAGBps[:CALLus]"
 _FIGURES = re.compile(rf"(?P<alpha>{_NUMBER})us:(?P<beta>{_NUMBER})GBps(?::(?P<call>{_NUMBER})us)?")
 

@@ -235,11 +235,12 @@ REMAT = "glmc_remat"
 #: node.meta key on a backward value the optimizer update reads as a parameter's gradient: the
 #: parameter names (a tuple). Set by the step builder; a pass that replaces such a node by
 #: another carries it over (`replace_uses`). Sharding finds each gradient by it.
+GRAD_OF = "glmc_grad_of"
+
 #: node meta of a ZeRO-3 forward all-gather whose gathered parameters the backward reads
 #: (shard reshard=budget): the predicted seconds of gathering them again, which the recompute
 #: pass weighs against keeping them, as it weighs recomputing an activation
 REGATHER_S = "glmc_regather_s"
-GRAD_OF = "glmc_grad_of"
 
 #: node.meta key on a node one of whose int arguments is this process's coordinate on a mesh
 #: dim: (mesh dim, argument index). `glmc.program.bind_mesh` fills it in per process.

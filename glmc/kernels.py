@@ -451,7 +451,7 @@ def in_place_fused_updates(gm: "torch.fx.GraphModule") -> int:
     outputs = [a for a in graph.output_node().args[0] if isinstance(a, torch.fx.Node)]
     done = 0
     for node in [n for n in graph.nodes if n.target in kinds]:
-        found = _in_place_uses(node)
+        found = _in_place_uses(node, order)
         if found is None:
             continue
         dead, moved = found
@@ -479,7 +479,7 @@ def in_place_fused_updates(gm: "torch.fx.GraphModule") -> int:
     return done
 
 
-def _in_place_uses(node: "torch.fx.Node"
+def _in_place_uses(node: "torch.fx.Node", order: "dict[torch.fx.Node, int]"
                    ) -> "tuple[list[torch.fx.Node], dict[torch.fx.Node, torch.fx.Node]] | None":
     """(dead, moved) if `node` can run in place: every new state tensor, and every new
     parameter either, is copied into exactly the input it was computed from (and nothing else
@@ -507,33 +507,50 @@ def _in_place_uses(node: "torch.fx.Node"
                     users[0].args[0] is src and users[0].args[1] is item and \
                     src.op == "placeholder":
                 dead.append(users[0])
-            elif lst.args[1] == 0 and _private_view(src, node):
+            elif lst.args[1] == 0 and _private_view(src, node, order):
                 moved[item] = src
             else:
                 return None
+    if moved:  # run at `node`: every input it overwrites must be read by nobody until then
+        copied = [n.args[0] for n in dead if n.target is torch.ops.aten.copy_.default]
+        if not all(_no_reader_until_overwritten(src, node, order) for src in copied):
+            return None
     return [*dead, node], moved
 
 
-def _private_view(src: "torch.fx.Node", node: "torch.fx.Node") -> bool:
-    """`src` is read only by `node`, and is a chain of views (ops whose schema says their
-    output aliases their first argument), each read only by the next, of either a fresh
-    tensor or a step input whose other readers only overwrite it (`copy_` into it: the
-    write-back of its new value) — so updating `src` in place changes nothing anyone else
-    reads before that overwrite."""
+def _private_view(src: "torch.fx.Node", node: "torch.fx.Node",
+                  order: "dict[torch.fx.Node, int]") -> bool:
+    """`src` is read only by `node`, and is a chain of views (`glmc.opcost.is_view`: alias
+    annotations, `_unsafe_view`, `wait_tensor`), each read only by the next, of either a fresh
+    tensor or a step input whose other readers only overwrite it later (a `copy_` into it
+    after `node`: the write-back of its new value; at least one) — so updating `src` in place
+    changes nothing anyone reads before that overwrite."""
+    from glmc.opcost import is_view
+
     x, reader = src, node
     while True:
-        if any(u is not reader for u in x.users):
-            return x.op == "placeholder" and all(
-                u is reader or (u.target is torch.ops.aten.copy_.default and u.args[0] is x)
-                for u in x.users)
         if x.op == "placeholder":
-            return True
-        schema = getattr(x.target, "_schema", None)
-        if x.op != "call_function" or schema is None or len(schema.returns) != 1:
+            others = [u for u in x.users if u is not reader]
+            return bool(others) and all(
+                u.target is torch.ops.aten.copy_.default and u.args[0] is x
+                and order.get(u, -1) > order[node] for u in others)
+        if any(u is not reader for u in x.users) or x.op != "call_function":
             return False
-        if schema.returns[0].alias_info is None:
-            return True  # a fresh tensor nobody else reads
+        if not is_view(x):
+            schema = getattr(x.target, "_schema", None)  # fresh: an op that allocates
+            return schema is not None and not schema.is_mutable
+        if not x.args or not isinstance(x.args[0], torch.fx.Node):
+            return False
         x, reader = x.args[0], x
+
+
+def _no_reader_until_overwritten(src: "torch.fx.Node", node: "torch.fx.Node",
+                                 order: "dict[torch.fx.Node, int]") -> bool:
+    """Nothing but `node` and the `copy_` overwriting it reads input `src` after `node`: the
+    in-place update may run at `node` instead of at that copy."""
+    return all(u is node or order.get(u, len(order)) < order[node]
+               or (u.target is torch.ops.aten.copy_.default and u.args[0] is src)
+               for u in src.users)
 
 
 def _register_flops() -> None:

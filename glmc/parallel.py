@@ -109,14 +109,18 @@ class Parallel:
         finds room, and gathers again the rest (shard reshard=budget)."""
         # compressed buckets travel flat (compress rewrites one collective per bucket)
         hierarchical = "off" if self.compress is not None else self.hierarchical
-        figures = "" if link is None or not 0 < link.bandwidth < float("inf") else \
-            f"{link.latency_s * 1e6:g}us:{link.bandwidth / 1e9:g}GBps:{link.call_s * 1e6:g}us"
+        figures = ""
+        if budgeted and link is not None and 0 < link.bandwidth < float("inf"):
+            figures = (f"{link.latency_s * 1e6:.6f}us:{link.bandwidth / 1e9:.6f}GBps:"
+                       f"{link.call_s * 1e6:.6f}us")
         out: list[Any] = [ShardPass(stage=self.zero, bucket_mb=self.bucket_mb,
                                     overlap=self.overlap, accumulate=self.accumulate > 1,
                                     hierarchical=hierarchical, intra_link=self.intra_link,
                                     inter_link=self.inter_link,
                                     reshard="budget" if budgeted else "always",
-                                    link=figures if (self.nodes or 1) == 1 else "")]
+                                    # a stage-3 gather crosses the nodes' link
+                                    link=figures if (self.nodes or 1) == 1 else
+                                    self.inter_link)]
         if self.compress is not None:
             from glmc.passes.compress import CompressPass
             opts = {"method": self.compress} if isinstance(self.compress, str) else \
@@ -291,14 +295,23 @@ class DataParallel:
         for t in batch_leaves(batch):
             h.update(f"{tuple(t.shape)}{t.dtype}".encode())
         h.update(what.encode())
-        mine = h.hexdigest()[:16]
+        self._agree(h, "have a different model, batch structure or options than rank 0",
+                    "every rank must run the same script on a batch of the same shapes")
+
+    def _agree(self, h: Any, differ: str, fix: str) -> None:
+        """All ranks' fingerprints `h` (a hashlib object) equal rank 0's, else a ConfigError
+        naming the odd ranks: they `differ`; `fix` says what to do."""
         every: list[Any] = [None] * self.world
-        dist.all_gather_object(every, mine)
+        dist.all_gather_object(every, h.hexdigest()[:16])
         odd = [r for r, v in enumerate(every) if v != every[0]]
         if odd:
-            raise ConfigError(f"parallel: ranks {odd} have a different model, batch structure or "
-                              f"options than rank 0 (fingerprints {every}); every rank must run "
-                              "the same script on a batch of the same shapes")
+            raise ConfigError(f"parallel: ranks {odd} {differ} (fingerprints {every}); {fix}")
+
+    def largest(self, value: int) -> int:
+        """The largest of every rank's `value`."""
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
 
     def check_collectives(self, graph: TrainGraph) -> None:
         """Every rank's step issues the same collectives in the same order (kinds and
@@ -309,14 +322,12 @@ class DataParallel:
         for n in comm_nodes(graph):
             spec = TrainGraph.info(n).spec
             h.update(f"{op_name(n)}{tuple(spec.shape) if spec else ()}".encode())
-        every: list[Any] = [None] * self.world
-        dist.all_gather_object(every, h.hexdigest()[:16])
-        odd = [r for r, v in enumerate(every) if v != every[0]]
-        if odd:
-            raise ConfigError(f"parallel: ranks {odd} planned different communication than "
-                              "rank 0 (per-rank plans, e.g. the recompute pass's, differ where "
-                              "the ranks' cost profiles differ); give every rank the same "
-                              "profile (profile=..., --profile) or no memory budget")
+        self._agree(h, "planned different communication than rank 0 (per-rank plans: the "
+                    "recompute pass's, which decides which ZeRO-3 buckets to gather again, "
+                    "differ where the ranks' cost profiles differ or its solver stopped at "
+                    "its time limit)", "give every rank the same profile (profile=..., "
+                    "--profile), the greedy solver (recompute{solver=greedy}), or no memory "
+                    "budget")
 
     # -- the compiled step ----------------------------------------------------------------------
 

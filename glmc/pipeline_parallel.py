@@ -495,13 +495,15 @@ class PipelineTrainer:
                 mine[n] = part.view_as(mine[n])
         for local, group in self.ties:
             for stage, name in local.items():  # one copy per rank (StagedProgram.verify)
-                mine = grads[stage].get(name)
+                if name not in grads[stage]:
+                    raise ConfigError(f"pipeline: stage {stage} reads the shared parameter "
+                                      f"{name!r} but computes no gradient for it, so its copy "
+                                      "would drift from the others; freeze it on every stage "
+                                      "(requires_grad=False) or cut elsewhere")
                 # a copy of its own: the graph's output may be a view of another value
-                g = torch.zeros_like(self.pipeline.stages[stage].module.get_parameter(name)) \
-                    if mine is None else mine.clone(memory_format=torch.contiguous_format)
+                g = grads[stage][name].clone(memory_format=torch.contiguous_format)
                 dist.all_reduce(g, group=group)
-                if mine is not None:
-                    grads[stage][name] = g.div_(self.dp) if self.dp > 1 else g
+                grads[stage][name] = g.div_(self.dp) if self.dp > 1 else g
 
     def replica_batch(self, batch: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """This replica's rows of the global batch."""

@@ -268,6 +268,8 @@ class Trainer:
         measured = entry.record.measured.get("total_peak_bytes")
         if measured is None:
             return
+        if self.parallel is not None:  # every rank decides on the same peak: recompiling on
+            measured = self.parallel.largest(measured)  # one rank alone would hang the others
         pipeline, again = [], False
         for p, rec in zip(entry.pipeline, entry.record.history):
             verdict = p.after_measure(rec.stats, measured, entry.retried)
@@ -330,8 +332,8 @@ class Trainer:
         manager.run(graph, PassContext(self._traits, self.options.profile, mesh))
         runnable = graph
         if self.parallel is not None:
-            self.parallel.install(graph, self.model, self.optimizer)
             self.parallel.check_collectives(graph)
+            self.parallel.install(graph, self.model, self.optimizer)
             runnable = self.parallel.bind(graph)
         getters = self._getters(graph)
         t2 = time.perf_counter()

@@ -473,10 +473,10 @@ def run_rank(program: StagedProgram, modules: dict[int, nn.Module],
     _check_reduction(program, actions, set(runs), reduce_grads is not None)
     reduced = False
     for action in actions:
+        t0 = time.time()  # the first update's span includes the reduction before it
         if action.kind is ActionKind.UPDATE and not reduced and reduce_grads is not None:
             reduce_grads({s: run.grads for s, run in runs.items()})
             reduced = True
-        t0 = time.time()
         runs[action.stage].run(action)
         if spans is not None:
             spans.append((action, t0, time.time()))

@@ -25,14 +25,19 @@ class Case:
     make: Callable[[], tuple[Any, Any, Any, Any]]  # -> (model, example_inputs, loss_fn, optimizer)
 
 
+def example_module(file: str) -> Any:
+    """examples/`file` imported as a module (its classes and configs)."""
+    spec = importlib.util.spec_from_file_location(f"ex_{file}", EXAMPLES / file)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up by name
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def _example(file: str, **kwargs: Any) -> Callable:
     def make():
         if kwargs:
-            spec = importlib.util.spec_from_file_location(f"ex_{file}", EXAMPLES / file)
-            mod = importlib.util.module_from_spec(spec)
-            sys.modules[spec.name] = mod  # dataclasses look their module up by name
-            spec.loader.exec_module(mod)
-            return mod.workload(**kwargs)
+            return example_module(file).workload(**kwargs)
         w = load_workload(str(EXAMPLES / file))
         return w.model, w.example_inputs, w.loss_fn, w.optimizer
     return make

@@ -18,10 +18,10 @@ import glmc
 from glmc.capture import split_batch
 from glmc.errors import CommError, ConfigError, InputError
 from glmc.ir import MeshSpec
+from glmc.memory import simulate
 from glmc.parallel import Parallel, load_checkpoint, save_checkpoint
 from glmc.passes.shard import Layout, ShardPass
 from glmc.passmanager import PassContext
-from glmc.memory import simulate
 from tests.distributed import result, run_parts, spawn
 from tests.models import CASES, eager_losses
 
@@ -228,9 +228,10 @@ def _check_like_one_process(runs: Path, part: str) -> None:
 
 def test_recompute_composes_with_stage_3(runs: Path) -> None:
     """The recompute pass after the shard pass plans activations and parameter gathers under
-    one budget: with "min" it recomputes activations and gathers every bucket again for the
-    backward; with the whole budget (1.0) it keeps the forward's gathered parameters (no
-    backward gather) at a higher predicted peak. Both train as eager on the global batch."""
+    one budget: with "min" it recomputes activations and gathers again only the buckets that
+    lower the peak (fewer than without a budget, which gathers every one again); with the
+    whole budget (1.0) it keeps the forward's gathered parameters (no backward gather) at a
+    higher predicted peak. Both train as eager on the global batch."""
     plain = result(runs, "stage3", 0)
     assert plain["gathers"]["backward"] > 0  # no budget: gathered again (reshard after forward)
     for rank in (0, 1):
@@ -253,10 +254,7 @@ def test_one_budget_plans_gathers_and_activations_together() -> None:
     gathered parameters kept for the backward (reshard=budget) and priced as a gather again,
     the recompute pass's smallest peak is no higher than with every bucket gathered again
     (reshard=always) — and it gathers fewer buckets again to reach it."""
-    from glmc.ir import MeshSpec
     from glmc.passes.recompute import RecomputePass
-    from glmc.passes.shard import ShardPass
-    from glmc.passmanager import PassContext
 
     model, batch, loss_fn, opt = CASES["glm"].make()
     step = glmc.capture(model, batch, loss_fn, opt)
@@ -269,6 +267,8 @@ def test_one_budget_plans_gathers_and_activations_together() -> None:
         found[reshard] = (stats.predicted_peak, _gathers(g).get("backward", 0))
     assert found["budget"][0] <= found["always"][0]
     assert found["budget"][1] < found["always"][1]
+    with pytest.raises(ConfigError, match="reshard must be 'always' or 'budget'"):
+        ShardPass(stage=3, reshard="bogus").run(step.copy(), ctx)
 
 
 def test_bf16_composes_with_stage_3(runs: Path) -> None:

@@ -195,11 +195,16 @@ def test_tied_weights_cut_apart_are_one_shared_parameter() -> None:
                          "interleaved", 2)
     tie = ((1, "blocks.0.norm1.weight"), (3, "norm.weight"))
     with pytest.raises(ConfigError, match=r"stages \[1, 3\] share the parameter "
-                                          "'blocks.0.norm1.weight' \(tied weights\) and would "
+                                          r"'blocks.0.norm1.weight' \(tied weights\) and would "
                                           "run on one rank"):
         dataclasses.replace(pipe.program, shared=(tie,)).verify()
     with pytest.raises(PassError, match="stage 2 has no parameter 'norm.weight'"):
         dataclasses.replace(pipe.program, shared=((tie[0], (2, "norm.weight")),)).verify()
+    with pytest.raises(PassError, match="must name one shape and dtype"):  # 64 vs (256, 64)
+        dataclasses.replace(pipe.program, shared=(((0, "embed.weight"), tie[1]),)).verify()
+    from glmc.pipeline_parallel import PipelineTrainer
+    with pytest.raises(ConfigError, match="ZeRO stage 2 with a pipeline"):
+        PipelineTrainer(pipe, zero=2)  # refused before any process group is needed
 
 
 def test_split_backward_is_the_backward(glm_graph: glmc.TrainGraph) -> None:
@@ -412,7 +417,7 @@ def test_transformers_tied_embeddings_pipeline_through_torch_export(distributed:
     got = [result(distributed, "hf_tied", r) for r in range(2)]
     assert got[0]["shared"] == (((0, "lm_head.weight"), (1, "lm_head.weight")),)
     assert got[1]["losses"] == pytest.approx(want, rel=RTOL)
-    for r in (0, 1):  # both copies, and every parameter on the rank that updated it
+    for r in (0, 1):  # both ranks' copies of the shared weight
         for k in ("model.embed_tokens.weight", "lm_head.weight"):
             torch.testing.assert_close(got[r]["state"][k], model.state_dict()[k], rtol=RTOL,
                                        atol=1e-5, msg=lambda m: f"rank {r} {k}: {m}")
@@ -459,13 +464,18 @@ def _ppdp_part(rank: int, out: Path, zero: int = 0) -> dict:
     losses = [trainer.step(*batch) for _ in range(STEPS)]
     names = {n for s in trainer.local for n, _ in trainer.pipeline.stages[s].module
              .named_parameters()}
+    from glmc.program import inplace_module
+    in_place = [any("fused_adam_" in str(n.target) for n in
+                    inplace_module(trainer.runnable.stages[s].update).graph.nodes)
+                for s in trainer.local]
     exp_avg = {n: trainer.pipeline.optimizers[s].state[p]["exp_avg"].clone()
                for s in trainer.local for n, p in trainer.pipeline.stages[s].module
                .named_parameters()}
     return {"losses": [float(v) for v in losses if v is not None], "replica": trainer.replica,
             "last": trainer.last, "state": {k: v for k, v in model.state_dict().items()
                                             if k in names},
-            "exp_avg": exp_avg, "predicted": predicted_peaks(trainer.pipeline.program)}
+            "exp_avg": exp_avg, "predicted": predicted_peaks(trainer.pipeline.program),
+            "in_place": in_place}
 
 
 def _ppdp_tied_part(rank: int, out: Path) -> dict:
@@ -516,6 +526,7 @@ def test_pp_x_dp_on_four_processes_matches_one_process(tmp_path: Path, eager: tu
             torch.testing.assert_close(v[: len(mine)], mine, rtol=RTOL, atol=1e-6, msg=k)
         assert all(z < q for z, q in zip(g["predicted"], p["predicted"])), \
             (g["predicted"], p["predicted"])
+        assert g["in_place"] == [True]  # the sharded update's AdamW ran in place
     for r in (0, 1):
         for k, v in zero[r]["state"].items():
             torch.testing.assert_close(zero[r + 2]["state"][k], v, rtol=0, atol=0)
@@ -539,14 +550,8 @@ def _four_worker(rank: int, port: int, out: str, names: list[str]) -> None:
 
 def deep_glm():
     """The GLM example with 6 layers: 9 blocks, enough for 8 virtual stages."""
-    import importlib.util
-    import sys
-
-    from tests.models import EXAMPLES
-    spec = importlib.util.spec_from_file_location("ex_glm_deep", EXAMPLES / "glm.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up by name
-    spec.loader.exec_module(mod)
+    from tests.models import example_module
+    mod = example_module("glm.py")
     cfg = dataclasses.replace(mod.CONFIGS["tiny"], layers=6)
     torch.manual_seed(0)
     model = mod.GLM(cfg)
