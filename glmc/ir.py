@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import operator
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Iterator
@@ -364,6 +365,23 @@ class TrainGraph:
 
 
 @lru_cache(maxsize=1)
+def is_view(node: fx.Node) -> bool:
+    """True when the node's result aliases an input's storage (view ops, getitem, in-place)."""
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if target is operator.getitem:
+        return True
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    if target in (torch.ops.aten._unsafe_view.default,):
+        return True
+    if comm_ops().get(target) == "wait_tensor":  # returns the collective's own output
+        return True
+    returns = target._schema.returns
+    return bool(returns) and returns[0].alias_info is not None
+
+
 def comm_ops() -> dict[Any, str]:
     """torch's functional collectives glmc knows, keyed by op: op -> `CommInfo.collective`.
     Empty where torch is built without distributed support."""

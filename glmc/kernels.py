@@ -525,7 +525,7 @@ def _private_view(src: "torch.fx.Node", node: "torch.fx.Node",
     tensor or a step input whose other readers only overwrite it later (a `copy_` into it
     after `node`: the write-back of its new value; at least one) — so updating `src` in place
     changes nothing anyone reads before that overwrite."""
-    from glmc.opcost import is_view
+    from glmc.ir import is_view
 
     x, reader = src, node
     while True:

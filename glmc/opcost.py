@@ -17,14 +17,13 @@ them for the kernels it fuses. `glmc.cost` turns costs into time on a device pro
 from __future__ import annotations
 
 import math
-import operator
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 
-from glmc.ir import comm_ops, op_name
+from glmc.ir import comm_ops, is_view, op_name
 from glmc.kernels import CHUNK_ELEMENTS, head_rows
 from glmc.profiles import ATTENTION_BACKWARD_FACTOR, attention_flops
 
@@ -63,23 +62,6 @@ _KNOWN = {
 #: ops that allocate but never read their input's data (only its shape)
 _SHAPE_ONLY = {"zeros_like", "ones_like", "full_like", "empty_like", "zeros", "ones", "full",
                "empty", "scalar_tensor", "arange", "rand", "randn", "rand_like", "randn_like"}
-
-
-def is_view(node: fx.Node) -> bool:
-    """True when the node's result aliases an input's storage (view ops, getitem, in-place)."""
-    if node.op != "call_function":
-        return False
-    target = node.target
-    if target is operator.getitem:
-        return True
-    if not isinstance(target, torch._ops.OpOverload):
-        return False
-    if target in (aten._unsafe_view.default,):
-        return True
-    if comm_ops().get(target) == "wait_tensor":  # returns the collective's own output
-        return True
-    returns = target._schema.returns
-    return bool(returns) and returns[0].alias_info is not None
 
 
 def kind_of(node: fx.Node) -> str:

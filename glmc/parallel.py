@@ -391,24 +391,36 @@ class DataParallel:
         return out
 
     @contextlib.contextmanager
-    def full_parameters(self, model: nn.Module) -> Iterator[None]:
-        """Under stage 3, the module's full parameters for the duration (to capture a new
-        batch shape); every rank must enter it together."""
-        if self.plan is None or not any(":" not in t for t in self.plan.layouts):
+    def full_parameters(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+                        ) -> Iterator[None]:
+        """The module's full parameters (stage 3) and the optimizer's full state (stages 1-3)
+        for the duration: what capturing the step again (a new batch shape, a recompile
+        with other pass options) reads; every rank must enter it together."""
+        if self.plan is None or (optimizer is None and
+                                 not any(":" not in t for t in self.plan.layouts)):
             yield
             return
         params = dict(model.named_parameters())
-        saved = {}
+        saved = []
         for target, lay in self.plan.layouts.items():
             if ":" in target:
-                continue
-            saved[target] = params[target].data
-            params[target].data = self._gather(target, lay)
+                if optimizer is None:
+                    continue
+                key, _, name = target.partition(":")
+                container, slot = optimizer.state[params[name]], key
+                saved.append((container, slot, container[slot]))
+                container[slot] = self._gather(target, lay)
+            else:
+                saved.append((params[target], None, params[target].data))
+                params[target].data = self._gather(target, lay)
         try:
             yield
         finally:
-            for target, data in saved.items():
-                params[target].data = data
+            for container, slot, data in saved:
+                if slot is None:
+                    container.data = data
+                else:
+                    container[slot] = data
 
     def _gather(self, target: str, lay: Layout) -> torch.Tensor:
         shards = [torch.empty_like(self.store[target]) for _ in range(self.world)]

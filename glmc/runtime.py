@@ -113,7 +113,10 @@ class Trainer:
             program = {k: v for k, v in dataclasses.asdict(self.options).items()
                        if k not in ("progress", "dump_dir")}  # may differ between ranks
             self.parallel.check_same(self.model, self.example, repr(program))
-            budgeted = any(p.name == "recompute" for p in self._pipeline)  # has a budget
+            # a size or fraction: stage-3 gathers planned with activations; "min" keeps the
+            # rule (every bucket gathered again), whose smallest peak the joint plan may miss
+            budget = self.options.memory_budget
+            budgeted = budget is not None and str(budget).strip().lower() != "min"
             for p in options.passes(self.parallel.link, budgeted):
                 self._pipeline = with_pass(self._pipeline, p)
         self._entry(self._micro_batches(self._local(self.example))[-1])
@@ -290,7 +293,8 @@ class Trainer:
         self._say(f"capturing the training step for batch {describe(batch)} ...")
         t0 = time.perf_counter()
         try:
-            with self.parallel.full_parameters(self.model) if self.parallel is not None \
+            with self.parallel.full_parameters(self.model, self.optimizer) \
+                    if self.parallel is not None \
                     else contextlib.nullcontext():
                 graph = self._saved_graph(batch) or capture_step(self.model, batch,
                                                                   self.loss_fn, self.optimizer)

@@ -227,11 +227,11 @@ def _check_like_one_process(runs: Path, part: str) -> None:
 
 
 def test_recompute_composes_with_stage_3(runs: Path) -> None:
-    """The recompute pass after the shard pass plans activations and parameter gathers under
-    one budget: with "min" it recomputes activations and gathers again only the buckets that
-    lower the peak (fewer than without a budget, which gathers every one again); with the
-    whole budget (1.0) it keeps the forward's gathered parameters (no backward gather) at a
-    higher predicted peak. Both train as eager on the global batch."""
+    """The recompute pass after the shard pass: under "min" it recomputes activations with
+    every bucket gathered again for the backward (the rule); under a fractional budget (1.0,
+    the whole peak) it plans gathers with activations and keeps the forward's gathered
+    parameters (no backward gather) at a higher predicted peak. Both train as eager on the
+    global batch."""
     plain = result(runs, "stage3", 0)
     assert plain["gathers"]["backward"] > 0  # no budget: gathered again (reshard after forward)
     for rank in (0, 1):
@@ -239,7 +239,7 @@ def test_recompute_composes_with_stage_3(runs: Path) -> None:
         assert keep["gathers"].get("backward", 0) == 0 and keep["recomputed"] == 0
         assert keep["peak"] > plain["peak"]  # what keeping the gathered parameters costs
         assert low["recomputed"] > 0 and low["peak"] < plain["peak"]
-        assert low["gathers"].get("backward", 0) < plain["gathers"]["backward"]
+        assert low["gathers"]["backward"] >= plain["gathers"]["backward"]
         assert keep["gathers"]["forward"] == low["gathers"]["forward"] == \
             plain["gathers"]["forward"]
         for r in (low, keep):
@@ -250,23 +250,26 @@ def test_recompute_composes_with_stage_3(runs: Path) -> None:
 
 
 def test_one_budget_plans_gathers_and_activations_together() -> None:
-    """ZeRO-3 on a 2-rank mesh (one process: the plan, not the run): with the forward's
-    gathered parameters kept for the backward (reshard=budget) and priced as a gather again,
-    the recompute pass's smallest peak is no higher than with every bucket gathered again
-    (reshard=always) — and it gathers fewer buckets again to reach it."""
+    """ZeRO-3 on a 2-rank mesh (one process: the plan, not the run), a budget 15% above the
+    smallest peak with every bucket gathered again: with the forward's gathered parameters
+    kept for the backward and priced as a gather again (reshard=budget), the recompute pass
+    meets the budget and gathers fewer buckets again than the rule (reshard=always) does."""
     from glmc.passes.recompute import RecomputePass
 
     model, batch, loss_fn, opt = CASES["glm"].make()
     step = glmc.capture(model, batch, loss_fn, opt)
     ctx = PassContext(mesh=MeshSpec((2,), ("dp",)))
-    found = {}
-    for reshard in ("always", "budget"):
+
+    def plan(reshard: str, budget: str) -> tuple[int, int]:
         g = step.copy()
         ShardPass(stage=3, bucket_mb=BUCKET_MB, reshard=reshard, link="100us:1GBps").run(g, ctx)
-        stats = RecomputePass(budget="min").run(g, ctx).stats
-        found[reshard] = (stats.predicted_peak, _gathers(g).get("backward", 0))
-    assert found["budget"][0] <= found["always"][0]
-    assert found["budget"][1] < found["always"][1]
+        stats = RecomputePass(budget=budget).run(g, ctx).stats
+        return stats.predicted_peak, _gathers(g).get("backward", 0)
+
+    budget = int(plan("always", "min")[0] * 1.15)
+    always, joint = plan("always", str(budget)), plan("budget", str(budget))
+    assert always[0] <= budget and joint[0] <= budget
+    assert joint[1] < always[1]
     with pytest.raises(ConfigError, match="reshard must be 'always' or 'budget'"):
         ShardPass(stage=3, reshard="bogus").run(step.copy(), ctx)
 
