@@ -293,9 +293,8 @@ class Trainer:
         self._say(f"capturing the training step for batch {describe(batch)} ...")
         t0 = time.perf_counter()
         try:
-            with self.parallel.full_parameters(self.model, self.optimizer) \
-                    if self.parallel is not None \
-                    else contextlib.nullcontext():
+            full = self.parallel.full_parameters if self.parallel is not None else None
+            with full(self.model, self.optimizer) if full else contextlib.nullcontext():
                 graph = self._saved_graph(batch) or capture_step(self.model, batch,
                                                                   self.loss_fn, self.optimizer)
         except CaptureError as e:

@@ -60,12 +60,14 @@ def _gathers(graph: Any) -> dict[str, int]:
 
 
 def _stage_part(stage: int, precision: str | None = None, fusion: bool = False,
-                memory_budget: str | None = None, backend: str = "eager"):
+                memory_budget: str | None = None, backend: str = "eager",
+                measure: bool = True):
     def part(rank: int, out: Path) -> dict:
         (model, batch, loss_fn, opt), (ref_model, ref_opt) = _case()
         ref = eager_losses(ref_model, batch, loss_fn, ref_opt, STEPS)
         trainer = glmc.optimize(model, batch, loss_fn=loss_fn, optimizer=opt, backend=backend,
                                 precision=precision, fusion=fusion, predict=False,
+                                measure=measure,
                                 memory_budget=memory_budget,
                                 parallel={"zero": stage, "bucket_mb": BUCKET_MB})
         args, kwargs = split_batch(batch)
@@ -179,7 +181,8 @@ def _worker(rank: int, port: int, out: str) -> None:
     parts = [(f"stage{s}", _stage_part(s, fusion=s == 2)) for s in (0, 1, 2, 3)]
     parts += [("stage3_bf16", _stage_part(3, "bf16")),
               ("stage3_recompute", _stage_part(3, memory_budget="min")),
-              ("stage3_keep", _stage_part(3, memory_budget="1.0")),
+              # the plan itself: no measured retry (which may recompute to meet the budget)
+              ("stage3_keep", _stage_part(3, memory_budget="1.0", measure=False)),
               ("checkpoint", _checkpoint_part),
               ("accumulate", _accumulate_part), ("compress", _compress_part),
               ("errors", _errors_part)]
