@@ -209,6 +209,7 @@ def _inductor_worker(rank: int, port: int, out: str) -> None:
                                                                    backend="inductor"))])
 
 
+@pytest.mark.slow  # an Inductor compile on each of 2 processes: ~1-2 min on 2 cores
 def test_inductor_compiles_the_sharded_step_like_one_process(tmp_path: Path) -> None:
     """ZeRO-3 + fusion on Inductor: the functional collectives compiled into the step with
     the fused update in place, the losses, parameters and state those of eager PyTorch (the
