@@ -243,6 +243,10 @@ GRAD_OF = "glmc_grad_of"
 #: pass weighs against keeping them, as it weighs recomputing an activation
 REGATHER_S = "glmc_regather_s"
 
+#: TrainGraph.meta key of the graph's cached write-back module (glmc.program.inplace_module);
+#: derived from the graph, so a copy (which a pass may rewrite) does not carry it
+INPLACE_GM = "inplace_gm"
+
 #: node.meta key on a node one of whose int arguments is this process's coordinate on a mesh
 #: dim: (mesh dim, argument index). `glmc.program.bind_mesh` fills it in per process.
 RANK_ARG = "glmc_rank_arg"
@@ -317,8 +321,9 @@ class TrainGraph:
         env: dict[fx.Node, fx.Node] = {}
         for n in self.graph.nodes:
             env[n] = new.node_copy(n, lambda a: env[a])
+        meta = {k: v for k, v in self.meta.items() if k != INPLACE_GM}  # made from this graph
         return TrainGraph(fx.GraphModule(self.gm, new), list(self.inputs), list(self.outputs),
-                          dict(self.meta))
+                          meta)
 
     def signature(self) -> tuple[tuple[InputSpec, ...], tuple[OutputSpec, ...]]:
         return tuple(self.inputs), tuple(self.outputs)

@@ -441,7 +441,10 @@ def _(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, b
 def in_place_fused_updates(gm: "torch.fx.GraphModule") -> int:
     """Each functional `aten._fused_adam(w)` whose new parameters and state are only copied
     back into the step's inputs (the write-back form, glmc.writeback) -> one in-place
-    `glmc::fused_adam_` on those inputs, after every copy it replaces; the copies go.
+    `glmc::fused_adam_` on those inputs, after every copy it replaces; the copies go. New
+    parameters that are read on (a sharded update gathers them) qualify too when computed
+    from private views of inputs (`_private_view`): the update then runs in place on those
+    views where the functional op ran, and their readers read the views.
     Returns how many were rewritten; any other shape of use is left functional (correct,
     with the functional op's copies)."""
     aten = torch.ops.aten

@@ -430,14 +430,11 @@ class PipelineTrainer:
         stages, bound = [], []
         for st in program.stages:
             update = st.update.copy()
-            update.meta.pop("inplace_gm", None)
             ShardPass(stage=2).run(update, PassContext(mesh=MeshSpec((self.dp,), (DIM,))))
             stages.append(dataclasses.replace(st, update=update))
             if st.index in self.local:
                 self._install(st.index, update.meta["sharding"])
-                ready = bind_mesh(update, mesh)
-                ready.meta.pop("inplace_gm", None)
-                bound.append(dataclasses.replace(st, update=ready))
+                bound.append(dataclasses.replace(st, update=bind_mesh(update, mesh)))
             else:
                 bound.append(stages[-1])
         self.pipeline.program = dataclasses.replace(program, stages=tuple(stages))

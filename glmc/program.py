@@ -31,8 +31,9 @@ import torch.fx as fx
 import torch.nn as nn
 
 from glmc.errors import CaptureError, ConfigError, PassError
-from glmc.ir import (RANK_ARG, CommInfo, InputSpec, MeshSpec, NodeInfo, OutputKind, OutputSpec,
-                     Phase, Role, TensorSpec, TrainGraph, comm_ops, is_collective, op_name)
+from glmc.ir import (INPLACE_GM, RANK_ARG, CommInfo, InputSpec, MeshSpec, NodeInfo, OutputKind,
+                     OutputSpec, Phase, Role, TensorSpec, TrainGraph, comm_ops, is_collective,
+                     op_name)
 from glmc.optim import ensure_state, rule_for
 
 if TYPE_CHECKING:
@@ -458,13 +459,13 @@ def inplace_module(graph: TrainGraph) -> fx.GraphModule:
 
     from glmc.kernels import in_place_fused_updates
     from glmc.writeback import lower_writeback
-    gm = graph.meta.get("inplace_gm")
+    gm = graph.meta.get(INPLACE_GM)
     if gm is None:
         gm = lower_writeback(graph)
         in_place_fused_updates(gm)
         gm.graph.set_codegen(_BoxedCodeGen())
         gm.recompile()
-        graph.meta["inplace_gm"] = gm
+        graph.meta[INPLACE_GM] = gm
     return gm
 
 

@@ -595,13 +595,9 @@ class _Sharder:
         """reshard=budget: the backward's readers of parameter `ph` read the forward's
         gathered copy (False: no forward gather to read)."""
         full = self.forward_full.get(ph)
-        if full is None:
-            return False
-        for u in list(ph.users):
-            if TrainGraph.info(u).phase is Phase.BACKWARD and \
-                    TrainGraph.info(u).created_by != "shard":
-                u.replace_input_with(ph, full)
-        return True
+        if full is not None:
+            _redirect(ph, full, Phase.BACKWARD)
+        return full is not None
 
     def _gather_for(self, phase: Phase, buckets: list[Bucket], first: dict[str, fx.Node],
                     chains: dict[fx.Node, str]) -> None:
@@ -628,11 +624,7 @@ class _Sharder:
                 ) -> None:
         """Readers of parameter `ph` in `phase` read `full`; in the backward, forward views of
         the parameter that the backward reads are made again from `full`."""
-        for u in list(ph.users):
-            if u is full or TrainGraph.info(u).created_by == "shard":
-                continue
-            if TrainGraph.info(u).phase is phase:
-                u.replace_input_with(ph, full)
+        _redirect(ph, full, phase)
         if phase is not Phase.BACKWARD:
             self.forward_full[ph] = full
             return
@@ -670,6 +662,14 @@ class _Sharder:
             loss = total
         insert_collective(self.graph, loss, "all_reduce", self.mesh, DIM, "avg",
                           readers=[self.graph.output_node()])
+
+
+def _redirect(ph: fx.Node, full: fx.Node, phase: Phase) -> None:
+    """`phase`'s readers of parameter `ph` (not the shard pass's own nodes) read `full`."""
+    for u in list(ph.users):
+        if u is not full and TrainGraph.info(u).created_by != "shard" and \
+                TrainGraph.info(u).phase is phase:
+            u.replace_input_with(ph, full)
 
 
 def _settle_waits(graph: TrainGraph, overlap: bool) -> None:
