@@ -331,6 +331,21 @@ def _pipeline_problems(args: argparse.Namespace) -> list[str]:
                         "processes beyond one pipeline are its data-parallel replicas)")
     if args.pp is None and (args.microbatches is not None or args.schedule != "1f1b"):
         problems.append("--microbatches / --schedule need --pp")
+    if args.pp is not None:
+        ignored = [flag for flag, v in (("--precision", args.precision),
+                                        ("--fusion", args.fusion or None), ("--passes", args.passes),
+                                        ("--disable", args.disable or None),
+                                        ("--cuda-graphs", args.cuda_graphs or None),
+                                        ("--compress", args.compress)) if v is not None]
+        if ignored:
+            problems.append(f"--pp: {', '.join(ignored)} cannot apply to pipeline stages yet "
+                            "(each stage is captured as its own forward, backward and update "
+                            "graphs, not as one whole step for glmc's passes); drop "
+                            f"{'it' if len(ignored) == 1 else 'them'} or train without --pp")
+        if args.backend not in ("eager", "inductor"):
+            problems.append(f"--pp: --backend {args.backend} runs functional steps; pipeline "
+                            "stages update their state in place: use --backend inductor "
+                            "(default) or eager")
     return problems
 
 
@@ -434,7 +449,7 @@ def _compile(args: argparse.Namespace) -> int:
     if args.pp is not None:
         from glmc.pipeline_parallel import train_cli
         return train_cli(work, args.steps, args.microbatches or args.pp, args.schedule, args.pp,
-                         args.report_dir, args.memory_budget, args.zero or 0)
+                         args.report_dir, args.memory_budget, args.zero or 0, args.backend)
     trainer = glmc.optimize(work.model, work.example_inputs, loss_fn=work.loss_fn,
                             optimizer=work.optimizer, backend=args.backend, passes=args.passes,
                             memory_budget=args.memory_budget, precision=args.precision,

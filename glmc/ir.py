@@ -246,6 +246,9 @@ REGATHER_S = "glmc_regather_s"
 #: TrainGraph.meta key of the graph's cached write-back module (glmc.program.inplace_module);
 #: derived from the graph, so a copy (which a pass may rewrite) does not carry it
 INPLACE_GM = "inplace_gm"
+#: TrainGraph.meta key of the graph's write-back form compiled by a backend
+#: (glmc.program.compile_inplace); derived from the graph too
+COMPILED_STEP = "compiled_step"
 
 #: node.meta key on a node one of whose int arguments is this process's coordinate on a mesh
 #: dim: (mesh dim, argument index). `glmc.program.bind_mesh` fills it in per process.
@@ -321,7 +324,8 @@ class TrainGraph:
         env: dict[fx.Node, fx.Node] = {}
         for n in self.graph.nodes:
             env[n] = new.node_copy(n, lambda a: env[a])
-        meta = {k: v for k, v in self.meta.items() if k != INPLACE_GM}  # made from this graph
+        meta = {k: v for k, v in self.meta.items()  # the cached forms were made from this graph
+                if k not in (INPLACE_GM, COMPILED_STEP)}
         return TrainGraph(fx.GraphModule(self.gm, new), list(self.inputs), list(self.outputs),
                           meta)
 

@@ -368,8 +368,9 @@ class PipelineTrainer:
     stage, None elsewhere."""
 
     def __init__(self, pipeline: Pipeline, timeout_s: float = 300.0, dp: int = 1,
-                 zero: int = 0) -> None:
+                 zero: int = 0, backend: str = "eager") -> None:
         from glmc.parallel import init_distributed
+        stage_backend(backend)  # a bad name fails before any process group exists
         if zero not in (0, 1):
             raise ConfigError(f"pipeline: ZeRO stage {zero} with a pipeline: a stage sums its "
                               "gradients over the microbatches before any reduction, so only "
@@ -409,6 +410,30 @@ class PipelineTrainer:
         self.runnable = pipeline.program
         if self.zero:
             self._shard_updates()
+        self.backend = backend
+        self.compile_seconds = self._compile(backend)
+
+    def _compile(self, backend: str) -> float:
+        """Compile every graph this rank's actions run (forward, backward or ZB-H1's I and W,
+        the update) with `backend` in its write-back form; "eager" runs the fx graphs as
+        they are. Returns the compile seconds."""
+        if backend == "eager":
+            return 0.0
+        from glmc.program import compile_inplace
+        t0 = time.perf_counter()
+        compiler = stage_backend(backend)
+        K = ActionKind
+        sched = self.runnable.schedule
+        for stage in self.local:
+            st = self.runnable.stages[stage]
+            kinds = {a.kind for a in sched.rank_actions(self.pp_rank) if a.stage == stage}
+            graphs = [st.forward] if K.F in kinds else []
+            graphs += [st.backward] if K.B in kinds else []
+            graphs += list(st.split or ()) if kinds & {K.I, K.W} else []
+            graphs += [st.update] if K.UPDATE in kinds else []
+            for g in graphs:
+                compile_inplace(g, compiler)
+        return time.perf_counter() - t0
 
     def _shard_updates(self) -> None:
         """ZeRO-1 over each stage's replicas: every stage's update becomes glmc's shard pass
@@ -578,6 +603,17 @@ class PipelineTrainer:
                                    [e["state"] for e in every], every[0]["source"])
 
 
+def stage_backend(name: str) -> Any:
+    """The glmc backend that compiles pipeline stages: one that updates state in place (a
+    stage writes its parameters and optimizer state as it goes)."""
+    from glmc.backends import get_backend
+    backend = get_backend(name)
+    if not backend.traits().inplace:
+        raise ConfigError(f"pipeline: backend {name!r} runs functional steps; pipeline stages "
+                          "update their state in place and run on 'eager' or 'inductor'")
+    return backend
+
+
 def replica_slices(batch: tuple[torch.Tensor, ...], dp: int) -> list[list[torch.Tensor]]:
     """The global batch's rows cut into `dp` equal replica slices."""
     return _equal_rows(batch, dp, "data-parallel replicas",
@@ -593,24 +629,27 @@ def from_env_world() -> int:
 def plan_stages(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any,
                 example_inputs: Any, stages: int, microbatches: int, schedule: str,
                 virtual: int = 1, profile: Any = None, link: Any = None,
-                cut: Any = None) -> Any:
+                cut: Any = None, backend: str = "eager") -> Any:
     """The partition pass's plan for the whole step, captured once on this process on one
     microbatch (what each stage runs per action); `link`: the link between stages the
     predicted schedule prices transfers on; `cut`: predict this cut instead of choosing
-    (`plan_partition`'s `cut`: block indices or "equal")."""
+    (`plan_partition`'s `cut`: block indices or "equal"); `backend`: what will run the stages
+    (its traits price their ops: Inductor's fusion groups)."""
     import glmc
     from glmc.passes.partition import PartitionPass
     from glmc.passmanager import PassContext
 
     one = like(example_inputs, microbatch_leaves(example_inputs, microbatches)[0])
     graph = glmc.capture(model, one, loss_fn, optimizer)
+    traits = stage_backend(backend).traits()
     if cut is not None:
         from glmc.passes.partition import plan_partition
         return plan_partition(graph, stages, microbatches, schedule, [profile] * stages,
-                              virtual=virtual, link=link, microbatch_graph=True, cut=cut)
+                              traits=traits, virtual=virtual, link=link,
+                              microbatch_graph=True, cut=cut)
     ps = PartitionPass(stages=stages, microbatches=microbatches, schedule=schedule,
                        virtual=virtual, link=link or "", microbatch_graph=True)
-    return ps.run(graph, PassContext(profile=profile)).stats
+    return ps.run(graph, PassContext(traits=traits, profile=profile)).stats
 
 
 def saved_fractions(plan: Any, budget: Any, ranks: int) -> list[float | None]:
@@ -649,8 +688,8 @@ def saved_fractions(plan: Any, budget: Any, ranks: int) -> list[float | None]:
 def pipeline_trainer(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any,
                      example_inputs: Any, microbatches: int, schedule: str = "1f1b",
                      virtual: int = 1, timeout_s: float = 300.0, dp: int = 1,
-                     memory_budget: Any = None, cut: Any = None, zero: int = 0
-                     ) -> PipelineTrainer:
+                     memory_budget: Any = None, cut: Any = None, zero: int = 0,
+                     backend: str = "eager") -> PipelineTrainer:
     """A PipelineTrainer over every process of the default group (from torchrun's env):
     world / dp pipeline ranks, `dp` replicas. Rank 0 plans the cut for one replica's slice of
     the batch (the cost model may be calibrated differently per process, so one process
@@ -658,7 +697,8 @@ def pipeline_trainer(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn
     rank, a fraction or "min"): each stage recomputes activations in its backward so that its
     in-flight microbatches fit (`saved_fractions`). `cut`: use this cut (block indices, or
     "equal") instead of the planned one. `zero=1`: each stage's optimizer state sharded over
-    its replicas (`PipelineTrainer`)."""
+    its replicas (`PipelineTrainer`). `backend`: what runs each stage's graphs ("eager":
+    the fx graphs; "inductor": each compiled once, in its write-back form)."""
     from glmc.comm import measure_link
     from glmc.parallel import init_distributed
     init_distributed("cpu", timeout_s)
@@ -673,7 +713,7 @@ def pipeline_trainer(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn
     box: list[Any] = [None]
     if dist.get_rank() == 0:
         box[0] = plan_stages(model, optimizer, loss_fn, example, stages, microbatches,
-                             schedule, virtual, link=link, cut=cut)
+                             schedule, virtual, link=link, cut=cut, backend=backend)
     dist.broadcast_object_list(box, src=0)
     plan = box[0]
     fractions = saved_fractions(plan, memory_budget, stages // virtual)
@@ -682,17 +722,18 @@ def pipeline_trainer(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn
                          fractions)
     pipe.plan = plan
     pipe.saved_fractions = fractions
-    return PipelineTrainer(pipe, timeout_s, dp, zero)
+    return PipelineTrainer(pipe, timeout_s, dp, zero, backend)
 
 
 def train_cli(work: Any, steps: int, microbatches: int, schedule: str, pp: int,
-              report_dir: str | None = None, memory_budget: Any = None, zero: int = 0) -> int:
+              report_dir: str | None = None, memory_budget: Any = None, zero: int = 0,
+              backend: str = "eager") -> int:
     """`glmc compile FILE --nproc N --pp S ...`: trains `work` pipelined; the rank holding
     replica 0's last stage prints `step i  loss x` lines as a single process does, then the plan and
     its predictions against three more measured steps (per-stage peak, bubble); with
     `report_dir`, also report.html (plan, Gantt charts), report.json and Chrome traces.
     More processes than stages: pp x dp (`--nproc` a multiple of `--pp`), with `zero=1` the
-    optimizer state sharded over the replicas."""
+    optimizer state sharded over the replicas; `backend` runs the stages' graphs."""
     world = from_env_world()
     if world % pp:
         raise ConfigError(f"pipeline: --pp {pp} needs a multiple of {pp} processes (pp x dp); "
@@ -700,7 +741,7 @@ def train_cli(work: Any, steps: int, microbatches: int, schedule: str, pp: int,
     virtual = 2 if schedule == "interleaved" else 1
     trainer = pipeline_trainer(work.model, work.optimizer, work.loss_fn, work.example_inputs,
                                microbatches, schedule, virtual, dp=world // pp,
-                               memory_budget=memory_budget, zero=zero)
+                               memory_budget=memory_budget, zero=zero, backend=backend)
     args, kwargs = split_batch(work.example_inputs)
     printer = trainer.last and trainer.replica == 0
     for i in range(steps):
@@ -711,6 +752,8 @@ def train_cli(work: Any, steps: int, microbatches: int, schedule: str, pp: int,
     if printer:
         data = pipeline_report(trainer.pipeline.plan, measured, trainer.pipeline.program,
                                trainer.pipeline.saved_fractions)
+        data["backend"] = {"name": trainer.backend,
+                           "compile_seconds": trainer.compile_seconds}  # this rank's
         print(summary(data), flush=True)
         if report_dir:
             print(f"report: {write_report(data, report_dir)}")
@@ -804,6 +847,11 @@ def summary(data: dict) -> str:
                      f"MiB (stage graphs through the schedule; the cut's plan "
                      f"{r['planned_peak_bytes'] / 2**20:.2f}), measured "
                      f"{r['measured_peak_bytes'] / 2**20:.2f} MiB")
+    if data.get("backend"):
+        be = data["backend"]
+        lines.append(f"stages run on {be['name']}" + (
+            f" (each graph compiled once: {be['compile_seconds']:.1f} s on this rank)"
+            if be["name"] != "eager" else " (the captured fx graphs)"))
     b, t = data["bubble"], data["step_seconds"]
     pred_t = f"{t['predicted'] * 1e3:.1f}" if t["predicted"] is not None else "-"
     if data["link"]:

@@ -31,7 +31,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from glmc.errors import CaptureError, ConfigError, PassError
-from glmc.ir import (INPLACE_GM, RANK_ARG, CommInfo, InputSpec, MeshSpec, NodeInfo, OutputKind,
+from glmc.ir import (COMPILED_STEP, INPLACE_GM, RANK_ARG, CommInfo, InputSpec, MeshSpec, NodeInfo, OutputKind,
                      OutputSpec, Phase, Role, TensorSpec, TrainGraph, comm_ops, is_collective,
                      op_name)
 from glmc.optim import ensure_state, rule_for
@@ -437,7 +437,8 @@ def run_inplace(graph: TrainGraph, *sources: Values,
     each gradient; a (role, target) key in `consume` takes that one input. Returns the other
     outputs (loss, sent, saved values, gradients) by (kind, target)."""
     from glmc.writeback import STATE_KINDS
-    gm = inplace_module(graph)
+    compiled = graph.meta.get(COMPILED_STEP)
+    gm = inplace_module(graph) if compiled is None else None
     args = gather(graph, *sources)
     consume = set(consume)
     for spec in graph.inputs:
@@ -445,9 +446,41 @@ def run_inplace(graph: TrainGraph, *sources: Values,
             for source in sources:
                 source.pop((spec.role, spec.target), None)
     with torch.no_grad():  # copies into leaf parameters
-        outs = gm(args)  # clears `args`: the graph holds the only references
+        if compiled is not None:
+            outs = compiled(_conform(graph, args))
+            args.clear()
+        else:
+            outs = gm(args)  # clears `args`: the graph holds the only references
     kept = [spec for spec in graph.outputs if spec.kind not in STATE_KINDS]
     return {(spec.kind, spec.target): v for spec, v in zip(kept, outs)}
+
+
+def compile_inplace(graph: TrainGraph, backend: Any) -> None:
+    """Compile `graph`'s write-back form with `backend` (a glmc Backend that updates state in
+    place: eager, Inductor) once and keep it in `graph.meta`: `run_inplace` then runs the
+    compiled step instead of the fx module (a copy of the graph does not carry it)."""
+    graph.meta[COMPILED_STEP] = backend.compile(graph, inplace=True)
+
+
+def _conform(graph: TrainGraph, args: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`args` with every value the graph takes over (saved, received, gradients: not state,
+    which must be written in place) in the layout its placeholder was compiled for: a compiled
+    step checks its inputs' strides, and a gradient may arrive expanded or as a view."""
+    state = (Role.PARAMETER, Role.BUFFER, Role.OPTIMIZER_STATE, Role.SCALER, Role.HYPERPARAM)
+    out = []
+    for ph, spec, t in zip(graph.placeholders(), graph.inputs, args):
+        want = ph.meta.get("val")
+        if spec.role not in state and isinstance(want, torch.Tensor) and \
+                isinstance(t, torch.Tensor) and not _same_layout(t, want):
+            t = torch.empty_strided(want.shape, want.stride(), dtype=t.dtype,
+                                    device=t.device).copy_(t)
+        out.append(t)
+    return out
+
+
+def _same_layout(t: torch.Tensor, want: torch.Tensor) -> bool:
+    return tuple(t.shape) == tuple(want.shape) and all(
+        a == b for a, b, n in zip(t.stride(), want.stride(), t.shape) if n > 1)
 
 
 def inplace_module(graph: TrainGraph) -> fx.GraphModule:

@@ -14,7 +14,7 @@ import torch
 
 import glmc
 from glmc.errors import ConfigError, InputError, PassError
-from glmc.ir import OutputKind
+from glmc.ir import COMPILED_STEP, OutputKind
 from glmc.passes.partition import PartitionPass, balanced_cut, plan_partition, step_blocks
 from glmc.passmanager import PassContext
 from glmc.pipeline import parse_pipeline
@@ -288,6 +288,23 @@ def _tied_part(rank: int, out: Path, schedule: str) -> dict:
             "state": {k: v for k, v in model.state_dict().items() if k in names}}
 
 
+def _inductor_part(rank: int, out: Path, schedule: str) -> dict:
+    """Every graph a rank runs compiled by Inductor in its write-back form."""
+    from glmc.pipeline_parallel import PipelineTrainer
+    model, batch, loss_fn, opt = CASES["glm"].make()
+    trainer = PipelineTrainer(build_program(model, opt, loss_fn, batch, _stage_blocks(schedule),
+                                            MICROBATCHES, schedule), timeout_s=300,
+                              backend="inductor")
+    losses = [trainer.step(*batch) for _ in range(STEPS)]
+    names = {n for s in trainer.local for n, _ in trainer.pipeline.stages[s].module
+             .named_parameters()}
+    compiled = [g.meta.get(COMPILED_STEP) for s in trainer.local
+                for g in trainer.runnable.stages[s].graphs().values()]
+    return {"losses": [float(v) for v in losses if v is not None],
+            "backends": sorted({c.backend for c in compiled if c is not None}),
+            "state": {k: v for k, v in model.state_dict().items() if k in names}}
+
+
 def _dead_part(rank: int, out: Path) -> dict:
     """Rank 1 dies after building its pipeline; rank 0's step must fail typed, not hang."""
     import os
@@ -323,6 +340,7 @@ def _worker(rank: int, port: int, out: str, names: list[str], slow: bool = False
               + [(f"tied_{name}", lambda r, o, n=name: _tied_part(r, o, n)) for name in names
                  if SCHEDULES[name] == 1]
               + ([("hf_tied", _hf_tied_part)] if slow else [])
+              + [("inductor_zbh1", lambda r, o: _inductor_part(r, o, "zbh1"))]
               + [("trainer", _trainer_part), ("dead", _dead_part)])  # "dead" kills rank 1
 
 
@@ -388,6 +406,19 @@ def test_transformers_glm_pipelines_through_torch_export(name: str, distributed:
     assert set(state) == {n for n, _ in model.named_parameters()}  # each on one rank
     for k, v in state.items():
         torch.testing.assert_close(v, model.state_dict()[k], rtol=RTOL, atol=1e-5, msg=k)
+
+
+def test_stages_compiled_by_inductor_train_like_one_process(distributed: Path,
+                                                            eager: tuple) -> None:
+    """ZB-H1 (forward, I, W and update graphs) with every graph compiled by Inductor."""
+    want_losses, want_state = eager
+    got = [result(distributed, "inductor_zbh1", r) for r in range(2)]
+    assert got[0]["backends"] == got[1]["backends"] == ["inductor"]
+    assert got[1]["losses"] == pytest.approx(want_losses, rel=RTOL)
+    state = {**got[0]["state"], **got[1]["state"]}
+    assert set(state) == {k for k in want_state if not k.endswith(("cos", "sin"))}
+    for k, v in state.items():
+        torch.testing.assert_close(v, want_state[k], rtol=RTOL, atol=1e-5, msg=k)
 
 
 @pytest.mark.parametrize("name", [*DEFAULT, pytest.param("gpipe", marks=pytest.mark.slow)])
