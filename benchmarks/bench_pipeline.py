@@ -2,7 +2,7 @@
 optionally torch.distributed.pipelining on the same split: 2 gloo processes on this host.
 
     .venv/bin/python benchmarks/bench_pipeline.py [--config tiny|small]
-        [--schedules 1f1b,zbh1,gpipe] [--microbatches 4] [--steps 5] [--torch]
+        [--schedules 1f1b,zbh1,gpipe,1f1b/inductor] [--microbatches 4] [--steps 5] [--torch]
 
 glmc runs `pipeline_trainer` + `PipelineTrainer.measure` as `glmc compile --pp 2` does (its
 own cut, predicted on the measured gloo link). With --torch, torch runs the *same stage
@@ -45,11 +45,14 @@ def _worker(rank: int, port: int, args: argparse.Namespace, blocks: list, out: s
     rows = {}
     try:
         if schedule != "torch":
-            spec, _, budget = schedule.partition("@")
+            spec, _, backend = schedule.partition("/")
+            spec, _, budget = spec.partition("@")
             name, _, cut = spec.partition(":")
             label = f"glmc {name}" + (f" ({cut} split)" if cut else "") + \
-                (f" (memory budget {budget})" if budget else "")
-            rows[label] = _run_glmc(rank, args, name, cut or None, budget or None)
+                (f" (memory budget {budget})" if budget else "") + \
+                (f" on {backend}" if backend else "")
+            rows[label] = _run_glmc(rank, args, name, cut or None, budget or None,
+                                    backend or "eager")
         else:
             try:
                 rows["torch.distributed.pipelining 1f1b"] = _run_torch(rank, args, blocks)
@@ -62,14 +65,14 @@ def _worker(rank: int, port: int, args: argparse.Namespace, blocks: list, out: s
 
 
 def _run_glmc(rank: int, args: argparse.Namespace, schedule: str, cut: str | None,
-              budget: str | None) -> dict:
+              budget: str | None, backend: str = "eager") -> dict:
     """glmc's trainer as `glmc compile --pp 2` runs it: its own plan (on the measured link),
     warm-up steps, then `measure` (back-to-back steps, one aligned step, one memory step)."""
     from glmc.pipeline_parallel import pipeline_report, pipeline_trainer
     model, batch, loss_fn, opt = _glm(args.config)
     virtual = 2 if schedule == "interleaved" else 1
     trainer = pipeline_trainer(model, opt, loss_fn, batch, args.microbatches, schedule, virtual,
-                               cut=cut, memory_budget=budget)
+                               cut=cut, memory_budget=budget, backend=backend)
     losses = [trainer.step(*batch) for _ in range(2)]
     m = trainer.measure(*batch, steps=args.steps)
     data = pipeline_report(trainer.pipeline.plan, m, trainer.pipeline.program)
@@ -166,7 +169,8 @@ def main() -> None:
     p.add_argument("--schedules", default="1f1b,zbh1,gpipe",
                    help="glmc schedules to run, comma-separated; NAME:equal runs NAME on an "
                         "equal split of blocks instead of glmc's cut; NAME@BUDGET under a "
-                        "per-rank memory budget (a size, a fraction of the activations, min)")
+                        "per-rank memory budget (a size, a fraction of the activations, min); "
+                        "NAME/BACKEND with the stages compiled by BACKEND (default eager)")
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--steps", type=int, default=5, help="measured back-to-back steps")
     p.add_argument("--torch", action="store_true",
@@ -217,10 +221,10 @@ def main() -> None:
               f" | {b['predicted']:.1%} / {b['measured']:.1%} / {b['measured_steady']:.1%} / "
               f"{b['replayed']:.1%} | {peaks} | {d['link']['latency_us']:.0f} us, "
               f"{d['link']['bandwidth_GBps']:.2f} GB/s |")
-    _compare(ranks)
+    _compare(ranks, blocks)
 
 
-def _compare(ranks: list[dict]) -> None:
+def _compare(ranks: list[dict], blocks: list) -> None:
     """Each glmc 1F1B row against torch's 1F1B on the same split: ratios, and the losses."""
     theirs = "torch.distributed.pipelining 1f1b"
     if any(theirs not in r or "error" in r[theirs] for r in ranks):
@@ -234,7 +238,10 @@ def _compare(ranks: list[dict]) -> None:
                  for i, r in enumerate(ranks)]
         a, b = ranks[-1][mine]["losses"], ranks[-1][theirs]["losses"][:2]
         diff = max(abs(x - y) / abs(y) for x, y in zip(a, b))
-        print(f"\n{mine} / {theirs}, same split and microbatches: step time {step:.3f}, peak "
+        cut = [s["blocks"] for s in ranks[0][mine]["data"]["stages"]]
+        split = "same split" if cut == blocks else "glmc's own cut (" + " | ".join(
+            ", ".join(bs) for bs in cut) + "), torch on the eager-priced cut"
+        print(f"\n{mine} / {theirs}, {split}, same microbatches: step time {step:.3f}, peak "
               f"per rank {', '.join(f'{p:.3f}' for p in peaks)}; first two losses glmc "
               f"{', '.join(f'{x:.6f}' for x in a)}, torch {', '.join(f'{x:.6f}' for x in b)} "
               f"(max relative difference {diff:.1e})")
