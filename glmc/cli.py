@@ -332,8 +332,12 @@ def _pipeline_problems(args: argparse.Namespace) -> list[str]:
     if args.pp is None and (args.microbatches is not None or args.schedule != "1f1b"):
         problems.append("--microbatches / --schedule need --pp")
     if args.pp is not None:
-        ignored = [flag for flag, v in (("--precision", args.precision),
-                                        ("--fusion", args.fusion or None), ("--passes", args.passes),
+        if args.precision not in (None, "bf16"):
+            problems.append(f"--pp: --precision {args.precision}: pipeline stages take bf16 "
+                            "only (fp16 needs one loss scale and overflow check across all "
+                            "stages; auto measures a whole step)")
+        ignored = [flag for flag, v in (("--fusion", args.fusion or None),
+                                        ("--passes", args.passes),
                                         ("--disable", args.disable or None),
                                         ("--cuda-graphs", args.cuda_graphs or None),
                                         ("--compress", args.compress)) if v is not None]
@@ -449,7 +453,8 @@ def _compile(args: argparse.Namespace) -> int:
     if args.pp is not None:
         from glmc.pipeline_parallel import train_cli
         return train_cli(work, args.steps, args.microbatches or args.pp, args.schedule, args.pp,
-                         args.report_dir, args.memory_budget, args.zero or 0, args.backend)
+                         args.report_dir, args.memory_budget, args.zero or 0, args.backend,
+                         args.precision)
     trainer = glmc.optimize(work.model, work.example_inputs, loss_fn=work.loss_fn,
                             optimizer=work.optimizer, backend=args.backend, passes=args.passes,
                             memory_budget=args.memory_budget, precision=args.precision,

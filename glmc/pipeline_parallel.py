@@ -236,10 +236,12 @@ class Pipeline:
 def build_program(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any,
                   example_inputs: Any, stage_blocks: Sequence[Sequence[str]], microbatches: int,
                   schedule: str = "1f1b", virtual: int = 1,
-                  saved_fractions: Sequence[float | None] | None = None) -> Pipeline:
+                  saved_fractions: Sequence[float | None] | None = None,
+                  precision: str | None = None) -> Pipeline:
     """Capture every stage of `model` cut at `stage_blocks` on one microbatch of
     `example_inputs`, link them and attach the schedule (torch's generator for `schedule`).
-    `saved_fractions[s]`: stage s's saved-activation budget (`capture_stage`; None: all)."""
+    `saved_fractions[s]`: stage s's saved-activation budget (`capture_stage`; None: all);
+    `precision`: every stage's forward under that policy (bf16; `capture_stage`)."""
     leaves = microbatch_leaves(example_inputs, microbatches)[0]
     blocks = [b for bs in stage_blocks for b in bs]
     gm = trace_blocks(model, blocks, loss_fn, like(example_inputs, leaves))
@@ -251,7 +253,7 @@ def build_program(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: A
         args = [(a, leaves[a] if isinstance(a, int) else values[a].detach()) for a in sm.args]
         fraction = saved_fractions[sm.index] if saved_fractions is not None else None
         stage = capture_stage(sm.index, sm.module, opt, args, send=sm.send,
-                              saved_fraction=fraction)
+                              saved_fraction=fraction, rewrite=_precision(precision))
         if schedule == "zbh1":
             stage = split_backward(stage)
         stages.append(stage)
@@ -261,6 +263,14 @@ def build_program(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: A
     program = StagedProgram(stages_t, link(stages_t), sched, shared_parameters(mods))
     program.verify()
     return Pipeline(program, mods, opts)
+
+
+def _precision(policy: str | None) -> Any:
+    """The stage forward rewrite of a precision policy (None: none)."""
+    if policy is None:
+        return None
+    from glmc.passes.precision import assign_stage
+    return lambda gm, inputs: assign_stage(gm, inputs, policy)
 
 
 def shared_parameters(mods: Sequence[StageModule]) -> tuple[tuple[tuple[int, str], ...], ...]:
@@ -689,7 +699,7 @@ def pipeline_trainer(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn
                      example_inputs: Any, microbatches: int, schedule: str = "1f1b",
                      virtual: int = 1, timeout_s: float = 300.0, dp: int = 1,
                      memory_budget: Any = None, cut: Any = None, zero: int = 0,
-                     backend: str = "eager") -> PipelineTrainer:
+                     backend: str = "eager", precision: str | None = None) -> PipelineTrainer:
     """A PipelineTrainer over every process of the default group (from torchrun's env):
     world / dp pipeline ranks, `dp` replicas. Rank 0 plans the cut for one replica's slice of
     the batch (the cost model may be calibrated differently per process, so one process
@@ -698,7 +708,8 @@ def pipeline_trainer(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn
     in-flight microbatches fit (`saved_fractions`). `cut`: use this cut (block indices, or
     "equal") instead of the planned one. `zero=1`: each stage's optimizer state sharded over
     its replicas (`PipelineTrainer`). `backend`: what runs each stage's graphs ("eager":
-    the fx graphs; "inductor": each compiled once, in its write-back form)."""
+    the fx graphs; "inductor": each compiled once, in its write-back form). `precision`:
+    "bf16" runs every stage's forward under glmc's dtype assignment (`capture_stage`)."""
     from glmc.comm import measure_link
     from glmc.parallel import init_distributed
     init_distributed("cpu", timeout_s)
@@ -719,7 +730,7 @@ def pipeline_trainer(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn
     fractions = saved_fractions(plan, memory_budget, stages // virtual)
     pipe = build_program(model, optimizer, loss_fn, example,
                          [s.blocks for s in plan.stages], microbatches, schedule, virtual,
-                         fractions)
+                         fractions, precision)
     pipe.plan = plan
     pipe.saved_fractions = fractions
     return PipelineTrainer(pipe, timeout_s, dp, zero, backend)
@@ -727,13 +738,14 @@ def pipeline_trainer(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn
 
 def train_cli(work: Any, steps: int, microbatches: int, schedule: str, pp: int,
               report_dir: str | None = None, memory_budget: Any = None, zero: int = 0,
-              backend: str = "eager") -> int:
+              backend: str = "eager", precision: str | None = None) -> int:
     """`glmc compile FILE --nproc N --pp S ...`: trains `work` pipelined; the rank holding
     replica 0's last stage prints `step i  loss x` lines as a single process does, then the plan and
     its predictions against three more measured steps (per-stage peak, bubble); with
     `report_dir`, also report.html (plan, Gantt charts), report.json and Chrome traces.
     More processes than stages: pp x dp (`--nproc` a multiple of `--pp`), with `zero=1` the
-    optimizer state sharded over the replicas; `backend` runs the stages' graphs."""
+    optimizer state sharded over the replicas; `backend` runs the stages' graphs, `precision`
+    (bf16) sets their dtypes."""
     world = from_env_world()
     if world % pp:
         raise ConfigError(f"pipeline: --pp {pp} needs a multiple of {pp} processes (pp x dp); "
@@ -741,7 +753,8 @@ def train_cli(work: Any, steps: int, microbatches: int, schedule: str, pp: int,
     virtual = 2 if schedule == "interleaved" else 1
     trainer = pipeline_trainer(work.model, work.optimizer, work.loss_fn, work.example_inputs,
                                microbatches, schedule, virtual, dp=world // pp,
-                               memory_budget=memory_budget, zero=zero, backend=backend)
+                               memory_budget=memory_budget, zero=zero, backend=backend,
+                               precision=precision)
     args, kwargs = split_batch(work.example_inputs)
     printer = trainer.last and trainer.replica == 0
     for i in range(steps):

@@ -31,9 +31,9 @@ import torch.fx as fx
 import torch.nn as nn
 
 from glmc.errors import CaptureError, ConfigError, PassError
-from glmc.ir import (COMPILED_STEP, INPLACE_GM, RANK_ARG, CommInfo, InputSpec, MeshSpec, NodeInfo, OutputKind,
-                     OutputSpec, Phase, Role, TensorSpec, TrainGraph, comm_ops, is_collective,
-                     op_name)
+from glmc.ir import (COMPILED_STEP, INPLACE_GM, RANK_ARG, CommInfo, InputSpec, MeshSpec,
+                     NodeInfo, OutputKind, OutputSpec, Phase, Role, TensorSpec, TrainGraph,
+                     comm_ops, is_collective, op_name)
 from glmc.optim import ensure_state, rule_for
 
 if TYPE_CHECKING:
@@ -705,7 +705,9 @@ StageArg = tuple["int | str", torch.Tensor]  #: (batch leaf index | received bou
 def capture_stage(index: int, module: nn.Module, optimizer: torch.optim.Optimizer,
                   args: Sequence[StageArg], *, send: Sequence[str] = (), loss_fn: Any = None,
                   target: tuple[int, torch.Tensor] | None = None,
-                  saved_fraction: float | None = None, update: str = "fused") -> Stage:
+                  saved_fraction: float | None = None, update: str = "fused",
+                  rewrite: Callable[[fx.GraphModule, list[InputSpec]], Any] | None = None
+                  ) -> Stage:
     """Stage `index` of a pipeline: `module(*args)` then either sends its outputs under the
     names `send`, or (last stage) computes `loss_fn(output, target)` — or, without `loss_fn`,
     returns the loss itself. An arg is `(i, example)` for leaf `i` of the microbatch, or
@@ -720,7 +722,12 @@ def capture_stage(index: int, module: nn.Module, optimizer: torch.optim.Optimize
     `"foreach"`: one multi-tensor op per group (torch's foreach path); `"fused"` (default):
     ATen's fused kernel per group where the rule has one (AdamW/Adam on fp32: what
     `fused=True` runs; `run_inplace` runs it in place on the state), else foreach — equal to
-    the single-tensor update within rounding."""
+    the single-tensor update within rounding. `rewrite(gm, inputs)`: the stage's forward is
+    traced to ATen ops (`gm`: parameters, buffers, batch leaves and received values -> its
+    outputs; every node with glmc metadata, `inputs` its placeholders' specs, received values
+    as activations), rewritten in place by `rewrite` (e.g. glmc's bf16 dtype assignment,
+    `glmc.passes.precision.assign_stage`) and differentiated again, so the backward follows
+    the rewrite."""
     if update not in ("fused", "foreach", "single"):
         raise ConfigError(f"capture_stage: update={update!r}; use 'fused', 'foreach' or "
                           "'single'")
@@ -742,20 +749,51 @@ def capture_stage(index: int, module: nn.Module, optimizer: torch.optim.Optimize
     examples = [p.detach().requires_grad_() for p in module.parameters()]
     examples += [b.detach() for b in module.buffers()]
     examples += [t.detach().requires_grad_(isinstance(k, str)) for k, t in leaves]
-    fw, bw, n_out = _aot_graphs(step, examples, saved_fraction)
-    if n_out != max(len(send), 1):
-        raise ConfigError(f"capture_stage: stage {index} returns {n_out} values but send= "
-                          f"names {len(send)} (a stage that writes a buffer returns more)")
     ins = [InputSpec(Role.PARAMETER, n) for n in names]
     ins += [InputSpec(Role.BUFFER, n) for n in buffers]
     ins += [InputSpec(Role.BOUNDARY, k) if isinstance(k, str) else InputSpec(Role.INPUT,
             f"input:{k}") for k, _ in leaves]
+    fn: Callable = step if rewrite is None else _rewritten(step, examples, ins, rewrite)
+    fw, bw, n_out = _aot_graphs(fn, examples, saved_fraction)
+    if n_out != max(len(send), 1):
+        raise ConfigError(f"capture_stage: stage {index} returns {n_out} values but send= "
+                          f"names {len(send)} (a stage that writes a buffer returns more)")
     n_saved = len(_output_args(fw)) - n_out
     outs = [OutputSpec(OutputKind.SEND, n) for n in send] or [OutputSpec(OutputKind.LOSS, "")]
     forward = _retype(fw, ins, [*outs, *(OutputSpec(OutputKind.SAVED, f"saved:{k}")
                                          for k in range(n_saved))], Phase.FORWARD, index)
     backward = _backward(index, bw, names, len(buffers), leaves, send, n_saved)
     return Stage(index, forward, backward, _update_graph(index, module, optimizer, update))
+
+
+def _rewritten(step: Callable, examples: list[torch.Tensor], inputs: list[InputSpec],
+               rewrite: Callable[[fx.GraphModule, list[InputSpec]], Any]) -> fx.GraphModule:
+    """`step` traced to ATen ops and rewritten by `rewrite` (see `capture_stage`); what
+    AOTAutograd then differentiates."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def flat(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = step(*args)
+        return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+    gm = make_fx(flat, tracing_mode="fake")(*(t.detach() for t in examples))
+    # received values are activations to a rewrite
+    specs = [InputSpec(Role.INPUT, s.target) if s.role is Role.BOUNDARY else s for s in inputs]
+    spec = iter(specs)
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            s = next(spec)
+            n.meta["glmc"] = NodeInfo(Phase.INPUT, s.role, TensorSpec.of(n.meta.get("val")),
+                                      target=s.target)
+        elif n.op == "get_attr":
+            n.meta["glmc"] = NodeInfo(Phase.INPUT, Role.CONSTANT,
+                                      TensorSpec.of(n.meta.get("val")))
+        elif n.op == "call_function":
+            n.meta["glmc"] = NodeInfo(Phase.FORWARD, Role.ACTIVATION,
+                                      TensorSpec.of(n.meta.get("val")), created_by="stage")
+    rewrite(gm, specs)
+    gm.recompile()
+    return gm
 
 
 def _aot_graphs(fn: Callable, examples: list[torch.Tensor], saved_fraction: float | None = None

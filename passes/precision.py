@@ -61,7 +61,7 @@ from torch._guards import detect_fake_mode
 from glmc import kernels  # noqa: F401  (registers glmc's fused ops)
 from glmc.cost import get_profile
 from glmc.errors import ConfigError, PassError
-from glmc.ir import REMAT, Phase, Role, TrainGraph, op_name
+from glmc.ir import REMAT, InputSpec, Phase, Role, TrainGraph, op_name
 from glmc.passmanager import Effect, Need, Pass, PassContext, PassResult
 from glmc.lossfusion import fuse_head, fuse_loss, is_plain_view as _is_plain_view
 from glmc.rederive import ForwardProgram, forward_program, rederive
@@ -494,6 +494,23 @@ def assign(program: ForwardProgram, rules: Mapping[str, str], modules: Mapping[s
         a.visit(n)
     a.finish()
     return a.casts, a.counts
+
+
+def assign_stage(gm: fx.GraphModule, inputs: list[InputSpec], policy: str) -> list[Cast]:
+    """A pipeline stage's forward program under `policy` (bf16): `gm` is the stage's forward
+    in ATen ops (parameters, buffers, batch leaves and received values -> sent values or the
+    loss, each output in its captured dtype; every node with glmc metadata), rewritten in
+    place by the same dtype assignment as the precision pass (the default op rules;
+    parameters stay fp32 masters, read through casts). The caller differentiates the result again (`glmc.program.capture_stage`), as
+    `rederive` does for a whole step. fp16 needs loss scaling with one overflow check across
+    every stage: not done for stages, so only bf16 is accepted."""
+    if policy != "bf16":
+        raise ConfigError(f"precision: policy {policy!r} on pipeline stages; only bf16 is "
+                          "supported there (fp16 needs one loss scale and overflow check "
+                          "across all stages; auto measures a whole step)")
+    program = ForwardProgram(gm, list(inputs), [])
+    casts, _ = assign(program, DEFAULT_RULES, {}, DTYPES[policy], early=False)
+    return casts
 
 
 def _emit(g: fx.Graph, n: fx.Node, args: Any, kwargs: Any, want: dict[fx.Node, torch.dtype],

@@ -116,8 +116,9 @@ time.sleep(30)
     ("compile", ["--steps", "-1"], ["argument --steps: must be >= 0, got -1"]),
     ("compile", ["--nproc", "4", "--pp", "2", "--zero", "2"],
      ["--pp 2 --zero 2: a pipeline stage sums its gradients over the microbatches"]),
-    ("compile", ["--pp", "2", "--precision", "bf16", "--fusion", "--backend", "ort"],
-     ["--pp: --precision, --fusion cannot apply to pipeline stages yet",
+    ("compile", ["--pp", "2", "--precision", "fp16", "--fusion", "--backend", "ort"],
+     ["--pp: --precision fp16: pipeline stages take bf16 only",
+      "--pp: --fusion cannot apply to pipeline stages yet",
       "--pp: --backend ort runs functional steps"]),
     ("check", ["--backend", "nosuch", "--export", "onnx"], ["backend 'nosuch' is unknown"]),
 ])

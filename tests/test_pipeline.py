@@ -305,6 +305,21 @@ def _inductor_part(rank: int, out: Path, schedule: str) -> dict:
             "state": {k: v for k, v in model.state_dict().items() if k in names}}
 
 
+def _bf16_part(rank: int, out: Path) -> dict:
+    """Every stage's forward under glmc's bf16 dtype assignment, the backward re-derived."""
+    from glmc.pipeline_parallel import PipelineTrainer
+    model, batch, loss_fn, opt = CASES["glm"].make()
+    trainer = PipelineTrainer(build_program(model, opt, loss_fn, batch, _stage_blocks("1f1b"),
+                                            MICROBATCHES, "1f1b", precision="bf16"),
+                              timeout_s=120)
+    losses = [trainer.step(*batch) for _ in range(STEPS)]
+    stage = trainer.pipeline.program.stages[trainer.local[0]]
+    mm = [str(n.meta["val"].dtype) for g in (stage.forward, stage.backward)
+          for n in g.graph.nodes if n.op == "call_function" and "mm" in str(n.target)]
+    return {"losses": [float(v) for v in losses if v is not None], "mm_dtypes": sorted(set(mm)),
+            "param_dtypes": sorted({str(p.dtype) for p in model.parameters()})}
+
+
 def _dead_part(rank: int, out: Path) -> dict:
     """Rank 1 dies after building its pipeline; rank 0's step must fail typed, not hang."""
     import os
@@ -340,7 +355,8 @@ def _worker(rank: int, port: int, out: str, names: list[str], slow: bool = False
               + [(f"tied_{name}", lambda r, o, n=name: _tied_part(r, o, n)) for name in names
                  if SCHEDULES[name] == 1]
               + ([("hf_tied", _hf_tied_part)] if slow else [])
-              + [("inductor_zbh1", lambda r, o: _inductor_part(r, o, "zbh1"))]
+              + [("inductor_zbh1", lambda r, o: _inductor_part(r, o, "zbh1")),
+                 ("bf16", _bf16_part)]
               + [("trainer", _trainer_part), ("dead", _dead_part)])  # "dead" kills rank 1
 
 
@@ -419,6 +435,27 @@ def test_stages_compiled_by_inductor_train_like_one_process(distributed: Path,
     assert set(state) == {k for k in want_state if not k.endswith(("cos", "sin"))}
     for k, v in state.items():
         torch.testing.assert_close(v, want_state[k], rtol=RTOL, atol=1e-5, msg=k)
+
+
+def test_bf16_stages_match_the_single_process_bf16_step(distributed: Path) -> None:
+    """precision=bf16 on every stage: matmuls run in bf16 (forward and the re-derived
+    backward) from fp32 parameters; the losses follow glmc's one-process bf16 step (the same
+    dtype assignment) and stay near the fp64 reference."""
+    model, batch, loss_fn, opt = CASES["glm"].make()
+    trainer = glmc.optimize(model, batch, loss_fn=loss_fn, optimizer=opt, backend="eager",
+                            fusion=False, precision="bf16")
+    want = [trainer.step(*batch).item() for _ in range(STEPS)]
+    model, batch, loss_fn, opt = CASES["glm"].make()
+    model.double()
+    opt = type(opt)(model.parameters(), **{k: v for k, v in opt.defaults.items()
+                                           if k != "decoupled_weight_decay"})
+    fp64 = eager_losses(model, batch, loss_fn, opt, STEPS)
+    got = [result(distributed, "bf16", r) for r in range(2)]
+    for g in got:
+        assert g["mm_dtypes"] == ["torch.bfloat16"] and g["param_dtypes"] == ["torch.float32"]
+    assert got[1]["losses"] == pytest.approx(want, rel=1e-3)
+    assert got[1]["losses"] == pytest.approx(fp64, rel=1e-2)
+    assert got[1]["losses"] != pytest.approx(fp64, rel=1e-7)  # really computed in bf16
 
 
 @pytest.mark.parametrize("name", [*DEFAULT, pytest.param("gpipe", marks=pytest.mark.slow)])
