@@ -765,7 +765,7 @@ def train_cli(work: Any, steps: int, microbatches: int, schedule: str, pp: int,
     if printer:
         data = pipeline_report(trainer.pipeline.plan, measured, trainer.pipeline.program,
                                trainer.pipeline.saved_fractions)
-        data["backend"] = {"name": trainer.backend,
+        data["backend"] = {"name": trainer.backend, "precision": precision or "fp32",
                            "compile_seconds": trainer.compile_seconds}  # this rank's
         print(summary(data), flush=True)
         if report_dir:
@@ -862,7 +862,7 @@ def summary(data: dict) -> str:
                      f"{r['measured_peak_bytes'] / 2**20:.2f} MiB")
     if data.get("backend"):
         be = data["backend"]
-        lines.append(f"stages run on {be['name']}" + (
+        lines.append(f"stages run on {be['name']} in {be.get('precision', 'fp32')}" + (
             f" (each graph compiled once: {be['compile_seconds']:.1f} s on this rank)"
             if be["name"] != "eager" else " (the captured fx graphs)"))
     b, t = data["bubble"], data["step_seconds"]
