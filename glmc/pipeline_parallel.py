@@ -265,6 +265,33 @@ def build_program(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: A
     return Pipeline(program, mods, opts)
 
 
+def sync_seconds(pipe: Pipeline, dp: int, zero: int, link: Any) -> list[float]:
+    """Per stage, the predicted seconds of its gradients' synchronisation before its update
+    (alpha-beta on `link`, one collective per buffer — a lower bound where buckets split it):
+    an all-reduce over the `dp` replicas (ZeRO-1: reduce-scatter, then the new parameters'
+    all-gather), and each tied copy's all-reduce over every rank holding one."""
+    from glmc.comm import collective_seconds
+    tied = {(s, n) for copies in pipe.program.shared for s, n in copies}
+    out = []
+    for sm in pipe.stages:
+        params = dict(sm.module.named_parameters())
+        own = sum(p.numel() * p.element_size() for n, p in params.items()
+                  if (sm.index, n) not in tied)
+        if zero:
+            t = collective_seconds("reduce_scatter_tensor", own, dp, link) + \
+                collective_seconds("all_gather_into_tensor", own, dp, link)
+        else:
+            t = collective_seconds("all_reduce", own, dp, link)
+        for copies in pipe.program.shared:
+            for s, n in copies:
+                if s == sm.index:
+                    p = params[n]
+                    t += collective_seconds("all_reduce", p.numel() * p.element_size(),
+                                            len(copies) * dp, link)
+        out.append(t)
+    return out
+
+
 def _precision(policy: str | None) -> Any:
     """The stage forward rewrite of a precision policy (None: none)."""
     if policy is None:
@@ -712,6 +739,7 @@ def pipeline_trainer(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn
     "bf16" runs every stage's forward under glmc's dtype assignment (`capture_stage`)."""
     from glmc.comm import measure_link
     from glmc.parallel import init_distributed
+    from glmc.passes.partition import with_sync
     init_distributed("cpu", timeout_s)
     world = dist.get_world_size()
     if dp < 1 or world % dp:
@@ -731,7 +759,7 @@ def pipeline_trainer(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn
     pipe = build_program(model, optimizer, loss_fn, example,
                          [s.blocks for s in plan.stages], microbatches, schedule, virtual,
                          fractions, precision)
-    pipe.plan = plan
+    pipe.plan = with_sync(plan, sync_seconds(pipe, dp, zero, link), virtual, link)
     pipe.saved_fractions = fractions
     return PipelineTrainer(pipe, timeout_s, dp, zero, backend)
 

@@ -58,6 +58,9 @@ class StagePlan:
     in_flight: int  #: microbatches whose activations the schedule keeps at once
     send_bytes: int  #: per microbatch, to the next stage
     profile: str
+    #: before the update: the gradients' synchronisation on the link (data-parallel replicas,
+    #: tied copies on other stages; `with_sync`), part of `seconds`
+    sync_s: float = 0.0
 
     @property
     def peak_bytes(self) -> int:
@@ -334,6 +337,20 @@ def plan_partition(graph: TrainGraph, stages: int, microbatches: int, schedule: 
                          link=link.to_dict() if link is not None else None)
 
 
+def with_sync(plan: PartitionPlan, sync_s: Sequence[float], virtual: int = 1,
+              link: Any = None) -> PartitionPlan:
+    """`plan` with each stage's gradient synchronisation before its update (`sync_s[s]`
+    seconds: the all-reduce over data-parallel replicas or ZeRO-1's reduce-scatter and
+    all-gather, the tied copies' all-reduce) in its predicted time, the schedule simulated
+    again."""
+    import dataclasses
+    plans = [dataclasses.replace(p, sync_s=t, seconds=p.seconds - p.sync_s + t)
+             for p, t in zip(plan.stages, sync_s)]
+    timeline = _timeline(plans, plan.schedule, plan.microbatches, virtual, link)
+    return dataclasses.replace(plan, stages=tuple(plans), timeline=timeline,
+                               bubble=timeline.bubble() if timeline else plan.bubble)
+
+
 def _stage_plan(blocks: Sequence[BlockCost], mbs: int, profile: str) -> StagePlan:
     f, b, u = (sum(c.seconds[k] for c in blocks) for k in range(3))
     return StagePlan(tuple(c.name for c in blocks), f + b + u, f, b, u,
@@ -369,7 +386,7 @@ def action_seconds(plans: Sequence[StagePlan], mbs: int, link: Any = None) -> An
     def seconds(a: Action) -> float:
         p = plans[a.stage]
         if a.kind is K.UPDATE:
-            return p.update_s
+            return p.update_s + p.sync_s
         compute = {K.F: p.forward_s, K.B: p.backward_s, K.I: p.backward_s / 2,
                    K.W: p.backward_s / 2}
         if a.kind in compute:

@@ -180,6 +180,35 @@ def tied_glm():
 TIED_CUT = [["embed", "blocks.0"], ["blocks.1", "norm", "head"]]
 
 
+def test_gradient_sync_is_in_the_predicted_step() -> None:
+    """Replicas' all-reduce (or ZeRO-1's reduce-scatter + all-gather) and the tied copies'
+    all-reduce, priced on the link, lengthen each stage's UPDATE in the predicted schedule."""
+    from glmc.comm import LinkProfile, collective_seconds
+    from glmc.passes.partition import with_sync
+    from glmc.pipeline_parallel import sync_seconds
+    link = LinkProfile("test", 1e-4, 1e8, "made up")
+    model, batch, loss_fn, opt = tied_glm()
+    pipe = build_program(model, opt, loss_fn, batch, TIED_CUT, 2)
+    tie = model.embed.weight.numel() * 4
+    alone = sync_seconds(pipe, 1, 0, link)  # one replica: only the tied copies talk
+    assert alone == [pytest.approx(collective_seconds("all_reduce", tie, 2, link))] * 2
+    replicas = sync_seconds(pipe, 2, 0, link)
+    zero1 = sync_seconds(pipe, 2, 1, link)
+    for s, sm in enumerate(pipe.stages):
+        own = sum(p.numel() * 4 for n, p in sm.module.named_parameters()) - tie
+        assert replicas[s] == pytest.approx(
+            collective_seconds("all_reduce", tie, 4, link)
+            + collective_seconds("all_reduce", own, 2, link))
+        assert zero1[s] > collective_seconds("all_reduce", tie, 4, link)
+    graph = glmc.capture(model, batch, loss_fn, opt)
+    plan = plan_partition(graph, 2, 2, "1f1b", cut=[2])
+    synced = with_sync(plan, replicas, link=None)
+    assert [p.sync_s for p in synced.stages] == replicas
+    grown = synced.timeline.makespan - plan.timeline.makespan  # the last update to end
+    assert min(replicas) - 1e-9 <= grown <= max(replicas) + 1e-9
+    assert synced.stages[0].seconds == pytest.approx(plan.stages[0].seconds + replicas[0])
+
+
 def test_tied_weights_cut_apart_are_one_shared_parameter() -> None:
     model, batch, loss_fn, opt = tied_glm()
     pipe = build_program(model, opt, loss_fn, batch, TIED_CUT, 2)
