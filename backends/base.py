@@ -44,6 +44,10 @@ class CompiledStep:
     #: points the user's tensors at the outputs (`t.data = out`) instead of copying them back,
     #: and state stays where the backend wrote it (ONNX Runtime's bound buffers, TVM's arrays)
     adopt: bool = False
+    #: the step in fx's boxed calling convention where the backend has it: `boxed(inputs)`
+    #: takes the list over and clears it, so each input is freed after its last read (what
+    #: a pipeline stage's backward and update want for their saved values and gradients)
+    boxed: StepFn | None = None
 
     def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         return self.fn(inputs)
@@ -112,7 +116,8 @@ class Backend(abc.ABC):
                                "it with the step (glmc.save_graph)") from e
         return CompiledStep(fn, self.name, inplace, fallbacks + self.notes(),
                             time.perf_counter() - start, getattr(fn, "instrument", None),
-                            adopt=not inplace and getattr(fn, "adopt", False))
+                            adopt=not inplace and getattr(fn, "adopt", False),
+                            boxed=getattr(fn, "boxed", None))
 
     def _unsupported_error(self, offenses: list[Offense], cause: Exception | None
                            ) -> UnsupportedOpError:

@@ -71,6 +71,12 @@ class InductorBackend(Backend):
             with torch.no_grad():
                 return list(compiled(*inputs))
         run.instrument = InductorInstrument(compiled, gm)
+        inner = _boxed(compiled, gm)
+        if inner is not None:
+            def boxed(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+                with torch.no_grad():
+                    return list(inner(inputs))  # clears `inputs`
+            run.boxed = boxed
         return run
 
 
@@ -213,6 +219,22 @@ def _call_sites(source: str, mapping: Any) -> list[CallSite]:
         nodes = [pre for p in posts for pre in to_pre.get(p, [p])]
         sites.append(CallSite(name.removeprefix("torch.ops."), nodes))
     return sites
+
+
+def _boxed(compiled: Any, gm: fx.GraphModule) -> Any:
+    """The boxed callable inside what `compile_fx` returned: AOTAutograd's runtime wrapper,
+    which takes the inputs as a list and clears it, so Inductor's code frees each input after
+    its last read (`compile_fx` itself returns `aot_module_simplified`'s unboxed `forward`,
+    whose argument tuple keeps every input alive to the end). None where it is not found
+    (another torch) or where `forward` would add the module's own parameters or buffers."""
+    if any(True for _ in gm.parameters()) or any(True for _ in gm.buffers()):
+        return None
+    fn = compiled
+    while hasattr(fn, "__wrapped__"):
+        fn = fn.__wrapped__
+        if getattr(fn, "__qualname__", "").endswith("runtime_wrapper"):
+            return fn
+    return None
 
 
 def _patches(graph: TrainGraph) -> dict[str, object]:

@@ -447,8 +447,9 @@ def run_inplace(graph: TrainGraph, *sources: Values,
                 source.pop((spec.role, spec.target), None)
     with torch.no_grad():  # copies into leaf parameters
         if compiled is not None:
-            outs = compiled(_conform(graph, args))
-            args.clear()
+            call = _conform(graph, args)
+            args.clear()  # the compiled step holds the only references (when boxed)
+            outs = compiled.boxed(call) if compiled.boxed is not None else compiled(call)
         else:
             outs = gm(args)  # clears `args`: the graph holds the only references
     kept = [spec for spec in graph.outputs if spec.kind not in STATE_KINDS]
