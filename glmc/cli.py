@@ -336,8 +336,7 @@ def _pipeline_problems(args: argparse.Namespace) -> list[str]:
             problems.append(f"--pp: --precision {args.precision}: pipeline stages take bf16 "
                             "only (fp16 needs one loss scale and overflow check across all "
                             "stages; auto measures a whole step)")
-        ignored = [flag for flag, v in (("--fusion", args.fusion or None),
-                                        ("--passes", args.passes),
+        ignored = [flag for flag, v in (("--passes", args.passes),
                                         ("--disable", args.disable or None),
                                         ("--cuda-graphs", args.cuda_graphs or None),
                                         ("--compress", args.compress)) if v is not None]
@@ -454,7 +453,7 @@ def _compile(args: argparse.Namespace) -> int:
         from glmc.pipeline_parallel import train_cli
         return train_cli(work, args.steps, args.microbatches or args.pp, args.schedule, args.pp,
                          args.report_dir, args.memory_budget, args.zero or 0, args.backend,
-                         args.precision)
+                         args.precision, bool(args.fusion))
     trainer = glmc.optimize(work.model, work.example_inputs, loss_fn=work.loss_fn,
                             optimizer=work.optimizer, backend=args.backend, passes=args.passes,
                             memory_budget=args.memory_budget, precision=args.precision,

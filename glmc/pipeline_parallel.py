@@ -237,11 +237,13 @@ def build_program(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: A
                   example_inputs: Any, stage_blocks: Sequence[Sequence[str]], microbatches: int,
                   schedule: str = "1f1b", virtual: int = 1,
                   saved_fractions: Sequence[float | None] | None = None,
-                  precision: str | None = None) -> Pipeline:
+                  precision: str | None = None, fusion: bool = False) -> Pipeline:
     """Capture every stage of `model` cut at `stage_blocks` on one microbatch of
     `example_inputs`, link them and attach the schedule (torch's generator for `schedule`).
     `saved_fractions[s]`: stage s's saved-activation budget (`capture_stage`; None: all);
-    `precision`: every stage's forward under that policy (bf16; `capture_stage`)."""
+    `precision`: every stage's forward under that policy (bf16), `fusion`: with the fusion
+    pass's forward patterns (`stage_rewrites`, `capture_stage`)."""
+    rewrites = stage_rewrites(precision, fusion)
     leaves = microbatch_leaves(example_inputs, microbatches)[0]
     blocks = [b for bs in stage_blocks for b in bs]
     gm = trace_blocks(model, blocks, loss_fn, like(example_inputs, leaves))
@@ -253,7 +255,7 @@ def build_program(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: A
         args = [(a, leaves[a] if isinstance(a, int) else values[a].detach()) for a in sm.args]
         fraction = saved_fractions[sm.index] if saved_fractions is not None else None
         stage = capture_stage(sm.index, sm.module, opt, args, send=sm.send,
-                              saved_fraction=fraction, rewrite=_precision(precision))
+                              saved_fraction=fraction, rewrites=rewrites)
         if schedule == "zbh1":
             stage = split_backward(stage)
         stages.append(stage)
@@ -292,12 +294,17 @@ def sync_seconds(pipe: Pipeline, dp: int, zero: int, link: Any) -> list[float]:
     return out
 
 
-def _precision(policy: str | None) -> Any:
-    """The stage forward rewrite of a precision policy (None: none)."""
-    if policy is None:
-        return None
-    from glmc.passes.precision import assign_stage
-    return lambda gm, inputs: assign_stage(gm, inputs, policy)
+def stage_rewrites(precision: str | None = None, fusion: bool = False) -> list[Any]:
+    """The forward rewrites of every stage (`capture_stage`'s `rewrites`), in the default
+    pipeline's order: fusion's forward patterns, then the dtype assignment of `precision`."""
+    out: list[Any] = []
+    if fusion:
+        from glmc.passes.fusion import fuse_stage
+        out.append(fuse_stage)
+    if precision is not None:
+        from glmc.passes.precision import assign_stage
+        out.append(lambda gm, inputs: assign_stage(gm, inputs, precision))
+    return out
 
 
 def shared_parameters(mods: Sequence[StageModule]) -> tuple[tuple[tuple[int, str], ...], ...]:
@@ -726,7 +733,8 @@ def pipeline_trainer(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn
                      example_inputs: Any, microbatches: int, schedule: str = "1f1b",
                      virtual: int = 1, timeout_s: float = 300.0, dp: int = 1,
                      memory_budget: Any = None, cut: Any = None, zero: int = 0,
-                     backend: str = "eager", precision: str | None = None) -> PipelineTrainer:
+                     backend: str = "eager", precision: str | None = None,
+                     fusion: bool = False) -> PipelineTrainer:
     """A PipelineTrainer over every process of the default group (from torchrun's env):
     world / dp pipeline ranks, `dp` replicas. Rank 0 plans the cut for one replica's slice of
     the batch (the cost model may be calibrated differently per process, so one process
@@ -736,7 +744,8 @@ def pipeline_trainer(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn
     "equal") instead of the planned one. `zero=1`: each stage's optimizer state sharded over
     its replicas (`PipelineTrainer`). `backend`: what runs each stage's graphs ("eager":
     the fx graphs; "inductor": each compiled once, in its write-back form). `precision`:
-    "bf16" runs every stage's forward under glmc's dtype assignment (`capture_stage`)."""
+    "bf16" runs every stage's forward under glmc's dtype assignment, `fusion` fuses its
+    attention, norms and gated MLPs (`stage_rewrites`)."""
     from glmc.comm import measure_link
     from glmc.parallel import init_distributed
     from glmc.passes.partition import with_sync
@@ -758,7 +767,7 @@ def pipeline_trainer(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn
     fractions = saved_fractions(plan, memory_budget, stages // virtual)
     pipe = build_program(model, optimizer, loss_fn, example,
                          [s.blocks for s in plan.stages], microbatches, schedule, virtual,
-                         fractions, precision)
+                         fractions, precision, fusion)
     pipe.plan = with_sync(plan, sync_seconds(pipe, dp, zero, link), virtual, link)
     pipe.saved_fractions = fractions
     return PipelineTrainer(pipe, timeout_s, dp, zero, backend)
@@ -766,7 +775,8 @@ def pipeline_trainer(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn
 
 def train_cli(work: Any, steps: int, microbatches: int, schedule: str, pp: int,
               report_dir: str | None = None, memory_budget: Any = None, zero: int = 0,
-              backend: str = "eager", precision: str | None = None) -> int:
+              backend: str = "eager", precision: str | None = None,
+              fusion: bool = False) -> int:
     """`glmc compile FILE --nproc N --pp S ...`: trains `work` pipelined; the rank holding
     replica 0's last stage prints `step i  loss x` lines as a single process does, then the plan and
     its predictions against three more measured steps (per-stage peak, bubble); with
@@ -782,7 +792,7 @@ def train_cli(work: Any, steps: int, microbatches: int, schedule: str, pp: int,
     trainer = pipeline_trainer(work.model, work.optimizer, work.loss_fn, work.example_inputs,
                                microbatches, schedule, virtual, dp=world // pp,
                                memory_budget=memory_budget, zero=zero, backend=backend,
-                               precision=precision)
+                               precision=precision, fusion=fusion)
     args, kwargs = split_batch(work.example_inputs)
     printer = trainer.last and trainer.replica == 0
     for i in range(steps):
@@ -794,6 +804,7 @@ def train_cli(work: Any, steps: int, microbatches: int, schedule: str, pp: int,
         data = pipeline_report(trainer.pipeline.plan, measured, trainer.pipeline.program,
                                trainer.pipeline.saved_fractions)
         data["backend"] = {"name": trainer.backend, "precision": precision or "fp32",
+                           "fusion": fusion,
                            "compile_seconds": trainer.compile_seconds}  # this rank's
         print(summary(data), flush=True)
         if report_dir:
@@ -890,7 +901,8 @@ def summary(data: dict) -> str:
                      f"{r['measured_peak_bytes'] / 2**20:.2f} MiB")
     if data.get("backend"):
         be = data["backend"]
-        lines.append(f"stages run on {be['name']} in {be.get('precision', 'fp32')}" + (
+        lines.append(f"stages run on {be['name']} in {be.get('precision', 'fp32')}"
+                     + (", attention/norm/MLP fused" if be.get("fusion") else "") + (
             f" (each graph compiled once: {be['compile_seconds']:.1f} s on this rank)"
             if be["name"] != "eager" else " (the captured fx graphs)"))
     b, t = data["bubble"], data["step_seconds"]

@@ -707,7 +707,7 @@ def capture_stage(index: int, module: nn.Module, optimizer: torch.optim.Optimize
                   args: Sequence[StageArg], *, send: Sequence[str] = (), loss_fn: Any = None,
                   target: tuple[int, torch.Tensor] | None = None,
                   saved_fraction: float | None = None, update: str = "fused",
-                  rewrite: Callable[[fx.GraphModule, list[InputSpec]], Any] | None = None
+                  rewrites: Sequence[Callable[[fx.GraphModule, list[InputSpec]], Any]] = ()
                   ) -> Stage:
     """Stage `index` of a pipeline: `module(*args)` then either sends its outputs under the
     names `send`, or (last stage) computes `loss_fn(output, target)` — or, without `loss_fn`,
@@ -723,12 +723,13 @@ def capture_stage(index: int, module: nn.Module, optimizer: torch.optim.Optimize
     `"foreach"`: one multi-tensor op per group (torch's foreach path); `"fused"` (default):
     ATen's fused kernel per group where the rule has one (AdamW/Adam on fp32: what
     `fused=True` runs; `run_inplace` runs it in place on the state), else foreach — equal to
-    the single-tensor update within rounding. `rewrite(gm, inputs)`: the stage's forward is
-    traced to ATen ops (`gm`: parameters, buffers, batch leaves and received values -> its
-    outputs; every node with glmc metadata, `inputs` its placeholders' specs, received values
-    as activations), rewritten in place by `rewrite` (e.g. glmc's bf16 dtype assignment,
-    `glmc.passes.precision.assign_stage`) and differentiated again, so the backward follows
-    the rewrite."""
+    the single-tensor update within rounding. `rewrites`, each `rewrite(gm, inputs)` in turn:
+    the stage's forward is traced to ATen ops (`gm`: parameters, buffers, batch leaves and
+    received values -> its outputs; every node with glmc metadata, `inputs` its placeholders'
+    specs, received values as activations) and rewritten in place (e.g. the fusion pass's
+    forward patterns, `glmc.passes.fusion.fuse_stage`, then the bf16 dtype assignment,
+    `glmc.passes.precision.assign_stage`); the result is differentiated again, so the
+    backward follows the rewrites."""
     if update not in ("fused", "foreach", "single"):
         raise ConfigError(f"capture_stage: update={update!r}; use 'fused', 'foreach' or "
                           "'single'")
@@ -754,7 +755,9 @@ def capture_stage(index: int, module: nn.Module, optimizer: torch.optim.Optimize
     ins += [InputSpec(Role.BUFFER, n) for n in buffers]
     ins += [InputSpec(Role.BOUNDARY, k) if isinstance(k, str) else InputSpec(Role.INPUT,
             f"input:{k}") for k, _ in leaves]
-    fn: Callable = step if rewrite is None else _rewritten(step, examples, ins, rewrite)
+    fn: Callable = step
+    for rewrite in rewrites:  # each traced afresh: a rewrite sees its input's values
+        fn = _rewritten(fn, examples, ins, rewrite)
     fw, bw, n_out = _aot_graphs(fn, examples, saved_fraction)
     if n_out != max(len(send), 1):
         raise ConfigError(f"capture_stage: stage {index} returns {n_out} values but send= "
@@ -943,8 +946,14 @@ def split_backward(stage: Stage) -> Stage:
     in_i = _ancestors([v for _, v in sends])
     w_all = _ancestors([v for _, v in grads])
     in_w = w_all - in_i
-    stash = [n for n in bw.graph.nodes if n in in_i and n.op != "placeholder"
-             and (any(u in in_w for u in n.users) or any(v is n for _, v in grads))]
+    stash = []
+    for n in bw.graph.nodes:
+        if n in in_i and n.op != "placeholder" and (any(u in in_w for u in n.users)
+                                                    or any(v is n for _, v in grads)):
+            # a node of several outputs (a fused op's backward) is stashed as the items W
+            # reads: a graph output must be a tensor
+            tuple_valued = isinstance(n.meta.get("val"), (tuple, list))
+            stash += [u for u in n.users if u in in_w] if tuple_valued else [n]
     phs = dict(zip(bw.placeholders(), bw.inputs))
     stash_specs = [InputSpec(Role.SAVED, f"stash:{k}") for k in range(len(stash))]
     i_graph = _subgraph(bw, [(phs[p], p) for p in bw.placeholders() if p in in_i],

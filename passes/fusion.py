@@ -156,6 +156,34 @@ class FusionPass(Pass):
         return PassResult(True, FusionStats(counts, regions))
 
 
+#: the patterns a pipeline stage's forward takes (`fuse_stage`)
+STAGE_PATTERNS = ("attention", "norm", "mlp")
+
+
+def fuse_stage(gm: fx.GraphModule, inputs: list[Any],
+               patterns: tuple[str, ...] = STAGE_PATTERNS) -> dict[str, int]:
+    """A pipeline stage's forward program (`gm` over `inputs`, see
+    `glmc.passes.precision.assign_stage`) with the fusion pass's forward patterns fused in
+    place: attention -> SDPA (always: the timing the pass does on Inductor is not done for
+    stages), RMSNorm / LayerNorm, gated MLP. The caller differentiates the result again
+    (`glmc.program.capture_stage`). Not for stages: `loss` (the LM head and loss would have to
+    sit on the last stage, not checked here) and `optimizer` (a stage's update is already
+    ATen's fused AdamW). Returns the regions fused per pattern."""
+    unknown = set(patterns) - set(STAGE_PATTERNS)
+    if unknown:
+        raise ConfigError(f"fusion: pattern(s) {sorted(unknown)} on pipeline stages; stages "
+                          f"take {'+'.join(STAGE_PATTERNS)}")
+    program = ForwardProgram(gm, list(inputs), [])
+    finders: dict[str, Callable[[ForwardProgram, list], int]] = {
+        "attention": lambda prog, regs: fuse_attention(prog, regs, None),
+        "norm": fuse_norms, "mlp": fuse_gated}
+    regions: list[dict[str, Any]] = []
+    counts = {p: finders[p](program, regions) for p in patterns}
+    program.graph.eliminate_dead_code(is_impure_node=is_impure)
+    program.gm.recompile()
+    return counts
+
+
 def _where(n: fx.Node) -> str | None:
     info = n.meta.get("glmc")
     return (info.source or info.module) if info else None

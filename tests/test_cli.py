@@ -116,9 +116,9 @@ time.sleep(30)
     ("compile", ["--steps", "-1"], ["argument --steps: must be >= 0, got -1"]),
     ("compile", ["--nproc", "4", "--pp", "2", "--zero", "2"],
      ["--pp 2 --zero 2: a pipeline stage sums its gradients over the microbatches"]),
-    ("compile", ["--pp", "2", "--precision", "fp16", "--fusion", "--backend", "ort"],
+    ("compile", ["--pp", "2", "--precision", "fp16", "--passes", "cleanup", "--backend", "ort"],
      ["--pp: --precision fp16: pipeline stages take bf16 only",
-      "--pp: --fusion cannot apply to pipeline stages yet",
+      "--pp: --passes cannot apply to pipeline stages yet",
       "--pp: --backend ort runs functional steps"]),
     ("check", ["--backend", "nosuch", "--export", "onnx"], ["backend 'nosuch' is unknown"]),
 ])
@@ -179,6 +179,7 @@ def test_few_steps_print_no_fastest_of_0(steps: str) -> None:
     assert "glmc: capturing the training step" in r.stderr  # progress while compiling
 
 
+@pytest.mark.slow  # ~35 s; the same offense listing runs by default through `compile`
 def test_check_lists_what_the_onnx_export_cannot_take() -> None:
     pytest.importorskip("onnxscript")
     r = glmc("check", "examples/glm.py", "--backend", "eager", "--export", "onnx")

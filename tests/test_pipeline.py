@@ -317,19 +317,24 @@ def _tied_part(rank: int, out: Path, schedule: str) -> dict:
             "state": {k: v for k, v in model.state_dict().items() if k in names}}
 
 
-def _inductor_part(rank: int, out: Path, schedule: str) -> dict:
-    """Every graph a rank runs compiled by Inductor in its write-back form."""
+def _inductor_part(rank: int, out: Path, schedule: str, backend: str = "inductor") -> dict:
+    """Every graph a rank runs compiled by Inductor in its write-back form, the stages' forwards
+    fused (attention, norms, gated MLP)."""
     from glmc.pipeline_parallel import PipelineTrainer
     model, batch, loss_fn, opt = CASES["glm"].make()
     trainer = PipelineTrainer(build_program(model, opt, loss_fn, batch, _stage_blocks(schedule),
-                                            MICROBATCHES, schedule), timeout_s=300,
-                              backend="inductor")
+                                            MICROBATCHES, schedule, fusion=True),
+                              timeout_s=300, backend=backend)
     losses = [trainer.step(*batch) for _ in range(STEPS)]
     names = {n for s in trainer.local for n, _ in trainer.pipeline.stages[s].module
              .named_parameters()}
     compiled = [g.meta.get(COMPILED_STEP) for s in trainer.local
                 for g in trainer.runnable.stages[s].graphs().values()]
-    return {"losses": [float(v) for v in losses if v is not None],
+    fused = [str(n.target) for s in trainer.local
+             for n in trainer.pipeline.program.stages[s].forward.graph.nodes
+             if n.op == "call_function" and str(n.target).startswith(
+                 ("glmc.", "aten._scaled_dot_product"))]
+    return {"losses": [float(v) for v in losses if v is not None], "fused": sorted(fused),
             "backends": sorted({c.backend for c in compiled if c is not None}),
             "state": {k: v for k, v in model.state_dict().items() if k in names}}
 
@@ -386,6 +391,7 @@ def _worker(rank: int, port: int, out: str, names: list[str], slow: bool = False
                  if SCHEDULES[name] == 1 and (slow or name == "1f1b")]
               + ([("hf_tied", _hf_tied_part)] if slow else [])
               + [("inductor_zbh1", lambda r, o: _inductor_part(r, o, "zbh1")),
+                 ("fused_1f1b", lambda r, o: _inductor_part(r, o, "1f1b", "eager")),
                  ("bf16", _bf16_part)]
               + [("trainer", _trainer_part), ("dead", _dead_part)])  # "dead" kills rank 1
 
@@ -457,12 +463,19 @@ def test_transformers_glm_pipelines_through_torch_export(name: str, distributed:
         torch.testing.assert_close(v, model.state_dict()[k], rtol=RTOL, atol=1e-5, msg=k)
 
 
-def test_stages_compiled_by_inductor_train_like_one_process(distributed: Path,
-                                                            eager: tuple) -> None:
-    """ZB-H1 (forward, I, W and update graphs) with every graph compiled by Inductor."""
+@pytest.mark.parametrize("part", ["inductor_zbh1", "fused_1f1b"])
+def test_fused_stages_train_like_one_process(part: str, distributed: Path,
+                                            eager: tuple) -> None:
+    """The stages' forwards fused (SDPA, RMSNorm, SwiGLU; backward re-derived), on eager
+    (1F1B) and with every graph (forward, I, W, update: ZB-H1) compiled by Inductor."""
     want_losses, want_state = eager
-    got = [result(distributed, "inductor_zbh1", r) for r in range(2)]
-    assert got[0]["backends"] == got[1]["backends"] == ["inductor"]
+    got = [result(distributed, part, r) for r in range(2)]
+    want = ["inductor"] if part.startswith("inductor") else []
+    assert got[0]["backends"] == got[1]["backends"] == want
+    sdpa = "aten._scaled_dot_product_flash_attention_for_cpu.default"
+    for rank, norms in ((0, 2), (1, 3)):  # the final norm sits on stage 1
+        assert got[rank]["fused"] == sorted([sdpa, "glmc.gated.default",
+                                             *["glmc.rms_norm.default"] * norms])
     assert got[1]["losses"] == pytest.approx(want_losses, rel=RTOL)
     state = {**got[0]["state"], **got[1]["state"]}
     assert set(state) == {k for k in want_state if not k.endswith(("cos", "sin"))}
