@@ -501,9 +501,10 @@ def assign_stage(gm: fx.GraphModule, inputs: list[InputSpec], policy: str) -> li
     in ATen ops (parameters, buffers, batch leaves and received values -> sent values or the
     loss, each output in its captured dtype; every node with glmc metadata), rewritten in
     place by the same dtype assignment as the precision pass (the default op rules;
-    parameters stay fp32 masters, read through casts). The caller differentiates the result again (`glmc.program.capture_stage`), as
-    `rederive` does for a whole step. fp16 needs loss scaling with one overflow check across
-    every stage: not done for stages, so only bf16 is accepted."""
+    parameters stay fp32 masters, read through casts). The caller differentiates the result
+    again (`glmc.program.capture_stage`), as `rederive` does for a whole step. fp16 needs
+    loss scaling with one overflow check across every stage: not done for stages, so only
+    bf16 is accepted."""
     if policy != "bf16":
         raise ConfigError(f"precision: policy {policy!r} on pipeline stages; only bf16 is "
                           "supported there (fp16 needs one loss scale and overflow check "
