@@ -414,7 +414,7 @@ class PipelineTrainer:
     def __init__(self, pipeline: Pipeline, timeout_s: float = 300.0, dp: int = 1,
                  zero: int = 0, backend: str = "eager") -> None:
         from glmc.parallel import init_distributed
-        stage_backend(backend)  # a bad name fails before any process group exists
+        compiler = stage_backend(backend)  # a bad name fails before any process group
         if zero not in (0, 1):
             raise ConfigError(f"pipeline: ZeRO stage {zero} with a pipeline: a stage sums its "
                               "gradients over the microbatches before any reduction, so only "
@@ -455,17 +455,16 @@ class PipelineTrainer:
         if self.zero:
             self._shard_updates()
         self.backend = backend
-        self.compile_seconds = self._compile(backend)
+        self.compile_seconds = self._compile(compiler)
 
-    def _compile(self, backend: str) -> float:
+    def _compile(self, compiler: Any) -> float:
         """Compile every graph this rank's actions run (forward, backward or ZB-H1's I and W,
-        the update) with `backend` in its write-back form; "eager" runs the fx graphs as
+        the update) with `compiler` (a glmc Backend) in its write-back form; "eager" runs the fx graphs as
         they are. Returns the compile seconds."""
-        if backend == "eager":
+        if compiler.name == "eager":
             return 0.0
         from glmc.program import compile_inplace
         t0 = time.perf_counter()
-        compiler = stage_backend(backend)
         K = ActionKind
         sched = self.runnable.schedule
         for stage in self.local:

@@ -467,11 +467,11 @@ def _conform(graph: TrainGraph, args: list[torch.Tensor]) -> list[torch.Tensor]:
     """`args` with every value the graph takes over (saved, received, gradients: not state,
     which must be written in place) in the layout its placeholder was compiled for: a compiled
     step checks its inputs' strides, and a gradient may arrive expanded or as a view."""
-    state = (Role.PARAMETER, Role.BUFFER, Role.OPTIMIZER_STATE, Role.SCALER, Role.HYPERPARAM)
+    from glmc.writeback import NOT_STATE
     out = []
     for ph, spec, t in zip(graph.placeholders(), graph.inputs, args):
         want = ph.meta.get("val")
-        if spec.role not in state and isinstance(want, torch.Tensor) and \
+        if spec.role in NOT_STATE and isinstance(want, torch.Tensor) and \
                 isinstance(t, torch.Tensor) and not _same_layout(t, want):
             t = torch.empty_strided(want.shape, want.stride(), dtype=t.dtype,
                                     device=t.device).copy_(t)
