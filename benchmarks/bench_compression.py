@@ -41,6 +41,8 @@ CONTENDERS = {  # name -> compress option (None: uncompressed); "ddp-powersgd": 
     "glmc bf16": {"method": "bf16"},
     "glmc sign": {"method": "sign"},
     "glmc sign, no EF": {"method": "sign", "error_feedback": False},
+    "glmc sign, block 256": {"method": "sign", "block": 256},
+    "glmc sign, block 64": {"method": "sign", "block": 64},
     "glmc topk 1%": {"method": "topk", "ratio": 0.01},
     "glmc topk 1%, no EF": {"method": "topk", "ratio": 0.01, "error_feedback": False},
     "glmc powersgd r4": {"method": "powersgd", "rank": 4, "min_numel": 1024},
@@ -140,8 +142,11 @@ def rank_main(a: argparse.Namespace) -> None:
     make = lambda i: corpus_batch(i, a.batch, seq, 256)  # noqa: E731 (GLM tiny: vocab 256)
     measured = measure_link()  # the compress pass prices the traffic on this host's gloo link
     link = f"{measured.latency_s * 1e6:.3f}us:{measured.bandwidth / 1e9:.4f}GBps"
-    subjects = {n: Contender(n, spec, model, make(0), loss_fn, link)
-                for n, spec in CONTENDERS.items()}
+    names = ["glmc", *(n for n in a.only.split(",") if n != "glmc")] if a.only else CONTENDERS
+    unknown = sorted(set(names) - set(CONTENDERS))
+    if unknown:
+        raise SystemExit(f"--only: unknown contenders {unknown}; known: {list(CONTENDERS)}")
+    subjects = {n: Contender(n, CONTENDERS[n], model, make(0), loss_fn, link) for n in names}
     losses = {n: [] for n in subjects}
     times = {n: [] for n in subjects}
     for i in range(a.steps):
@@ -181,15 +186,14 @@ def report(a, subjects, losses, times, link: str) -> None:
                      "predicted_compute_ms": round(p.compute_seconds * 1e3, 3) if p else
                      (0.0 if c.trainer is not None else None),
                      "step_ms": round(step * 1e3, 2), "step_ratio": round(step / base_t, 3)})
-    hook = next(r for r in rows if r["contender"].startswith("ddp"))
-    ours = next(r for r in rows if r["contender"] == "glmc powersgd r4")
+    hook = next((r for r in rows if r["contender"].startswith("ddp")), None)
+    ours = next((r for r in rows if r["contender"] == "glmc powersgd r4"), None)
     data = {"meta": meta, "cpu": cpu, "steps": a.steps, "batch": a.batch, "lr": LR,
             "link": link, "profile": priced.profile if priced else None,
             "rows": rows, "curves": losses,
-            "powersgd_vs_torch_hook": {"final_loss_ratio": round(ours["final_loss"] /
-                                                                  hook["final_loss"], 3),
-                                       "step_time_ratio": round(ours["step_ms"] /
-                                                                hook["step_ms"], 3)}}
+            "powersgd_vs_torch_hook": None if hook is None or ours is None else {
+                "final_loss_ratio": round(ours["final_loss"] / hook["final_loss"], 3),
+                "step_time_ratio": round(ours["step_ms"] / hook["step_ms"], 3)}}
     lines = [f"**GLM tiny** on a synthetic Markov-chain text (best loss 1.28), global batch {a.batch}, "
              f"AdamW lr {LR}, 2 processes on gloo, {a.steps} interleaved steps; final loss = "
              f"mean of the last {TAIL}; {meta['date']}, {cpu}, torch {meta['torch']}; "
@@ -208,8 +212,9 @@ def report(a, subjects, losses, times, link: str) -> None:
                      f" | {dash(r['predicted_compute_ms'], '{}')} | {r['step_ms']} | "
                      f"{r['step_ratio']} |")
     p = data["powersgd_vs_torch_hook"]
-    lines += ["", f"glmc PowerSGD r4 vs torch's PowerSGD DDP hook r4: final loss ratio "
-              f"{p['final_loss_ratio']}, step time ratio {p['step_time_ratio']}."]
+    if p is not None:
+        lines += ["", f"glmc PowerSGD r4 vs torch's PowerSGD DDP hook r4: final loss ratio "
+                  f"{p['final_loss_ratio']}, step time ratio {p['step_time_ratio']}."]
     out = Path(a.out)
     _plot(losses, out / "compression-curves.svg")
     _csv(losses, out / "compression-curves.csv")
@@ -247,6 +252,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--only", default="", help="comma-separated contenders (uncompressed glmc "
+                    "always runs, as the reference); default: all")
     a = ap.parse_args()
     run_distributed(__file__, 2, rank_main, a)
 

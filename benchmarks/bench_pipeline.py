@@ -75,7 +75,7 @@ def _run_glmc(rank: int, args: argparse.Namespace, schedule: str, cut: str | Non
                                cut=cut, memory_budget=budget, backend=backend)
     losses = [trainer.step(*batch) for _ in range(2)]
     m = trainer.measure(*batch, steps=args.steps)
-    data = pipeline_report(trainer.pipeline.plan, m, trainer.pipeline.program)
+    data = pipeline_report(trainer.pipeline.plan, m, trainer.pipeline)
     return {"step_s": m.period_s, "data": data,
             "losses": [None if x is None else x.item() for x in losses]}
 

@@ -13,43 +13,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from glmc.ir import (InputSpec, NodeInfo, OutputKind, OutputSpec, Phase, Role, TensorSpec,
-                     TrainGraph)
 from glmc.passmanager import PassContext, PassManager
 from glmc.pipeline import parse_pipeline
-from glmc.step import source_line
-
-
-def joint_to_traingraph(gm: fx.GraphModule) -> TrainGraph:
-    """A TrainGraph view of an AOTAutograd joint graph (placeholders primals_*/tangents_*)."""
-    g = gm.graph
-    inputs, backward = [], set()
-    for n in g.nodes:
-        if n.op == "placeholder":
-            tangent = n.name.startswith("tangents")
-            role = Role.GRADIENT if tangent else Role.INPUT
-            inputs.append(InputSpec(role, n.name))
-            n.meta["glmc"] = NodeInfo(Phase.INPUT, role, TensorSpec.of(n.meta.get("val")),
-                                      target=n.name)
-            if tangent:
-                backward.add(n)
-        elif n.op == "call_function":
-            is_bwd = any(a in backward for a in n.all_input_nodes)
-            if is_bwd:
-                backward.add(n)
-            phase = Phase.BACKWARD if is_bwd else Phase.FORWARD
-            role = Role.GRADIENT if is_bwd else Role.ACTIVATION
-            n.meta["glmc"] = NodeInfo(phase, role, TensorSpec.of(n.meta.get("val")),
-                                      source=_short(n.meta.get("stack_trace")))
-    out = next(n for n in reversed(g.nodes) if n.op == "output")
-    outputs = [OutputSpec(OutputKind.GRADIENT if isinstance(v, fx.Node) and v in backward
-                          else OutputKind.FORWARD, str(i))
-               for i, v in enumerate(out.args[0])]
-    return TrainGraph(gm, inputs, outputs)
-
-
-def _short(trace: str | None) -> str | None:
-    return source_line(trace)
+from glmc.step import joint_to_traingraph
 
 
 def run_glmc_passes(gm: fx.GraphModule, passes: Any, backend: str) -> PassManager:

@@ -230,17 +230,47 @@ class Pipeline:
     stages: list[StageModule]
     optimizers: list[torch.optim.Optimizer]
     plan: Any = None
-    saved_fractions: list[float | None] | None = None  #: per stage, under a memory budget
+    budgets: list["StageBudget | None"] | None = None  #: per stage, under a memory budget
+    #: per stage, the recompute pass's stats on its joint graph (None: no budget)
+    recompute: list[Any] | None = None
+
+
+@dataclass(frozen=True)
+class StageBudget:
+    """A stage's memory budget for glmc's recompute pass on its joint graph (`stage_budgets`):
+    `spec` a fraction or "min" in the pass's spelling, or None with `activation_bytes`, the
+    bytes its in-flight microbatches' activations may take on its rank; `multiplicity`: the
+    microbatches the schedule keeps in flight on it."""
+
+    spec: str | None
+    multiplicity: int
+    activation_bytes: int | None = None
+
+    def pass_budget(self, grad_bytes: int) -> str:
+        """In the pass's spelling for the stage's joint graph, whose own persistent bytes are
+        its weights and inputs and whose timeline holds its gradients (on the rank they are
+        state, outside `activation_bytes`)."""
+        return self.spec if self.spec is not None else \
+            f"+{int(self.activation_bytes) + grad_bytes}"
+
+    def describe(self) -> str:
+        if self.spec == "min":
+            return "min"
+        if self.spec is not None:
+            return f"{float(self.spec):.0%}"
+        return f"{self.activation_bytes / 2**20:.1f} MiB of activations"
 
 
 def build_program(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any,
                   example_inputs: Any, stage_blocks: Sequence[Sequence[str]], microbatches: int,
                   schedule: str = "1f1b", virtual: int = 1,
-                  saved_fractions: Sequence[float | None] | None = None,
-                  precision: str | None = None, fusion: bool = False) -> Pipeline:
+                  budgets: Sequence[StageBudget | None] | None = None,
+                  precision: str | None = None, fusion: bool = False,
+                  backend: str = "eager") -> Pipeline:
     """Capture every stage of `model` cut at `stage_blocks` on one microbatch of
     `example_inputs`, link them and attach the schedule (torch's generator for `schedule`).
-    `saved_fractions[s]`: stage s's saved-activation budget (`capture_stage`; None: all);
+    `budgets[s]`: stage s's memory budget, planned by glmc's recompute pass on its joint graph
+    with the backend's traits (`recompute_partition`; None: it saves all the backward reads);
     `precision`: every stage's forward under that policy (bf16), `fusion`: with the fusion
     pass's forward patterns (`stage_rewrites`, `capture_stage`)."""
     rewrites = stage_rewrites(precision, fusion)
@@ -249,13 +279,16 @@ def build_program(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: A
     gm = trace_blocks(model, blocks, loss_fn, like(example_inputs, leaves))
     mods = split_module(gm, stage_blocks)
     values = _values(gm, leaves)
-    stages, opts = [], []
+    stages, opts, stats = [], [], []
     for sm in mods:
         opt = stage_optimizer(optimizer, sm.module)
         args = [(a, leaves[a] if isinstance(a, int) else values[a].detach()) for a in sm.args]
-        fraction = saved_fractions[sm.index] if saved_fractions is not None else None
+        budget = budgets[sm.index] if budgets is not None else None
+        found: list[Any] = []
         stage = capture_stage(sm.index, sm.module, opt, args, send=sm.send,
-                              saved_fraction=fraction, rewrites=rewrites)
+                              partition=recompute_partition(sm, budget, backend, found),
+                              rewrites=rewrites)
+        stats.append(found[-1] if found else None)
         if schedule == "zbh1":
             stage = split_backward(stage)
         stages.append(stage)
@@ -264,7 +297,31 @@ def build_program(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: A
     sched = from_torch(schedule, len(stages) // virtual, microbatches, virtual)
     program = StagedProgram(stages_t, link(stages_t), sched, shared_parameters(mods))
     program.verify()
-    return Pipeline(program, mods, opts)
+    return Pipeline(program, mods, opts, budgets=list(budgets) if budgets else None,
+                    recompute=stats)
+
+
+def recompute_partition(sm: StageModule, budget: StageBudget | None, backend: str,
+                        found: list) -> Any:
+    """The joint-graph rewrite that plans stage `sm` under `budget` (glmc's recompute pass,
+    `glmc.passes.recompute.recompute_stage`; its stats to `found`), or None without one. A
+    budget the stage cannot meet even recomputing all it can is a BudgetError naming it."""
+    if budget is None:
+        return None
+    from glmc.errors import BudgetError
+    from glmc.passes.recompute import recompute_stage
+
+    grads = sum(p.numel() * p.element_size() for p in sm.module.parameters())
+    plan = recompute_stage(budget.pass_budget(grads), budget.multiplicity,
+                           stage_backend(backend).traits(), found=found)
+
+    def rewrite(joint: Any) -> None:
+        try:
+            plan(joint)
+        except BudgetError as e:
+            raise BudgetError(f"pipeline: stage {sm.index} ({budget.multiplicity} "
+                              f"microbatches in flight): {e}") from None
+    return rewrite
 
 
 def sync_seconds(pipe: Pipeline, dp: int, zero: int, link: Any) -> list[float]:
@@ -695,36 +752,38 @@ def plan_stages(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any
     return ps.run(graph, PassContext(traits=traits, profile=profile)).stats
 
 
-def saved_fractions(plan: Any, budget: Any, ranks: int) -> list[float | None]:
-    """Per stage, the fraction of its saved activations that fits `budget` (glmc's recompute
-    Budget spelling) given the microbatches the schedule keeps in flight on it: a size is the
-    peak allowed per *rank* (its stages' state first, the rest shared by their in-flight
-    activations); a fraction keeps that share of every stage's activations; "min" recomputes
-    all it can. None: no budget. A size below a rank's state is a BudgetError naming it."""
+def stage_budgets(plan: Any, budget: Any, ranks: int) -> list[StageBudget | None]:
+    """Per stage, its budget for glmc's recompute pass (`StageBudget`) from `budget` (the
+    pass's Budget spelling) with the microbatches the schedule keeps in flight on it: a size is
+    the peak allowed per *rank* — its stages' state first, the rest shared by their in-flight
+    activations in proportion to what each would keep (`+size`: that rest itself); a fraction
+    or "min" applies to every stage. None: no budget. A size below a rank's state is a
+    BudgetError naming it."""
     from glmc.errors import BudgetError
     from glmc.passes.recompute import Budget
 
     if budget is None:
         return [None] * len(plan.stages)
     b = Budget.parse(budget)
-    if b.kind == "min":
-        return [0.0] * len(plan.stages)
-    if b.kind == "fraction":
-        return [b.value] * len(plan.stages)
-    out: list[float | None] = [None] * len(plan.stages)
+    if b.kind in ("min", "fraction"):
+        spec = "min" if b.kind == "min" else str(b.value)
+        return [StageBudget(spec, s.in_flight) for s in plan.stages]
+    out: list[StageBudget | None] = [None] * len(plan.stages)
     for r in range(ranks):
         own = [i for i in range(len(plan.stages)) if i % ranks == r]
         state = sum(plan.stages[i].state_bytes for i in own)
-        acts = sum(plan.stages[i].in_flight * plan.stages[i].saved_bytes_per_microbatch
-                   for i in own)
-        if b.value <= state:
+        acts = [plan.stages[i].in_flight * plan.stages[i].saved_bytes_per_microbatch
+                for i in own]
+        rest = b.value if b.kind == "above" else b.value - state
+        if rest <= 0:
             raise BudgetError(
                 f"pipeline: rank {r} (stage{'s' if len(own) > 1 else ''} "
                 f"{', '.join(map(str, own))}) needs more than {state / 2**20:.1f} MiB for its "
                 f"parameters, gradients and optimizer state before any activation; the budget "
                 f"is {b.value / 2**20:.1f} MiB per rank. Raise the budget or use more stages")
-        for i in own:
-            out[i] = min(1.0, (b.value - state) / acts) if acts else None
+        for i, a in zip(own, acts):
+            share = a / sum(acts) if sum(acts) else 1 / len(own)
+            out[i] = StageBudget(None, plan.stages[i].in_flight, int(rest * share))
     return out
 
 
@@ -738,8 +797,8 @@ def pipeline_trainer(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn
     world / dp pipeline ranks, `dp` replicas. Rank 0 plans the cut for one replica's slice of
     the batch (the cost model may be calibrated differently per process, so one process
     decides) and broadcasts it; every rank captures its program. `memory_budget` (a size per
-    rank, a fraction or "min"): each stage recomputes activations in its backward so that its
-    in-flight microbatches fit (`saved_fractions`). `cut`: use this cut (block indices, or
+    rank, a fraction or "min"): glmc's recompute pass plans each stage's backward so that its
+    in-flight microbatches fit (`stage_budgets`). `cut`: use this cut (block indices, or
     "equal") instead of the planned one. `zero=1`: each stage's optimizer state sharded over
     its replicas (`PipelineTrainer`). `backend`: what runs each stage's graphs ("eager":
     the fx graphs; "inductor": each compiled once, in its write-back form). `precision`:
@@ -763,12 +822,11 @@ def pipeline_trainer(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn
                              schedule, virtual, link=link, cut=cut, backend=backend)
     dist.broadcast_object_list(box, src=0)
     plan = box[0]
-    fractions = saved_fractions(plan, memory_budget, stages // virtual)
+    budgets = stage_budgets(plan, memory_budget, stages // virtual)
     pipe = build_program(model, optimizer, loss_fn, example,
                          [s.blocks for s in plan.stages], microbatches, schedule, virtual,
-                         fractions, precision, fusion)
+                         budgets, precision, fusion, backend)
     pipe.plan = with_sync(plan, sync_seconds(pipe, dp, zero, link), virtual, link)
-    pipe.saved_fractions = fractions
     return PipelineTrainer(pipe, timeout_s, dp, zero, backend)
 
 
@@ -800,8 +858,7 @@ def train_cli(work: Any, steps: int, microbatches: int, schedule: str, pp: int,
             print(f"step {i:4d}  loss {loss.item():.6f}", flush=True)
     measured = trainer.measure(*args, **kwargs)  # three more steps: not printed as training steps
     if printer:
-        data = pipeline_report(trainer.pipeline.plan, measured, trainer.pipeline.program,
-                               trainer.pipeline.saved_fractions)
+        data = pipeline_report(trainer.pipeline.plan, measured, trainer.pipeline)
         data["backend"] = {"name": trainer.backend, "precision": precision or "fp32",
                            "fusion": fusion,
                            "compile_seconds": trainer.compile_seconds}  # this rank's
@@ -840,13 +897,14 @@ def replay(schedule: Any, measured: Timeline) -> Timeline:
     return simulate(schedule, seconds)
 
 
-def pipeline_report(plan: Any, measured: PipelineMeasurement, program: Any = None,
-                    fractions: Sequence[float | None] | None = None) -> dict:
+def pipeline_report(plan: Any, measured: PipelineMeasurement,
+                    pipeline: Pipeline | None = None) -> dict:
     """The plan's predictions next to the measurement, as plain data (report.json). With the
     captured `program`: each rank's peak predicted from its stages' graphs walked through the
     schedule (`glmc.schedule.predicted_peaks`; else the plan's estimate), and the measured
-    action times replayed through the schedule. `fractions`: the stages' saved-activation
-    budgets (`saved_fractions`)."""
+    action times replayed through the schedule; with a memory budget, each stage's budget and
+    what the recompute pass did on it."""
+    program = pipeline.program if pipeline is not None else None
     sched_ranks = measured.timeline.num_ranks
     stages = []
     for i, s in enumerate(plan.stages):
@@ -854,7 +912,7 @@ def pipeline_report(plan: Any, measured: PipelineMeasurement, program: Any = Non
                        "profile": s.profile, "forward_s": s.forward_s,
                        "backward_s": s.backward_s, "update_s": s.update_s,
                        "seconds": s.seconds, "in_flight": s.in_flight,
-                       "saved_fraction": fractions[i] if fractions is not None else None,
+                       **_stage_recompute(pipeline, i),
                        "planned_peak_bytes": s.peak_bytes, "send_bytes": s.send_bytes})
     peaks = predicted_peaks(program) if program is not None else None
     ranks = []
@@ -883,12 +941,27 @@ def pipeline_report(plan: Any, measured: PipelineMeasurement, program: Any = Non
             "predicted_timeline": _spans(pred), "measured_timeline": _spans(measured.timeline)}
 
 
+def _stage_recompute(pipeline: Pipeline | None, i: int) -> dict:
+    """Stage i's budget and the recompute pass's result on it (report.json fields)."""
+    budget = pipeline.budgets[i] if pipeline is not None and pipeline.budgets else None
+    stats = pipeline.recompute[i] if pipeline is not None and pipeline.recompute else None
+    rec = None if stats is None else {
+        "recomputed": stats.recomputed, "kept": stats.kept, "solver": stats.solver,
+        "extra_seconds": stats.extra_seconds, "budget_bytes": stats.budget_bytes,
+        "baseline_peak": stats.baseline_peak, "predicted_peak": stats.predicted_peak,
+        "recomputed_values": [list(v) for v in stats.recomputed_values]}
+    return {"budget": budget.describe() if budget is not None else None, "recompute": rec}
+
+
 def summary(data: dict) -> str:
     """The report in a few lines (what `glmc compile --pp` prints)."""
     lines = []
     for st in data["stages"]:
-        budget = "" if st["saved_fraction"] is None else \
-            f", activations kept under a budget: {st['saved_fraction']:.0%}"
+        rec = st["recompute"]
+        budget = "" if st["budget"] is None else \
+            f", budget {st['budget']}: {rec['recomputed']} values recomputed, " \
+            f"+{rec['extra_seconds'] * 1e3:.2f} ms, peak predicted " \
+            f"{rec['predicted_peak'] / 2**20:.2f} MiB"
         lines.append(f"stage {st['stage']}: {', '.join(st['blocks'])}  predicted "
                      f"{st['seconds'] * 1e3:.2f} ms/step, planned peak "
                      f"{st['planned_peak_bytes'] / 2**20:.2f} MiB ({st['in_flight']} "

@@ -706,7 +706,8 @@ StageArg = tuple["int | str", torch.Tensor]  #: (batch leaf index | received bou
 def capture_stage(index: int, module: nn.Module, optimizer: torch.optim.Optimizer,
                   args: Sequence[StageArg], *, send: Sequence[str] = (), loss_fn: Any = None,
                   target: tuple[int, torch.Tensor] | None = None,
-                  saved_fraction: float | None = None, update: str = "fused",
+                  partition: Callable[[fx.GraphModule], Any] | None = None,
+                  update: str = "fused",
                   rewrites: Sequence[Callable[[fx.GraphModule, list[InputSpec]], Any]] = ()
                   ) -> Stage:
     """Stage `index` of a pipeline: `module(*args)` then either sends its outputs under the
@@ -715,10 +716,10 @@ def capture_stage(index: int, module: nn.Module, optimizer: torch.optim.Optimize
     `(name, example)` for a value received from the stage that sends `name`; its gradient is
     sent back as `"grad:" + name`. Buffers are read-only inputs (`Role.BUFFER`; a stage that
     writes a buffer, as batch norm does, is rejected). AOTAutograd's default partition decides
-    what the forward saves for the backward — or, with `saved_fraction` f in [0, 1], its
-    min-cut rematerialization partition under `activation_memory_budget` f (recompute in the
-    backward until the saved bytes are about f of what the default saves; 0: as little as
-    possible). The update is the optimizer's glmc rule (`glmc.optim`): with `update="single"`
+    what the forward saves for the backward: every forward value the backward reads —
+    `partition(joint)`, when given, rewrites AOTAutograd's joint graph first (glmc's recompute
+    pass, `glmc.passes.recompute.recompute_stage`: backward copies of the values it chooses to
+    recompute, so the partition saves their inputs instead). The update is the optimizer's glmc rule (`glmc.optim`): with `update="single"`
     one parameter at a time, as torch.optim's default CPU loop computes it (bit-identical);
     `"foreach"`: one multi-tensor op per group (torch's foreach path); `"fused"` (default):
     ATen's fused kernel per group where the rule has one (AdamW/Adam on fp32: what
@@ -758,7 +759,7 @@ def capture_stage(index: int, module: nn.Module, optimizer: torch.optim.Optimize
     fn: Callable = step
     for rewrite in rewrites:  # each traced afresh: a rewrite sees its input's values
         fn = _rewritten(fn, examples, ins, rewrite)
-    fw, bw, n_out = _aot_graphs(fn, examples, saved_fraction)
+    fw, bw, n_out = _aot_graphs(fn, examples, partition)
     if n_out != max(len(send), 1):
         raise ConfigError(f"capture_stage: stage {index} returns {n_out} values but send= "
                           f"names {len(send)} (a stage that writes a buffer returns more)")
@@ -800,16 +801,13 @@ def _rewritten(step: Callable, examples: list[torch.Tensor], inputs: list[InputS
     return gm
 
 
-def _aot_graphs(fn: Callable, examples: list[torch.Tensor], saved_fraction: float | None = None
+def _aot_graphs(fn: Callable, examples: list[torch.Tensor],
+                partition: Callable[[fx.GraphModule], Any] | None = None
                 ) -> tuple[fx.GraphModule, fx.GraphModule, int]:
     """AOTAutograd's forward and backward graphs of `fn` (run once on `examples`), split by
-    the default partition, or under a saved-activation budget (see `capture_stage`)."""
-    import contextlib
-
-    import torch._functorch.config as functorch_config
+    the default partition after `partition`'s rewrite of the joint graph (`capture_stage`)."""
     from functorch.compile import aot_function, make_boxed_func
-    from torch._functorch.partitioners import (default_partition,
-                                               min_cut_rematerialization_partition)
+    from torch._functorch.partitioners import default_partition
 
     got: dict[str, fx.GraphModule] = {}
 
@@ -819,13 +817,14 @@ def _aot_graphs(fn: Callable, examples: list[torch.Tensor], saved_fraction: floa
             return make_boxed_func(gm.forward)
         return compiler
 
-    budget = contextlib.nullcontext() if saved_fraction is None else \
-        functorch_config.patch(activation_memory_budget=max(0.0, min(1.0, saved_fraction)))
-    compiled = aot_function(fn, fw_compiler=keep("F"), bw_compiler=keep("B"),
-                            partition_fn=default_partition if saved_fraction is None
-                            else min_cut_rematerialization_partition)
-    with budget:
-        out = compiled(*examples)
+    def split(joint: fx.GraphModule, joint_inputs: Any, **kw: Any) -> Any:
+        if partition is not None:
+            partition(joint)
+            joint.recompile()
+        return default_partition(joint, joint_inputs, **kw)
+
+    compiled = aot_function(fn, fw_compiler=keep("F"), bw_compiler=keep("B"), partition_fn=split)
+    out = compiled(*examples)
     outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
     torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
     return got["F"], got["B"], len(outs)

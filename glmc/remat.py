@@ -13,7 +13,10 @@ backend the pointwise ops it inlines, are transparent) — on the step's node or
 * the memory at node t is the baseline liveness (no recompute) with every unit's post-forward
   lifetime replaced by what the plan makes of it. `evaluate()` computes it exactly for this
   model; the glmc recompute pass checks the result against the full liveness simulation of
-  the rewritten graph.
+  the rewritten graph;
+* with `multiplicity` k > 1 (a pipeline stage whose schedule keeps k microbatches in flight),
+  the stored units of k - 1 other microbatches are live throughout: every stored unit counts
+  k - 1 more times at every node.
 
 Solvers: `greedy` (repeatedly recompute the unit with the best bytes-freed-at-the-peak per
 second of recompute, checked exactly; fast, used for large graphs) and `milp` (exact for the
@@ -52,6 +55,7 @@ class Problem:
     units: list[Unit]
     base: np.ndarray  #: baseline live bytes after each node (no recompute)
     persistent: int = 0
+    multiplicity: int = 1  #: microbatches whose stored units are live at once
     consumers: list[list[int]] = field(init=False)
     fixed: np.ndarray = field(init=False)  #: baseline minus every unit's post-forward life
 
@@ -129,7 +133,15 @@ def timeline(p: Problem, recompute: Iterable[int]) -> np.ndarray:
         if last >= start:
             delta[start] += u.size
             delta[last + 1] -= u.size
-    return p.fixed + np.cumsum(delta)[:-1]
+    return p.fixed + np.cumsum(delta)[:-1] + (p.multiplicity - 1) * stored_bytes(p, r)
+
+
+def stored_bytes(p: Problem, recompute: Iterable[int]) -> int:
+    """Bytes of one microbatch's units kept past the forward (read by the backward, or by a
+    recomputed unit, and not recomputed themselves)."""
+    r = frozenset(recompute)
+    return sum(u.size for i, u in enumerate(p.units) if i not in r and
+               (u.needed or any(c in r for c in p.consumers[i])))
 
 
 def evaluate(p: Problem, recompute: Iterable[int]) -> tuple[int, int]:
@@ -177,7 +189,8 @@ def greedy(p: Problem, target: int | None, top_k: int = 6, deadline: float | Non
         for i, u in enumerate(p.units):
             if i in r or i in tried_out or not u.recomputable or not u.needed:
                 continue
-            if u.last_fwd < at <= u.bwd_reads[-1]:  # kept, and live at the peak
+            # kept, and live at the peak (every stored unit is, with other microbatches')
+            if p.multiplicity > 1 or u.last_fwd < at <= u.bwd_reads[-1]:
                 cands.append((u.size / (u.cost + 1e-9), i))
         if not cands:
             break
@@ -341,10 +354,13 @@ class _Milp:
 
     def _add_memory(self, k: int, t: int) -> None:
         coefs = {self.M: -1.0}
+        others = self.p.multiplicity - 1  # other microbatches' stored units (s_i)
         for i, u in enumerate(self.p.units):
             if u.produced <= t and u.last_fwd < t:
                 coefs[self.live(i, k)] = float(u.size)
                 coefs[self.kept(i, k)] = float(u.size)
+            if others:
+                coefs[self.S0 + i] = float(others * u.size)
         self.add(coefs, -np.inf, -float(self.p.fixed[t]))
 
     def objective(self, target: int | None

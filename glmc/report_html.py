@@ -364,16 +364,23 @@ def _link(link: dict[str, Any] | None) -> str:
             f"{link['bandwidth_GBps']:.2f} GB/s ({link['source']})")
 
 
+def _stage_budget(s: dict[str, Any]) -> str:
+    rec = s.get("recompute")
+    if s.get("budget") is None or rec is None:
+        return "none: all kept"
+    return (f"{s['budget']}: {rec['recomputed']} values (+{rec['extra_seconds'] * 1e3:.2f} ms), "
+            f"predicted peak {mib(rec['predicted_peak'])}")
+
+
 def render_pipeline_html(data: dict[str, Any]) -> str:
     """report.html of a pipelined run (glmc.pipeline_parallel.pipeline_report's dict)."""
     b, t = data["bubble"], data["step_seconds"]
     stages = Table(("stage", "rank", "blocks", "profile", "F", "B", "update", "total",
-                    "in flight", "activations kept", "planned peak", "sends per microbatch"),
+                    "in flight", "budget: recomputed", "planned peak", "sends per microbatch"),
                    tuple((str(s["stage"]), str(s["rank"]), ", ".join(s["blocks"]), s["profile"],
                           ms(s["forward_s"]), ms(s["backward_s"]), ms(s["update_s"]),
                           ms(s["seconds"]), str(s["in_flight"]),
-                          "all" if s.get("saved_fraction") is None
-                          else f"{s['saved_fraction']:.0%} (budget)",
+                          _stage_budget(s),
                           mib(s["planned_peak_bytes"]),
                           mib(s["send_bytes"])) for s in data["stages"]))
     ranks = Table(("rank", "stages", "planned peak (cut)", "predicted peak (stage graphs)",

@@ -464,3 +464,31 @@ def _module_path(stack: dict | None) -> str | None:
         if path.startswith(prefix):
             return path[len(prefix):] or None
     return path
+
+
+def joint_to_traingraph(gm: fx.GraphModule) -> TrainGraph:
+    """A TrainGraph view of an AOTAutograd joint graph (placeholders primals_*/tangents_*)."""
+    g = gm.graph
+    inputs, backward = [], set()
+    for n in g.nodes:
+        if n.op == "placeholder":
+            tangent = n.name.startswith("tangents")
+            role = Role.GRADIENT if tangent else Role.INPUT
+            inputs.append(InputSpec(role, n.name))
+            n.meta["glmc"] = NodeInfo(Phase.INPUT, role, TensorSpec.of(n.meta.get("val")),
+                                      target=n.name)
+            if tangent:
+                backward.add(n)
+        elif n.op == "call_function":
+            is_bwd = any(a in backward for a in n.all_input_nodes)
+            if is_bwd:
+                backward.add(n)
+            phase = Phase.BACKWARD if is_bwd else Phase.FORWARD
+            role = Role.GRADIENT if is_bwd else Role.ACTIVATION
+            n.meta["glmc"] = NodeInfo(phase, role, TensorSpec.of(n.meta.get("val")),
+                                      source=source_line(n.meta.get("stack_trace")))
+    out = next(n for n in reversed(g.nodes) if n.op == "output")
+    outputs = [OutputSpec(OutputKind.GRADIENT if isinstance(v, fx.Node) and v in backward
+                          else OutputKind.FORWARD, str(i))
+               for i, v in enumerate(out.args[0])]
+    return TrainGraph(gm, inputs, outputs)

@@ -9,11 +9,14 @@ it, checkpoints save it).
     method     on the wire per rank (n gradient elements)     collective            stages
     bf16/fp16  2n bytes                                       as shard placed it    0-3
     sign       n/8 bytes + 4 bytes per tensor (its scale)     all-gather, unpacked  0-1
+               (block=B: + 4 bytes per B elements instead)
     topk       8k bytes (k = ratio n values + int32 indices)  all-gather, summed    0-1
     powersgd   4 r (rows + cols) per matrix, 4 n_small        two all-reduces       0-1
 
-sign: each tensor of the bucket sends sign(e) packed 8 per byte and one fp32 scale mean(|e|);
-the average of scale_r * sign_r over the ranks replaces the average gradient. topk: the k
+sign: each tensor of the bucket sends sign(e) packed 8 per byte and one fp32 scale mean(|e|)
+(`block=B`: one scale per B consecutive elements of the bucket, as QSGD's buckets: a finer
+scale, a smaller error for the residual to carry); the average of scale_r * sign_r over the
+ranks replaces the average gradient. topk: the k
 largest |e| with their positions; the average of the scattered values. powersgd (rank r, Vogels
 et al. 2019, as torch's DDP hook): per matrix M (a parameter viewed as rows x rest, at least
 `min_numel` elements): P = M Q, all-reduce P, orthonormalise P, Q = M^T P, all-reduce Q, M ~ P
@@ -140,6 +143,7 @@ class CompressPass(Pass):
     #: the link the report prices the traffic on (glmc.comm.get_link: a name or figures)
     link: str = "infiniband-ndr"
     warmup_steps: int = 0  #: the first steps go uncompressed (see the module docstring)
+    block: int = 0  #: sign: elements per scale (0: one scale per tensor)
 
     def needs(self) -> frozenset[Need]:
         return frozenset({Need.STEP})
@@ -153,6 +157,10 @@ class CompressPass(Pass):
                               f"{self.method!r}")
         if not 0 < self.ratio <= 1 or self.rank < 1:
             raise ConfigError("compress: ratio must be in (0, 1] and rank >= 1")
+        if not isinstance(self.block, int) or self.block < 0 or self.block and \
+                self.method != "sign":
+            raise ConfigError(f"compress: block (elements per scale) is a whole number >= 0 "
+                              f"for method sign, got block={self.block!r} with {self.method}")
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ConfigError(f"compress: warmup_steps must be a whole number >= 0, got "
                               f"{self.warmup_steps!r}")
@@ -369,15 +377,12 @@ class _Compressor:
         return wait
 
     def _sign(self, e: fx.Node, sizes: list[int]) -> tuple[fx.Node, fx.Node]:
-        """Packed signs and one scale per tensor, all-gathered; the mean of scale * sign."""
+        """Packed signs and one scale per tensor (or per block), all-gathered; the mean of
+        scale * sign."""
         n_total = sum(sizes)
         pad = (-n_total) % 8
-        pieces = self.op(aten.split_with_sizes.default, e, sizes)
-        scales = [self.op(aten.mean.default, self.op(aten.abs.default,
-                                                     self.op(operator.getitem, pieces, k)))
-                  for k in range(len(sizes))]
-        scale = self.op(aten.stack.default, scales)  # (tensors,)
-        per_elem = self._expand_scales(scale, sizes)
+        scale = self._sign_scales(e, sizes)  # (scales,)
+        per_elem = self._scales_per_element(scale, sizes)
         positive = self.op(aten.ge.Scalar, e, 0.0)
         sign = self.op(aten.sub.Tensor, self.op(aten.mul.Tensor, self.op(
             aten._to_copy.default, positive, dtype=e.meta["val"].dtype), 2.0), 1.0)
@@ -401,12 +406,51 @@ class _Compressor:
         signs = self.op(aten.view.default, signs, [self.n, n_total + pad])
         if pad:
             signs = self.op(aten.slice.Tensor, signs, 1, 0, n_total)
-        scales_r = self.op(aten.view.default, all_scales, [self.n, len(sizes)])
-        rows = [self._expand_scales(self.op(aten.select.int, scales_r, 0, r), sizes)
-                for r in range(self.n)]
-        per_rank = self.op(aten.stack.default, rows)
+        scales_r = self.op(aten.view.default, all_scales, [self.n, -1])
+        if self.opts.block:
+            per_rank = self._block_rows(scales_r, n_total)
+        else:
+            rows = [self._expand_scales(self.op(aten.select.int, scales_r, 0, r), sizes)
+                    for r in range(self.n)]
+            per_rank = self.op(aten.stack.default, rows)
         mean = self.op(aten.mean.dim, self.op(aten.mul.Tensor, signs, per_rank), [0])
         return mean, sent
+
+    def _sign_scales(self, e: fx.Node, sizes: list[int]) -> fx.Node:
+        """mean(|e|) per tensor of the bucket, or per `block` elements of it (the last block
+        averaged over its own length)."""
+        if not self.opts.block:
+            pieces = self.op(aten.split_with_sizes.default, e, sizes)
+            scales = [self.op(aten.mean.default, self.op(aten.abs.default,
+                                                         self.op(operator.getitem, pieces, k)))
+                      for k in range(len(sizes))]
+            return self.op(aten.stack.default, scales)
+        block, n_total = self.opts.block, sum(sizes)
+        blocks = -(-n_total // block)
+        tail = n_total - (blocks - 1) * block
+        mags = self.op(aten.abs.default, e)
+        if tail != block:
+            mags = self.op(aten.constant_pad_nd.default, mags, [0, block - tail], 0.0)
+        sums = self.op(aten.sum.dim_IntList, self.op(aten.view.default, mags, [blocks, block]),
+                       [1])
+        scale = self.op(aten.div.Tensor, sums, float(block))
+        if tail != block:  # the last block's mean over its `tail` real elements
+            last = self.op(aten.mul.Tensor, self.op(aten.slice.Tensor, scale, 0, blocks - 1,
+                                                    blocks), block / tail)
+            scale = self.op(aten.cat.default, [self.op(aten.slice.Tensor, scale, 0, 0,
+                                                       blocks - 1), last])
+        return scale
+
+    def _scales_per_element(self, scale: fx.Node, sizes: list[int]) -> fx.Node:
+        if not self.opts.block:
+            return self._expand_scales(scale, sizes)
+        rows = self._block_rows(self.op(aten.unsqueeze.default, scale, 0), sum(sizes))
+        return self.op(aten.view.default, rows, [-1])
+
+    def _block_rows(self, scales: fx.Node, n_total: int) -> fx.Node:
+        """(rows, blocks) block scales -> (rows, n) one per element."""
+        wide = self.op(aten.repeat_interleave.self_int, scales, self.opts.block, 1)
+        return self.op(aten.slice.Tensor, wide, 1, 0, n_total)
 
     def _expand_scales(self, scale: fx.Node, sizes: list[int]) -> fx.Node:
         """(tensors,) scales -> (n,) one per element."""

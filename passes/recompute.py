@@ -8,6 +8,10 @@ optimizer; the program the backend runs) staying within the budget.
                    the step needs on top of weights, optimizer state and batch
     budget=2GiB    the whole step's peak in bytes (also MiB, GB, MB, plain integers)
     budget=min     the smallest peak this pass can reach
+    budget=+64MiB  weights, optimizer state and batch plus this many bytes
+
+With `multiplicity=k` (a pipeline stage's joint graph, `recompute_stage`) the peak counts the
+values k - 1 other in-flight microbatches keep for their backward (`glmc.remat`).
 
 Guarantees:
 * Random ops (dropout) are never recomputed: they are kept, so masks and gradients are
@@ -31,7 +35,7 @@ import operator
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -43,8 +47,9 @@ from glmc.ir import RANDOM_OPS, REGATHER_S, Phase, TrainGraph, op_name
 from glmc.memory import simulate
 from glmc.passmanager import Effect, Need, Pass, PassContext, PassResult, Verdict
 from glmc.target import BackendTraits, FusionModel
+from glmc.step import joint_to_traingraph
 from glmc.writeback import lower_writeback
-from glmc.remat import Plan, Problem, Unit, evaluate, greedy, milp, plan_cost
+from glmc.remat import Plan, Problem, Unit, evaluate, greedy, milp, plan_cost, stored_bytes
 
 BUDGET_TOLERANCE = 0.01  #: measured peak may exceed a memory budget by this fraction
 
@@ -54,7 +59,7 @@ _UNITS = {"k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 1 << 10, "mi": 1 << 20,
 
 @dataclass(frozen=True)
 class Budget:
-    kind: str  #: "fraction" | "bytes" | "min"
+    kind: str  #: "fraction" | "bytes" | "min" | "above" (persistent + value bytes)
     value: float = 0.0
 
     @staticmethod
@@ -66,6 +71,12 @@ class Budget:
         text = str(spec).strip().lower()
         if text == "min":
             return Budget("min")
+        if text.startswith("+"):
+            above = Budget.parse(text[1:] or "?")
+            if above.kind != "bytes":
+                raise ConfigError(f"recompute: budget {spec!r}: '+' takes a size (+64MiB), "
+                                  "the bytes allowed above weights, optimizer state and batch")
+            return Budget("above", above.value)
         m = re.fullmatch(r"([0-9.]+(?:e[0-9]+)?)\s*([kmgt]i?)?b?", text)
         if not m:
             raise ConfigError(f"recompute: budget {spec!r} is not a fraction (0.5), a size "
@@ -82,6 +93,8 @@ class Budget:
             return None
         if self.kind == "fraction":
             return int(persistent + self.value * (baseline_peak - persistent))
+        if self.kind == "above":
+            return int(persistent + self.value)
         return int(self.value)
 
 
@@ -151,6 +164,7 @@ class RecomputePass(Pass):
     milp_units: int = 1200
     pareto: bool = True
     margin: int = 0  #: bytes kept free below the budget (set by the trainer's measured retry)
+    multiplicity: int = 1  #: microbatches in flight whose saved values are live at once
 
     def __post_init__(self) -> None:
         Budget.parse(self.budget)  # a bad budget fails when the pipeline is parsed
@@ -192,8 +206,8 @@ class RecomputePass(Pass):
         backend = ctx.traits
         profile = get_profile(ctx.profile, graph_device(graph))
         lowered = lower_writeback(graph, backend.early_writeback).graph
-        problem, units = build_problem(lowered, backend, profile)
-        baseline_peak = int(problem.base.max())
+        problem, units = build_problem(lowered, backend, profile, self.multiplicity)
+        baseline_peak = evaluate(problem, ())[0]
         budget_bytes = target = budget.target(baseline_peak, problem.persistent)
         if target is not None and self.margin:
             target -= self.margin
@@ -218,7 +232,8 @@ class RecomputePass(Pass):
         if shortfall is not None:
             notes.append(f"the measured retry's target is {_mib(shortfall)} below the lowest "
                          "reachable peak: using the lowest")
-        predicted = _simulate_with(graph, units, plan.recompute, backend)
+        predicted = _simulate_with(graph, units, plan.recompute, backend) + \
+            (problem.multiplicity - 1) * stored_bytes(problem, plan.recompute)
         for _ in range(3):
             if target is None or predicted <= target or shortfall is not None:
                 break
@@ -228,7 +243,8 @@ class RecomputePass(Pass):
             if tighter is None:
                 break
             plan = tighter
-            predicted = _simulate_with(graph, units, plan.recompute, backend)
+            predicted = _simulate_with(graph, units, plan.recompute, backend) + \
+                (problem.multiplicity - 1) * stored_bytes(problem, plan.recompute)
         solve_seconds = time.perf_counter() - start
         pareto = self._pareto(problem, baseline_peak) if self.pareto else []
         changed = bool(plan.recompute)
@@ -289,6 +305,22 @@ class RecomputePass(Pass):
         return points
 
 
+def recompute_stage(budget: Any, multiplicity: int, traits: BackendTraits, profile: Any = None,
+                    found: list | None = None) -> Callable[[fx.GraphModule], None]:
+    """For a pipeline stage (`glmc.program.capture_stage(partition=...)`): a rewrite of the
+    stage's AOTAutograd joint graph, before its default partition, by this pass under `budget`
+    (a fraction, a size — `+N` above the stage's weights and inputs — or "min") with the
+    `multiplicity` microbatches its schedule keeps in flight; the partition then saves what
+    the plan keeps and the backward recomputes the rest. Each run's stats go to `found`."""
+    def rewrite(joint: fx.GraphModule) -> None:
+        graph = joint_to_traingraph(joint)
+        result = RecomputePass(budget=str(budget), multiplicity=multiplicity,
+                               pareto=False).run(graph, PassContext(traits, profile=profile))
+        if found is not None:
+            found.append(result.stats)
+    return rewrite
+
+
 # ---- graph -> problem -------------------------------------------------------------------------
 
 
@@ -319,8 +351,8 @@ def _key_name(key: tuple[fx.Node, int | None]) -> str:
     return node.name if k is None else f"{node.name}#{k}"
 
 
-def build_problem(lowered: fx.Graph, traits: BackendTraits,
-                  profile: Any) -> tuple[Problem, list[str]]:
+def build_problem(lowered: fx.Graph, traits: BackendTraits, profile: Any,
+                  multiplicity: int = 1) -> tuple[Problem, list[str]]:
     """Units (forward values owning storage; each output of a multi-output op is its own unit)
     of the lowered step, with sizes, recompute seconds, read times, and the baseline liveness
     timeline. Returns the problem and the unit names (`node` or `node#k`)."""
@@ -391,7 +423,7 @@ def build_problem(lowered: fx.Graph, traits: BackendTraits,
             recomputable=recomputable, source=getattr(info, "source", None)))
     mem = simulate(lowered, traits)
     base = [sum(v.values()) for _, v in mem.timeline]
-    return Problem(units, base, mem.persistent_bytes), [u.name for u in units]
+    return Problem(units, base, mem.persistent_bytes, multiplicity), [u.name for u in units]
 
 
 def _flops(lowered: fx.Graph, names: set[str]) -> float:
@@ -440,6 +472,8 @@ def rewrite(graph: TrainGraph, recompute: set[str], traits: BackendTraits) -> in
             c = g.call_function(a.target, args, kwargs)
         c.meta = dict(a.meta)
         c.meta["glmc"] = a.meta["glmc"].replace(phase=Phase.BACKWARD)
+        if "partitioner_tag" in c.meta:  # a joint graph: AOTAutograd's partition reads it
+            c.meta["partitioner_tag"] = "is_backward"
         copies[a] = c
         made.add(c)
         return c
@@ -463,4 +497,4 @@ def _simulate_with(graph: TrainGraph, units: list[str], recompute: frozenset[int
     return simulate(lower_writeback(scratch, backend.early_writeback).graph, backend).peak_bytes
 
 
-__all__ = ["RecomputePass", "Budget", "build_problem", "rewrite", "evaluate", "plan_cost"]
+__all__ = ["RecomputePass", "Budget", "build_problem", "recompute_stage", "rewrite", "evaluate", "plan_cost"]

@@ -148,7 +148,7 @@ def test_version_and_help(capsys: pytest.CaptureFixture) -> None:
         main(["compile", "--help"])
     assert e.value.code == 0
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
-    for form in ("0.5", "2GiB", "500MB", "1e9", "min"):  # every --memory-budget form
+    for form in ("0.5", "2GiB", "500MB", "1e9", "+64MiB", "min"):  # every --memory-budget form
         assert form in text
     assert f"registered passes: {', '.join(registry())}" in text
 

@@ -316,3 +316,20 @@ def test_cli_topology_and_warmup_options_are_usage_errors_without_their_context(
         with pytest.raises(SystemExit) as e:
             main(["compile", "examples/mlp.py", *argv])
         assert e.value.code == 2 and says in capsys.readouterr().err, argv
+
+
+def test_sign_blocks_send_one_scale_per_block() -> None:
+    """sign{block=B}: each bucket's scales are ceil(n / B) fp32 values (a finer scale than one
+    per tensor), the signs still n / 8 bytes; a block with another method is a typed error."""
+    from glmc.passes.compress import CompressPass
+    graph, stats = _compressed("sign", block=64)
+    _, per_tensor = _compressed("sign")
+    sizes = [b.nbytes // 4 for b in graph.meta["sharding"].grad_buckets]  # fp32 gradients
+    scales = [n.args[0].meta["val"].numel() for n in graph.graph.nodes
+              if "all_gather_into_tensor" in str(n.target)
+              and n.args[0].meta["val"].dtype == torch.float32]
+    assert len(sizes) > 1 and scales == [-(-n // 64) for n in sizes]
+    assert stats.wire_bytes == sum(-(-n // 8) + 4 * -(-n // 64) for n in sizes)
+    assert per_tensor.wire_bytes < stats.wire_bytes < stats.dense_bytes / 16
+    with pytest.raises(ConfigError, match="block .* for method sign"):
+        CompressPass(method="topk", block=64).run(_glm(), PassContext())

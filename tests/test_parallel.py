@@ -114,12 +114,15 @@ def _compress_part(rank: int, out: Path) -> dict:
     """Each compression method on the GLM example, 4 steps; error-feedback state saved and
     restored through DCP."""
     found = {}
-    for method, stage in (("bf16", 2), ("sign", 0), ("topk", 1), ("powersgd", 0)):
+    for method, stage in (("bf16", 2), ("sign", 0), ("sign_block", 1), ("topk", 1),
+                          ("powersgd", 0)):
         (model, batch, loss_fn, opt), _ = _case()
+        compress = {"method": "sign", "block": 64} if method == "sign_block" else \
+            {"method": method, "min_numel": 256}
         trainer = glmc.optimize(model, batch, loss_fn=loss_fn, optimizer=opt, backend="eager",
                                 fusion=False, predict=False, measure=False,
                                 parallel={"zero": stage, "bucket_mb": BUCKET_MB,
-                                          "compress": {"method": method, "min_numel": 256}})
+                                          "compress": compress})
         losses = [trainer.step(*batch).item() for _ in range(4)]
         stats = next(r.stats for r in trainer.report.compiles[-1].history
                      if r.name == "compress")
@@ -179,7 +182,7 @@ def _errors_part(rank: int, out: Path) -> dict:
 
 def _worker(rank: int, port: int, out: str) -> None:
     parts = [(f"stage{s}", _stage_part(s, fusion=s == 2)) for s in (0, 1, 2, 3)]
-    parts += [("stage3_bf16", _stage_part(3, "bf16")),
+    parts += [("stage3_bf16", _stage_part(3, "bf16", measure=False)),
               ("stage3_recompute", _stage_part(3, memory_budget="min")),
               # the plan itself: no measured retry (which may recompute to meet the budget)
               ("stage3_keep", _stage_part(3, memory_budget="1.0", measure=False)),
@@ -318,9 +321,10 @@ def test_compression_cuts_the_bytes_on_the_wire_and_still_trains(runs: Path) -> 
     torch.testing.assert_close(found["bf16"]["losses"][:STEPS], ref, rtol=1e-3, atol=0)
     assert found["bf16"]["ratio"] == 2.0
     assert found["sign"]["ratio"] >= 16  # 1 bit per element + an fp32 scale per tensor
+    assert 16 <= found["sign_block"]["ratio"] < found["sign"]["ratio"]  # a scale per 64
     assert found["topk"]["ratio"] >= 25  # 1% of the values + their int32 indices
     assert found["powersgd"]["ratio"] >= 8  # rank 4
-    for method in ("sign", "topk", "powersgd"):
+    for method in ("sign", "sign_block", "topk", "powersgd"):
         losses = found[method]["losses"]
         assert losses[-1] < losses[0], method  # the loss still falls
     assert any(k.startswith("psgd_q:") for k in found["powersgd"]["state"])

@@ -282,7 +282,7 @@ def _trainer_part(rank: int, out: Path) -> dict:
     trainer = pipeline_trainer(model, opt, loss_fn, batch, MICROBATCHES, "1f1b")
     losses = [trainer.step(*batch) for _ in range(STEPS)]
     measured = trainer.measure(*batch, steps=2)
-    data = pipeline_report(trainer.pipeline.plan, measured, trainer.pipeline.program)
+    data = pipeline_report(trainer.pipeline.plan, measured, trainer.pipeline)
     if trainer.last:
         write_report(data, str(out / "pipeline-report"))
     return {"losses": [float(v) for v in losses if v is not None], "data": data,
@@ -719,14 +719,19 @@ def test_four_stages_on_four_processes_match_one_process(names: list[str], tmp_p
 # ---- per-stage memory budgets ------------------------------------------------------------------
 
 def test_a_stage_under_a_budget_saves_less_and_trains_like_eager(glm_graph) -> None:
+    """glmc's recompute pass plans the stage's joint graph with its in-flight microbatches:
+    the forward saves less, the backward recomputes, the losses stay eager PyTorch's."""
+    from glmc.pipeline_parallel import StageBudget
     blocks = step_blocks(glm_graph)
     sizes = {}
-    for f in (None, 0.0):
+    for budget in (None, StageBudget("min", 2)):
         model, batch, loss_fn, opt = CASES["glm"].make()
         pipe = build_program(model, opt, loss_fn, batch, [blocks], 2, "1f1b",
-                             saved_fractions=[f])
-        sizes[f] = pipe.program.stages[0].saved_bytes()
-    assert sizes[0.0] < 0.5 * sizes[None]  # recomputed in the backward instead
+                             budgets=[budget])
+        sizes[budget] = pipe.program.stages[0].saved_bytes()
+    stats = pipe.recompute[0]
+    assert stats.recomputed > 0 and stats.predicted_peak < stats.baseline_peak
+    assert sizes[budget] < 0.5 * sizes[None]  # recomputed in the backward instead
     losses = [float(torch.stack(run_rank(pipe.program, {0: pipe.stages[0].module},
                                          {0: pipe.optimizers[0]},
                                          microbatch_leaves(batch, 2))).mean())
@@ -734,21 +739,37 @@ def test_a_stage_under_a_budget_saves_less_and_trains_like_eager(glm_graph) -> N
     assert losses == pytest.approx(eager_losses(*CASES["glm"].make(), STEPS), rel=RTOL)
 
 
-def test_budget_per_rank_becomes_each_stages_kept_fraction(glm_graph) -> None:
+def test_a_stage_that_cannot_fit_its_budget_is_a_typed_error_naming_it(glm_graph) -> None:
     from glmc.errors import BudgetError
-    from glmc.pipeline_parallel import saved_fractions
+    from glmc.pipeline_parallel import StageBudget
+    model, batch, loss_fn, opt = CASES["glm"].make()
+    with pytest.raises(BudgetError, match=r"pipeline: stage 0 \(2 microbatches in flight\): "
+                                          r"recompute: .* raise the budget to at least"):
+        build_program(model, opt, loss_fn, batch, [step_blocks(glm_graph)], 2, "gpipe",
+                      budgets=[StageBudget(None, 2, activation_bytes=1)])
+
+
+def test_budget_per_rank_becomes_each_stages_budget(glm_graph) -> None:
+    from glmc.errors import BudgetError
+    from glmc.pipeline_parallel import StageBudget, stage_budgets
     plan = plan_partition(glm_graph, 2, 4, "1f1b")
     s0, s1 = plan.stages
-    assert saved_fractions(plan, None, 2) == [None, None]
-    assert saved_fractions(plan, "min", 2) == [0.0, 0.0]
-    assert saved_fractions(plan, 0.5, 2) == [0.5, 0.5]
-    acts0 = s0.in_flight * s0.saved_bytes_per_microbatch  # 1F1B: 2 in flight on stage 0
-    budget = s0.state_bytes + acts0 // 2
-    got = saved_fractions(plan, budget, 2)
-    assert got[0] == pytest.approx(0.5, abs=1e-6) and got[1] == pytest.approx(
-        min(1.0, (budget - s1.state_bytes) / (s1.in_flight * s1.saved_bytes_per_microbatch)))
+    assert stage_budgets(plan, None, 2) == [None, None]
+    assert stage_budgets(plan, "min", 2) == [StageBudget("min", s0.in_flight),
+                                             StageBudget("min", s1.in_flight)]
+    assert [b.spec for b in stage_budgets(plan, 0.5, 2)] == ["0.5", "0.5"]
+    assert s0.in_flight == 2 and s1.in_flight == 1  # 1F1B on 2 stages
+    budget = s0.state_bytes + 10 * 2 ** 20
+    got = stage_budgets(plan, budget, 2)
+    assert got[0] == StageBudget(None, 2, 10 * 2 ** 20)  # one stage per rank: all of the rest
+    assert got[1].activation_bytes == budget - s1.state_bytes
+    assert got[0].pass_budget(1000) == f"+{10 * 2 ** 20 + 1000}"  # + the stage's gradients
+    two = stage_budgets(plan, 2 * budget, 1)  # both stages on one rank share its rest
+    rest = 2 * budget - s0.state_bytes - s1.state_bytes
+    assert sum(b.activation_bytes for b in two) == pytest.approx(rest, abs=2)
+    assert [b.activation_bytes for b in stage_budgets(plan, "+8MiB", 2)] == [8 * 2 ** 20] * 2
     with pytest.raises(BudgetError, match=r"rank 0 \(stage 0\) needs more than .* MiB"):
-        saved_fractions(plan, s0.state_bytes, 2)
+        stage_budgets(plan, s0.state_bytes, 2)
 
 
 def test_a_dead_stage_is_a_typed_error_naming_the_rank_and_action(distributed: Path) -> None:

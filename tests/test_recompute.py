@@ -1,6 +1,7 @@
 """Recompute under a memory budget: parity, RNG, the budget on measured memory, the planners."""
 from __future__ import annotations
 
+import itertools
 import random
 
 import numpy as np
@@ -10,9 +11,10 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import glmc
 from glmc.capture import split_batch
-from glmc.errors import BudgetError
+from glmc.errors import BudgetError, ConfigError
 from glmc.passes.recompute import Budget
-from glmc.remat import Problem, Unit, closure, creation_times, evaluate, greedy, milp, plan_cost
+from glmc.remat import (Problem, Unit, closure, creation_times, evaluate, greedy, milp, plan_cost,
+                        stored_bytes, timeline)
 from tests.models import CASES, RTOL, ATOL, assert_state_close, eager_losses, glmc_losses, twin
 
 
@@ -89,6 +91,10 @@ def test_budget_forms() -> None:
     assert Budget.parse(3e9) == Budget("bytes", 3e9)
     assert Budget.parse("min").kind == "min"
     assert Budget("fraction", 0.5).target(300, 100) == 200
+    assert Budget.parse("+64MiB") == Budget("above", 64 * 2 ** 20)  # above the state
+    assert Budget.parse("+64MiB").target(10 ** 9, 100) == 100 + 64 * 2 ** 20
+    with pytest.raises(ConfigError, match=r"'\+' takes a size"):
+        Budget.parse("+0.5")
 
 
 def test_report_lists_recomputed_values_and_pareto(tmp_path) -> None:
@@ -109,8 +115,9 @@ def test_report_lists_recomputed_values_and_pareto(tmp_path) -> None:
 # ---- the planners on random DAGs ---------------------------------------------------------------
 
 
-def random_problem(seed: int, n_f: int) -> Problem:
-    """A forward of n_f units (random sizes, costs, DAG inputs), a mirrored backward."""
+def random_problem(seed: int, n_f: int, multiplicity: int = 1) -> Problem:
+    """A forward of n_f units (random sizes, costs, DAG inputs), a mirrored backward; with
+    `multiplicity` microbatches in flight (a pipeline stage's)."""
     rng = random.Random(seed)
     raw = []
     for i in range(n_f):
@@ -128,7 +135,7 @@ def random_problem(seed: int, n_f: int) -> Problem:
     for u in raw:
         delta[u["produced"]] += u["size"]
         delta[max([u["last_fwd"], *u["bwd_reads"]]) + 1] -= u["size"]
-    return Problem([Unit(**u) for u in raw], np.cumsum(delta)[:-1])
+    return Problem([Unit(**u) for u in raw], np.cumsum(delta)[:-1], multiplicity=multiplicity)
 
 
 def plan_is_valid(p: Problem, r: frozenset[int]) -> bool:
@@ -148,13 +155,14 @@ def plan_is_valid(p: Problem, r: frozenset[int]) -> bool:
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 10_000), n_f=st.integers(2, 9), frac=st.floats(0.0, 1.0))
-def test_planners_on_random_dags(seed: int, n_f: int, frac: float) -> None:
-    p = random_problem(seed, n_f)
+@given(seed=st.integers(0, 10_000), n_f=st.integers(2, 9), frac=st.floats(0.0, 1.0),
+       mult=st.sampled_from([1, 1, 3]))
+def test_planners_on_random_dags(seed: int, n_f: int, frac: float, mult: int) -> None:
+    p = random_problem(seed, n_f, mult)
     low = greedy(p, None)
     exact_min = milp(p, None, time_limit=20)
     assert exact_min is not None and exact_min.peak <= low.peak
-    base = int(p.base.max())
+    base = evaluate(p, ())[0]
     target = int(exact_min.peak + frac * (base - exact_min.peak))
     h = greedy(p, target)
     e = milp(p, target, time_limit=20)
@@ -166,3 +174,20 @@ def test_planners_on_random_dags(seed: int, n_f: int, frac: float) -> None:
     if h.peak <= target:
         assert e.cost <= h.cost + 1e-9  # the exact solver is never worse than the heuristic
     assert closure(p, e.recompute) == e.recompute and plan_cost(p, e.recompute) == e.cost
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), n_f=st.integers(2, 6), mult=st.integers(2, 4))
+def test_milp_finds_the_lowest_peak_with_microbatches_in_flight(seed: int, n_f: int,
+                                                                mult: int) -> None:
+    """With k microbatches in flight every stored unit counts k times: the MILP's lowest peak
+    is the lowest over every valid plan (all subsets, brute force), and a stored unit of
+    size s costs (k - 1) s more than with one microbatch."""
+    p = random_problem(seed, n_f, mult)
+    one = random_problem(seed, n_f, 1)
+    plans = [closure(p, frozenset(c)) for k in range(n_f + 1)
+             for c in itertools.combinations(range(n_f), k)]
+    plans = [r for r in plans if plan_is_valid(p, r)]
+    assert min(evaluate(p, r)[0] for r in plans) == milp(p, None, time_limit=20).peak
+    for r in plans:
+        assert evaluate(p, r)[0] == max(timeline(one, r) + (mult - 1) * stored_bytes(one, r))
