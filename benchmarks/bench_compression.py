@@ -142,7 +142,7 @@ def rank_main(a: argparse.Namespace) -> None:
     make = lambda i: corpus_batch(i, a.batch, seq, 256)  # noqa: E731 (GLM tiny: vocab 256)
     measured = measure_link()  # the compress pass prices the traffic on this host's gloo link
     link = f"{measured.latency_s * 1e6:.3f}us:{measured.bandwidth / 1e9:.4f}GBps"
-    names = ["glmc", *(n for n in a.only.split(",") if n != "glmc")] if a.only else CONTENDERS
+    names = ["glmc", *(n for n in a.only.split(";") if n != "glmc")] if a.only else CONTENDERS
     unknown = sorted(set(names) - set(CONTENDERS))
     if unknown:
         raise SystemExit(f"--only: unknown contenders {unknown}; known: {list(CONTENDERS)}")
@@ -252,7 +252,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
-    ap.add_argument("--only", default="", help="comma-separated contenders (uncompressed glmc "
+    ap.add_argument("--only", default="", help="contenders separated by ; (uncompressed glmc "
                     "always runs, as the reference); default: all")
     a = ap.parse_args()
     run_distributed(__file__, 2, rank_main, a)

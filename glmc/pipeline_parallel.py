@@ -246,12 +246,13 @@ class StageBudget:
     multiplicity: int
     activation_bytes: int | None = None
 
-    def pass_budget(self, grad_bytes: int) -> str:
+    def pass_budget(self) -> str:
         """In the pass's spelling for the stage's joint graph, whose own persistent bytes are
-        its weights and inputs and whose timeline holds its gradients (on the rank they are
-        state, outside `activation_bytes`)."""
-        return self.spec if self.spec is not None else \
-            f"+{int(self.activation_bytes) + grad_bytes}"
+        its weights and inputs: `activation_bytes` above them. The joint graph's timeline also
+        holds the gradients its backward makes, which on the rank are state outside
+        `activation_bytes`: counted twice in the backward, so the plan errs on the safe
+        side there; in the forward the accounting is the rank's."""
+        return self.spec if self.spec is not None else f"+{int(self.activation_bytes)}"
 
     def describe(self) -> str:
         if self.spec == "min":
@@ -311,8 +312,7 @@ def recompute_partition(sm: StageModule, budget: StageBudget | None, backend: st
     from glmc.errors import BudgetError
     from glmc.passes.recompute import recompute_stage
 
-    grads = sum(p.numel() * p.element_size() for p in sm.module.parameters())
-    plan = recompute_stage(budget.pass_budget(grads), budget.multiplicity,
+    plan = recompute_stage(budget.pass_budget(), budget.multiplicity,
                            stage_backend(backend).traits(), found=found)
 
     def rewrite(joint: Any) -> None:

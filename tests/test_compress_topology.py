@@ -309,6 +309,8 @@ def test_warmup_is_one_step_with_a_branch_per_bucket() -> None:
 def test_cli_topology_and_warmup_options_are_usage_errors_without_their_context(capsys) -> None:
     from glmc.cli import main
     for argv, says in ((["--compress-warmup", "3"], "--compress-warmup needs --compress"),
+                       (["--zero", "0", "--compress", "topk", "--compress-block", "64"],
+                        "--compress-block needs --compress sign"),
                        (["--nodes", "2"], "need --nproc or --zero"),
                        (["--nproc", "4", "--nodes", "3"], "does not divide --nproc 4"),
                        (["--zero", "0", "--inter-link", "fast"], "ALPHAus:BETAGBps"),

@@ -42,6 +42,9 @@ DEFAULT = {
     # every case under -m slow (resnet 43 s, convnext 46 s); convolutions, BatchNorm and
     # AdamW on Inductor run by default in tests/test_parity.py (cnn-inductor)
     "inductor": set(),
+    # every case but the two slowest (25-28 s each): convolutions run in resnet, an
+    # encoder-decoder in t5
+    "eager": set(ZOO) - {"mobilenet_v2", "whisper"},
 }
 
 
