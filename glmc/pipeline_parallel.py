@@ -252,7 +252,7 @@ class StageBudget:
         holds the gradients its backward makes, which on the rank are state outside
         `activation_bytes`: counted twice in the backward, so the plan errs on the safe
         side there; in the forward the accounting is the rank's."""
-        return self.spec if self.spec is not None else f"+{int(self.activation_bytes)}"
+        return self.spec if self.spec is not None else f"+{int(self.activation_bytes)}B"
 
     def describe(self) -> str:
         if self.spec == "min":
@@ -946,20 +946,20 @@ def _stage_recompute(pipeline: Pipeline | None, i: int) -> dict:
     budget = pipeline.budgets[i] if pipeline is not None and pipeline.budgets else None
     stats = pipeline.recompute[i] if pipeline is not None and pipeline.recompute else None
     rec = None if stats is None else {
-        "recomputed": stats.recomputed, "kept": stats.kept, "solver": stats.solver,
+        "rematerialized": stats.recomputed, "kept": stats.kept, "solver": stats.solver,
         "extra_seconds": stats.extra_seconds, "budget_bytes": stats.budget_bytes,
         "baseline_peak": stats.baseline_peak, "predicted_peak": stats.predicted_peak,
-        "recomputed_values": [list(v) for v in stats.recomputed_values]}
-    return {"budget": budget.describe() if budget is not None else None, "recompute": rec}
+        "rematerialized_values": [list(v) for v in stats.recomputed_values]}
+    return {"budget": budget.describe() if budget is not None else None, "remat": rec}
 
 
 def summary(data: dict) -> str:
     """The report in a few lines (what `glmc compile --pp` prints)."""
     lines = []
     for st in data["stages"]:
-        rec = st["recompute"]
+        rec = st["remat"]
         budget = "" if st["budget"] is None else \
-            f", budget {st['budget']}: {rec['recomputed']} values recomputed, " \
+            f", budget {st['budget']}: {rec['rematerialized']} values recomputed, " \
             f"+{rec['extra_seconds'] * 1e3:.2f} ms, peak predicted " \
             f"{rec['predicted_peak'] / 2**20:.2f} MiB"
         lines.append(f"stage {st['stage']}: {', '.join(st['blocks'])}  predicted "

@@ -365,18 +365,18 @@ def _link(link: dict[str, Any] | None) -> str:
 
 
 def _stage_budget(s: dict[str, Any]) -> str:
-    rec = s.get("recompute")
+    rec = s.get("remat")
     if s.get("budget") is None or rec is None:
         return "none: all kept"
-    return (f"{s['budget']}: {rec['recomputed']} values (+{rec['extra_seconds'] * 1e3:.2f} ms), "
-            f"predicted peak {mib(rec['predicted_peak'])}")
+    return (f"{s['budget']}: {rec['rematerialized']} values "
+            f"(+{rec['extra_seconds'] * 1e3:.2f} ms), predicted peak {mib(rec['predicted_peak'])}")
 
 
 def render_pipeline_html(data: dict[str, Any]) -> str:
     """report.html of a pipelined run (glmc.pipeline_parallel.pipeline_report's dict)."""
     b, t = data["bubble"], data["step_seconds"]
     stages = Table(("stage", "rank", "blocks", "profile", "F", "B", "update", "total",
-                    "in flight", "budget: recomputed", "planned peak", "sends per microbatch"),
+                    "in flight", "budget: rematerialized", "planned peak", "sends per microbatch"),
                    tuple((str(s["stage"]), str(s["rank"]), ", ".join(s["blocks"]), s["profile"],
                           ms(s["forward_s"]), ms(s["backward_s"]), ms(s["update_s"]),
                           ms(s["seconds"]), str(s["in_flight"]),

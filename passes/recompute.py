@@ -82,7 +82,7 @@ class Budget:
             raise ConfigError(f"recompute: budget {spec!r} is not a fraction (0.5), a size "
                               "(2GiB, 500MB, 1e9) or 'min'")
         number = float(m.group(1))
-        if m.group(2) is None and number <= 1:
+        if m.group(2) is None and number <= 1 and not text.endswith("b"):  # "1B": a byte
             if number <= 0:
                 raise ConfigError("recompute: a fractional budget must be in (0, 1]")
             return Budget("fraction", number)

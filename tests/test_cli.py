@@ -49,10 +49,13 @@ def test_missing_model_is_exit_1(tmp_path: Path) -> None:
     assert "Traceback" not in r.stderr
 
 
-def test_usage_error_is_exit_2() -> None:
-    assert glmc("compile").returncode == 2
-    assert glmc("frobnicate").returncode == 2
-    assert glmc("compile", "--help").returncode == 0
+def test_usage_error_is_exit_2(capsys: pytest.CaptureFixture) -> None:
+    from glmc.cli import main  # in-process: the console script itself runs in the tests above
+    for argv, code in ((["compile"], 2), (["frobnicate"], 2), (["compile", "--help"], 0)):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == code, argv
+    assert "usage: glmc" in capsys.readouterr().err
 
 
 def test_check_lists_nothing_for_supported_model() -> None:
@@ -91,8 +94,7 @@ def test_compile_with_precision_and_fusion(tmp_path: Path) -> None:
     assert [p["name"] for p in data["compiles"][0]["passes"]] == ["fusion", "precision",
                                                                   "cleanup"]
     assert "Fusion</h3>" in (tmp_path / "report.html").read_text()
-    bad = glmc("compile", "examples/glm.py", "--precision", "int4")
-    assert bad.returncode == 2 and "unknown policy" in bad.stderr
+    # an unknown policy: test_usage_errors_exit_2_before_the_file_loads
 
 
 # a FILE that would take 30 s to load: usage errors must be found before it is imported
@@ -134,7 +136,9 @@ def test_usage_errors_exit_2_before_the_file_loads(tmp_path: Path, command: str,
     for m in messages:
         assert m in r.stderr
     assert not f.with_suffix(".loaded").exists()  # the FILE was never imported
-    assert seconds < 10  # interpreter and torch start included; loading the FILE takes 30 s
+    # interpreter and torch start included (10-13 s on 2 cores under the test run's load);
+    # loading the FILE takes 30 s
+    assert seconds < 20
 
 
 def test_version_and_help(capsys: pytest.CaptureFixture) -> None:

@@ -207,18 +207,21 @@ def test_every_zero_stage_trains_like_one_process_on_the_global_batch(runs: Path
     _check_like_one_process(runs, f"stage{stage}")
 
 
-def _inductor_worker(rank: int, port: int, out: str) -> None:
-    run_parts(rank, port, 2, out, [("stage3_inductor", _stage_part(3, fusion=True,
-                                                                   backend="inductor"))])
+def _inductor_worker(rank: int, port: int, out: str, stage: int) -> None:
+    run_parts(rank, port, 2, out, [(f"stage{stage}_inductor",
+                                    _stage_part(stage, fusion=True, backend="inductor"))])
 
 
 @pytest.mark.slow  # an Inductor compile on each of 2 processes: ~1-2 min on 2 cores
-def test_inductor_compiles_the_sharded_step_like_one_process(tmp_path: Path) -> None:
-    """ZeRO-3 + fusion on Inductor: the functional collectives compiled into the step with
-    the fused update in place, the losses, parameters and state those of eager PyTorch (the
-    in-place update once referenced the loss's late all-reduce wait before it existed)."""
-    spawn(_inductor_worker, str(tmp_path))
-    _check_like_one_process(tmp_path, "stage3_inductor")
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_inductor_compiles_the_sharded_step_like_one_process(tmp_path: Path,
+                                                             stage: int) -> None:
+    """Every ZeRO stage + fusion on Inductor: the functional collectives compiled into the
+    step with the fused update in place, the losses, parameters and state those of eager
+    PyTorch (ZeRO-3's in-place update once referenced the loss's late all-reduce wait before
+    it existed)."""
+    spawn(_inductor_worker, str(tmp_path), stage)
+    _check_like_one_process(tmp_path, f"stage{stage}_inductor")
 
 
 def _check_like_one_process(runs: Path, part: str) -> None:

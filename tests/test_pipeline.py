@@ -568,6 +568,14 @@ def test_trainer_measures_its_pipeline_and_writes_a_report(distributed: Path,
     assert html.count("<svg") == 1 and "Memory per rank" in html and "Bubble predicted" in html
     for name in ("report.json", "pipeline-trace.json", "pipeline-predicted.json"):
         assert (distributed / "pipeline-report" / name).stat().st_size > 100
+    # a stage under a budget: its budget and what the recompute pass did, printed and drawn
+    from glmc.pipeline_parallel import summary
+    from glmc.report_html import render_pipeline_html
+    assert all(st["budget"] is None and st["remat"] is None for st in data["stages"])
+    data["stages"][0].update(budget="min", remat={"rematerialized": 7, "extra_seconds": 0.002,
+                                                  "predicted_peak": 3 * 2 ** 20})
+    assert "budget min: 7 values recomputed, +2.00 ms, peak predicted 3.00 MiB" in summary(data)
+    assert "min: 7 values (+2.00 ms), predicted peak 3.0" in render_pipeline_html(data)
 
 
 # ---- pp x dp: four processes, two replicas of a two-stage pipeline ---------------------------------
@@ -763,7 +771,7 @@ def test_budget_per_rank_becomes_each_stages_budget(glm_graph) -> None:
     got = stage_budgets(plan, budget, 2)
     assert got[0] == StageBudget(None, 2, 10 * 2 ** 20)  # one stage per rank: all of the rest
     assert got[1].activation_bytes == budget - s1.state_bytes
-    assert got[0].pass_budget() == f"+{10 * 2 ** 20}"
+    assert got[0].pass_budget() == f"+{10 * 2 ** 20}B"
     two = stage_budgets(plan, 2 * budget, 1)  # both stages on one rank share its rest
     rest = 2 * budget - s0.state_bytes - s1.state_bytes
     assert sum(b.activation_bytes for b in two) == pytest.approx(rest, abs=2)

@@ -92,6 +92,7 @@ def test_budget_forms() -> None:
     assert Budget.parse("min").kind == "min"
     assert Budget("fraction", 0.5).target(300, 100) == 200
     assert Budget.parse("+64MiB") == Budget("above", 64 * 2 ** 20)  # above the state
+    assert Budget.parse("+1B") == Budget("above", 1) and Budget.parse("1B").kind == "bytes"
     assert Budget.parse("+64MiB").target(10 ** 9, 100) == 100 + 64 * 2 ** 20
     with pytest.raises(ConfigError, match=r"'\+' takes a size"):
         Budget.parse("+0.5")
