@@ -233,6 +233,7 @@ class Pipeline:
     budgets: list["StageBudget | None"] | None = None  #: per stage, under a memory budget
     #: per stage, the recompute pass's stats on its joint graph (None: no budget)
     recompute: list[Any] | None = None
+    rank_budget_bytes: int | None = None  #: a per-rank size budget (the report checks it)
 
 
 @dataclass(frozen=True)
@@ -827,7 +828,15 @@ def pipeline_trainer(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn
                          [s.blocks for s in plan.stages], microbatches, schedule, virtual,
                          budgets, precision, fusion, backend)
     pipe.plan = with_sync(plan, sync_seconds(pipe, dp, zero, link), virtual, link)
+    pipe.rank_budget_bytes = _rank_budget_bytes(memory_budget)
     return PipelineTrainer(pipe, timeout_s, dp, zero, backend)
+
+
+def _rank_budget_bytes(budget: Any) -> int | None:
+    """A size budget as bytes per rank (None for no budget, a fraction, min or +size)."""
+    from glmc.passes.recompute import Budget
+    b = Budget.parse(budget) if budget is not None else None
+    return int(b.value) if b is not None and b.kind == "bytes" else None
 
 
 def train_cli(work: Any, steps: int, microbatches: int, schedule: str, pp: int,
@@ -923,7 +932,8 @@ def pipeline_report(plan: Any, measured: PipelineMeasurement,
                       "predicted_peak_bytes": peaks[r] if peaks is not None else
                       sum(st["planned_peak_bytes"] for st in own),
                       "measured_peak_bytes": measured.peak_bytes[r],
-                      "measured_state_bytes": measured.state_bytes[r]})
+                      "measured_state_bytes": measured.state_bytes[r],
+                      "budget_bytes": pipeline.rank_budget_bytes if pipeline else None})
     pred = plan.timeline
     replayed = replay(program.schedule, measured.timeline) if program is not None else None
     return {"created": time.strftime("%Y-%m-%d %H:%M:%S"), "schedule": plan.schedule,
@@ -953,6 +963,16 @@ def _stage_recompute(pipeline: Pipeline | None, i: int) -> dict:
     return {"budget": budget.describe() if budget is not None else None, "remat": rec}
 
 
+def _against(rank: dict) -> str:
+    """How the measured peak stands against a per-rank size budget ("" without one)."""
+    budget = rank.get("budget_bytes")
+    if not budget:
+        return ""
+    over = rank["measured_peak_bytes"] / budget - 1
+    return (f" (budget {budget / 2**20:.2f} MiB: "
+            + (f"{over:.1%} over)" if over > 0 else f"met, {-over:.1%} below)"))
+
+
 def summary(data: dict) -> str:
     """The report in a few lines (what `glmc compile --pp` prints)."""
     lines = []
@@ -960,7 +980,7 @@ def summary(data: dict) -> str:
         rec = st["remat"]
         budget = "" if st["budget"] is None else \
             f", budget {st['budget']}: {rec['rematerialized']} values recomputed, " \
-            f"+{rec['extra_seconds'] * 1e3:.2f} ms, peak predicted " \
+            f"+{rec['extra_seconds'] * 1e3:.2f} ms, joint-graph peak " \
             f"{rec['predicted_peak'] / 2**20:.2f} MiB"
         lines.append(f"stage {st['stage']}: {', '.join(st['blocks'])}  predicted "
                      f"{st['seconds'] * 1e3:.2f} ms/step, planned peak "
@@ -970,7 +990,7 @@ def summary(data: dict) -> str:
         lines.append(f"rank {r['rank']}: peak predicted {r['predicted_peak_bytes'] / 2**20:.2f} "
                      f"MiB (stage graphs through the schedule; the cut's plan "
                      f"{r['planned_peak_bytes'] / 2**20:.2f}), measured "
-                     f"{r['measured_peak_bytes'] / 2**20:.2f} MiB")
+                     f"{r['measured_peak_bytes'] / 2**20:.2f} MiB{_against(r)}")
     if data.get("backend"):
         be = data["backend"]
         lines.append(f"stages run on {be['name']} in {be.get('precision', 'fp32')}"

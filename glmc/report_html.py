@@ -369,7 +369,8 @@ def _stage_budget(s: dict[str, Any]) -> str:
     if s.get("budget") is None or rec is None:
         return "none: all kept"
     return (f"{s['budget']}: {rec['rematerialized']} values "
-            f"(+{rec['extra_seconds'] * 1e3:.2f} ms), predicted peak {mib(rec['predicted_peak'])}")
+            f"(+{rec['extra_seconds'] * 1e3:.2f} ms), joint-graph peak "
+            f"{mib(rec['predicted_peak'])}")
 
 
 def render_pipeline_html(data: dict[str, Any]) -> str:

@@ -574,8 +574,12 @@ def test_trainer_measures_its_pipeline_and_writes_a_report(distributed: Path,
     assert all(st["budget"] is None and st["remat"] is None for st in data["stages"])
     data["stages"][0].update(budget="min", remat={"rematerialized": 7, "extra_seconds": 0.002,
                                                   "predicted_peak": 3 * 2 ** 20})
-    assert "budget min: 7 values recomputed, +2.00 ms, peak predicted 3.00 MiB" in summary(data)
-    assert "min: 7 values (+2.00 ms), predicted peak 3.0" in render_pipeline_html(data)
+    assert "budget min: 7 values recomputed, +2.00 ms, joint-graph peak 3.00 MiB" in \
+        summary(data)
+    assert "min: 7 values (+2.00 ms), joint-graph peak 3.0" in render_pipeline_html(data)
+    assert data["ranks"][0]["budget_bytes"] is None
+    data["ranks"][0]["budget_bytes"] = data["ranks"][0]["measured_peak_bytes"] // 2
+    assert "(budget " in summary(data) and "MiB: 100.0% over)" in summary(data)
 
 
 # ---- pp x dp: four processes, two replicas of a two-stage pipeline ---------------------------------
