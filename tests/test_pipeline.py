@@ -354,6 +354,19 @@ def _bf16_part(rank: int, out: Path) -> dict:
             "param_dtypes": sorted({str(p.dtype) for p in model.parameters()})}
 
 
+def _budget_part(rank: int, out: Path) -> dict:
+    """ZB-H1 under `min` through pipeline_trainer: every stage planned by glmc's recompute
+    pass with its in-flight microbatches, its I/W split over the recomputing backward."""
+    from glmc.pipeline_parallel import pipeline_trainer
+    model, batch, loss_fn, opt = CASES["glm"].make()
+    trainer = pipeline_trainer(model, opt, loss_fn, batch, MICROBATCHES, "zbh1",
+                               memory_budget="min")
+    losses = [trainer.step(*batch) for _ in range(STEPS)]
+    return {"losses": [float(v) for v in losses if v is not None],
+            "rematerialized": [s.recomputed for s in trainer.pipeline.recompute],
+            "in_flight": [b.multiplicity for b in trainer.pipeline.budgets]}
+
+
 def _dead_part(rank: int, out: Path) -> dict:
     """Rank 1 dies after building its pipeline; rank 0's step must fail typed, not hang."""
     import os
@@ -392,7 +405,7 @@ def _worker(rank: int, port: int, out: str, names: list[str], slow: bool = False
               + ([("hf_tied", _hf_tied_part)] if slow else [])
               + ([("inductor_zbh1", lambda r, o: _inductor_part(r, o, "zbh1"))] if slow else [])
               + [("fused_1f1b", lambda r, o: _inductor_part(r, o, "1f1b", "eager")),
-                 ("bf16", _bf16_part)]
+                 ("bf16", _bf16_part), ("budget", _budget_part)]
               + [("trainer", _trainer_part), ("dead", _dead_part)])  # "dead" kills rank 1
 
 
@@ -482,6 +495,13 @@ def test_fused_stages_train_like_one_process(part: str, distributed: Path,
     assert set(state) == {k for k in want_state if not k.endswith(("cos", "sin"))}
     for k, v in state.items():
         torch.testing.assert_close(v, want_state[k], rtol=RTOL, atol=1e-5, msg=k)
+
+
+def test_stages_under_a_budget_train_like_one_process(distributed: Path, eager: tuple) -> None:
+    got = [result(distributed, "budget", r) for r in range(2)]
+    assert got[1]["losses"] == pytest.approx(eager[0], rel=RTOL)
+    assert got[0]["in_flight"] == [2, 1]  # 2 stages, 1F1B's warm-up depth (ZB-H1: the same)
+    assert all(n > 0 for n in got[0]["rematerialized"])  # every stage recomputes
 
 
 def test_bf16_stages_match_the_single_process_bf16_step(distributed: Path) -> None:
