@@ -517,8 +517,8 @@ class PipelineTrainer:
 
     def _compile(self, compiler: Any) -> float:
         """Compile every graph this rank's actions run (forward, backward or ZB-H1's I and W,
-        the update) with `compiler` (a glmc Backend) in its write-back form; "eager" runs the fx graphs as
-        they are. Returns the compile seconds."""
+        the update) with `compiler` (a glmc Backend) in its write-back form; "eager" runs the
+        fx graphs as they are. Returns the compile seconds."""
         if compiler.name == "eager":
             return 0.0
         from glmc.program import compile_inplace

@@ -719,12 +719,13 @@ def capture_stage(index: int, module: nn.Module, optimizer: torch.optim.Optimize
     what the forward saves for the backward: every forward value the backward reads —
     `partition(joint)`, when given, rewrites AOTAutograd's joint graph first (glmc's recompute
     pass, `glmc.passes.recompute.recompute_stage`: backward copies of the values it chooses to
-    recompute, so the partition saves their inputs instead). The update is the optimizer's glmc rule (`glmc.optim`): with `update="single"`
-    one parameter at a time, as torch.optim's default CPU loop computes it (bit-identical);
-    `"foreach"`: one multi-tensor op per group (torch's foreach path); `"fused"` (default):
-    ATen's fused kernel per group where the rule has one (AdamW/Adam on fp32: what
-    `fused=True` runs; `run_inplace` runs it in place on the state), else foreach — equal to
-    the single-tensor update within rounding. `rewrites`, each `rewrite(gm, inputs)` in turn:
+    recompute, so the partition saves their inputs instead). The update is the optimizer's
+    glmc rule (`glmc.optim`): with `update="single"` one parameter at a time, as
+    torch.optim's default CPU loop computes it (bit-identical); `"foreach"`: one
+    multi-tensor op per group (torch's foreach path); `"fused"` (default): ATen's fused kernel
+    per group where the rule has one (AdamW/Adam on fp32: what `fused=True` runs;
+    `run_inplace` runs it in place on the state), else foreach — equal to the single-tensor
+    update within rounding. `rewrites`, each `rewrite(gm, inputs)` in turn:
     the stage's forward is traced to ATen ops (`gm`: parameters, buffers, batch leaves and
     received values -> its outputs; every node with glmc metadata, `inputs` its placeholders'
     specs, received values as activations) and rewritten in place (e.g. the fusion pass's

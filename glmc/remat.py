@@ -133,7 +133,10 @@ def timeline(p: Problem, recompute: Iterable[int]) -> np.ndarray:
         if last >= start:
             delta[start] += u.size
             delta[last + 1] -= u.size
-    return p.fixed + np.cumsum(delta)[:-1] + (p.multiplicity - 1) * stored_bytes(p, r)
+    out = p.fixed + np.cumsum(delta)[:-1]
+    if p.multiplicity > 1:  # the other in-flight microbatches' stored units, throughout
+        out += (p.multiplicity - 1) * stored_bytes(p, r)
+    return out
 
 
 def stored_bytes(p: Problem, recompute: Iterable[int]) -> int:

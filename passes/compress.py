@@ -16,12 +16,12 @@ it, checkpoints save it).
 sign: each tensor of the bucket sends sign(e) packed 8 per byte and one fp32 scale mean(|e|)
 (`block=B`: one scale per B consecutive elements of the bucket, as QSGD's buckets: a finer
 scale, a smaller error for the residual to carry); the average of scale_r * sign_r over the
-ranks replaces the average gradient. topk: the k
-largest |e| with their positions; the average of the scattered values. powersgd (rank r, Vogels
+ranks replaces the average gradient. topk: the k largest |e| with their positions; the
+average of the scattered values. powersgd (rank r, Vogels
 et al. 2019, as torch's DDP hook): per matrix M (a parameter viewed as rows x rest, at least
 `min_numel` elements): P = M Q, all-reduce P, orthonormalise P, Q = M^T P, all-reduce Q, M ~ P
 Q^T; Q persists (warm start); tensors below `min_numel` (biases, norms) or of rank <= r go
-uncompressed, in the first all-reduce. sign scales each tensor of the bucket separately; topk
+uncompressed, in the first all-reduce. sign scales each tensor (or block) separately; topk
 picks over the whole bucket. e = gradient + residual; the new residual is e minus what this rank
 sent (powersgd: minus the averaged approximation, as torch's hook).
 Stages 2-3 reduce-scatter, which a sum of signs or of scattered top-k does not fit: those

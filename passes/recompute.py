@@ -72,7 +72,7 @@ class Budget:
         if text == "min":
             return Budget("min")
         if text.startswith("+"):
-            above = Budget.parse(text[1:] or "?")
+            above = Budget.parse(text[1:])
             if above.kind != "bytes":
                 raise ConfigError(f"recompute: budget {spec!r}: '+' takes a size (+64MiB), "
                                   "the bytes allowed above weights, optimizer state and batch")
@@ -232,8 +232,7 @@ class RecomputePass(Pass):
         if shortfall is not None:
             notes.append(f"the measured retry's target is {_mib(shortfall)} below the lowest "
                          "reachable peak: using the lowest")
-        predicted = _simulate_with(graph, units, plan.recompute, backend) + \
-            (problem.multiplicity - 1) * stored_bytes(problem, plan.recompute)
+        predicted = _simulate_with(graph, problem, units, plan.recompute, backend)
         for _ in range(3):
             if target is None or predicted <= target or shortfall is not None:
                 break
@@ -243,8 +242,7 @@ class RecomputePass(Pass):
             if tighter is None:
                 break
             plan = tighter
-            predicted = _simulate_with(graph, units, plan.recompute, backend) + \
-                (problem.multiplicity - 1) * stored_bytes(problem, plan.recompute)
+            predicted = _simulate_with(graph, problem, units, plan.recompute, backend)
         solve_seconds = time.perf_counter() - start
         pareto = self._pareto(problem, baseline_peak) if self.pareto else []
         changed = bool(plan.recompute)
@@ -488,13 +486,18 @@ def rewrite(graph: TrainGraph, recompute: set[str], traits: BackendTraits) -> in
     return len(copies)
 
 
-def _simulate_with(graph: TrainGraph, units: list[str], recompute: frozenset[int],
-                   backend: Any) -> int:
-    """Predicted peak of the step with this plan applied (on a scratch copy of the graph)."""
+def _simulate_with(graph: TrainGraph, problem: Problem, units: list[str],
+                   recompute: frozenset[int], backend: Any) -> int:
+    """Predicted peak of the step with this plan applied (on a scratch copy of the graph),
+    with the values the problem's other in-flight microbatches keep (`glmc.remat`)."""
     scratch = graph.copy()
     if recompute:
         rewrite(scratch, {units[i] for i in recompute}, backend)
-    return simulate(lower_writeback(scratch, backend.early_writeback).graph, backend).peak_bytes
+    peak = simulate(lower_writeback(scratch, backend.early_writeback).graph, backend).peak_bytes
+    if problem.multiplicity > 1:
+        peak += (problem.multiplicity - 1) * stored_bytes(problem, recompute)
+    return peak
 
 
-__all__ = ["RecomputePass", "Budget", "build_problem", "recompute_stage", "rewrite", "evaluate", "plan_cost"]
+__all__ = ["RecomputePass", "Budget", "build_problem", "recompute_stage", "rewrite", "evaluate",
+           "plan_cost"]
