@@ -1,17 +1,24 @@
-"""`ort`: the whole functional step lowered to ONNX once per compile, run by ONNX Runtime.
+"""`ort`: the step's forward and backward lowered to ONNX once per compile, run by ONNX
+Runtime; the optimizer update run by torch's kernels in place.
 
-    step graph (after glmc's passes) --glmc.onnx_lowering--> step.onnx --> InferenceSession
-    every step: IO binding over the caller's tensors' memory, outputs into preallocated buffers
+    step graph (after glmc's passes) --split_update--> front (forward, backward) + update
+    front --glmc.onnx_lowering--> step.onnx --> InferenceSession, IO binding every step
+    update --write-back form--> ATen's fused Adam/AdamW (`_fused_adamw_`) on the user's tensors
 
 Guarantees: the same ATen program as `eager` (glmc's fused ops and the fused attention's
-backward decomposed to plain ATen first), executed by ONNX Runtime's kernels; fp32 losses and
-state match eager to ~1e-6 relative (tests/test_ort.py). Nothing is copied through Python:
-inputs are bound by pointer (`bind_input(..., buffer_ptr=tensor.data_ptr())`, zero-copy) and
-ONNX Runtime writes new parameters and optimizer state straight into buffers this backend
-owns (two sets taking turns, each bound once), and the runtime points the user's tensors at
-them (`CompiledStep.adopt`): the state stays resident where ONNX Runtime wrote it, nothing is
-copied per step, and the user's module and optimizer always hold the current values (their
-`state_dict()` and checkpoints need no sync). The loss is a fresh tensor each step.
+backward decomposed to plain ATen first), the forward and backward executed by ONNX Runtime's
+kernels; fp32 losses and state match eager to ~1e-6 relative (tests/test_ort.py). The update
+is not ONNX Runtime's: its CPU kernels ran it as one elementwise node after another (~1,800
+nodes per step on GLM small, ~15% of the step), where torch's fused kernel makes one pass per
+tensor; the fusion pass picks that kernel here (`traits().fused_update`). Nothing is copied
+through Python: inputs are bound by pointer (`bind_input(..., buffer_ptr=tensor.data_ptr())`,
+zero-copy), parameters and optimizer state are updated where they live (bound once), and the
+state ONNX Runtime computes itself (BatchNorm's running statistics) is written straight into
+buffers this backend owns (two sets taking turns, each bound once), which the runtime points
+the user's tensors at (`CompiledStep.adopt`): the user's module and optimizer always hold the
+current values (their `state_dict()` and checkpoints need no sync). The loss and the
+gradients handed to the update are fresh tensors each step. A step that cannot be cut (no
+update) runs whole in ONNX Runtime, its state written into the buffer sets the same way.
 
 Not guaranteed / by design:
 * No per-op fallback: an op that does not lower to ONNX is a typed `ExportError` at compile
@@ -23,17 +30,19 @@ Not guaranteed / by design:
   runs in fp32 (inputs cast up, result cast back to bf16) and is listed in the report.
 * CUDA (`CUDAExecutionProvider` with tensors on a GPU): the code path binds device pointers;
   it is untested here (no onnxruntime-gpu build on the test machine) — partial.
-* State outputs returned by one call are overwritten by the call after next: whoever calls
+* State outputs ONNX Runtime writes are overwritten by the call after next: whoever calls
   the step keeps them by adopting them (the runtime does) or copies them before then. A
-  reference the user took to a parameter's storage before a step (`w = p.detach()`) holds
-  old values after it; the Parameter object itself is always current.
+  reference the user took to such a buffer's storage before a step holds old values after
+  it; the buffer object itself is always current.
 """
 from __future__ import annotations
 
 import tempfile
+import time
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.fx as fx
@@ -42,6 +51,8 @@ from glmc.backends.base import Backend, StepFn, step_device
 from glmc.errors import ConfigError, ExportError, Offense
 from glmc.ir import RANDOM_OPS, OutputKind, TrainGraph, op_name
 from glmc.onnx_lowering import lower_to_reshapes
+from glmc.phases import CallSite, Instrument, KernelCall, phase_map, sync_for
+from glmc.program import UpdateSplit, inplace_module, split_update
 from glmc.target import BackendTraits
 
 #: outputs written into this backend's buffer sets (the runtime adopts them)
@@ -64,7 +75,9 @@ class OrtBackend(Backend):
         self._notes: list[Offense] = []  #: what runs differently from eager (report)
 
     def traits(self) -> BackendTraits:
-        return BackendTraits(self.name, fusion=None, early_writeback=False, inplace=False)
+        # fused_update: the update runs in torch (see `_front`), as ATen's fused kernel
+        return BackendTraits(self.name, fusion=None, early_writeback=False, inplace=False,
+                             fused_update=True)
 
     def supports(self, node: fx.Node) -> str | None:
         return None  # decided for the whole step by `unsupported` (the exporter's registry)
@@ -76,8 +89,8 @@ class OrtBackend(Backend):
             return self._checked[1]
         from glmc.onnx_lowering import example_inputs, onnx_offenses, require_onnx
         require_onnx(f"backend '{self.name}'")
-        g = TrainGraph(lower_to_reshapes(graph.gm), graph.inputs, graph.outputs,
-                       graph.meta)
+        front = _front(graph)[0]
+        g = TrainGraph(lower_to_reshapes(front.gm), front.inputs, front.outputs, front.meta)
         offenses = onnx_offenses(g, example_inputs(g), extra_decompositions=True)
         self._checked = (graph, offenses)
         return offenses
@@ -93,7 +106,8 @@ class OrtBackend(Backend):
     def _compile(self, gm: fx.GraphModule, graph: TrainGraph) -> StepFn:
         from glmc.onnx_lowering import example_inputs, export_onnx
 
-        step = TrainGraph(lower_to_reshapes(gm), graph.inputs, graph.outputs, graph.meta)
+        front, split = _front(TrainGraph(gm, graph.inputs, graph.outputs, graph.meta))
+        step = TrainGraph(lower_to_reshapes(front.gm), front.inputs, front.outputs, front.meta)
         self._notes = _random_notes(step)
         with tempfile.TemporaryDirectory(prefix="glmc-ort-") as tmp:
             path = export_onnx(step, example_inputs(step), Path(tmp) / "step.onnx",
@@ -106,7 +120,8 @@ class OrtBackend(Backend):
         self._notes += [Offense(f"{op}: ONNX Runtime's CPU kernels have no bf16 {op}; it runs "
                                 "in fp32 (inputs cast up, result cast back to bf16)", "<step>")
                         for op in fp32_ops]
-        return _Runner(session, step, device)
+        runner = _Runner(session, step, device)
+        return runner if split is None else _Hybrid(runner, split)
 
     def _providers_for(self, device: torch.device) -> list[str]:
         import onnxruntime as ort
@@ -119,6 +134,15 @@ class OrtBackend(Backend):
                                   "onnxruntime-gpu or train on the CPU")
             return ["CUDAExecutionProvider", "CPUExecutionProvider"]
         return ["CPUExecutionProvider"]
+
+
+def _front(graph: TrainGraph) -> tuple[TrainGraph, UpdateSplit | None]:
+    """What ONNX Runtime runs: the step before its optimizer update (`split_update`), or the
+    whole step where nothing can be cut. ONNX Runtime's CPU kernels run an update as one
+    elementwise node after another over every tensor (~15% of GLM small's step, 15.7M
+    parameters); torch's fused Adam is one pass per tensor."""
+    split = split_update(graph)
+    return (graph, None) if split is None else (split.front, split)
 
 
 def _random_notes(graph: TrainGraph) -> list[Offense]:
@@ -144,6 +168,11 @@ def _session(model: Any, providers: list[str]) -> tuple[Any, list[str]]:
     options.intra_op_num_threads = torch.get_num_threads()  # as many threads as torch uses
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = 3  # warnings about unused initializers are noise here
+    # no spinning: ONNX Runtime's idle pool threads otherwise keep both cores busy after a
+    # run, while torch runs the update and the user's loop (interleaved on 2 cores: the CNN's
+    # eager step took 55 ms next to a spinning session, 29 ms next to this one; ORT's own step
+    # 94 -> 63 ms on the CNN, 1145 -> 1086 ms on GLM small)
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     fp32_ops: list[str] = []
     for _ in range(_MAX_FALLBACK_ROUNDS):
         try:
@@ -246,6 +275,75 @@ class _Runner:
         self.session.run_with_iobinding(binding)
         self.turn = 1 - j
         return outs
+
+
+class _Hybrid:
+    """The forward and backward on ONNX Runtime (`_Runner`), then the optimizer update by
+    torch's kernels in place on the state (the update's write-back form,
+    `glmc.program.inplace_module`: ATen's fused Adam/AdamW runs as `_fused_adamw_`). The
+    parameters and optimizer state stay in the user's tensors (updated in place; ONNX Runtime
+    reads them by pointer, bound once); only the front's own state outputs (buffers such as
+    BatchNorm's running stats) take turns in the runner's buffer sets."""
+
+    adopt = True
+
+    def __init__(self, front: _Runner, split: UpdateSplit) -> None:
+        from glmc.writeback import writeback_pairs
+        self.front = front
+        self.split = split
+        self.update = inplace_module(split.update)  # boxed: `update(args)` clears args
+        self.replaces = dict(writeback_pairs(split.update))  #: update output -> its input
+
+        self.instrument = _HybridInstrument(self)
+        self.calls: list | None = None  #: KernelCalls of the two parts, while profiled
+
+    def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        split = self.split
+        t0 = time.perf_counter()
+        front = self.front([inputs[i] for i in split.front_inputs])
+        args = [inputs[i] if part == "input" else front[i] for part, i in split.update_inputs]
+        state = [args[j] for j in self.replaces.values()]
+        t1 = time.perf_counter()
+        with torch.no_grad():
+            rest = iter(self.update(args))
+        if self.calls is not None:
+            self.instrument.sync()
+            self.calls += [KernelCall(0, t0, t1 - t0), KernelCall(1, t1, time.perf_counter() - t1)]
+        state_of = dict(zip(self.replaces, state))
+        new = [state_of[k] if k in state_of else next(rest)
+               for k in range(len(split.update.outputs))]
+        return [front[i] if part == "front" else new[i] for part, i in split.outputs]
+
+
+class _HybridInstrument(Instrument):
+    """The per-phase profile of a cut step: two calls, ONNX Runtime's (forward and backward,
+    one opaque call: split between them by the cost model's predicted time of their nodes)
+    and the update's (torch's kernels: all optimizer time)."""
+
+    method = ("ort: ONNX Runtime's forward+backward call timed whole, split between the two "
+              "by predicted node times; the update (torch's kernels) timed whole")
+
+    def __init__(self, hybrid: _Hybrid) -> None:
+        self.hybrid = hybrid
+        front, update = hybrid.split.front.gm, hybrid.split.update.gm
+        self.phase_of = {**phase_map(front), **phase_map(update)}
+        self.sync = sync_for(front)
+
+    def sites(self) -> list[CallSite]:
+        split = self.hybrid.split
+        update = [n for n in split.update.graph.nodes if n.op == "call_function"]
+        ops = sorted({op_name(n) for n in update if op_name(n) != "getitem"})
+        return [CallSite("onnxruntime: forward + backward",
+                         [n.name for n in split.front.compute_nodes()]),
+                CallSite(f"torch update: {', '.join(ops[:3])}", [n.name for n in update])]
+
+    @contextmanager
+    def hooked(self, calls: list[KernelCall]) -> Iterator[None]:
+        self.hybrid.calls = calls
+        try:
+            yield
+        finally:
+            self.hybrid.calls = None
 
 
 def _output_args(graph: TrainGraph) -> list[fx.Node]:

@@ -965,6 +965,65 @@ def split_backward(stage: Stage) -> Stage:
     return dataclasses.replace(stage, split=(i_graph, w_graph))
 
 
+@dataclass
+class UpdateSplit:
+    """A step cut in two before its optimizer update (`split_update`): `front` computes the
+    forward and the backward, `update` the new parameters and optimizer state. Wiring, by
+    index: `front_inputs[j]` is the step input front's input j is; `update_inputs[j]` is
+    ("input", i) for step input i or ("front", k) for front's output k (a gradient); each step
+    output is `outputs[k]` = ("front" | "update", index into that part's outputs)."""
+
+    front: TrainGraph
+    update: TrainGraph
+    front_inputs: list[int]
+    update_inputs: list[tuple[str, int]]
+    outputs: list[tuple[str, int]]
+
+
+def split_update(graph: TrainGraph) -> UpdateSplit | None:
+    """`graph` cut before its optimizer-phase nodes, for a backend that runs the forward and
+    backward itself and leaves the update to torch's kernels (ONNX Runtime: ATen's fused
+    Adam in place). What the update reads from the rest crosses as front outputs `SAVED
+    "update:k"` (gradients, the loss scaler's overflow flag). None when the step has no update
+    or a forward/backward node reads an update value (nothing to cut)."""
+    update = {n for n in graph.compute_nodes() if TrainGraph.info(n).phase is Phase.OPTIMIZER}
+    if not update or any(u in update for n in graph.compute_nodes() if n not in update
+                         for u in n.all_input_nodes):
+        return None
+    outs = list(zip(graph.outputs, graph.output_values()))
+    phs = graph.placeholders()
+    slot = {ph: i for i, ph in enumerate(phs)}
+    crossing = [n for n in graph.compute_nodes() if n not in update
+                and any(u in update for u in n.users)]
+    if any(isinstance(n.meta.get("val"), (tuple, list)) for n in crossing):
+        return None  # a tuple-valued node read whole by the update: not a graph output
+    front_outs = [(s, v) for s, v in outs if v not in update]
+    front_outs += [(OutputSpec(OutputKind.SAVED, f"update:{k}"), n)
+                   for k, n in enumerate(crossing)]
+    front_phs = sorted((n for n in _ancestors([v for _, v in front_outs]) if n in slot),
+                       key=slot.__getitem__)
+    front = _subgraph(graph, [(graph.inputs[slot[p]], p) for p in front_phs], front_outs,
+                      "front")
+    states = {s.target for s, v in outs if v in update}  # its state inputs, read or not
+    update_phs = [p for p in phs if any(u in update for u in p.users)
+                  or graph.inputs[slot[p]].target in states]
+    inputs = [(graph.inputs[slot[p]], p) for p in update_phs]
+    inputs += [(InputSpec(Role.SAVED, f"update:{k}"), n) for k, n in enumerate(crossing)]
+    back = _subgraph(graph, inputs, [(s, v) for s, v in outs if v in update], "update")
+    n_front = len(front_outs) - len(crossing)
+    wires = [("input", slot[p]) for p in update_phs]
+    wires += [("front", n_front + k) for k in range(len(crossing))]
+    where, kf, ku = [], 0, 0
+    for _, v in outs:
+        if v in update:
+            where.append(("update", ku))
+            ku += 1
+        else:
+            where.append(("front", kf))
+            kf += 1
+    return UpdateSplit(front, back, [slot[p] for p in front_phs], wires, where)
+
+
 def _ancestors(values: Sequence[Any], stop: Iterable[fx.Node] = ()) -> set[fx.Node]:
     """`values` and what they read, not looking past `stop`."""
     seen: set[fx.Node] = set()
@@ -990,7 +1049,7 @@ def _subgraph(graph: TrainGraph, inputs: list[tuple[InputSpec, fx.Node]],
                                         stage=info.stage)}
     need = _ancestors([v for _, v in outputs], stop=[n for _, n in inputs])
     for n in graph.graph.nodes:
-        if n in need and n not in env and n.op == "call_function":
+        if n in need and n not in env and n.op in ("call_function", "get_attr"):
             env[n] = g.node_copy(n, lambda a: env[a])
             env[n].meta = dict(n.meta)
     g.output(tuple(env[v] for _, v in outputs))

@@ -24,8 +24,8 @@ one and saves only what it needs. Visible on every backend, eager included.
 A pattern fires only when every intermediate value has no other reader (otherwise the fused op
 would have to produce it too), and never across a random op with p > 0 (dropout masks would
 come from a different generator). Options: `patterns=attention+norm+mlp+loss+optimizer` (any
-subset); the default `auto` is all of them, less `optimizer` on a backend that does not fuse
-(eager), less `loss` on one that does (unless `loss=true`: the default pipeline's choice under
+subset); the default `auto` is all of them, less `optimizer` on a backend that neither fuses
+nor runs ATen's fused update (eager), less `loss` on one that does (unless `loss=true`: the default pipeline's choice under
 a memory budget), and less `attention` with `attention=false` (what the default pipeline
 spells under bf16/fp16 on a CPU; see `FusionPass.selected`). The pass reads no other pass's options.
 """
@@ -116,13 +116,14 @@ class FusionPass(Pass):
             raise ConfigError(f"fusion: update={self.update!r}; choose auto, foreach or fused")
 
     def selected(self, traits: BackendTraits = EAGER) -> list[str]:
-        """`auto` leaves out `optimizer` on a backend that does not fuse (eager), where it
-        measured bigger (bench_fusion.py). It reads no other option: under bf16/fp16 on a CPU
+        """`auto` leaves out `optimizer` on a backend that neither fuses nor runs ATen's fused
+        update (eager), where it measured bigger (bench_fusion.py). It reads no other option: under bf16/fp16 on a CPU
         the default pipeline spells `attention=false` itself (ATen's CPU
         flash attention in bf16 took GLM small's Inductor step from 236 to 283 ms)."""
         if str(self.patterns) == "auto":
             loss = self.loss if self.loss is not None else not traits.fuses
-            return [p for p in PATTERNS if (traits.fuses or p != "optimizer")
+            update = traits.fuses or traits.fused_update
+            return [p for p in PATTERNS if (update or p != "optimizer")
                     and (self.attention is not False or p != "attention")
                     and (loss or p != "loss")]
         return [p.strip() for p in str(self.patterns).replace(",", "+").split("+") if p.strip()]

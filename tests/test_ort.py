@@ -49,34 +49,45 @@ def test_recompute_under_a_memory_budget_keeps_parity() -> None:
     assert rec.changed and rec.stats.recomputed > 0
 
 
-def test_state_stays_resident_and_losses_are_not_overwritten() -> None:
-    """Parameters and optimizer state live in the runner's two buffer sets, which take turns:
-    the user's tensors are pointed at the new state (same objects, no copy), and in a steady
-    loop nothing but the loss (and a new batch tensor) is bound; each loss is its own tensor."""
-    model, x, loss_fn, opt = MAKE["mlp"]()
-    params = dict(model.named_parameters())
+def test_update_runs_in_torch_on_resident_state() -> None:
+    """ONNX Runtime runs the forward and backward; the update then runs as ATen's fused Adam,
+    in place on the user's tensors: parameters and optimizer state keep their storage (bound
+    once, never copied), BatchNorm's running stats (state ONNX Runtime computes) take turns in
+    the runner's two buffer sets, and in a steady loop only the fresh outputs (the loss, the
+    gradients handed to the update) are bound; each loss is its own tensor."""
+    model, x, loss_fn, opt = MAKE["cnn"]()
     trainer = glmc.optimize(model, x, loss_fn=loss_fn, optimizer=opt, backend="ort",
                             predict=False, measure=False)
-    states = {id(t) for st in opt.state.values() for t in st.values()}
-    runner = next(iter(trainer._cache.values())).step.fn
+    hybrid = next(iter(trainer._cache.values())).step.fn
+    runner = hybrid.front
+    roles = {spec.role.value for spec in hybrid.split.front.inputs}
+    assert not roles & {"optimizer_state", "hyperparam"}  # no update inside ONNX Runtime
+    assert any(n.target is torch.ops.glmc.fused_adam_.default
+               for n in hybrid.update.graph.nodes)
+    params = dict(model.named_parameters())
+    states = {id(t): t.data_ptr() for st in opt.state.values() for t in st.values()}
     binds: list[str] = []
     original = runner._bind
     runner._bind = lambda bind, name, t: (binds.append(name), original(bind, name, t))
     ptrs, losses = [], []
-    for _ in range(5):
+    for i in range(5):
+        if i == 4:
+            first = len(binds)
         losses.append(trainer.step(*x))
-        ptrs.append({n: p.data_ptr() for n, p in model.named_parameters()})
-    first = len(binds)
-    losses.append(trainer.step(*x))
-    losses.append(trainer.step(torch.randn_like(x[0]), x[1]))  # a new batch tensor
-    batch = [n for n, s in zip(runner.in_names, trainer.graph.inputs) if s.role.value == "input"]
-    assert binds[first:] == [runner.out_names[0], batch[0], runner.out_names[0]]
-    assert ptrs[2] == ptrs[4] and all(ptrs[3][n] != ptrs[4][n] for n in params)  # two sets
-    written = {b.data_ptr() for bufs in runner.sets for b in bufs if b is not None}
-    assert set(ptrs[4].values()) <= written  # the user's tensors are the runner's buffers
+        ptrs.append({n: t.data_ptr() for n, t in model.state_dict().items()})
+    fresh = {n for n, state in zip(runner.out_names, runner.state) if not state}
+    assert set(binds[first:]) == fresh and len(binds[first:]) == len(fresh)
+    assert {n: p.data_ptr() for n, p in params.items()} == {n: ptrs[0][n] for n in params}
+    stats = [n for n in ptrs[0] if n.endswith("running_mean")]
+    assert stats and all(ptrs[2][n] == ptrs[4][n] != ptrs[3][n] for n in stats)  # two sets
     assert dict(model.named_parameters()) == params  # same Parameter objects
-    assert {id(t) for st in opt.state.values() for t in st.values()} == states
-    assert len({loss.data_ptr() for loss in losses}) == 7 and losses[0] != losses[1]
+    assert {id(t): t.data_ptr() for st in opt.state.values() for t in st.values()} == states
+    assert len({loss.data_ptr() for loss in losses}) == 5 and losses[0] != losses[1]
+    profile = trainer.profile_phases(*x, steps=2)  # the two calls, timed
+    assert [k["calls"] for k in profile.kernels] == [1, 1]
+    assert all(profile.phases[p] > 0 for p in ("forward", "backward", "optimizer"))
+    update = next(k for k in profile.kernels if k["kernel"].startswith("torch update"))
+    assert update["phases"] == {"optimizer": 1.0} and "_fused_adam" in update["kernel"]
 
 
 @pytest.mark.slow
