@@ -2,7 +2,8 @@
 optionally torch.distributed.pipelining on the same split: 2 gloo processes on this host.
 
     .venv/bin/python benchmarks/bench_pipeline.py [--config tiny|small]
-        [--schedules 1f1b,zbh1,gpipe,1f1b/inductor] [--microbatches 4] [--steps 5] [--torch]
+        [--schedules 1f1b,zbh1,gpipe,1f1b/inductor,1f1b+fused] [--microbatches 4] [--steps 5]
+        [--torch]
 
 glmc runs `pipeline_trainer` + `PipelineTrainer.measure` as `glmc compile --pp 2` does (its
 own cut, predicted on the measured gloo link). With --torch, torch runs the *same stage
@@ -45,14 +46,15 @@ def _worker(rank: int, port: int, args: argparse.Namespace, blocks: list, out: s
     rows = {}
     try:
         if schedule != "torch":
-            spec, _, backend = schedule.partition("/")
+            fusion = "+fused" in schedule
+            spec, _, backend = schedule.replace("+fused", "").partition("/")
             spec, _, budget = spec.partition("@")
             name, _, cut = spec.partition(":")
             label = f"glmc {name}" + (f" ({cut} split)" if cut else "") + \
                 (f" (memory budget {budget})" if budget else "") + \
-                (f" on {backend}" if backend else "")
+                (f" on {backend}" if backend else "") + (", fused" if fusion else "")
             rows[label] = _run_glmc(rank, args, name, cut or None, budget or None,
-                                    backend or "eager")
+                                    backend or "eager", fusion)
         else:
             try:
                 rows["torch.distributed.pipelining 1f1b"] = _run_torch(rank, args, blocks)
@@ -65,14 +67,15 @@ def _worker(rank: int, port: int, args: argparse.Namespace, blocks: list, out: s
 
 
 def _run_glmc(rank: int, args: argparse.Namespace, schedule: str, cut: str | None,
-              budget: str | None, backend: str = "eager") -> dict:
+              budget: str | None, backend: str = "eager", fusion: bool = False) -> dict:
     """glmc's trainer as `glmc compile --pp 2` runs it: its own plan (on the measured link),
     warm-up steps, then `measure` (back-to-back steps, one aligned step, one memory step)."""
     from glmc.pipeline_parallel import pipeline_report, pipeline_trainer
     model, batch, loss_fn, opt = _glm(args.config)
     virtual = 2 if schedule == "interleaved" else 1
     trainer = pipeline_trainer(model, opt, loss_fn, batch, args.microbatches, schedule, virtual,
-                               cut=cut, memory_budget=budget, backend=backend)
+                               cut=cut, memory_budget=budget, backend=backend,
+                               fusion=fusion)
     losses = [trainer.step(*batch) for _ in range(2)]
     m = trainer.measure(*batch, steps=args.steps)
     data = pipeline_report(trainer.pipeline.plan, m, trainer.pipeline)
@@ -170,7 +173,8 @@ def main() -> None:
                    help="glmc schedules to run, comma-separated; NAME:equal runs NAME on an "
                         "equal split of blocks instead of glmc's cut; NAME@BUDGET under a "
                         "per-rank memory budget (a size, a fraction of the activations, min); "
-                        "NAME/BACKEND with the stages compiled by BACKEND (default eager)")
+                        "NAME/BACKEND with the stages compiled by BACKEND (default eager); "
+                        "NAME+fused with the stages' forwards fused (`--fusion`)")
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--steps", type=int, default=5, help="measured back-to-back steps")
     p.add_argument("--torch", action="store_true",

@@ -40,11 +40,12 @@ def fuse_loss(program: ForwardProgram, require_cast: bool = True) -> int:
         if len(logp.users) != 1 or logp.meta["val"].dim() != 2 or logp.args[1] not in (1, -1):
             continue
         users = list(nll.users)
-        if any(u.target is not operator.getitem or u.args[1] != 0 for u in users):
-            continue  # total_weight is read elsewhere
+        if any(u.target is not operator.getitem or (u.args[1] != 0 and u.users)
+               for u in users):
+            continue  # total_weight is read elsewhere (a dead getitem of it goes)
         views, x = [], logp.args[0]
-        while is_plain_view(x) and len(x.users) == 1:
-            views.append(x)
+        while is_plain_view(x) and len(x.users) == 1 and op_name(x) != "slice":
+            views.append(x)  # a slice stops the walk: a shifted-LM one is absorbed below
             x = x.args[0]
         if op_name(x) == "_to_copy" and len(x.users) == 1 and \
                 x.args[0].meta["val"].dtype in (torch.bfloat16, torch.float16):

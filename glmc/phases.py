@@ -137,7 +137,7 @@ def profile_phases(trainer: Any, *args: Any, steps: int = 3, reference: bool = F
     if instrument is None:
         backend = entry.step.backend if entry is not None else "pieces"
         raise ConfigError(f"profile_phases: the {backend} step cannot be timed per kernel "
-                          "(inductor and eager can); run the per-phase profile on those")
+                          "(inductor, eager and ort can); run the per-phase profile on those")
     sites = instrument.sites()
     weights = _phase_weights(sites, instrument.phase_of, entry.record.node_seconds)
     ref = TorchLoop.copy_of(trainer) if reference else None

@@ -274,8 +274,10 @@ def build_program(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: A
     `budgets[s]`: stage s's memory budget, planned by glmc's recompute pass on its joint graph
     with the backend's traits (`recompute_partition`; None: it saves all the backward reads);
     `precision`: every stage's forward under that policy (bf16), `fusion`: with the fusion
-    pass's forward patterns (`stage_rewrites`, `capture_stage`)."""
-    rewrites = stage_rewrites(precision, fusion)
+    pass's forward patterns (`stage_rewrites`, `capture_stage`; the loss pattern unless the
+    stages run on Inductor without a budget)."""
+    budgeted = budgets is not None and any(b is not None for b in budgets)
+    rewrites = stage_rewrites(precision, fusion, loss=backend != "inductor" or budgeted)
     leaves = microbatch_leaves(example_inputs, microbatches)[0]
     blocks = [b for bs in stage_blocks for b in bs]
     gm = trace_blocks(model, blocks, loss_fn, like(example_inputs, leaves))
@@ -352,13 +354,18 @@ def sync_seconds(pipe: Pipeline, dp: int, zero: int, link: Any) -> list[float]:
     return out
 
 
-def stage_rewrites(precision: str | None = None, fusion: bool = False) -> list[Any]:
+def stage_rewrites(precision: str | None = None, fusion: bool = False,
+                   loss: bool = True) -> list[Any]:
     """The forward rewrites of every stage (`capture_stage`'s `rewrites`), in the default
-    pipeline's order: fusion's forward patterns, then the dtype assignment of `precision`."""
+    pipeline's order: fusion's forward patterns, then the dtype assignment of `precision`.
+    `loss`: fusion includes the loss pattern (the LM head and loss chunked: the logits are
+    never stored); as in one process, the default leaves it out on Inductor (its own kernels
+    for the head and loss are faster) unless a memory budget is set (`build_program`)."""
     out: list[Any] = []
     if fusion:
-        from glmc.passes.fusion import fuse_stage
-        out.append(fuse_stage)
+        from glmc.passes.fusion import STAGE_PATTERNS, fuse_stage
+        patterns = tuple(p for p in STAGE_PATTERNS if loss or p != "loss")
+        out.append(lambda gm, inputs: fuse_stage(gm, inputs, patterns))
     if precision is not None:
         from glmc.passes.precision import assign_stage
         out.append(lambda gm, inputs: assign_stage(gm, inputs, precision))
@@ -832,6 +839,16 @@ def pipeline_trainer(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn
     return PipelineTrainer(pipe, timeout_s, dp, zero, backend)
 
 
+def _fused_patterns(backend: str, memory_budget: Any) -> str:
+    """The forward patterns `build_program` fuses into the stages (`stage_rewrites`)."""
+    loss = backend != "inductor" or memory_budget is not None
+    return "attention/norm/MLP/loss" if loss else "attention/norm/MLP"
+
+
+def _fused_spelling(fusion: Any) -> str:
+    return fusion if isinstance(fusion, str) else "attention/norm/MLP"  # an older report
+
+
 def _rank_budget_bytes(budget: Any) -> int | None:
     """A size budget as bytes per rank (None for no budget, a fraction, min or +size)."""
     from glmc.passes.recompute import Budget
@@ -869,7 +886,7 @@ def train_cli(work: Any, steps: int, microbatches: int, schedule: str, pp: int,
     if printer:
         data = pipeline_report(trainer.pipeline.plan, measured, trainer.pipeline)
         data["backend"] = {"name": trainer.backend, "precision": precision or "fp32",
-                           "fusion": fusion,
+                           "fusion": fusion and _fused_patterns(backend, memory_budget),
                            "compile_seconds": trainer.compile_seconds}  # this rank's
         print(summary(data), flush=True)
         if report_dir:
@@ -994,7 +1011,8 @@ def summary(data: dict) -> str:
     if data.get("backend"):
         be = data["backend"]
         lines.append(f"stages run on {be['name']} in {be.get('precision', 'fp32')}"
-                     + (", attention/norm/MLP fused" if be.get("fusion") else "") + (
+                     + (f", {_fused_spelling(be['fusion'])} fused" if be.get("fusion")
+                        else "") + (
             f" (each graph compiled once: {be['compile_seconds']:.1f} s on this rank)"
             if be["name"] != "eager" else " (the captured fx graphs)"))
     b, t = data["bubble"], data["step_seconds"]

@@ -25,9 +25,10 @@ A pattern fires only when every intermediate value has no other reader (otherwis
 would have to produce it too), and never across a random op with p > 0 (dropout masks would
 come from a different generator). Options: `patterns=attention+norm+mlp+loss+optimizer` (any
 subset); the default `auto` is all of them, less `optimizer` on a backend that neither fuses
-nor runs ATen's fused update (eager), less `loss` on one that does (unless `loss=true`: the default pipeline's choice under
-a memory budget), and less `attention` with `attention=false` (what the default pipeline
-spells under bf16/fp16 on a CPU; see `FusionPass.selected`). The pass reads no other pass's options.
+nor runs ATen's fused update (eager), less `loss` on one that fuses (unless `loss=true`: the
+default pipeline's choice under a memory budget), and less `attention` with `attention=false`
+(what the default pipeline spells under bf16/fp16 on a CPU; see `FusionPass.selected`). The
+pass reads no other pass's options.
 """
 from __future__ import annotations
 
@@ -117,9 +118,9 @@ class FusionPass(Pass):
 
     def selected(self, traits: BackendTraits = EAGER) -> list[str]:
         """`auto` leaves out `optimizer` on a backend that neither fuses nor runs ATen's fused
-        update (eager), where it measured bigger (bench_fusion.py). It reads no other option: under bf16/fp16 on a CPU
-        the default pipeline spells `attention=false` itself (ATen's CPU
-        flash attention in bf16 took GLM small's Inductor step from 236 to 283 ms)."""
+        update (eager), where it measured bigger (bench_fusion.py). It reads no other option:
+        under bf16/fp16 on a CPU the default pipeline spells `attention=false` itself (ATen's
+        CPU flash attention in bf16 took GLM small's Inductor step from 236 to 283 ms)."""
         if str(self.patterns) == "auto":
             loss = self.loss if self.loss is not None else not traits.fuses
             update = traits.fuses or traits.fused_update
@@ -158,7 +159,7 @@ class FusionPass(Pass):
 
 
 #: the patterns a pipeline stage's forward takes (`fuse_stage`)
-STAGE_PATTERNS = ("attention", "norm", "mlp")
+STAGE_PATTERNS = ("attention", "norm", "mlp", "loss")
 
 
 def fuse_stage(gm: fx.GraphModule, inputs: list[Any],
@@ -166,10 +167,11 @@ def fuse_stage(gm: fx.GraphModule, inputs: list[Any],
     """A pipeline stage's forward program (`gm` over `inputs`, see
     `glmc.passes.precision.assign_stage`) with the fusion pass's forward patterns fused in
     place: attention -> SDPA (always: the timing the pass does on Inductor is not done for
-    stages), RMSNorm / LayerNorm, gated MLP. The caller differentiates the result again
-    (`glmc.program.capture_stage`). Not for stages: `loss` (the LM head and loss would have to
-    sit on the last stage, not checked here) and `optimizer` (a stage's update is already
-    ATen's fused AdamW). Returns the regions fused per pattern."""
+    stages), RMSNorm / LayerNorm, gated MLP, and the loss (on the stage that computes it: the
+    LM head and loss -> `glmc::linear_cross_entropy` when both sit on it, the loss alone ->
+    `glmc::cross_entropy` when the logits arrive from the stage before). Not `optimizer`: a
+    stage's update is already ATen's fused AdamW. The caller differentiates the result again
+    (`glmc.program.capture_stage`). Returns the regions fused per pattern."""
     unknown = set(patterns) - set(STAGE_PATTERNS)
     if unknown:
         raise ConfigError(f"fusion: pattern(s) {sorted(unknown)} on pipeline stages; stages "
@@ -177,7 +179,7 @@ def fuse_stage(gm: fx.GraphModule, inputs: list[Any],
     program = ForwardProgram(gm, list(inputs), [])
     finders: dict[str, Callable[[ForwardProgram, list], int]] = {
         "attention": lambda prog, regs: fuse_attention(prog, regs, None),
-        "norm": fuse_norms, "mlp": fuse_gated}
+        "norm": fuse_norms, "mlp": fuse_gated, "loss": _fuse_loss}
     regions: list[dict[str, Any]] = []
     counts = {p: finders[p](program, regions) for p in patterns}
     program.graph.eliminate_dead_code(is_impure_node=is_impure)
