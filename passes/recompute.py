@@ -43,7 +43,8 @@ import torch.fx as fx
 from glmc.analysis import graph_device
 from glmc.cost import value_bytes, get_profile, is_view, node_time, op_cost
 from glmc.errors import BudgetError, ConfigError
-from glmc.ir import RANDOM_OPS, REGATHER_S, Phase, TrainGraph, op_name
+from glmc.ir import (RANDOM_OPS, REGATHER_S, Phase, TrainGraph, is_collective, is_comm,
+                     op_name)
 from glmc.memory import simulate
 from glmc.passmanager import Effect, Need, Pass, PassContext, PassResult, Verdict
 from glmc.target import BackendTraits, FusionModel
@@ -246,8 +247,15 @@ class RecomputePass(Pass):
         solve_seconds = time.perf_counter() - start
         pareto = self._pareto(problem, baseline_peak) if self.pareto else []
         changed = bool(plan.recompute)
+        prefetch = False
+        if changed and budget.kind != "min" and target is not None:
+            ahead = _simulate_with(graph, problem, units, plan.recompute, backend, True)
+            prefetch = ahead <= target and ahead != predicted  # fits, and something moved
+            if prefetch:
+                notes.append(f"gathers made again prefetched one ahead: {_mib(ahead)}")
+                predicted = ahead
         if changed:
-            rewrite(graph, {units[i] for i in plan.recompute}, backend)
+            rewrite(graph, {units[i] for i in plan.recompute}, backend, prefetch)
         rec = sorted(plan.recompute, key=lambda i: -problem.units[i].size)
         kept = sorted((i for i, u in enumerate(problem.units)
                        if u.needed and i not in plan.recompute),
@@ -432,9 +440,13 @@ def _flops(lowered: fx.Graph, names: set[str]) -> float:
 # ---- rewrite ----------------------------------------------------------------------------------
 
 
-def rewrite(graph: TrainGraph, recompute: set[str], traits: BackendTraits) -> int:
+def rewrite(graph: TrainGraph, recompute: set[str], traits: BackendTraits,
+            prefetch: bool = False) -> int:
     """Give every backward reader of a recomputed value a copy made right before the first
-    such reader (copies of views and inlined ops over recomputed values come along)."""
+    such reader (copies of views and inlined ops over recomputed values come along). With
+    `prefetch`, the gathers among the copies are issued one ahead (`_prefetch_gathers`): the
+    pass does so when its budget still holds with the longer-lived buffers, never under
+    `min`."""
     g = graph.graph
     groups = traits.fusion(g) if traits.fusion is not None else None
     memo: dict[fx.Node, bool] = {}
@@ -482,17 +494,56 @@ def rewrite(graph: TrainGraph, recompute: set[str], traits: BackendTraits) -> in
         if any(depends(a) for a in b.all_input_nodes):
             b.args = fx.map_arg(b.args, lambda x: materialize(x, b))
             b.kwargs = fx.map_arg(b.kwargs, lambda x: materialize(x, b))
+    if prefetch:
+        _prefetch_gathers(g, made)
     g.lint()
     return len(copies)
 
 
+def _prefetch_gathers(g: fx.Graph, made: set[fx.Node]) -> int:
+    """Issue each collective the rewrite made again (a kept ZeRO-3 bucket gathered again for
+    its backward readers) as soon as the one before it has arrived — one ahead, as the shard
+    pass prefetches the forward's gathers — not right before its own wait: the gather then
+    runs while the previous bucket's layer computes. Its wait stays before its first reader.
+    The copies it reads (none for a shard pass bucket, whose flat shard is a forward value)
+    move with it. Returns the collectives moved."""
+    colls = [n for n in g.nodes if n in made and is_collective(n)]
+    moved = 0
+    for prev, coll in zip(colls, colls[1:]):
+        arrived = next((u for u in prev.users if is_comm(u)), None)  # prev's wait_tensor
+        if arrived is None:
+            continue
+        order = {n: i for i, n in enumerate(g.nodes)}
+        if order[coll] < order[arrived]:
+            continue
+        chain = sorted((n for n in _made_ancestors(coll, made) if order[n] > order[arrived]),
+                       key=order.__getitem__)
+        anchor = arrived
+        for n in chain:
+            anchor.append(n)
+            anchor = n
+        moved += 1
+    return moved
+
+
+def _made_ancestors(node: fx.Node, made: set[fx.Node]) -> list[fx.Node]:
+    """`node` and the rewrite's copies it reads, directly or through other copies."""
+    out, todo = [], [node]
+    while todo:
+        n = todo.pop()
+        if n not in out:
+            out.append(n)
+            todo += [a for a in n.all_input_nodes if a in made]
+    return out
+
+
 def _simulate_with(graph: TrainGraph, problem: Problem, units: list[str],
-                   recompute: frozenset[int], backend: Any) -> int:
+                   recompute: frozenset[int], backend: Any, prefetch: bool = False) -> int:
     """Predicted peak of the step with this plan applied (on a scratch copy of the graph),
     with the values the problem's other in-flight microbatches keep (`glmc.remat`)."""
     scratch = graph.copy()
     if recompute:
-        rewrite(scratch, {units[i] for i in recompute}, backend)
+        rewrite(scratch, {units[i] for i in recompute}, backend, prefetch)
     peak = simulate(lower_writeback(scratch, backend.early_writeback).graph, backend).peak_bytes
     if problem.multiplicity > 1:
         peak += (problem.multiplicity - 1) * stored_bytes(problem, recompute)

@@ -284,6 +284,34 @@ def test_one_budget_plans_gathers_and_activations_together() -> None:
         ShardPass(stage=3, reshard="bogus").run(step.copy(), ctx)
 
 
+def test_buckets_gathered_again_for_the_backward_are_prefetched() -> None:
+    """Every kept ZeRO-3 bucket "recomputed" by gathering it again (the recompute pass's
+    rewrite; here all of them) is issued once the bucket before it has arrived and before
+    that bucket is read (one ahead, as the shard pass prefetches the forward's), not right
+    before its own reader; its wait stays right before its first reader."""
+    from glmc.ir import REGATHER_S, Phase, TrainGraph, comm_ops, is_collective, is_comm
+    from glmc.passes.recompute import rewrite
+    from glmc.target import EAGER
+
+    model, batch, loss_fn, opt = CASES["glm"].make()
+    g = glmc.capture(model, batch, loss_fn, opt)
+    ShardPass(stage=3, bucket_mb=BUCKET_MB, reshard="budget", link="100us:1GBps").run(
+        g, PassContext(mesh=MeshSpec((2,), ("dp",))))
+    kept = {n.name for n in g.graph.nodes if REGATHER_S in n.meta}
+    rewrite(g, kept, EAGER, prefetch=True)
+    g.verify()
+    pos = {n: i for i, n in enumerate(g.graph.nodes)}
+    again = [n for n in g.graph.nodes if is_collective(n) and TrainGraph.info(n).phase is
+             Phase.BACKWARD and comm_ops()[n.target] == "all_gather_into_tensor"]
+    assert 3 <= len(again) <= len(kept)  # a bucket no backward op reads is not gathered
+    waits = [next(u for u in c.users if is_comm(u)) for c in again]
+    first = [min(pos[u] for u in w.users) for w in waits]
+    for j in range(1, len(again)):
+        assert pos[waits[j - 1]] < pos[again[j]] < first[j - 1]  # issued one ahead
+    assert all(pos[w] == f - 1 or pos[w] < f for w, f in zip(waits, first))
+    assert all(pos[w] > pos[c] + 1 for w, c in zip(waits[1:], again[1:]))  # not adjacent
+
+
 def test_bf16_composes_with_stage_3(runs: Path) -> None:
     r = result(runs, "stage3_bf16", 0)
     # bf16 compute against fp32 eager: the precision pass's own tolerance for 3 steps
