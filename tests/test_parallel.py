@@ -547,14 +547,15 @@ def _hf_worker(rank: int, port: int, out: str) -> None:
             return {"losses": losses, "ref": ref, "params": params,
                     "ref_params": {n: p.detach() for n, p in ref_model.named_parameters()}}
         return run
-    run_parts(rank, port, 2, out, [("hf0", part(0)), ("hf3", part(3))])
+    run_parts(rank, port, 2, out, [(f"hf{stage}", part(stage)) for stage in range(4)])
 
 
 @pytest.mark.slow
-def test_transformers_glm_trains_like_one_process_under_zero_0_and_3(tmp_path: Path) -> None:
+def test_transformers_glm_trains_like_one_process_under_every_zero_stage(tmp_path: Path
+                                                                         ) -> None:
     pytest.importorskip("transformers")
     spawn(_hf_worker, str(tmp_path))
-    for part in ("hf0", "hf3"):
+    for part in ("hf0", "hf1", "hf2", "hf3"):
         r = result(tmp_path, part, 0)
         torch.testing.assert_close(r["losses"], r["ref"], rtol=1e-4, atol=0)
         for name, ref in r["ref_params"].items():
