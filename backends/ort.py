@@ -292,8 +292,12 @@ class _Hybrid:
         self.front = front
         self.split = split
         self.update = inplace_module(split.update)  # boxed: `update(args)` clears args
-        self.replaces = dict(writeback_pairs(split.update))  #: update output -> its input
-
+        replaces = dict(writeback_pairs(split.update))  # update output -> the input it updates
+        #: the update's state inputs (updated in place: they are its state outputs), and each
+        #: update output's index among them (None: an output the write-back form returns)
+        self.state_inputs = list(replaces.values())
+        self.sources = [list(replaces).index(k) if k in replaces else None
+                        for k in range(len(split.update.outputs))]
         self.instrument = _HybridInstrument(self)
         self.calls: list | None = None  #: KernelCalls of the two parts, while profiled
 
@@ -302,16 +306,14 @@ class _Hybrid:
         t0 = time.perf_counter()
         front = self.front([inputs[i] for i in split.front_inputs])
         args = [inputs[i] if part == "input" else front[i] for part, i in split.update_inputs]
-        state = [args[j] for j in self.replaces.values()]
+        held = [args[j] for j in self.state_inputs]
         t1 = time.perf_counter()
         with torch.no_grad():
             rest = iter(self.update(args))
         if self.calls is not None:
             self.instrument.sync()
             self.calls += [KernelCall(0, t0, t1 - t0), KernelCall(1, t1, time.perf_counter() - t1)]
-        state_of = dict(zip(self.replaces, state))
-        new = [state_of[k] if k in state_of else next(rest)
-               for k in range(len(split.update.outputs))]
+        new = [held[j] if j is not None else next(rest) for j in self.sources]
         return [front[i] if part == "front" else new[i] for part, i in split.outputs]
 
 

@@ -277,7 +277,7 @@ def build_program(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: A
     pass's forward patterns (`stage_rewrites`, `capture_stage`; the loss pattern unless the
     stages run on Inductor without a budget)."""
     budgeted = budgets is not None and any(b is not None for b in budgets)
-    rewrites = stage_rewrites(precision, fusion, loss=backend != "inductor" or budgeted)
+    rewrites = stage_rewrites(precision, fusion, loss=fuses_stage_loss(backend, budgeted))
     leaves = microbatch_leaves(example_inputs, microbatches)[0]
     blocks = [b for bs in stage_blocks for b in bs]
     gm = trace_blocks(model, blocks, loss_fn, like(example_inputs, leaves))
@@ -354,13 +354,18 @@ def sync_seconds(pipe: Pipeline, dp: int, zero: int, link: Any) -> list[float]:
     return out
 
 
+def fuses_stage_loss(backend: str, budgeted: bool) -> bool:
+    """Whether fused stages take the loss pattern: as in one process, not on Inductor (its
+    own kernels for the LM head and loss are faster) unless a memory budget is set."""
+    return backend != "inductor" or budgeted
+
+
 def stage_rewrites(precision: str | None = None, fusion: bool = False,
                    loss: bool = True) -> list[Any]:
     """The forward rewrites of every stage (`capture_stage`'s `rewrites`), in the default
     pipeline's order: fusion's forward patterns, then the dtype assignment of `precision`.
     `loss`: fusion includes the loss pattern (the LM head and loss chunked: the logits are
-    never stored); as in one process, the default leaves it out on Inductor (its own kernels
-    for the head and loss are faster) unless a memory budget is set (`build_program`)."""
+    never stored; `build_program` asks `fuses_stage_loss`)."""
     out: list[Any] = []
     if fusion:
         from glmc.passes.fusion import STAGE_PATTERNS, fuse_stage
@@ -841,7 +846,7 @@ def pipeline_trainer(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn
 
 def _fused_patterns(backend: str, memory_budget: Any) -> str:
     """The forward patterns `build_program` fuses into the stages (`stage_rewrites`)."""
-    loss = backend != "inductor" or memory_budget is not None
+    loss = fuses_stage_loss(backend, memory_budget is not None)
     return "attention/norm/MLP/loss" if loss else "attention/norm/MLP"
 
 

@@ -500,15 +500,14 @@ def rewrite(graph: TrainGraph, recompute: set[str], traits: BackendTraits,
     return len(copies)
 
 
-def _prefetch_gathers(g: fx.Graph, made: set[fx.Node]) -> int:
+def _prefetch_gathers(g: fx.Graph, made: set[fx.Node]) -> None:
     """Issue each collective the rewrite made again (a kept ZeRO-3 bucket gathered again for
     its backward readers) as soon as the one before it has arrived — one ahead, as the shard
     pass prefetches the forward's gathers — not right before its own wait: the gather then
     runs while the previous bucket's layer computes. Its wait stays before its first reader.
     The copies it reads (none for a shard pass bucket, whose flat shard is a forward value)
-    move with it. Returns the collectives moved."""
+    move with it."""
     colls = [n for n in g.nodes if n in made and is_collective(n)]
-    moved = 0
     for prev, coll in zip(colls, colls[1:]):
         arrived = next((u for u in prev.users if is_comm(u)), None)  # prev's wait_tensor
         if arrived is None:
@@ -522,8 +521,6 @@ def _prefetch_gathers(g: fx.Graph, made: set[fx.Node]) -> int:
         for n in chain:
             anchor.append(n)
             anchor = n
-        moved += 1
-    return moved
 
 
 def _made_ancestors(node: fx.Node, made: set[fx.Node]) -> list[fx.Node]:
