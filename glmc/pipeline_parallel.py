@@ -30,6 +30,7 @@ import torch.nn as nn
 from glmc.capture import batch_leaves, split_batch
 from glmc.errors import ConfigError, InputError
 from glmc.program import StagedProgram, capture_stage, link, split_backward
+from glmc.scaler import SCALE
 from glmc.schedule import (COMPUTE, Action, ActionKind, Timeline, from_torch,
                             predicted_peaks, run_rank, simulate)
 
@@ -234,6 +235,8 @@ class Pipeline:
     #: per stage, the recompute pass's stats on its joint graph (None: no budget)
     recompute: list[Any] | None = None
     rank_budget_bytes: int | None = None  #: a per-rank size budget (the report checks it)
+    #: fp16 stages: dynamic loss scaling across every stage (`PipelineTrainer`), else None
+    loss_scaling: Any = None
 
 
 @dataclass(frozen=True)
@@ -268,14 +271,15 @@ def build_program(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: A
                   schedule: str = "1f1b", virtual: int = 1,
                   budgets: Sequence[StageBudget | None] | None = None,
                   precision: str | None = None, fusion: bool = False,
-                  backend: str = "eager") -> Pipeline:
+                  backend: str = "eager", loss_scaling: Any = None) -> Pipeline:
     """Capture every stage of `model` cut at `stage_blocks` on one microbatch of
     `example_inputs`, link them and attach the schedule (torch's generator for `schedule`).
     `budgets[s]`: stage s's memory budget, planned by glmc's recompute pass on its joint graph
     with the backend's traits (`recompute_partition`; None: it saves all the backward reads);
-    `precision`: every stage's forward under that policy (bf16), `fusion`: with the fusion
-    pass's forward patterns (`stage_rewrites`, `capture_stage`; the loss pattern unless the
-    stages run on Inductor without a budget)."""
+    `precision`: every stage's forward under that policy (bf16 or fp16; fp16 with
+    `loss_scaling`, a `glmc.scaler.LossScaling`, default GradScaler's), `fusion`: with the
+    fusion pass's forward patterns (`stage_rewrites`, `capture_stage`; the loss pattern unless
+    the stages run on Inductor without a budget)."""
     budgeted = budgets is not None and any(b is not None for b in budgets)
     rewrites = stage_rewrites(precision, fusion, loss=fuses_stage_loss(backend, budgeted))
     leaves = microbatch_leaves(example_inputs, microbatches)[0]
@@ -301,8 +305,12 @@ def build_program(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: A
     sched = from_torch(schedule, len(stages) // virtual, microbatches, virtual)
     program = StagedProgram(stages_t, link(stages_t), sched, shared_parameters(mods))
     program.verify()
+    if precision == "fp16" and loss_scaling is None:
+        from glmc.scaler import LossScaling
+        loss_scaling = LossScaling()
     return Pipeline(program, mods, opts, budgets=list(budgets) if budgets else None,
-                    recompute=stats)
+                    recompute=stats,
+                    loss_scaling=loss_scaling if precision == "fp16" else None)
 
 
 def recompute_partition(sm: StageModule, budget: StageBudget | None, backend: str,
@@ -479,7 +487,11 @@ class PipelineTrainer:
     batch, each replica takes its 1/dp slice (rows), each stage reads what it needs; a stage's
     gradients are averaged over its replicas before its update (one all-reduce of the flat
     gradients per stage). Returns the global-batch mean loss on the ranks holding the last
-    stage, None elsewhere."""
+    stage, None elsewhere. fp16 stages (`pipeline.loss_scaling`): one dynamic loss scale on
+    every rank, as `torch.amp.GradScaler` keeps it — it seeds each backward; before the
+    updates every rank unscales its gradients and one MAX all-reduce over all ranks (stages
+    and replicas) tells whether any overflowed: then every rank skips its updates and backs
+    the scale off, so the stages never disagree."""
 
     def __init__(self, pipeline: Pipeline, timeout_s: float = 300.0, dp: int = 1,
                  zero: int = 0, backend: str = "eager") -> None:
@@ -520,6 +532,10 @@ class PipelineTrainer:
                 self.ties.append(({s: n for s, n in copies if s in self.local}, group))
         self.traces: list[StepTrace] = []
         self.zero = zero if dp > 1 else 0
+        self.scaling = pipeline.loss_scaling
+        #: fp16: the loss scale and growth tracker (glmc.scaler), alike on every rank
+        self.scaler = self.scaling.initial_state() if self.scaling is not None else None
+        self.skipped = 0  #: steps whose update was skipped (a gradient overflowed)
         #: the program this rank runs: its stages' sharded updates bound to its replicas' group
         self.runnable = pipeline.program
         if self.zero:
@@ -612,11 +628,14 @@ class PipelineTrainer:
                         "hung rank fails the others after the process group's timeout, "
                         "timeout_s); check its output") from e
 
-    def _reduce_grads(self, grads: dict[int, dict[str, torch.Tensor]]) -> None:
-        """Before this rank's first update: average every local stage's gradients over its
-        replicas (one all-reduce of their flat concat per stage), then sum each shared
-        parameter's copies over the ranks holding one (and average over replicas), in one
-        global order of the shared parameters so no two ranks wait on each other."""
+    def _reduce_grads(self, grads: dict[int, dict[str, torch.Tensor]]) -> bool:
+        """Before this rank's first update: fp16's unscale and overflow check (`_unscale`;
+        False: every rank skips its updates), then average every local stage's gradients
+        over its replicas (one all-reduce of their flat concat per stage), then sum each
+        shared parameter's copies over the ranks holding one (and average over replicas), in
+        one global order of the shared parameters so no two ranks wait on each other."""
+        if self.scaler is not None and not self._unscale(grads):
+            return False
         tied = {(s, n) for local, _ in self.ties for s, n in local.items()}
         for stage in sorted(grads):
             names = [n for n in grads[stage] if (stage, n) not in tied]
@@ -639,6 +658,30 @@ class PipelineTrainer:
                 g = grads[stage][name].clone(memory_format=torch.contiguous_format)
                 dist.all_reduce(g, group=group)
                 grads[stage][name] = g.div_(self.dp) if self.dp > 1 else g
+        return True
+
+    def _unscale(self, grads: dict[int, dict[str, torch.Tensor]]) -> bool:
+        """fp16: every local gradient divided by the loss scale (GradScaler's arithmetic,
+        `glmc.scaler.unscale`); whether any rank's held inf/NaN, from one MAX all-reduce over
+        the default group (every stage of every replica); the scale updated by GradScaler's
+        rule, alike on every rank. Returns whether the updates apply."""
+        from glmc import scaler as sc
+
+        names = [(s, n) for s in sorted(grads) for n in grads[s]]
+        scale, tracker = self.scaler[sc.SCALE], self.scaler[sc.TRACKER]
+        unscaled, found = sc.unscale([grads[s][n] for s, n in names], scale) if names \
+            else ([], torch.zeros((), dtype=torch.bool))
+        flag = found.to(torch.float32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        found = flag > 0
+        scale, tracker = sc.update(scale, tracker, found, self.scaling)
+        self.scaler = {sc.SCALE: scale, sc.TRACKER: tracker}
+        if bool(found):
+            self.skipped += 1
+            return False
+        for (s, n), g in zip(names, unscaled):
+            grads[s][n] = g
+        return True
 
     def replica_batch(self, batch: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """This replica's rows of the global batch."""
@@ -661,7 +704,9 @@ class PipelineTrainer:
                               {s: p.optimizers[s] for s in self.local}, mbs, ranks=self.ranks,
                               spans=trace.spans,
                               reduce_grads=self._reduce_grads
-                              if (self.dp > 1 and not self.zero) or self.ties else None)
+                              if (self.dp > 1 and not self.zero) or self.ties
+                              or self.scaler is not None else None,
+                              scale=None if self.scaler is None else self.scaler[SCALE])
         except RuntimeError as e:
             self._comm_error(e, len(trace.spans))
             raise
@@ -815,7 +860,8 @@ def pipeline_trainer(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn
     "equal") instead of the planned one. `zero=1`: each stage's optimizer state sharded over
     its replicas (`PipelineTrainer`). `backend`: what runs each stage's graphs ("eager":
     the fx graphs; "inductor": each compiled once, in its write-back form). `precision`:
-    "bf16" runs every stage's forward under glmc's dtype assignment, `fusion` fuses its
+    "bf16" or "fp16" (with dynamic loss scaling across the stages) runs every stage's
+    forward under glmc's dtype assignment, `fusion` fuses its
     attention, norms and gated MLPs (`stage_rewrites`)."""
     from glmc.comm import measure_link
     from glmc.parallel import init_distributed
@@ -871,7 +917,7 @@ def train_cli(work: Any, steps: int, microbatches: int, schedule: str, pp: int,
     `report_dir`, also report.html (plan, Gantt charts), report.json and Chrome traces.
     More processes than stages: pp x dp (`--nproc` a multiple of `--pp`), with `zero=1` the
     optimizer state sharded over the replicas; `backend` runs the stages' graphs, `precision`
-    (bf16) sets their dtypes."""
+    (bf16, fp16) sets their dtypes."""
     world = from_env_world()
     if world % pp:
         raise ConfigError(f"pipeline: --pp {pp} needs a multiple of {pp} processes (pp x dp); "
@@ -892,6 +938,9 @@ def train_cli(work: Any, steps: int, microbatches: int, schedule: str, pp: int,
         data = pipeline_report(trainer.pipeline.plan, measured, trainer.pipeline)
         data["backend"] = {"name": trainer.backend, "precision": precision or "fp32",
                            "fusion": fusion and _fused_patterns(backend, memory_budget),
+                           "loss_scale": None if trainer.scaler is None else {
+                               "scale": float(trainer.scaler[SCALE]),
+                               "skipped": trainer.skipped, "steps": len(trainer.traces)},
                            "compile_seconds": trainer.compile_seconds}  # this rank's
         print(summary(data), flush=True)
         if report_dir:
@@ -1020,6 +1069,10 @@ def summary(data: dict) -> str:
                         else "") + (
             f" (each graph compiled once: {be['compile_seconds']:.1f} s on this rank)"
             if be["name"] != "eager" else " (the captured fx graphs)"))
+        if be.get("loss_scale"):
+            ls = be["loss_scale"]
+            lines.append(f"fp16 loss scale {ls['scale']:g} after {ls['steps']} steps; "
+                         f"{ls['skipped']} skipped because a gradient overflowed on some rank")
     b, t = data["bubble"], data["step_seconds"]
     pred_t = f"{t['predicted'] * 1e3:.1f}" if t["predicted"] is not None else "-"
     if data["link"]:

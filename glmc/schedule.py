@@ -337,6 +337,8 @@ class _StageRun:
     owned: set[str] = field(default_factory=set)  #: gradient sums this run allocated
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     works: list = field(default_factory=list)
+    #: fp16 loss scaling: the current scale, which seeds every backward (None: unscaled)
+    scale: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.state = state_values(self.module, self.optimizer)
@@ -365,7 +367,9 @@ class _StageRun:
         for (kind, target), v in self._call(self.stage.forward, m).items():
             if kind is OutputKind.LOSS:  # the backward's seed: d(mean over microbatches)/d loss
                 self.losses[m] = v.detach()
-                self.mb[m][(Role.GRADIENT, "")] = torch.full_like(v, 1.0 / len(self.mb))
+                seed = torch.full_like(v, 1.0 / len(self.mb))
+                self.mb[m][(Role.GRADIENT, "")] = seed if self.scale is None \
+                    else seed.mul_(self.scale.to(seed.dtype))
             elif kind is OutputKind.SEND:
                 self.sent[m][target] = v
             else:
@@ -448,8 +452,8 @@ def run_rank(program: StagedProgram, modules: dict[int, nn.Module],
              optimizers: dict[int, torch.optim.Optimizer],
              microbatches: Sequence[Sequence[torch.Tensor]], ranks: Sequence[int] | None = None,
              spans: list | None = None,
-             reduce_grads: Callable[[dict[int, dict[str, torch.Tensor]]], None] | None = None
-             ) -> list[torch.Tensor]:
+             reduce_grads: Callable[[dict[int, dict[str, torch.Tensor]]], bool | None]
+             | None = None, scale: torch.Tensor | None = None) -> list[torch.Tensor]:
     """One training step of every stage this process holds (`modules` / `optimizers` by stage):
     `run_stage` for several (virtual) stages. `ranks[s]`: the process of stage s (default:
     the schedule's `rank_of`). `spans`, if given, receives (action, start, end) of every
@@ -458,7 +462,9 @@ def run_rank(program: StagedProgram, modules: dict[int, nn.Module],
     every local stage's accumulated gradients (the schedule runs every backward first); it
     may replace them: data-parallel replicas average theirs there, and the copies of a
     shared parameter (`program.shared`) must be summed there — required when a local stage
-    has one."""
+    has one. If it returns False, this rank's updates are skipped (fp16 loss scaling: a
+    gradient overflowed somewhere; every rank must decide alike). `scale`: fp16's loss scale,
+    which seeds every microbatch's backward (gradients come out multiplied by it)."""
     import time
 
     sched = program.schedule
@@ -468,16 +474,19 @@ def run_rank(program: StagedProgram, modules: dict[int, nn.Module],
     ranks = [sched.rank_of(s) for s in range(sched.num_stages)] if ranks is None \
         else list(ranks)
     runs = {s: _StageRun(program, s, modules[s], optimizers[s], ranks,
-                         [batch_values(b) for b in microbatches]) for s in modules}
+                         [batch_values(b) for b in microbatches], scale=scale) for s in modules}
     actions = sched.rank_actions(sched.rank_of(next(iter(modules))))
     _check_reduction(program, actions, set(runs), reduce_grads is not None)
-    reduced = False
+    reduced, apply = False, True
     for action in actions:
         t0 = time.time()  # the first update's span includes the reduction before it
         if action.kind is ActionKind.UPDATE and not reduced and reduce_grads is not None:
-            reduce_grads({s: run.grads for s, run in runs.items()})
+            apply = reduce_grads({s: run.grads for s, run in runs.items()}) is not False
             reduced = True
-        runs[action.stage].run(action)
+        if action.kind is ActionKind.UPDATE and not apply:
+            runs[action.stage].grads = {}  # skipped: parameters and optimizer state stay
+        else:
+            runs[action.stage].run(action)
         if spans is not None:
             spans.append((action, t0, time.time()))
     for run in runs.values():

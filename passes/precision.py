@@ -497,18 +497,18 @@ def assign(program: ForwardProgram, rules: Mapping[str, str], modules: Mapping[s
 
 
 def assign_stage(gm: fx.GraphModule, inputs: list[InputSpec], policy: str) -> list[Cast]:
-    """A pipeline stage's forward program under `policy` (bf16): `gm` is the stage's forward
-    in ATen ops (parameters, buffers, batch leaves and received values -> sent values or the
-    loss, each output in its captured dtype; every node with glmc metadata), rewritten in
-    place by the same dtype assignment as the precision pass (the default op rules;
+    """A pipeline stage's forward program under `policy` (bf16 or fp16): `gm` is the stage's
+    forward in ATen ops (parameters, buffers, batch leaves and received values -> sent values
+    or the loss, each output in its captured dtype; every node with glmc metadata), rewritten
+    in place by the same dtype assignment as the precision pass (the default op rules;
     parameters stay fp32 masters, read through casts). The caller differentiates the result
-    again (`glmc.program.capture_stage`), as `rederive` does for a whole step. fp16 needs
-    loss scaling with one overflow check across every stage: not done for stages, so only
-    bf16 is accepted."""
-    if policy != "bf16":
-        raise ConfigError(f"precision: policy {policy!r} on pipeline stages; only bf16 is "
-                          "supported there (fp16 needs one loss scale and overflow check "
-                          "across all stages; auto measures a whole step)")
+    again (`glmc.program.capture_stage`), as `rederive` does for a whole step. fp16's loss
+    scaling is the pipeline runtime's (one scale, one overflow check across every stage:
+    `glmc.pipeline_parallel.PipelineTrainer`); auto measures a whole step, so it is not
+    accepted here."""
+    if policy not in ("bf16", "fp16"):
+        raise ConfigError(f"precision: policy {policy!r} on pipeline stages; bf16 and fp16 "
+                          "are supported there (auto measures a whole step)")
     program = ForwardProgram(gm, list(inputs), [])
     casts, _ = assign(program, DEFAULT_RULES, {}, DTYPES[policy], early=False)
     return casts

@@ -354,6 +354,34 @@ def _bf16_part(rank: int, out: Path) -> dict:
             "param_dtypes": sorted({str(p.dtype) for p in model.parameters()})}
 
 
+def _fp16_part(rank: int, out: Path, init_scale: float = 2.0 ** 16) -> dict:
+    """fp16 stages: one loss scale across the stages, every rank's overflow check combined.
+    With a huge `init_scale` the first steps overflow: every rank skips its update; steps
+    run until one applies (at most 40), then one more."""
+    from glmc.pipeline_parallel import PipelineTrainer
+    from glmc.scaler import SCALE, LossScaling
+    model, batch, loss_fn, opt = CASES["glm"].make()
+    trainer = PipelineTrainer(build_program(model, opt, loss_fn, batch, _stage_blocks("1f1b"),
+                                            MICROBATCHES, "1f1b", precision="fp16",
+                                            loss_scaling=LossScaling(init_scale)),
+                              timeout_s=120)
+    names = {n for s in trainer.local for n, _ in trainer.pipeline.stages[s].module
+             .named_parameters()}
+    before = {k: v.clone() for k, v in model.state_dict().items() if k in names}
+    losses, scales, unchanged = [], [], True
+    while len(losses) < 40 and (len(losses) < STEPS or trainer.skipped == len(losses)):
+        unchanged &= all(torch.equal(v, before[k]) for k, v in model.state_dict().items()
+                         if k in names)  # so far only skipped steps
+        losses.append(trainer.step(*batch))
+        scales.append(float(trainer.scaler[SCALE]))
+    losses.append(trainer.step(*batch))
+    stage = trainer.pipeline.program.stages[trainer.local[0]]
+    mm = [str(n.meta["val"].dtype) for g in (stage.forward, stage.backward)
+          for n in g.graph.nodes if n.op == "call_function" and "mm" in str(n.target)]
+    return {"losses": [float(v) for v in losses if v is not None], "mm_dtypes": sorted(set(mm)),
+            "unchanged_while_skipped": unchanged, "scales": scales, "skipped": trainer.skipped}
+
+
 def _budget_part(rank: int, out: Path) -> dict:
     """ZB-H1 under `min` through pipeline_trainer: every stage planned by glmc's recompute
     pass with its in-flight microbatches, its I/W split over the recomputing backward."""
@@ -405,7 +433,9 @@ def _worker(rank: int, port: int, out: str, names: list[str], slow: bool = False
               + ([("hf_tied", _hf_tied_part)] if slow else [])
               + ([("inductor_zbh1", lambda r, o: _inductor_part(r, o, "zbh1"))] if slow else [])
               + [("fused_1f1b", lambda r, o: _inductor_part(r, o, "1f1b", "eager")),
-                 ("bf16", _bf16_part), ("budget", _budget_part)]
+                 ("bf16", _bf16_part), ("fp16", _fp16_part),
+                 ("fp16_overflow", lambda r, o: _fp16_part(r, o, 2.0 ** 40)),
+                 ("budget", _budget_part)]
               + [("trainer", _trainer_part), ("dead", _dead_part)])  # "dead" kills rank 1
 
 
@@ -527,6 +557,33 @@ def test_bf16_stages_match_the_single_process_bf16_step(distributed: Path) -> No
     assert got[1]["losses"] == pytest.approx(want, rel=1e-3)
     assert got[1]["losses"] == pytest.approx(fp64, rel=1e-2)
     assert got[1]["losses"] != pytest.approx(fp64, rel=1e-7)  # really computed in bf16
+
+
+def test_fp16_stages_share_one_loss_scale(distributed: Path) -> None:
+    """precision=fp16 on every stage: fp16 matmuls, the backward seeded with the loss scale;
+    the losses follow glmc's one-process fp16 step (dynamic loss scaling in the graph). With
+    an initial scale of 2^40 the first backwards overflow: both ranks skip their updates
+    (the parameters stay bit-equal), back the scale off alike and train on once it fits."""
+    model, batch, loss_fn, opt = CASES["glm"].make()
+    trainer = glmc.optimize(model, batch, loss_fn=loss_fn, optimizer=opt, backend="eager",
+                            fusion=False, precision="fp16")
+    want = [trainer.step(*batch).item() for _ in range(STEPS + 1)]
+    got = [result(distributed, "fp16", r) for r in range(2)]
+    for g in got:
+        assert g["mm_dtypes"] == ["torch.float16"]
+        assert g["skipped"] == 0 and g["scales"] == [2.0 ** 16] * STEPS
+    assert got[1]["losses"] == pytest.approx(want, rel=1e-3)
+    fp32 = eager_losses(*CASES["glm"].make(), STEPS + 1)
+    assert got[1]["losses"] != pytest.approx(fp32, rel=1e-7)  # really computed in fp16
+    over = [result(distributed, "fp16_overflow", r) for r in range(2)]
+    skipped = over[0]["skipped"]
+    for g in over:
+        assert g["unchanged_while_skipped"] and g["skipped"] == skipped
+        assert g["scales"] == [2.0 ** (39 - i) for i in range(skipped)] + [2.0 ** (40 - skipped)]
+    assert 1 <= skipped < 40  # backed off until the gradients fit, then trained
+    # until the first update applies, every step computes the first step's loss again
+    assert over[1]["losses"][:skipped + 1] == [got[1]["losses"][0]] * (skipped + 1)
+    assert over[1]["losses"][skipped + 1] != got[1]["losses"][0]
 
 
 @pytest.mark.parametrize("name", ["1f1b", *(pytest.param(n, marks=pytest.mark.slow)
