@@ -91,17 +91,22 @@ Key = tuple[fx.Node, int]  #: one storage: (producer node, output index)
 
 def simulate(graph: fx.Graph, traits: BackendTraits = EAGER,
              consumed: Iterable[fx.Node] = (),
-             done_at: dict[str, str] | None = None) -> MemoryEstimate:
+             done_at: dict[str, str] | None = None,
+             input_bytes: dict[fx.Node, int] | None = None) -> MemoryEstimate:
     """Predicted live bytes after each node of the *lowered* step (see module docstring) on
     the backend described by `traits` (its fusion model decides which ops own a buffer).
     `consumed`: placeholders the caller hands over (`glmc.program.run_inplace`'s `consume`),
-    freed after their last read instead of living for the whole graph. `done_at`: by
-    collective, the node during which the communication model predicts it finishes
-    (`CommEstimate.done_at`); without it a collective counts as in flight until its wait."""
+    freed after their last read instead of living for the whole graph (live from the start
+    until then). `done_at`: by collective, the node during which the communication model
+    predicts it finishes (`CommEstimate.done_at`); without it a collective counts as in
+    flight until its wait. `input_bytes`: the bytes of these placeholders instead of their
+    storage's (inputs that are views of one storage the graph cannot see: the caller counts
+    the storage once)."""
     fusion = traits.fusion(graph) if traits.fusion is not None else None
     nodes = list(graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     storage, size = _storages(nodes, fusion)
+    size.update({(ph, 0): b for ph, b in (input_bytes or {}).items()})
     last_use, readers = _last_uses(nodes, index, storage, fusion)
     category = {k: _category(k[0], readers.get(k, [])) for k in size}
     _staging(nodes, index, storage, size, last_use, category, done_at or {})
@@ -246,7 +251,7 @@ def _timeline(nodes: list[fx.Node], storage: dict[fx.Node, list[Key]], size: dic
     timeline: list[tuple[int, dict[str, int]]] = []
     peak, peak_i = sum(live.values()), 0
     for i, n in enumerate(nodes):
-        if n.op == "call_function":
+        if n.op in ("call_function", "placeholder"):  # a consumed input lives until freed
             for k in storage.get(n, []):
                 if k[0] is n and k not in persistent:
                     live[category[k]] += size[k]

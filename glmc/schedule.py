@@ -561,7 +561,9 @@ def predicted_peaks(program: StagedProgram) -> list[int]:
     rank's parameters and optimizer state, plus, walking its actions in order, the saved
     activations of its in-flight microbatches (and ZB-H1's stash between I and W), the
     gradients accumulated so far and the running action's own transient bytes (glmc.memory's
-    liveness simulation of the graph the action runs, above that graph's inputs)."""
+    liveness simulation of the graph the action runs, above that graph's inputs; the second
+    microbatch's gradient sums, fresh tensors, add the largest gradient to what its backward
+    leaves)."""
     sched = program.schedule
     mem = {st.index: _StageMemory.of(st) for st in program.stages}
     K = ActionKind
@@ -571,6 +573,7 @@ def predicted_peaks(program: StagedProgram) -> list[int]:
         base = sum(mem[s].params + mem[s].state for s in mine)
         in_flight = dict.fromkeys(mine, 0)
         grads_live = dict.fromkeys(mine, 0)
+        finished = dict.fromkeys(mine, 0)  # microbatches whose gradients are summed in
         peak = base
         for a in sched.rank_actions(r):
             s, m = a.stage, mem[a.stage]
@@ -579,6 +582,11 @@ def predicted_peaks(program: StagedProgram) -> list[int]:
             if key is None:
                 continue
             peak = max(peak, live + m.transient[key])
+            if a.kind in (K.B, K.W) and finished[s] == 1:
+                # the second microbatch's sums are fresh tensors (the first gradients may be
+                # views), made one by one after its backward, beside the new and old ones
+                peak = max(peak, live + m.ending[key] + m.largest_grad)
+            finished[s] += a.kind in (K.B, K.W)
             if a.kind is K.F:
                 in_flight[s] += m.saved
             elif a.kind is K.I:  # W's part of the saved values stays, with I's stash
@@ -605,19 +613,22 @@ class _StageMemory:
     stash: int
     i_frees: int
     transient: dict[str, int]
+    ending: dict[str, int]  #: each action's bytes at its end above its inputs, as transient
+    #: the largest gradient: the second microbatch's accumulation (`_StageRun._accumulate`)
+    #: allocates each sum fresh while the first gradient and the new one are live
+    largest_grad: int = 0
 
     @classmethod
     def of(cls, st: Stage) -> "_StageMemory":
         from glmc.memory import simulate, storage_bytes
-        from glmc.writeback import alias_root
 
-        views = {spec.target for spec, v in zip(st.forward.outputs, st.forward.output_values())
-                 if spec.kind is OutputKind.SAVED and isinstance(v, fx.Node)
-                 and alias_root(v).op == "placeholder"}  # saved views of parameters, inputs
+        roots = _saved_roots(st)
+        views = {t for t, root in roots.items()
+                 if root.op == "placeholder"}  # saved views of parameters, inputs
         graphs = {"F": st.forward, "B": st.backward, "U": st.update}
         if st.split is not None:
             graphs.update(I=st.split[0], W=st.split[1])
-        transient, left = {}, {}
+        transient, left, ending = {}, {}, {}
         for key, g in graphs.items():
             # as run_inplace runs it: early write-back, and the inputs the action takes
             # along freed after their last read
@@ -625,20 +636,41 @@ class _StageMemory:
             phs = [n for n in lowered.nodes if n.op == "placeholder"]
             roles = CONSUMED.get(key, ())
             keys = set(i_only(*st.split)) if key == "I" and st.split is not None else set()
-            taken = [ph for ph, spec in zip(phs, g.inputs)
+            taken = [(ph, spec) for ph, spec in zip(phs, g.inputs)
                      if (spec.role in roles or (spec.role, spec.target) in keys)
                      and spec.target not in views]  # freeing a view frees nothing
-            est = simulate(lowered, consumed=taken)
+            # saved values that are views of one storage: counted once, as the forward's
+            # `left` (what the runner holds in flight) counts them
+            seen: set[fx.Node] = set()
+            sizes = {}
+            for ph, spec in taken:
+                root = roots.get(spec.target) if spec.role is Role.SAVED else None
+                sizes[ph] = 0 if root in seen else storage_bytes(ph.meta.get("val"))
+                seen.add(root) if root is not None else None
+            est = simulate(lowered, consumed=list(sizes), input_bytes=sizes)
             # above all its inputs (the runner counts the taken ones until the action starts)
-            transient[key] = est.transient_bytes - sum(storage_bytes(ph.meta.get("val"))
-                                                       for ph in taken)
+            transient[key] = est.transient_bytes - sum(sizes.values())
             left[key] = est.left_bytes
+            ending[key] = est.left_bytes - sum(sizes.values())  # at its end, as transient
         sizes = {role: 0 for role in Role}
+        largest = 0
         for spec, ph in zip(st.update.inputs, st.update.placeholders()):
             info = st.update.info(ph).spec
             sizes[spec.role] += info.nbytes if info is not None else 0
+            if spec.role is Role.GRADIENT and info is not None:
+                largest = max(largest, info.nbytes)
         return cls(sizes[Role.PARAMETER], sizes[Role.GRADIENT], sizes[Role.OPTIMIZER_STATE],
-                   left["F"], left.get("I", 0), _i_frees(st), transient)
+                   left["F"], left.get("I", 0), _i_frees(st), transient, ending, largest)
+
+
+def _saved_roots(st: Stage) -> dict[str, fx.Node]:
+    """By saved target (the forward's, and ZB-H1's I stash), the node whose storage it is a
+    view of (`alias_root`): targets sharing a root share their storage."""
+    from glmc.writeback import alias_root
+    graphs = [st.forward] + ([st.split[0]] if st.split is not None else [])
+    return {spec.target: alias_root(v) for g in graphs
+            for spec, v in zip(g.outputs, g.output_values())
+            if spec.kind is OutputKind.SAVED and isinstance(v, fx.Node)}
 
 
 def _i_frees(st: Stage) -> int:

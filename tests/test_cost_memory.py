@@ -414,6 +414,26 @@ def test_fused_glm_step_has_a_rule_for_every_op() -> None:
 # ---- memory model --------------------------------------------------------------------------
 
 
+def test_consumed_inputs_live_from_the_start_until_their_last_read() -> None:
+    """An input the caller hands over (`consumed`, as the pipeline runner hands a backward its
+    saved values) counts until its last read, then frees; `input_bytes` sets what it counts
+    (views of one storage the graph cannot see are counted once by the caller)."""
+    def f(x, y):
+        a = x * 2  # 4 KiB while x and y are live
+        return (a + y,)
+    g = _trace(f, torch.randn(32, 32), torch.randn(32, 32))
+    x, y = [n for n in g.nodes if n.op == "placeholder"]
+    kept = simulate(g)
+    assert kept.persistent_bytes == 2 * 4096 and kept.peak_bytes == 4 * 4096
+    taken = simulate(g, consumed=[x, y])
+    assert taken.persistent_bytes == 0
+    assert taken.peak_bytes == 3 * 4096  # x, y and a at the mul (x freed before the add)
+    assert taken.left_bytes == 4096  # the output alone: x and y freed after their last read
+    assert min(sum(live.values()) for _, live in taken.timeline) >= 0
+    shared = simulate(g, consumed=[x, y], input_bytes={x: 4096, y: 0})
+    assert shared.peak_bytes == 2 * 4096 and shared.left_bytes == 4096
+
+
 def test_liveness_frees_after_last_use_and_views_keep_bases_alive() -> None:
     def f(x):
         a = x * 2  # 4 KiB
