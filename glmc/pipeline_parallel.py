@@ -676,16 +676,16 @@ class PipelineTrainer:
 
     def _unscale(self, grads: dict[int, dict[str, torch.Tensor]]) -> bool:
         """fp16: every local gradient divided by the loss scale (GradScaler's arithmetic,
-        `glmc.scaler.unscale`); whether any rank's held inf/NaN, from one MAX all-reduce over
-        the default group (every stage of every replica); the scale updated by GradScaler's
-        rule, alike on every rank. Returns whether the updates apply."""
+        `glmc.scaler.unscale_each`: one gradient at a time); whether any rank's held inf/NaN,
+        from one MAX all-reduce over the default group (every stage of every replica); the
+        scale updated by GradScaler's rule, alike on every rank. Returns whether the updates
+        apply (on an overflow the gradients are dropped by the caller)."""
         from glmc import scaler as sc
 
-        names = [(s, n) for s in sorted(grads) for n in grads[s]]
         scale, tracker = self.scaler[sc.SCALE], self.scaler[sc.TRACKER]
-        unscaled, found = sc.unscale([grads[s][n] for s, n in names], scale) if names \
-            else ([], torch.zeros((), dtype=torch.bool))
-        flag = found.to(torch.float32)
+        flag = torch.zeros((), dtype=torch.float32)
+        for stage in sorted(grads):
+            flag = torch.maximum(flag, sc.unscale_each(grads[stage], scale).float())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         found = flag > 0
         scale, tracker = sc.update(scale, tracker, found, self.scaling)
@@ -693,8 +693,6 @@ class PipelineTrainer:
         if bool(found):
             self.skipped += 1
             return False
-        for (s, n), g in zip(names, unscaled):
-            grads[s][n] = g
         return True
 
     def replica_batch(self, batch: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:

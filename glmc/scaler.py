@@ -13,6 +13,7 @@ them and saves/restores them with `Trainer.state_dict()`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, MutableMapping
 
 import torch
 from torch import Tensor
@@ -54,6 +55,19 @@ def unscale(grads: list[Tensor], scale: Tensor) -> tuple[list[Tensor], Tensor]:
     out = [g * inv.to(g.dtype) for g in grads]
     finite = torch.stack([torch.isfinite(g).all() for g in out]).all()
     return out, torch.logical_not(finite)
+
+
+def unscale_each(grads: MutableMapping[Any, Tensor], scale: Tensor) -> Tensor:
+    """`unscale` in place of `grads`' entries, one gradient at a time (each replaced as soon as
+    it is divided, so one extra gradient is live, not a copy of all of them); returns the
+    boolean found-inf scalar. The pipeline runtime's form (`PipelineTrainer`)."""
+    inv = scale.double().reciprocal().float()
+    finite = torch.ones((), dtype=torch.bool, device=scale.device)
+    for k in list(grads):
+        g = grads[k] * inv.to(grads[k].dtype)
+        finite &= torch.isfinite(g).all()
+        grads[k] = g
+    return torch.logical_not(finite)
 
 
 def update(scale: Tensor, tracker: Tensor, found_inf: Tensor,

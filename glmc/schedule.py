@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import networkx as nx
 import torch
@@ -387,8 +387,9 @@ class _StageRun:
                 self.mb[m][(Role.SAVED, target)] = v
             else:
                 self.sent[m][target] = v
-        if last:
-            self.mb[m] = {k: v for k, v in self.mb[m].items() if k[0] is not Role.SAVED}
+        if last:  # the microbatch's saved and received values are done with
+            self.mb[m] = {k: v for k, v in self.mb[m].items()
+                          if k[0] not in (Role.SAVED, Role.BOUNDARY)}
 
     def _accumulate(self, target: str, v: torch.Tensor) -> None:
         """Sum a microbatch's gradient in: the first is kept as the graph returned it (it may
@@ -464,7 +465,9 @@ def run_rank(program: StagedProgram, modules: dict[int, nn.Module],
     shared parameter (`program.shared`) must be summed there — required when a local stage
     has one. If it returns False, this rank's updates are skipped (fp16 loss scaling: a
     gradient overflowed somewhere; every rank must decide alike). `scale`: fp16's loss scale,
-    which seeds every microbatch's backward (gradients come out multiplied by it)."""
+    which seeds every microbatch's backward (gradients come out multiplied by it); without it
+    fp16 stages run unscaled — `PipelineTrainer` passes it and does the unscaling and the
+    overflow check in its `reduce_grads`."""
     import time
 
     sched = program.schedule
@@ -602,9 +605,10 @@ def predicted_peaks(program: StagedProgram) -> list[int]:
 
 @dataclass
 class _StageMemory:
-    """One stage's bytes for `predicted_peaks`: its state, what a forward saves, what ZB-H1's
-    I stashes and frees of the saved values (`i_only`), and each action's transient bytes
-    above its graph's inputs."""
+    """One stage's bytes for `predicted_peaks`: its state, what a forward saves (with the
+    received values it saves as they are), what ZB-H1's I stashes and frees of the saved
+    values (`i_only`), each action's transient bytes above its graph's inputs and its bytes
+    at its end (`ending`), and the largest gradient (`largest_grad`)."""
 
     params: int
     grads: int
@@ -620,11 +624,9 @@ class _StageMemory:
 
     @classmethod
     def of(cls, st: Stage) -> "_StageMemory":
-        from glmc.memory import simulate, storage_bytes
+        from glmc.memory import simulate
 
         roots = _saved_roots(st)
-        views = {t for t, root in roots.items()
-                 if root.op == "placeholder"}  # saved views of parameters, inputs
         graphs = {"F": st.forward, "B": st.backward, "U": st.update}
         if st.split is not None:
             graphs.update(I=st.split[0], W=st.split[1])
@@ -633,20 +635,7 @@ class _StageMemory:
             # as run_inplace runs it: early write-back, and the inputs the action takes
             # along freed after their last read
             lowered = inplace_module(g).graph
-            phs = [n for n in lowered.nodes if n.op == "placeholder"]
-            roles = CONSUMED.get(key, ())
-            keys = set(i_only(*st.split)) if key == "I" and st.split is not None else set()
-            taken = [(ph, spec) for ph, spec in zip(phs, g.inputs)
-                     if (spec.role in roles or (spec.role, spec.target) in keys)
-                     and spec.target not in views]  # freeing a view frees nothing
-            # saved values that are views of one storage: counted once, as the forward's
-            # `left` (what the runner holds in flight) counts them
-            seen: set[fx.Node] = set()
-            sizes = {}
-            for ph, spec in taken:
-                root = roots.get(spec.target) if spec.role is Role.SAVED else None
-                sizes[ph] = 0 if root in seen else storage_bytes(ph.meta.get("val"))
-                seen.add(root) if root is not None else None
+            sizes = _taken_bytes(st, key, g, lowered, roots)
             est = simulate(lowered, consumed=list(sizes), input_bytes=sizes)
             # above all its inputs (the runner counts the taken ones until the action starts)
             transient[key] = est.transient_bytes - sum(sizes.values())
@@ -660,14 +649,60 @@ class _StageMemory:
             if spec.role is Role.GRADIENT and info is not None:
                 largest = max(largest, info.nbytes)
         return cls(sizes[Role.PARAMETER], sizes[Role.GRADIENT], sizes[Role.OPTIMIZER_STATE],
-                   left["F"], left.get("I", 0), _i_frees(st), transient, ending, largest)
+                   left["F"] + _saved_received(st), left.get("I", 0), _i_frees(st),
+                   transient, ending, largest)
 
 
-def _saved_roots(st: Stage) -> dict[str, fx.Node]:
+def _taken_bytes(st: Stage, key: str, g: TrainGraph, lowered: fx.Graph,
+                 roots: dict[str, fx.Node]) -> dict[fx.Node, int]:
+    """The placeholders of action `key`'s lowered graph that the runner hands over (frees
+    after their last read), with the bytes each frees there. Saved values that are views of
+    one storage free it once, at the alias read last; a view of a parameter or a batch input
+    frees nothing (not taken); ZB-H1's I does not free a storage W still reads through
+    another alias."""
+    from glmc.memory import storage_bytes
+
+    phs = [n for n in lowered.nodes if n.op == "placeholder"]
+    keys = set(i_only(*st.split)) if key == "I" and st.split is not None else set()
+    kept = set()
+    if key == "I" and st.split is not None:
+        kept = {roots.get(spec.target) for spec in st.split[1].inputs
+                if spec.role is Role.SAVED} - {None}
+    views = {t for t, root in _saved_roots(st, forward_only=True).items()
+             if root.op == "placeholder"}  # saved views of parameters, batch inputs
+    taken = [(ph, spec) for ph, spec in zip(phs, g.inputs)
+             if (spec.role in CONSUMED.get(key, ()) or (spec.role, spec.target) in keys)
+             and spec.target not in views
+             and not (spec.role is Role.SAVED and roots.get(spec.target) in kept)]
+    order = {n: i for i, n in enumerate(lowered.nodes)}
+    groups: dict[Any, list[fx.Node]] = {}
+    for ph, spec in taken:
+        root = roots.get(spec.target) if spec.role is Role.SAVED else None
+        groups.setdefault(root if root is not None else ph, []).append(ph)
+    sizes = dict.fromkeys((ph for ph, _ in taken), 0)
+    for aliases in groups.values():
+        last = max(aliases, key=lambda ph: max((order[u] for u in ph.users), default=order[ph]))
+        sizes[last] = storage_bytes(last.meta.get("val"))
+    return sizes
+
+
+def _saved_received(st: Stage) -> int:
+    """Bytes of the received values a forward saves as they are (a saved alias of a boundary
+    input): the runner keeps them until the microbatch's last backward, and the forward's
+    `left` (new values only) does not count them."""
+    from glmc.memory import storage_bytes
+    received = {ph for ph, spec in zip(st.forward.placeholders(), st.forward.inputs)
+                if spec.role is Role.BOUNDARY}
+    saved = set(_saved_roots(st, forward_only=True).values()) & received
+    return sum(storage_bytes(ph.meta.get("val")) for ph in saved)
+
+
+def _saved_roots(st: Stage, forward_only: bool = False) -> dict[str, fx.Node]:
     """By saved target (the forward's, and ZB-H1's I stash), the node whose storage it is a
     view of (`alias_root`): targets sharing a root share their storage."""
     from glmc.writeback import alias_root
-    graphs = [st.forward] + ([st.split[0]] if st.split is not None else [])
+    graphs = [st.forward] + ([st.split[0]] if st.split is not None and not forward_only
+                             else [])
     return {spec.target: alias_root(v) for g in graphs
             for spec, v in zip(g.outputs, g.output_values())
             if spec.kind is OutputKind.SAVED and isinstance(v, fx.Node)}
