@@ -30,6 +30,7 @@ import torch.nn as nn
 from glmc.capture import batch_leaves, split_batch
 from glmc.errors import ConfigError, InputError
 from glmc.program import StagedProgram, capture_stage, link, split_backward
+from glmc import scaler
 from glmc.scaler import SCALE
 from glmc.schedule import (COMPUTE, Action, ActionKind, Timeline, from_torch,
                             predicted_peaks, run_rank, simulate)
@@ -280,6 +281,9 @@ def build_program(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: A
     `loss_scaling`, a `glmc.scaler.LossScaling`, default GradScaler's), `fusion`: with the
     fusion pass's forward patterns (`stage_rewrites`, `capture_stage`; the loss pattern unless
     the stages run on Inductor without a budget)."""
+    if loss_scaling is not None and precision != "fp16":
+        raise ConfigError(f"pipeline: loss_scaling is for fp16 stages; precision is "
+                          f"{precision or 'fp32'}: drop loss_scaling or use precision='fp16'")
     budgeted = budgets is not None and any(b is not None for b in budgets)
     rewrites = stage_rewrites(precision, fusion, loss=fuses_stage_loss(backend, budgeted))
     leaves = microbatch_leaves(example_inputs, microbatches)[0]
@@ -306,12 +310,9 @@ def build_program(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: A
     sched = from_torch(schedule, len(stages) // virtual, microbatches, virtual)
     program = StagedProgram(stages_t, link(stages_t), sched, shared_parameters(mods))
     program.verify()
-    if precision == "fp16" and loss_scaling is None:
-        from glmc.scaler import LossScaling
-        loss_scaling = LossScaling()
     return Pipeline(program, mods, opts, budgets=list(budgets) if budgets else None,
-                    recompute=stats,
-                    loss_scaling=loss_scaling if precision == "fp16" else None)
+                    recompute=stats, loss_scaling=(loss_scaling or scaler.LossScaling())
+                    if precision == "fp16" else None)
 
 
 def _summing_room(budget: StageBudget | None, module: nn.Module, microbatches: int
@@ -680,16 +681,14 @@ class PipelineTrainer:
         from one MAX all-reduce over the default group (every stage of every replica); the
         scale updated by GradScaler's rule, alike on every rank. Returns whether the updates
         apply (on an overflow the gradients are dropped by the caller)."""
-        from glmc import scaler as sc
-
-        scale, tracker = self.scaler[sc.SCALE], self.scaler[sc.TRACKER]
+        scale, tracker = self.scaler[SCALE], self.scaler[scaler.TRACKER]
         flag = torch.zeros((), dtype=torch.float32)
         for stage in sorted(grads):
-            flag = torch.maximum(flag, sc.unscale_each(grads[stage], scale).float())
+            flag = torch.maximum(flag, scaler.unscale_each(grads[stage], scale).float())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         found = flag > 0
-        scale, tracker = sc.update(scale, tracker, found, self.scaling)
-        self.scaler = {sc.SCALE: scale, sc.TRACKER: tracker}
+        scale, tracker = scaler.update(scale, tracker, found, self.scaling)
+        self.scaler = {SCALE: scale, scaler.TRACKER: tracker}
         if bool(found):
             self.skipped += 1
             return False

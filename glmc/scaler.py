@@ -61,13 +61,11 @@ def unscale_each(grads: MutableMapping[Any, Tensor], scale: Tensor) -> Tensor:
     """`unscale` in place of `grads`' entries, one gradient at a time (each replaced as soon as
     it is divided, so one extra gradient is live, not a copy of all of them); returns the
     boolean found-inf scalar. The pipeline runtime's form (`PipelineTrainer`)."""
-    inv = scale.double().reciprocal().float()
-    finite = torch.ones((), dtype=torch.bool, device=scale.device)
+    found = torch.zeros((), dtype=torch.bool, device=scale.device)
     for k in list(grads):
-        g = grads[k] * inv.to(grads[k].dtype)
-        finite &= torch.isfinite(g).all()
-        grads[k] = g
-    return torch.logical_not(finite)
+        (grads[k],), bad = unscale([grads[k]], scale)
+        found |= bad
+    return found
 
 
 def update(scale: Tensor, tracker: Tensor, found_inf: Tensor,

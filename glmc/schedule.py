@@ -627,6 +627,7 @@ class _StageMemory:
         from glmc.memory import simulate
 
         roots = _saved_roots(st)
+        forward_roots = _saved_roots(st, forward_only=True)
         graphs = {"F": st.forward, "B": st.backward, "U": st.update}
         if st.split is not None:
             graphs.update(I=st.split[0], W=st.split[1])
@@ -635,7 +636,7 @@ class _StageMemory:
             # as run_inplace runs it: early write-back, and the inputs the action takes
             # along freed after their last read
             lowered = inplace_module(g).graph
-            sizes = _taken_bytes(st, key, g, lowered, roots)
+            sizes = _taken_bytes(st, key, g, lowered, roots, forward_roots)
             est = simulate(lowered, consumed=list(sizes), input_bytes=sizes)
             # above all its inputs (the runner counts the taken ones until the action starts)
             transient[key] = est.transient_bytes - sum(sizes.values())
@@ -649,12 +650,14 @@ class _StageMemory:
             if spec.role is Role.GRADIENT and info is not None:
                 largest = max(largest, info.nbytes)
         return cls(sizes[Role.PARAMETER], sizes[Role.GRADIENT], sizes[Role.OPTIMIZER_STATE],
-                   left["F"] + _saved_received(st), left.get("I", 0), _i_frees(st),
+                   left["F"] + _saved_received(st, forward_roots), left.get("I", 0),
+                   _i_frees(st),
                    transient, ending, largest)
 
 
 def _taken_bytes(st: Stage, key: str, g: TrainGraph, lowered: fx.Graph,
-                 roots: dict[str, fx.Node]) -> dict[fx.Node, int]:
+                 roots: dict[str, fx.Node], forward_roots: dict[str, fx.Node]
+                 ) -> dict[fx.Node, int]:
     """The placeholders of action `key`'s lowered graph that the runner hands over (frees
     after their last read), with the bytes each frees there. Saved values that are views of
     one storage free it once, at the alias read last; a view of a parameter or a batch input
@@ -663,12 +666,12 @@ def _taken_bytes(st: Stage, key: str, g: TrainGraph, lowered: fx.Graph,
     from glmc.memory import storage_bytes
 
     phs = [n for n in lowered.nodes if n.op == "placeholder"]
-    keys = set(i_only(*st.split)) if key == "I" and st.split is not None else set()
-    kept = set()
+    keys, kept = set(), set()  # ZB-H1's I: what it takes along, the storages W still reads
     if key == "I" and st.split is not None:
+        keys = set(i_only(*st.split))
         kept = {roots.get(spec.target) for spec in st.split[1].inputs
                 if spec.role is Role.SAVED} - {None}
-    views = {t for t, root in _saved_roots(st, forward_only=True).items()
+    views = {t for t, root in forward_roots.items()
              if root.op == "placeholder"}  # saved views of parameters, batch inputs
     taken = [(ph, spec) for ph, spec in zip(phs, g.inputs)
              if (spec.role in CONSUMED.get(key, ()) or (spec.role, spec.target) in keys)
@@ -686,14 +689,14 @@ def _taken_bytes(st: Stage, key: str, g: TrainGraph, lowered: fx.Graph,
     return sizes
 
 
-def _saved_received(st: Stage) -> int:
+def _saved_received(st: Stage, forward_roots: dict[str, fx.Node]) -> int:
     """Bytes of the received values a forward saves as they are (a saved alias of a boundary
     input): the runner keeps them until the microbatch's last backward, and the forward's
     `left` (new values only) does not count them."""
     from glmc.memory import storage_bytes
     received = {ph for ph, spec in zip(st.forward.placeholders(), st.forward.inputs)
                 if spec.role is Role.BOUNDARY}
-    saved = set(_saved_roots(st, forward_only=True).values()) & received
+    saved = set(forward_roots.values()) & received
     return sum(storage_bytes(ph.meta.get("val")) for ph in saved)
 
 

@@ -832,6 +832,14 @@ def test_a_stage_under_a_budget_saves_less_and_trains_like_eager(glm_graph) -> N
     assert losses == pytest.approx(eager_losses(*CASES["glm"].make(), STEPS), rel=RTOL)
 
 
+def test_loss_scaling_without_fp16_stages_is_a_typed_error(glm_graph) -> None:
+    from glmc.scaler import LossScaling
+    model, batch, loss_fn, opt = CASES["glm"].make()
+    with pytest.raises(ConfigError, match="loss_scaling is for fp16 stages; precision is bf16"):
+        build_program(model, opt, loss_fn, batch, [step_blocks(glm_graph)], 2, "gpipe",
+                      precision="bf16", loss_scaling=LossScaling())
+
+
 def test_a_stage_that_cannot_fit_its_budget_is_a_typed_error_naming_it(glm_graph) -> None:
     from glmc.errors import BudgetError
     from glmc.pipeline_parallel import StageBudget
