@@ -183,7 +183,7 @@ def test_few_steps_print_no_fastest_of_0(steps: str) -> None:
     assert "glmc: capturing the training step" in r.stderr  # progress while compiling
 
 
-@pytest.mark.slow  # ~35 s; the same offense listing runs by default through `compile`
+@pytest.mark.slow  # ~35 s; the API's offense listing runs by default (test_report_export)
 def test_check_lists_what_the_onnx_export_cannot_take() -> None:
     pytest.importorskip("onnxscript")
     r = glmc("check", "examples/glm.py", "--backend", "eager", "--export", "onnx")
@@ -195,6 +195,7 @@ def test_check_lists_what_the_onnx_export_cannot_take() -> None:
                      r.stdout)
 
 
+@pytest.mark.slow  # 35 s; the API's typed refusal runs by default (test_report_export)
 def test_compile_export_onnx_fails_before_training(tmp_path: Path) -> None:
     pytest.importorskip("onnxscript")
     out = tmp_path / "export"

@@ -26,7 +26,9 @@ STEPS = 3
 MAKE = BACKEND_CASES
 PARAMS = [
     pytest.param("mlp", True), pytest.param("mlp", False), pytest.param("cnn", False),
-    pytest.param("glm", True),
+    # the GLM example (29 s) under -m slow; ONNX Runtime trains it by default through the
+    # training artifacts (test_ort_training_artifacts_train_to_glmcs_losses)
+    pytest.param("glm", True, marks=pytest.mark.slow),
     pytest.param("cnn", True, marks=pytest.mark.slow),
     pytest.param("glm", False, marks=pytest.mark.slow),
     pytest.param("hf_glm", True, marks=pytest.mark.slow),

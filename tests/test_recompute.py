@@ -26,7 +26,8 @@ def _recompute_stats(trainer):
 
 @pytest.mark.parametrize("case,backend,budget", [
     ("mlp", "eager", "min"), ("cnn", "eager", "0.9"), ("glm", "eager", "0.6"),
-    ("glm", "eager", "min"), ("cnn", "inductor", "min"),
+    ("glm", "eager", "min"),
+    pytest.param("cnn", "inductor", "min", marks=pytest.mark.slow),  # 28 s
     pytest.param("glm", "inductor", "0.75", marks=pytest.mark.slow),
 ])
 def test_recompute_keeps_parity_and_meets_budget(case: str, backend: str, budget: str) -> None:
