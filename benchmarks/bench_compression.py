@@ -45,7 +45,11 @@ CONTENDERS = {  # name -> compress option (None: uncompressed); "ddp-powersgd": 
     "glmc sign, block 64": {"method": "sign", "block": 64},
     "glmc topk 1%": {"method": "topk", "ratio": 0.01},
     "glmc topk 1%, no EF": {"method": "topk", "ratio": 0.01, "error_feedback": False},
+    "glmc topk 5%": {"method": "topk", "ratio": 0.05},
+    "glmc topk 10%": {"method": "topk", "ratio": 0.1},
     "glmc powersgd r4": {"method": "powersgd", "rank": 4, "min_numel": 1024},
+    "glmc powersgd r8": {"method": "powersgd", "rank": 8, "min_numel": 1024},
+    "glmc powersgd r16": {"method": "powersgd", "rank": 16, "min_numel": 1024},
     "ddp-powersgd r4": "hook",
     "glmc sign, warm-up 20": {"method": "sign", "warmup_steps": 20},
     "glmc topk 1%, warm-up 20": {"method": "topk", "ratio": 0.01, "warmup_steps": 20},
@@ -216,9 +220,9 @@ def report(a, subjects, losses, times, link: str) -> None:
         lines += ["", f"glmc PowerSGD r4 vs torch's PowerSGD DDP hook r4: final loss ratio "
                   f"{p['final_loss_ratio']}, step time ratio {p['step_time_ratio']}."]
     out = Path(a.out)
-    _plot(losses, out / "compression-curves.svg")
-    _csv(losses, out / "compression-curves.csv")
-    write_result(out, "compression", data, "\n".join(lines))
+    _plot(losses, out / f"{a.name}-curves.svg")
+    _csv(losses, out / f"{a.name}-curves.csv")
+    write_result(out, a.name, data, "\n".join(lines))
 
 
 def _plot(losses: dict, path: Path) -> None:
@@ -254,6 +258,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--only", default="", help="contenders separated by ; (uncompressed glmc "
                     "always runs, as the reference); default: all")
+    ap.add_argument("--name", default="compression",
+                    help="result files' stem: OUT/NAME.md, .json, -curves.svg, -curves.csv")
     a = ap.parse_args()
     run_distributed(__file__, 2, rank_main, a)
 
