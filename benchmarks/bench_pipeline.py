@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from datetime import timedelta
@@ -45,7 +46,12 @@ def _worker(rank: int, port: int, args: argparse.Namespace, blocks: list, out: s
     torch.set_num_threads(1)
     rows = {}
     try:
-        if schedule != "torch":
+        if schedule == "pair":
+            try:
+                rows["pair"] = _run_pair(rank, args, blocks)
+            except Exception as e:  # noqa: BLE001 - reported below the table
+                rows["pair"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        elif schedule != "torch":
             fusion = "+fused" in schedule
             spec, _, backend = schedule.replace("+fused", "").partition("/")
             spec, _, budget = spec.partition("@")
@@ -88,9 +94,51 @@ def _run_torch(rank: int, args: argparse.Namespace, blocks: list) -> dict:
     split), eager autograd and torch.optim: back-to-back steps timed as glmc's are, one step's
     peak measured as glmc's is (c10 allocator events above the stage's parameters and
     optimizer state, plus that state), the mean microbatch loss for a parity check."""
+    from glmc.memory import measure_peak
+    step, state = _torch_pipeline(rank, args, blocks)
+    warm = [step() for _ in range(3)]  # 2 warm-up steps as glmc's, then one more
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    period = (time.perf_counter() - t0) / args.steps
+    _, mem = measure_peak(step, state=state())
+    return {"step_s": period, "peak": (mem.persistent_bytes or 0) + mem.peak_bytes,
+            "losses": warm}
+
+
+def _run_pair(rank: int, args: argparse.Namespace, blocks: list) -> dict:
+    """glmc's 1F1B (its own plan, as `glmc compile --pp 2`) and torch's Schedule1F1B on
+    glmc's split in the same two processes, one step of each per round after warm-up: each
+    step starts at a barrier and lasts until the slower rank ends it (MAX over the ranks)."""
+    from glmc.pipeline_parallel import pipeline_trainer
+    model, batch, loss_fn, opt = _glm(args.config)
+    trainer = pipeline_trainer(model, opt, loss_fn, batch, args.microbatches, "1f1b")
+    if [list(s.blocks) for s in trainer.pipeline.plan.stages] != blocks:
+        raise RuntimeError("glmc planned another cut in these processes than in the parent's")
+    torch_step, _ = _torch_pipeline(rank, args, blocks)
+    steps = {"glmc 1f1b": lambda: trainer.step(*batch), "torch.distributed.pipelining 1f1b":
+             torch_step}
+    for _ in range(2):
+        for fn in steps.values():
+            fn()
+    times: dict[str, list[float]] = {n: [] for n in steps}
+    for _ in range(args.interleave):
+        for n, fn in steps.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(took, op=dist.ReduceOp.MAX)
+            times[n].append(took.item())
+    return {"times": times}
+
+
+def _torch_pipeline(rank: int, args: argparse.Namespace, blocks: list):
+    """(step, state): one training step of torch's Schedule1F1B on this rank's stage, and
+    the tensors it keeps between steps (parameters, optimizer state)."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    from glmc.memory import measure_peak
     from glmc.pipeline_parallel import split_module, trace_blocks
     model, batch, loss_fn, opt = _glm(args.config)
     gm = trace_blocks(model, [b for bs in blocks for b in bs], loss_fn)
@@ -153,17 +201,11 @@ def _run_torch(rank: int, args: argparse.Namespace, blocks: list) -> dict:
         torch_opt.step()
         return torch.stack(losses).mean().item() if losses else None
 
-    warm = [step() for _ in range(3)]  # 2 warm-up steps as glmc's, then one more
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        step()
-    period = (time.perf_counter() - t0) / args.steps
-    state = list(stage_mod.parameters()) + [v for st in torch_opt.state.values()
-                                            for v in st.values() if isinstance(v, torch.Tensor)]
-    _, mem = measure_peak(step, state=state)
-    return {"step_s": period, "peak": (mem.persistent_bytes or 0) + mem.peak_bytes,
-            "losses": warm}
+    def state() -> list[torch.Tensor]:
+        return list(stage_mod.parameters()) + [v for st in torch_opt.state.values()
+                                               for v in st.values()
+                                               if isinstance(v, torch.Tensor)]
+    return step, state
 
 
 def main() -> None:
@@ -179,6 +221,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5, help="measured back-to-back steps")
     p.add_argument("--torch", action="store_true",
                    help="also run torch.distributed.pipelining's Schedule1F1B on glmc's split")
+    p.add_argument("--interleave", type=int, default=0, metavar="N",
+                   help="also time glmc's 1F1B and torch's Schedule1F1B in the same two "
+                        "processes, one step of each per round, N rounds (medians, ratio)")
     args = p.parse_args()
     import glmc
     from glmc.pipeline_parallel import plan_stages
@@ -189,7 +234,8 @@ def main() -> None:
 
     from tests.distributed import free_port
     ranks: list[dict] = [{}, {}]
-    for schedule in args.schedules.split(",") + (["torch"] if args.torch else []):
+    runs = [x for x in args.schedules.split(",") if x] + (["torch"] if args.torch else [])
+    for schedule in runs + (["pair"] if args.interleave else []):
         with tempfile.TemporaryDirectory() as out:
             mp.start_processes(_worker, args=(free_port(), args, blocks, out, schedule),
                                nprocs=2, start_method="spawn")
@@ -204,6 +250,8 @@ def main() -> None:
           "measured (rank 0; rank 1) | measured link |")
     print("|---|---|---|---|---|---|---|")
     for name in ranks[0]:
+        if name == "pair":
+            continue
         if any("error" in r[name] for r in ranks):
             err = " / ".join(f"rank {i}: {r[name]['error']}" for i, r in enumerate(ranks)
                              if "error" in r[name])
@@ -226,6 +274,19 @@ def main() -> None:
               f"{b['replayed']:.1%} | {peaks} | {d['link']['latency_us']:.0f} us, "
               f"{d['link']['bandwidth_GBps']:.2f} GB/s |")
     _compare(ranks, blocks)
+    if "pair" in ranks[0]:
+        _interleaved(ranks[0]["pair"], args.interleave)
+
+
+def _interleaved(pair: dict, rounds: int) -> None:
+    if "error" in pair:
+        print(f"\ninterleaved run failed: {pair['error']}")
+        return
+    med = {n: statistics.median(t) for n, t in pair["times"].items()}
+    mine, theirs = med["glmc 1f1b"], med["torch.distributed.pipelining 1f1b"]
+    print(f"\ninterleaved in the same two processes, {rounds} rounds (one step of each per "
+          f"round, median): glmc 1f1b {mine * 1e3:.1f} ms, torch.distributed.pipelining "
+          f"1f1b {theirs * 1e3:.1f} ms, ratio {mine / theirs:.3f}")
 
 
 def _compare(ranks: list[dict], blocks: list) -> None:

@@ -354,17 +354,23 @@ def _bf16_part(rank: int, out: Path) -> dict:
             "param_dtypes": sorted({str(p.dtype) for p in model.parameters()})}
 
 
-def _fp16_part(rank: int, out: Path, init_scale: float = 2.0 ** 16) -> dict:
+def _fp16_part(rank: int, out: Path, init_scale: float = 2.0 ** 16, schedule: str = "1f1b",
+               blocks: list[list[str]] | None = None, dp: int = 1, zero: int = 0,
+               make=CASES["glm"].make) -> dict:
     """fp16 stages: one loss scale across the stages, every rank's overflow check combined.
     With a huge `init_scale` the first steps overflow: every rank skips its update; steps
-    run until one applies (at most 40), then one more."""
+    run until one applies (at most 40), then one more. `dp` replicas of the pipeline (each
+    stage built for its slice of the batch, in 4 / dp microbatches), `zero=1`: their
+    optimizer state sharded."""
     from glmc.pipeline_parallel import PipelineTrainer
     from glmc.scaler import SCALE, LossScaling
-    model, batch, loss_fn, opt = CASES["glm"].make()
-    trainer = PipelineTrainer(build_program(model, opt, loss_fn, batch, _stage_blocks("1f1b"),
-                                            MICROBATCHES, "1f1b", precision="fp16",
+    model, batch, loss_fn, opt = make()
+    rows = tuple(t[: len(t) // dp] for t in batch)  # one replica's slice: what a stage sees
+    trainer = PipelineTrainer(build_program(model, opt, loss_fn, rows,
+                                            blocks or _stage_blocks(schedule),
+                                            MICROBATCHES // dp, schedule, precision="fp16",
                                             loss_scaling=LossScaling(init_scale)),
-                              timeout_s=120)
+                              timeout_s=120, dp=dp, zero=zero)
     names = {n for s in trainer.local for n, _ in trainer.pipeline.stages[s].module
              .named_parameters()}
     before = {k: v.clone() for k, v in model.state_dict().items() if k in names}
@@ -379,7 +385,8 @@ def _fp16_part(rank: int, out: Path, init_scale: float = 2.0 ** 16) -> dict:
     mm = [str(n.meta["val"].dtype) for g in (stage.forward, stage.backward)
           for n in g.graph.nodes if n.op == "call_function" and "mm" in str(n.target)]
     return {"losses": [float(v) for v in losses if v is not None], "mm_dtypes": sorted(set(mm)),
-            "unchanged_while_skipped": unchanged, "scales": scales, "skipped": trainer.skipped}
+            "unchanged_while_skipped": unchanged, "scales": scales, "skipped": trainer.skipped,
+            "state": {k: v for k, v in model.state_dict().items() if k in names}}
 
 
 def _budget_part(rank: int, out: Path) -> dict:
@@ -807,6 +814,52 @@ def test_four_stages_on_four_processes_match_one_process(names: list[str], tmp_p
         for k, v in state.items():
             torch.testing.assert_close(v, want_state[k], rtol=RTOL, atol=1e-5,
                                        msg=lambda m: f"{name} {k}: {m}")
+
+
+def _fp16_four_worker(rank: int, port: int, out: str) -> None:
+    run_parts(rank, port, 4, out, [
+        ("ppdp_zero", lambda r, o: _fp16_part(r, o, dp=2, zero=1)),
+        ("ppdp_zero_overflow", lambda r, o: _fp16_part(r, o, 2.0 ** 40, dp=2, zero=1)),
+        ("ppdp_tied", lambda r, o: _fp16_part(r, o, blocks=TIED_CUT, dp=2, make=tied_glm)),
+        ("zbh1_four", lambda r, o: _fp16_part(r, o, schedule="zbh1", blocks=FOUR))])
+
+
+def _fp16_reference(make, steps: int) -> list[float]:
+    """glmc's one-process fp16 step (dynamic loss scaling in the graph) on the global batch."""
+    model, batch, loss_fn, opt = make()
+    trainer = glmc.optimize(model, batch, loss_fn=loss_fn, optimizer=opt, backend="eager",
+                            fusion=False, precision="fp16")
+    return [trainer.step(*batch).item() for _ in range(steps)]
+
+
+@pytest.mark.slow  # 4 processes, four pipelines: ~2 min on 2 cores
+def test_fp16_stages_compose_with_pp_x_dp_zero1_tied_weights_and_zbh1(tmp_path: Path) -> None:
+    """fp16 stages with 2 replicas and ZeRO-1 (the overflow check combined over all four
+    ranks: every stage of both replicas skips alike), with weights tied across stages and
+    replicated, and under ZB-H1 on four stages: each trains to glmc's one-process fp16
+    losses, the replicas bit-equal."""
+    spawn(_fp16_four_worker, str(tmp_path), nprocs=4)
+    want = _fp16_reference(CASES["glm"].make, STEPS + 1)
+    for part, lasts in (("ppdp_zero", (1, 3)), ("ppdp_tied", (1, 3)), ("zbh1_four", (3,))):
+        got = [result(tmp_path, part, r) for r in range(4)]
+        assert all(g["mm_dtypes"] == ["torch.float16"] for g in got[1:])  # stage 0 may be
+        assert got[0]["mm_dtypes"] in ([], ["torch.float16"])  # the embedding alone
+        for r, g in enumerate(got):
+            assert g["skipped"] == 0, (part, r)
+            assert g["losses"] == ([] if r not in lasts else pytest.approx(
+                want if part != "ppdp_tied" else _fp16_reference(tied_glm, STEPS + 1),
+                rel=1e-3)), (part, r)
+        if part != "zbh1_four":
+            for r in (0, 1):  # replica 1 holds what replica 0 holds, bit for bit
+                for k, v in got[r]["state"].items():
+                    torch.testing.assert_close(got[r + 2]["state"][k], v, rtol=0, atol=0)
+    over = [result(tmp_path, "ppdp_zero_overflow", r) for r in range(4)]
+    skipped = over[0]["skipped"]
+    assert 1 <= skipped < 40
+    for g in over:
+        assert g["unchanged_while_skipped"] and g["skipped"] == skipped
+        assert g["scales"] == [2.0 ** (39 - i) for i in range(skipped)] + [2.0 ** (40 - skipped)]
+    assert over[1]["losses"][:skipped + 1] == pytest.approx([want[0]] * (skipped + 1), rel=1e-3)
 
 
 # ---- per-stage memory budgets ------------------------------------------------------------------
