@@ -113,12 +113,13 @@ def _run_pair(rank: int, args: argparse.Namespace, blocks: list) -> dict:
     step starts at a barrier and lasts until the slower rank ends it (MAX over the ranks)."""
     from glmc.pipeline_parallel import pipeline_trainer
     model, batch, loss_fn, opt = _glm(args.config)
-    trainer = pipeline_trainer(model, opt, loss_fn, batch, args.microbatches, "1f1b")
+    trainer = pipeline_trainer(model, opt, loss_fn, batch, args.microbatches, "1f1b",
+                               backend=args.pair_backend)
     if [list(s.blocks) for s in trainer.pipeline.plan.stages] != blocks:
         raise RuntimeError("glmc planned another cut in these processes than in the parent's")
     torch_step, _ = _torch_pipeline(rank, args, blocks)
     steps = {"glmc 1f1b": lambda: trainer.step(*batch), "torch.distributed.pipelining 1f1b":
-             torch_step}
+             torch_step}  # glmc's stages on --pair-backend; torch's eager
     for _ in range(2):
         for fn in steps.values():
             fn()
@@ -224,6 +225,8 @@ def main() -> None:
     p.add_argument("--interleave", type=int, default=0, metavar="N",
                    help="also time glmc's 1F1B and torch's Schedule1F1B in the same two "
                         "processes, one step of each per round, N rounds (medians, ratio)")
+    p.add_argument("--pair-backend", default="eager",
+                   help="what runs glmc's stages in the --interleave run (eager, inductor)")
     args = p.parse_args()
     import glmc
     from glmc.pipeline_parallel import plan_stages
@@ -275,17 +278,18 @@ def main() -> None:
               f"{d['link']['bandwidth_GBps']:.2f} GB/s |")
     _compare(ranks, blocks)
     if "pair" in ranks[0]:
-        _interleaved(ranks[0]["pair"], args.interleave)
+        _interleaved(ranks[0]["pair"], args.interleave, args.pair_backend)
 
 
-def _interleaved(pair: dict, rounds: int) -> None:
+def _interleaved(pair: dict, rounds: int, backend: str) -> None:
     if "error" in pair:
         print(f"\ninterleaved run failed: {pair['error']}")
         return
     med = {n: statistics.median(t) for n, t in pair["times"].items()}
     mine, theirs = med["glmc 1f1b"], med["torch.distributed.pipelining 1f1b"]
     print(f"\ninterleaved in the same two processes, {rounds} rounds (one step of each per "
-          f"round, median): glmc 1f1b {mine * 1e3:.1f} ms, torch.distributed.pipelining "
+          f"round, median): glmc 1f1b ({backend} stages) {mine * 1e3:.1f} ms, "
+          f"torch.distributed.pipelining "
           f"1f1b {theirs * 1e3:.1f} ms, ratio {mine / theirs:.3f}")
 
 

@@ -761,7 +761,8 @@ FOUR = [["embed"], ["blocks.0"], ["blocks.1"], ["norm", "head"]]  #: one stage p
 
 def _four_worker(rank: int, port: int, out: str, names: list[str]) -> None:
     run_parts(rank, port, 4, out, [(name, lambda r, _, n=name: _pipeline_part(r, n, FOUR))
-                                   for name in names])
+                                   for name in names]
+              + [(f"hf_{name}", lambda r, o, n=name: _hf_part(r, o, n)) for name in names])
 
 
 def deep_glm():
@@ -814,6 +815,21 @@ def test_four_stages_on_four_processes_match_one_process(names: list[str], tmp_p
         for k, v in state.items():
             torch.testing.assert_close(v, want_state[k], rtol=RTOL, atol=1e-5,
                                        msg=lambda m: f"{name} {k}: {m}")
+    # transformers' GLM (the torch.export path) cut by the planner into 4 stages
+    pytest.importorskip("transformers")
+    from tests.models import BACKEND_CASES
+    model, batch, loss_fn, opt = BACKEND_CASES["hf_glm"]()
+    want = eager_losses(model, batch, loss_fn, opt, STEPS)
+    for name in names:
+        got = [result(tmp_path, f"hf_{name}", r) for r in range(4)]
+        assert len(got[0]["blocks"]) == 4 and all(got[0]["blocks"]), got[0]["blocks"]
+        assert [g["losses"] for g in got[:3]] == [[]] * 3
+        assert got[3]["losses"] == pytest.approx(want, rel=RTOL), name
+        state = {k: v for g in got for k, v in g["state"].items()}
+        assert set(state) == {n for n, _ in model.named_parameters()}  # each on one rank
+        for k, v in state.items():
+            torch.testing.assert_close(v, model.state_dict()[k], rtol=RTOL, atol=1e-5,
+                                       msg=lambda m: f"hf {name} {k}: {m}")
 
 
 def _fp16_four_worker(rank: int, port: int, out: str) -> None:
