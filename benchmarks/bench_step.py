@@ -30,6 +30,7 @@ import copy
 import datetime
 import importlib.util
 import json
+import math
 import platform
 import statistics
 import sys
@@ -152,8 +153,11 @@ class _Contender:
         return sum(seen.values())
 
 
-def run(name: str, steps: int, warmup: int, contenders: list[str], phase_steps: int = 0
-        ) -> dict:
+def run(name: str, steps: int, warmup: int, contenders: list[str], phase_steps: int = 0,
+        min_seconds: float = 0.0) -> dict:
+    """`steps` interleaved rounds (one step of each contender per round), more where a round
+    is short: at least `min_seconds` of timed rounds (as timeit's autorange; a 20-ms step
+    moves by several % between rounds on a shared host), at most 200 rounds."""
     model, x, loss_fn, opt = WORKLOADS[name]()
     args, kwargs = split_batch(x)
     leaves = [*args, *kwargs.values()]
@@ -165,10 +169,14 @@ def run(name: str, steps: int, warmup: int, contenders: list[str], phase_steps: 
         torch.manual_seed(0)
         losses[c] = [subjects[c].fn(args, kwargs).item()]  # the first step compiles
         compile_s[c] = time.perf_counter() - t0
+    for c in contenders:
+        subjects[c].warm_times = [compile_s[c]]
     for i in range(1, warmup):
         for c in contenders:
             torch.manual_seed(i)
+            t0 = time.perf_counter()
             losses[c].append(subjects[c].fn(args, kwargs).item())
+            subjects[c].warm_times = [time.perf_counter() - t0]  # the latest warm step
     peaks = {}
     for c in contenders:  # one profiled (untimed) step each, same seed for all
         before = subjects[c].state_bytes(leaves)
@@ -177,6 +185,8 @@ def run(name: str, steps: int, warmup: int, contenders: list[str], phase_steps: 
         losses[c].append(loss.item())
         peaks[c] = (before, m)
     times = {c: [] for c in contenders}
+    round_s = sum(statistics.median(subjects[c].warm_times) for c in contenders)
+    steps = min(200, max(steps, math.ceil(min_seconds / round_s))) if min_seconds else steps
     for i in range(steps):
         for c in contenders:  # interleaved: one step of each per round
             torch.manual_seed(warmup + 1 + i)
@@ -322,6 +332,9 @@ def main() -> None:
     ap.add_argument("--models", default="glm-small,cnn",
                     help=f"comma-separated, from {sorted(WORKLOADS)}")
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--min-seconds", type=float, default=None, metavar="S",
+                    help="more rounds for short steps: at least S seconds of timed rounds per "
+                         "model, at most 200 (default 10 with --set, else 0)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--contenders", default=None,
                     help=f"comma-separated (default {','.join(CONTENDERS)}; with --set: "
@@ -349,7 +362,8 @@ def main() -> None:
             "(freed memory kept) for every contender, from glmc's first compile on"}
     results = []
     for name in models:
-        result = run(name, a.steps, a.warmup, contenders, phase_steps)
+        min_s = a.min_seconds if a.min_seconds is not None else (10.0 if a.set else 0.0)
+        result = run(name, a.steps, a.warmup, contenders, phase_steps, min_s)
         results.append(result)
         stem = (f"step-{name}" + ("-default-malloc" if a.default_malloc else "")) if a.set else name
         write_result(Path(a.out), stem, {**meta, **result}, markdown(result, meta))
