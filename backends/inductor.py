@@ -306,6 +306,9 @@ def _cross_entropy_backward(gm: fx.GraphModule) -> int:
                 or val.dtype != gval.dtype):
             continue
         grad_out, _, target, weight, reduction, ignore, total = g.args
+        tval = target.meta.get("val") if isinstance(target, fx.Node) else None
+        if tval is None or tval.dtype not in (torch.int64, torch.int32):
+            continue  # (uint8 indices would be read as a boolean mask by index_put)
         graph = gm.graph
         with graph.inserting_before(node):
             keep = graph.call_function(aten.ne.Scalar, (target, ignore))
@@ -325,14 +328,17 @@ def _cross_entropy_backward(gm: fx.GraphModule) -> int:
             # dense one-hot compare per class is gone from the kernel's inner loop
             base = graph.call_function(aten.neg.default, (scaled,))
             rows = graph.call_function(aten.arange.default, (gval.shape[0],),
-                                       {"dtype": target.meta["val"].dtype,
-                                        "device": gval.device})
+                                       {"dtype": torch.int64, "device": gval.device})
             column = graph.call_function(aten.where.ScalarOther, (keep, target, 0))
+            column = graph.call_function(aten._to_copy.default, (column,),
+                                         {"dtype": torch.int64})
             grad = graph.call_function(aten.index_put.default,
                                        (base, [rows, column], picked, True))
         grad.meta = dict(node.meta)
         node.replace_all_uses_with(grad)
         graph.erase_node(node)
+        if not g.users:  # the dense one-hot gradient: nothing reads it now
+            graph.erase_node(g)
         count += 1
     if count:
         gm.graph.lint()

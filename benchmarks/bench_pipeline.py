@@ -109,8 +109,9 @@ def _run_torch(rank: int, args: argparse.Namespace, blocks: list) -> dict:
 
 def _run_pair(rank: int, args: argparse.Namespace, blocks: list) -> dict:
     """glmc's 1F1B (its own plan, as `glmc compile --pp 2`) and torch's Schedule1F1B on
-    glmc's split in the same two processes, one step of each per round after warm-up: each
-    step starts at a barrier and lasts until the slower rank ends it (MAX over the ranks)."""
+    glmc's split in the same two processes, one step of each per round after warm-up, the
+    order swapped every round: each step starts at a barrier and lasts until the slower rank
+    ends it (MAX over the ranks) — one isolated step, not `measure`'s back-to-back period."""
     from glmc.pipeline_parallel import pipeline_trainer
     model, batch, loss_fn, opt = _glm(args.config)
     trainer = pipeline_trainer(model, opt, loss_fn, batch, args.microbatches, "1f1b",
@@ -124,8 +125,9 @@ def _run_pair(rank: int, args: argparse.Namespace, blocks: list) -> dict:
         for fn in steps.values():
             fn()
     times: dict[str, list[float]] = {n: [] for n in steps}
-    for _ in range(args.interleave):
-        for n, fn in steps.items():
+    for i in range(args.interleave):
+        order = list(steps.items())
+        for n, fn in order if i % 2 == 0 else order[::-1]:  # each goes first every other round
             dist.barrier()
             t0 = time.perf_counter()
             fn()

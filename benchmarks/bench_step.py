@@ -30,7 +30,6 @@ import copy
 import datetime
 import importlib.util
 import json
-import math
 import platform
 import statistics
 import sys
@@ -155,9 +154,9 @@ class _Contender:
 
 def run(name: str, steps: int, warmup: int, contenders: list[str], phase_steps: int = 0,
         min_seconds: float = 0.0) -> dict:
-    """`steps` interleaved rounds (one step of each contender per round), more where a round
-    is short: at least `min_seconds` of timed rounds (as timeit's autorange; a 20-ms step
-    moves by several % between rounds on a shared host), at most 200 rounds."""
+    """At least `steps` interleaved rounds (one step of each contender per round), and more
+    while the timed rounds have taken less than `min_seconds` (as timeit's autorange: a 20-ms
+    step moves by several % between rounds on a shared host), up to 200 rounds."""
     model, x, loss_fn, opt = WORKLOADS[name]()
     args, kwargs = split_batch(x)
     leaves = [*args, *kwargs.values()]
@@ -169,14 +168,10 @@ def run(name: str, steps: int, warmup: int, contenders: list[str], phase_steps: 
         torch.manual_seed(0)
         losses[c] = [subjects[c].fn(args, kwargs).item()]  # the first step compiles
         compile_s[c] = time.perf_counter() - t0
-    for c in contenders:
-        subjects[c].warm_times = [compile_s[c]]
     for i in range(1, warmup):
         for c in contenders:
             torch.manual_seed(i)
-            t0 = time.perf_counter()
             losses[c].append(subjects[c].fn(args, kwargs).item())
-            subjects[c].warm_times = [time.perf_counter() - t0]  # the latest warm step
     peaks = {}
     for c in contenders:  # one profiled (untimed) step each, same seed for all
         before = subjects[c].state_bytes(leaves)
@@ -185,14 +180,15 @@ def run(name: str, steps: int, warmup: int, contenders: list[str], phase_steps: 
         losses[c].append(loss.item())
         peaks[c] = (before, m)
     times = {c: [] for c in contenders}
-    round_s = sum(statistics.median(subjects[c].warm_times) for c in contenders)
-    steps = min(200, max(steps, math.ceil(min_seconds / round_s))) if min_seconds else steps
-    for i in range(steps):
+    start, i = time.perf_counter(), 0
+    while i < steps or (i < 200 and time.perf_counter() - start < min_seconds):
         for c in contenders:  # interleaved: one step of each per round
             torch.manual_seed(warmup + 1 + i)
             t0 = time.perf_counter()
             losses[c].append(subjects[c].fn(args, kwargs).item())
             times[c].append(time.perf_counter() - t0)
+        i += 1
+    steps = i  # the rounds that ran
     med = {c: statistics.median(t) for c, t in times.items()}
     phases = {c: subjects[c].phases(args, kwargs, phase_steps) for c in contenders} \
         if phase_steps else {}
