@@ -347,8 +347,8 @@ def _bf16_part(rank: int, out: Path) -> dict:
                                             MICROBATCHES, "1f1b", precision="bf16"),
                               timeout_s=120)
     losses = [trainer.step(*batch) for _ in range(STEPS)]
-    stage = trainer.pipeline.program.stages[trainer.local[0]]
-    mm = [str(n.meta["val"].dtype) for g in (stage.forward, stage.backward)
+    stages = [trainer.pipeline.program.stages[s] for s in trainer.local]
+    mm = [str(n.meta["val"].dtype) for st in stages for g in (st.forward, st.backward)
           for n in g.graph.nodes if n.op == "call_function" and "mm" in str(n.target)]
     return {"losses": [float(v) for v in losses if v is not None], "mm_dtypes": sorted(set(mm)),
             "param_dtypes": sorted({str(p.dtype) for p in model.parameters()})}
@@ -368,7 +368,8 @@ def _fp16_part(rank: int, out: Path, init_scale: float = 2.0 ** 16, schedule: st
     rows = tuple(t[: len(t) // dp] for t in batch)  # one replica's slice: what a stage sees
     trainer = PipelineTrainer(build_program(model, opt, loss_fn, rows,
                                             blocks or _stage_blocks(schedule),
-                                            MICROBATCHES // dp, schedule, precision="fp16",
+                                            MICROBATCHES // dp, schedule, SCHEDULES[schedule],
+                                            precision="fp16",
                                             loss_scaling=LossScaling(init_scale)),
                               timeout_s=120, dp=dp, zero=zero)
     names = {n for s in trainer.local for n, _ in trainer.pipeline.stages[s].module
@@ -381,8 +382,8 @@ def _fp16_part(rank: int, out: Path, init_scale: float = 2.0 ** 16, schedule: st
         losses.append(trainer.step(*batch))
         scales.append(float(trainer.scaler[SCALE]))
     losses.append(trainer.step(*batch))
-    stage = trainer.pipeline.program.stages[trainer.local[0]]
-    mm = [str(n.meta["val"].dtype) for g in (stage.forward, stage.backward)
+    stages = [trainer.pipeline.program.stages[s] for s in trainer.local]
+    mm = [str(n.meta["val"].dtype) for st in stages for g in (st.forward, st.backward)
           for n in g.graph.nodes if n.op == "call_function" and "mm" in str(n.target)]
     return {"losses": [float(v) for v in losses if v is not None], "mm_dtypes": sorted(set(mm)),
             "unchanged_while_skipped": unchanged, "scales": scales, "skipped": trainer.skipped,
@@ -438,7 +439,9 @@ def _worker(rank: int, port: int, out: str, names: list[str], slow: bool = False
               + [(f"tied_{name}", lambda r, o, n=name: _tied_part(r, o, n)) for name in names
                  if SCHEDULES[name] == 1 and (slow or name == "1f1b")]
               + ([("hf_tied", _hf_tied_part)] if slow else [])
-              + ([("inductor_zbh1", lambda r, o: _inductor_part(r, o, "zbh1"))] if slow else [])
+              + ([("inductor_zbh1", lambda r, o: _inductor_part(r, o, "zbh1")),
+                  ("fp16_interleaved", lambda r, o: _fp16_part(r, o, schedule="interleaved"))]
+                 if slow else [])
               + [("fused_1f1b", lambda r, o: _inductor_part(r, o, "1f1b", "eager")),
                  ("bf16", _bf16_part), ("fp16", _fp16_part),
                  ("fp16_overflow", lambda r, o: _fp16_part(r, o, 2.0 ** 40)),
@@ -591,6 +594,17 @@ def test_fp16_stages_share_one_loss_scale(distributed: Path) -> None:
     # until the first update applies, every step computes the first step's loss again
     assert over[1]["losses"][:skipped + 1] == [got[1]["losses"][0]] * (skipped + 1)
     assert over[1]["losses"][skipped + 1] != got[1]["losses"][0]
+
+
+@pytest.mark.slow  # the fixture's fp16 interleaved part runs under -m slow
+def test_fp16_interleaved_stages_share_one_loss_scale(distributed: Path) -> None:
+    """fp16 with 4 virtual stages on 2 ranks (each rank runs two stages' backwards before its
+    overflow check): glmc's one-process fp16 losses."""
+    want = _fp16_reference(CASES["glm"].make, STEPS + 1)
+    got = [result(distributed, "fp16_interleaved", r) for r in range(2)]
+    for g in got:
+        assert g["mm_dtypes"] == ["torch.float16"] and g["skipped"] == 0
+    assert got[0]["losses"] == [] and got[1]["losses"] == pytest.approx(want, rel=1e-3)
 
 
 @pytest.mark.parametrize("name", ["1f1b", *(pytest.param(n, marks=pytest.mark.slow)
