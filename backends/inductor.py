@@ -312,10 +312,10 @@ def _cross_entropy_backward(gm: fx.GraphModule) -> int:
         graph = gm.graph
         with graph.inserting_before(node):
             keep = graph.call_function(aten.ne.Scalar, (target, ignore))
+            safe = graph.call_function(aten.where.ScalarOther, (keep, target, 0))
             scale = graph.call_function(aten.div.Tensor, (grad_out, total)) \
                 if reduction == 1 else grad_out  # 1: mean
             if weight is not None:
-                safe = graph.call_function(aten.where.ScalarOther, (keep, target, 0))
                 picked_w = graph.call_function(aten.index.Tensor, (weight, [safe]))
                 scale = graph.call_function(aten.mul.Tensor, (scale, picked_w))
             value = graph.call_function(aten.neg.default, (scale,))
@@ -329,9 +329,8 @@ def _cross_entropy_backward(gm: fx.GraphModule) -> int:
             base = graph.call_function(aten.neg.default, (scaled,))
             rows = graph.call_function(aten.arange.default, (gval.shape[0],),
                                        {"dtype": torch.int64, "device": gval.device})
-            column = graph.call_function(aten.where.ScalarOther, (keep, target, 0))
-            column = graph.call_function(aten._to_copy.default, (column,),
-                                         {"dtype": torch.int64})
+            column = safe if tval.dtype == torch.int64 else graph.call_function(
+                aten._to_copy.default, (safe,), {"dtype": torch.int64})
             grad = graph.call_function(aten.index_put.default,
                                        (base, [rows, column], picked, True))
         grad.meta = dict(node.meta)

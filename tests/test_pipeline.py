@@ -347,11 +347,17 @@ def _bf16_part(rank: int, out: Path) -> dict:
                                             MICROBATCHES, "1f1b", precision="bf16"),
                               timeout_s=120)
     losses = [trainer.step(*batch) for _ in range(STEPS)]
-    stages = [trainer.pipeline.program.stages[s] for s in trainer.local]
-    mm = [str(n.meta["val"].dtype) for st in stages for g in (st.forward, st.backward)
-          for n in g.graph.nodes if n.op == "call_function" and "mm" in str(n.target)]
-    return {"losses": [float(v) for v in losses if v is not None], "mm_dtypes": sorted(set(mm)),
+    return {"losses": [float(v) for v in losses if v is not None],
+            "mm_dtypes": _mm_dtypes(trainer),
             "param_dtypes": sorted({str(p.dtype) for p in model.parameters()})}
+
+
+def _mm_dtypes(trainer) -> list[str]:
+    """The dtypes of the matmuls in this rank's stages' forward and backward graphs."""
+    stages = [trainer.pipeline.program.stages[s] for s in trainer.local]
+    return sorted({str(n.meta["val"].dtype) for st in stages for g in (st.forward, st.backward)
+                   for n in g.graph.nodes
+                   if n.op == "call_function" and "mm" in str(n.target)})
 
 
 def _fp16_part(rank: int, out: Path, init_scale: float = 2.0 ** 16, schedule: str = "1f1b",
@@ -382,11 +388,9 @@ def _fp16_part(rank: int, out: Path, init_scale: float = 2.0 ** 16, schedule: st
         losses.append(trainer.step(*batch))
         scales.append(float(trainer.scaler[SCALE]))
     losses.append(trainer.step(*batch))
-    stages = [trainer.pipeline.program.stages[s] for s in trainer.local]
-    mm = [str(n.meta["val"].dtype) for st in stages for g in (st.forward, st.backward)
-          for n in g.graph.nodes if n.op == "call_function" and "mm" in str(n.target)]
-    return {"losses": [float(v) for v in losses if v is not None], "mm_dtypes": sorted(set(mm)),
-            "unchanged_while_skipped": unchanged, "scales": scales, "skipped": trainer.skipped,
+    return {"losses": [float(v) for v in losses if v is not None],
+            "mm_dtypes": _mm_dtypes(trainer), "unchanged_while_skipped": unchanged,
+            "scales": scales, "skipped": trainer.skipped,
             "state": {k: v for k, v in model.state_dict().items() if k in names}}
 
 
@@ -870,6 +874,7 @@ def test_fp16_stages_compose_with_pp_x_dp_zero1_tied_weights_and_zbh1(tmp_path: 
     losses, the replicas bit-equal."""
     spawn(_fp16_four_worker, str(tmp_path), nprocs=4)
     want = _fp16_reference(CASES["glm"].make, STEPS + 1)
+    want_tied = _fp16_reference(tied_glm, STEPS + 1)
     for part, lasts in (("ppdp_zero", (1, 3)), ("ppdp_tied", (1, 3)), ("zbh1_four", (3,))):
         got = [result(tmp_path, part, r) for r in range(4)]
         assert all(g["mm_dtypes"] == ["torch.float16"] for g in got[1:])  # stage 0 may be
@@ -877,8 +882,7 @@ def test_fp16_stages_compose_with_pp_x_dp_zero1_tied_weights_and_zbh1(tmp_path: 
         for r, g in enumerate(got):
             assert g["skipped"] == 0, (part, r)
             assert g["losses"] == ([] if r not in lasts else pytest.approx(
-                want if part != "ppdp_tied" else _fp16_reference(tied_glm, STEPS + 1),
-                rel=1e-3)), (part, r)
+                want if part != "ppdp_tied" else want_tied, rel=1e-3)), (part, r)
         if part != "zbh1_four":
             _replicas_bit_equal(got)
     over = [result(tmp_path, "ppdp_zero_overflow", r) for r in range(4)]
