@@ -295,8 +295,7 @@ def build_program(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: A
     for sm in mods:
         opt = stage_optimizer(optimizer, sm.module)
         args = [(a, leaves[a] if isinstance(a, int) else values[a].detach()) for a in sm.args]
-        budget = _summing_room(budgets[sm.index] if budgets is not None else None, sm.module,
-                               microbatches)
+        budget = budgets[sm.index] if budgets is not None else None
         found: list[Any] = []
         stage = capture_stage(sm.index, sm.module, opt, args, send=sm.send,
                               partition=recompute_partition(sm, budget, backend, found),
@@ -313,19 +312,6 @@ def build_program(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: A
     return Pipeline(program, mods, opts, budgets=list(budgets) if budgets else None,
                     recompute=stats, loss_scaling=(loss_scaling or scaler.LossScaling())
                     if precision == "fp16" else None)
-
-
-def _summing_room(budget: StageBudget | None, module: nn.Module, microbatches: int
-                  ) -> StageBudget | None:
-    """A size budget less the largest gradient when there are several microbatches: the
-    second microbatch's gradient sums are fresh tensors, made after its backward beside the
-    old and new gradients (`glmc.schedule.predicted_peaks`), which the joint graph the
-    recompute pass plans does not hold."""
-    if budget is None or budget.activation_bytes is None or microbatches < 2:
-        return budget
-    largest = max((p.numel() * p.element_size() for p in module.parameters()
-                   if p.requires_grad), default=0)
-    return dataclasses.replace(budget, activation_bytes=max(0, budget.activation_bytes - largest))
 
 
 def recompute_partition(sm: StageModule, budget: StageBudget | None, backend: str,

@@ -380,9 +380,11 @@ class _StageRun:
         m = a.microbatch
         # the microbatch's last backward action takes its saved values and cotangents along
         consume = CONSUMED["B"] if last else consume
-        for (kind, target), v in self._call(graph or self.stage.backward, m, consume).items():
+        graph = graph or self.stage.backward
+        fresh = fresh_gradients(graph)
+        for (kind, target), v in self._call(graph, m, consume).items():
             if kind is OutputKind.GRADIENT:
-                self._accumulate(target, v)
+                self._accumulate(target, v, target in fresh)
             elif kind is OutputKind.SAVED:  # what I stashes for W
                 self.mb[m][(Role.SAVED, target)] = v
             else:
@@ -391,11 +393,15 @@ class _StageRun:
             self.mb[m] = {k: v for k, v in self.mb[m].items()
                           if k[0] not in (Role.SAVED, Role.BOUNDARY)}
 
-    def _accumulate(self, target: str, v: torch.Tensor) -> None:
-        """Sum a microbatch's gradient in: the first is kept as the graph returned it (it may
-        be a view or expanded), the second sum is a fresh tensor, later ones add into it."""
+    def _accumulate(self, target: str, v: torch.Tensor, fresh: bool) -> None:
+        """Sum a microbatch's gradient in, in place where the first one is the backward's own
+        dense storage (`fresh_gradients`), as autograd's AccumulateGrad does; otherwise (a
+        view of an input, expanded, shared with another output) the first is kept as the
+        graph returned it, the second sum is a fresh tensor and later ones add into it."""
         if target not in self.grads:
             self.grads[target] = v
+            if fresh and dense(v):
+                self.owned.add(target)
         elif target in self.owned:
             self.grads[target].add_(v)
         else:
@@ -549,6 +555,41 @@ def run_stage(program: StagedProgram, stage: int, module: nn.Module,
 #: of a microbatch, the update), by action
 CONSUMED = {"B": (Role.SAVED, Role.BOUNDARY, Role.GRADIENT), "U": (Role.GRADIENT,)}
 CONSUMED["W"] = CONSUMED["B"]  # ZB-H1's W is the microbatch's last backward action
+#: `graph.meta` key of `fresh_gradients`
+FRESH_GRADIENTS = "glmc.fresh_gradients"
+
+
+def fresh_gradients(graph: TrainGraph) -> frozenset[str]:
+    """The gradient outputs of a backward `graph` that own their storage: made by an op of
+    the graph (not a view of an input), dense (not expanded), sharing their storage with no
+    other output. The runner sums later microbatches into them in place. Kept in `graph.meta`."""
+    from glmc.writeback import storage_key
+    if FRESH_GRADIENTS in graph.meta:
+        return graph.meta[FRESH_GRADIENTS]
+    keys = [storage_key(v) if isinstance(v, fx.Node) else None for v in graph.output_values()]
+    counts: dict[Any, int] = {}
+    for k in keys:
+        counts[k] = counts.get(k, 0) + 1
+    fresh = set()
+    for spec, v, k in zip(graph.outputs, graph.output_values(), keys):
+        val = v.meta.get("val") if isinstance(v, fx.Node) else None
+        if spec.kind is OutputKind.GRADIENT and k is not None and counts[k] == 1 \
+                and k[0].op == "call_function" and isinstance(val, torch.Tensor) \
+                and dense(val):
+            fresh.add(spec.target)
+    graph.meta[FRESH_GRADIENTS] = frozenset(fresh)
+    return graph.meta[FRESH_GRADIENTS]
+
+
+def dense(t: torch.Tensor) -> bool:
+    """True when `t`'s elements fill its storage span once each (no stride 0, no gaps, any
+    order of dimensions): a tensor that can be summed into in place."""
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def i_only(i_graph: TrainGraph, w_graph: TrainGraph) -> list[tuple[Role, str]]:
@@ -564,9 +605,9 @@ def predicted_peaks(program: StagedProgram) -> list[int]:
     rank's parameters and optimizer state, plus, walking its actions in order, the saved
     activations of its in-flight microbatches (and ZB-H1's stash between I and W), the
     gradients accumulated so far and the running action's own transient bytes (glmc.memory's
-    liveness simulation of the graph the action runs, above that graph's inputs; the second
-    microbatch's gradient sums, fresh tensors, add the largest gradient to what its backward
-    leaves)."""
+    liveness simulation of the graph the action runs, above that graph's inputs; gradients
+    summed in place add nothing, the second microbatch's sum of one that is not
+    (`fresh_gradients`) adds the largest such gradient to what its backward leaves)."""
     sched = program.schedule
     mem = {st.index: _StageMemory.of(st) for st in program.stages}
     K = ActionKind
@@ -586,8 +627,8 @@ def predicted_peaks(program: StagedProgram) -> list[int]:
                 continue
             peak = max(peak, live + m.transient[key])
             if a.kind in (K.B, K.W) and finished[s] == 1:
-                # the second microbatch's sums are fresh tensors (the first gradients may be
-                # views), made one by one after its backward, beside the new and old ones
+                # the second microbatch's sums of gradients not summed in place are fresh
+                # tensors, made one by one after its backward, beside the new and old ones
                 peak = max(peak, live + m.ending[key] + m.largest_grad)
             finished[s] += a.kind in (K.B, K.W)
             if a.kind is K.F:
@@ -618,8 +659,9 @@ class _StageMemory:
     i_frees: int
     transient: dict[str, int]
     ending: dict[str, int]  #: each action's bytes at its end above its inputs, as transient
-    #: the largest gradient: the second microbatch's accumulation (`_StageRun._accumulate`)
-    #: allocates each sum fresh while the first gradient and the new one are live
+    #: the largest gradient not summed in place (`fresh_gradients`): the second microbatch's
+    #: accumulation (`_StageRun._accumulate`) allocates its sum fresh while the first gradient
+    #: and the new one are live
     largest_grad: int = 0
 
     @classmethod
@@ -644,10 +686,11 @@ class _StageMemory:
             ending[key] = est.left_bytes - sum(sizes.values())  # at its end, as transient
         sizes = {role: 0 for role in Role}
         largest = 0
+        fresh = fresh_gradients(st.backward if st.split is None else st.split[1])
         for spec, ph in zip(st.update.inputs, st.update.placeholders()):
             info = st.update.info(ph).spec
             sizes[spec.role] += info.nbytes if info is not None else 0
-            if spec.role is Role.GRADIENT and info is not None:
+            if spec.role is Role.GRADIENT and info is not None and spec.target not in fresh:
                 largest = max(largest, info.nbytes)
         return cls(sizes[Role.PARAMETER], sizes[Role.GRADIENT], sizes[Role.OPTIMIZER_STATE],
                    left["F"] + _saved_received(st, forward_roots), left.get("I", 0),

@@ -6,6 +6,9 @@ the outputs. The cost and memory models predict the form the backend will run.
 """
 from __future__ import annotations
 
+import operator
+from typing import Any
+
 import torch
 import torch.fx as fx
 
@@ -99,6 +102,16 @@ def alias_root(n: fx.Node) -> fx.Node:
     while n.op == "call_function" and is_view(n) and n.args and isinstance(n.args[0], fx.Node):
         n = n.args[0]
     return n
+
+
+def storage_key(n: fx.Node) -> tuple[fx.Node, Any]:
+    """What `n`'s storage is, as (node, index): `alias_root`, except that an item of a
+    non-view op's tuple result (a multi-output op's getitem) is its own storage."""
+    while n.op == "call_function" and is_view(n) and n.args and isinstance(n.args[0], fx.Node):
+        if n.target is operator.getitem and not is_view(n.args[0]):
+            return n.args[0], n.args[1]
+        n = n.args[0]
+    return n, None
 
 
 def _alias_readers(n: fx.Node) -> list[fx.Node]:

@@ -929,6 +929,48 @@ def test_a_stage_under_a_budget_saves_less_and_trains_like_eager(glm_graph) -> N
     assert losses == pytest.approx(eager_losses(*CASES["glm"].make(), STEPS), rel=RTOL)
 
 
+class _Shift(torch.nn.Module):
+    """Adds its parameter's sum: that parameter's gradient is an expanded cotangent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = torch.nn.Parameter(torch.zeros(16, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.p.sum()
+
+
+def test_microbatch_gradients_sum_in_place_where_the_backward_owns_them() -> None:
+    """The second microbatch's gradients are summed into the first's storage when the
+    backward made it (as autograd's AccumulateGrad does); an expanded gradient gets a fresh
+    sum, which the memory prediction counts. The sums are eager PyTorch's gradients."""
+    from glmc.program import batch_values
+    from glmc.schedule import _StageMemory, _StageRun, fresh_gradients
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), _Shift())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    batch = (torch.randn(8, 16), torch.randn(8, 16))
+    loss_fn = torch.nn.functional.mse_loss
+    pipe = build_program(model, opt, loss_fn, batch, [["0", "2"]], 2, "gpipe")
+    st = pipe.program.stages[0]
+    assert fresh_gradients(st.backward) == {"0.weight", "0.bias"}
+    assert _StageMemory.of(st).largest_grad == 16 * 16 * 4  # 2.p's sum is a fresh tensor
+    run = _StageRun(pipe.program, 0, pipe.stages[0].module, pipe.optimizers[0], [0],
+                    [batch_values(b) for b in microbatch_leaves(batch, 2)])
+    backwards = [a for a in pipe.program.schedule.actions(0) if a.kind is ActionKind.B]
+    run.run(Action(0, ActionKind.F, 0))
+    run.run(backwards[0])
+    first = {n: g.data_ptr() for n, g in run.grads.items()}
+    run.run(Action(0, ActionKind.F, 1))
+    run.run(backwards[1])
+    assert {n for n, g in run.grads.items() if g.data_ptr() == first[n]} == \
+        {"0.weight", "0.bias"}
+    model.zero_grad()
+    loss_fn(model(batch[0]), batch[1]).backward()  # the mean over both microbatches
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(run.grads[n], p.grad, rtol=1e-5, atol=1e-7)
+
+
 def test_loss_scaling_without_fp16_stages_is_a_typed_error(glm_graph) -> None:
     from glmc.scaler import LossScaling
     model, batch, loss_fn, opt = CASES["glm"].make()
