@@ -372,10 +372,12 @@ def fuses_stage_loss(backend: str, budgeted: bool) -> bool:
 def stage_rewrites(precision: str | None = None, fusion: bool = False,
                    loss: bool = True) -> list[Any]:
     """The forward rewrites of every stage (`capture_stage`'s `rewrites`), in the default
-    pipeline's order: fusion's forward patterns, then the dtype assignment of `precision`.
-    `loss`: fusion includes the loss pattern (the LM head and loss chunked: the logits are
-    never stored; `build_program` asks `fuses_stage_loss`)."""
-    out: list[Any] = []
+    pipeline's order: cleanup (no-op copies and views, common subexpressions), fusion's
+    forward patterns, then the dtype assignment of `precision`. `loss`: fusion includes the
+    loss pattern (the LM head and loss chunked: the logits are never stored;
+    `build_program` asks `fuses_stage_loss`)."""
+    from glmc.passes.cleanup import cleanup_stage
+    out: list[Any] = [cleanup_stage]
     if fusion:
         from glmc.passes.fusion import STAGE_PATTERNS, fuse_stage
         patterns = tuple(p for p in STAGE_PATTERNS if loss or p != "loss")

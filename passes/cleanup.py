@@ -57,6 +57,30 @@ class CleanupPass(Pass):
         return PassResult(any((stats.noops, stats.cse, stats.dead)), stats)
 
 
+def cleanup_stage(gm: fx.GraphModule, inputs: Any = None) -> CleanupStats:
+    """The pass on a pipeline stage's forward, traced to ATen ops (one of
+    `glmc.program.capture_stage`'s rewrites, before AOTAutograd differentiates it): e.g. a
+    `Dropout(p=0)`'s clone of the attention weights, kept, would be saved for the backward
+    beside the weights themselves. An output that would become an input itself keeps its
+    copy (AOTAutograd treats outputs aliasing inputs apart)."""
+    g = gm.graph
+    noops = _remove_noops(g, keep=_copies_an_input_out)
+    merged = _cse(g)
+    before = len(g.nodes)
+    g.eliminate_dead_code(is_impure_node=is_impure)
+    gm.recompile()
+    return CleanupStats(noops, merged, before - len(g.nodes))
+
+
+def _copies_an_input_out(node: fx.Node) -> bool:
+    src = node.args[0]
+    while isinstance(src, fx.Node) and src.op == "call_function" and src.args \
+            and _is_noop(src):
+        src = src.args[0]
+    return isinstance(src, fx.Node) and src.op == "placeholder" and \
+        any(u.op == "output" for u in node.users)
+
+
 def _val(node: Any) -> Any:
     return node.meta.get("val") if isinstance(node, fx.Node) else None
 
@@ -97,10 +121,10 @@ def _is_noop(node: fx.Node) -> bool:
     return False
 
 
-def _remove_noops(g: fx.Graph) -> int:
+def _remove_noops(g: fx.Graph, keep: Any = None) -> int:
     count = 0
     for node in list(g.nodes):
-        if _is_noop(node):
+        if _is_noop(node) and not (keep is not None and keep(node)):
             replace_uses(node, node.args[0])
             g.erase_node(node)
             count += 1
