@@ -115,7 +115,8 @@ def _run_pair(rank: int, args: argparse.Namespace, blocks: list) -> dict:
     from glmc.pipeline_parallel import pipeline_trainer
     model, batch, loss_fn, opt = _glm(args.config)
     trainer = pipeline_trainer(model, opt, loss_fn, batch, args.microbatches, "1f1b",
-                               backend=args.pair_backend, memory_budget=args.pair_budget)
+                               backend=args.pair_backend, memory_budget=args.pair_budget,
+                               fusion=args.pair_fusion)
     if [list(s.blocks) for s in trainer.pipeline.plan.stages] != blocks:
         raise RuntimeError("glmc planned another cut in these processes than in the parent's")
     torch_step, _ = _torch_pipeline(rank, args, blocks)
@@ -231,6 +232,8 @@ def main() -> None:
                    help="what runs glmc's stages in the --interleave run (eager, inductor)")
     p.add_argument("--pair-budget", default=None,
                    help="glmc's per-rank memory budget in the --interleave run (as NAME@BUDGET)")
+    p.add_argument("--pair-fusion", action="store_true",
+                   help="glmc's stages fused in the --interleave run (as NAME+fused)")
     args = p.parse_args()
     import glmc
     from glmc.pipeline_parallel import plan_stages
@@ -282,18 +285,19 @@ def main() -> None:
               f"{d['link']['bandwidth_GBps']:.2f} GB/s |")
     _compare(ranks, blocks)
     if "pair" in ranks[0]:
-        _interleaved(ranks[0]["pair"], args.interleave, args.pair_backend, args.pair_budget)
+        _interleaved(ranks[0]["pair"], args)
 
 
-def _interleaved(pair: dict, rounds: int, backend: str, budget: str | None) -> None:
+def _interleaved(pair: dict, args: argparse.Namespace) -> None:
     if "error" in pair:
         print(f"\ninterleaved run failed: {pair['error']}")
         return
     med = {n: statistics.median(t) for n, t in pair["times"].items()}
     mine, theirs = med["glmc 1f1b"], med["torch.distributed.pipelining 1f1b"]
-    print(f"\ninterleaved in the same two processes, {rounds} rounds (one step of each per "
-          f"round, median): glmc 1f1b ({backend} stages"
-          f"{f', memory budget {budget}' if budget else ''}) {mine * 1e3:.1f} ms, "
+    how = f"{args.pair_backend} stages" + (", fused" if args.pair_fusion else "") + \
+        (f", memory budget {args.pair_budget}" if args.pair_budget else "")
+    print(f"\ninterleaved in the same two processes, {args.interleave} rounds (one step of "
+          f"each per round, median): glmc 1f1b ({how}) {mine * 1e3:.1f} ms, "
           f"torch.distributed.pipelining "
           f"1f1b {theirs * 1e3:.1f} ms, ratio {mine / theirs:.3f}")
 
