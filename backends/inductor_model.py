@@ -47,7 +47,7 @@ class FusionGroups:
     """
 
     def __init__(self, graph: fx.Graph) -> None:
-        self._inlined: set[fx.Node] = set()
+        self._inlined: set[fx.Node] = _loss_gradients(graph)
         for n in reversed(graph.nodes):  # consumers are decided before their producers
             if n.op == "call_function" and _fusible(n) and self._consumers_fuse(n):
                 self._inlined.add(n)
@@ -137,6 +137,56 @@ class FusionGroups:
                 ready[n] = max((ready.get(a, 0) for a in self.reads(n)), default=0)
                 first_of.setdefault(ready[n], n)
         return set(first_of.values())
+
+
+def cross_entropy_grad(node: fx.Node) -> fx.Node | None:
+    """The `nll_loss_backward` a `_log_softmax_backward_data` node differentiates (2-D, int64
+    or int32 targets, one dtype), which the Inductor lowering rewrites (`glmc.backends.
+    inductor._cross_entropy_backward`); None for any other node."""
+    if node.target is not torch.ops.aten._log_softmax_backward_data.default:
+        return None
+    g, _, dim = node.args[:3]
+    if not (isinstance(g, fx.Node) and g.target is torch.ops.aten.nll_loss_backward.default):
+        return None
+    val, gval, target = node.meta.get("val"), g.meta.get("val"), g.args[2]
+    tval = target.meta.get("val") if isinstance(target, fx.Node) else None
+    if (val is None or gval is None or gval.dim() != 2 or dim % 2 != 1
+            or val.dtype != gval.dtype or tval is None
+            or tval.dtype not in (torch.int64, torch.int32)):
+        return None  # (uint8 indices would be read as a boolean mask by index_put)
+    return g
+
+
+def padded_by(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """(view, slice_backward) when `node`'s one reader views it and that view's one reader
+    pads it back along a leading dim with step 1 (a causal LM's `logits[:, :-1]` in the
+    backward); else None."""
+    aten = torch.ops.aten
+    view = next(iter(node.users)) if len(node.users) == 1 else None
+    if view is None or view.target not in (aten.view.default, aten._unsafe_view.default,
+                                           aten.reshape.default) or len(view.users) != 1:
+        return None
+    pad = next(iter(view.users))
+    if pad.target is not aten.slice_backward.default:
+        return None
+    sizes, dim, step = pad.args[1], pad.args[2], pad.args[5]
+    if step != 1 or len(view.args[1]) != len(sizes) or dim % len(sizes) >= len(sizes) - 1:
+        return None
+    return view, pad
+
+
+def _loss_gradients(graph: fx.Graph) -> set[fx.Node]:
+    """What the Inductor lowering's cross-entropy rewrite writes no buffer for: the one-hot
+    `nll_loss_backward` (gone), and the `_log_softmax_backward_data` itself when its gradient
+    is padded back (written into the padded buffer, `_scatter_after_padding`)."""
+    out = set()
+    for n in graph.nodes:
+        g = cross_entropy_grad(n) if n.op == "call_function" else None
+        if g is not None and len(g.users) == 1:
+            out.add(g)
+            if padded_by(n) is not None:
+                out.add(n)
+    return out
 
 
 def _pointwise(n: fx.Node) -> bool:

@@ -87,3 +87,55 @@ def _cross_entropy_grad_graph(reduction: str, weighted: bool, dtype: torch.dtype
     g = torch.rand(12, generator=gen, dtype=dtype) if red == 0 else torch.tensor(1.5, dtype=dtype)
     args = (x, t, w, g)
     return make_fx(grad)(*args), args, g
+
+
+def test_shifted_cross_entropy_scatters_into_the_padded_gradient() -> None:
+    """A causal LM's loss on `logits[:, :-1]`: the rewrite pads the gradient first and
+    scatters the targets' values into the padded buffer, so Inductor writes one logits-sized
+    buffer, not the scattered gradient and its padded copy. Bit-identical to the rewrite
+    without it; the compiled gradient's peak is one unpadded gradient lower."""
+    from torch._inductor.compile_fx import compile_fx
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from glmc.backends import inductor
+    from glmc.memory import measure_peak
+    aten = torch.ops.aten
+
+    def grad(logits, t):
+        x = logits[:, :-1].reshape(-1, logits.shape[-1])
+        out = aten._log_softmax.default(x, 1, False)
+        _, total = aten.nll_loss_forward.default(out, t, None, 1, -100)
+        gl = aten.nll_loss_backward.default(torch.tensor(1.0), out, t, None, 1, -100, total)
+        gx = aten._log_softmax_backward_data.default(gl, out, 1, x.dtype)
+        return aten.slice_backward.default(gx.view(4, 63, 512), [4, 64, 512], 1, 0, 63, 1)
+
+    gen = torch.Generator().manual_seed(0)
+    args = (torch.randn(4, 64, 512, generator=gen), torch.randint(0, 512, (252,), generator=gen))
+    args[1][[5, 100]] = -100
+    graphs = {}
+    for pad_first in (False, True):
+        gm = make_fx(grad)(*args)
+        if not pad_first:  # the scatter as before: into the unpadded gradient
+            real, inductor._scatter_after_padding = inductor._scatter_after_padding, \
+                lambda *a: False
+        try:
+            assert inductor._cross_entropy_backward(gm) == 1
+        finally:
+            if not pad_first:
+                inductor._scatter_after_padding = real
+        puts = [n for n in gm.graph.nodes if n.target is aten.index_put.default]
+        assert len(puts) == 1 and (puts[0].args[0].target is aten.slice_backward.default) \
+            == pad_first
+        graphs[pad_first] = compile_fx(gm, list(args))
+    peaks, grads = {}, {}
+    for pad_first, fn in graphs.items():
+        fn(*args)  # warm
+        out, m = measure_peak(lambda: fn(*args))
+        grads[pad_first] = out[0] if isinstance(out, (tuple, list)) else out
+        peaks[pad_first] = m.peak_bytes
+    assert torch.equal(grads[True], grads[False])
+    assert (grads[True][:, -1] == 0).all() and (grads[True] != 0).sum() > 200 * 512
+    x = args[0].clone().requires_grad_()
+    torch.nn.functional.cross_entropy(x[:, :-1].reshape(-1, 512), args[1]).backward()
+    torch.testing.assert_close(grads[True], x.grad, rtol=1e-5, atol=1e-7)
+    assert peaks[False] - peaks[True] >= 252 * 512 * 4  # one unpadded gradient less
