@@ -358,9 +358,9 @@ def _scatter_after_padding(graph: fx.Graph, grad: fx.Node) -> bool:
     view, pad = found
     base, (rows, column), picked, _ = grad.args
     _, sizes, dim, start, end, step = pad.args
-    lead = [int(d) for d in view.args[1]][:-1]
+    lead = list(view.meta["val"].shape)[:-1]
     dim = dim % len(sizes)
-    start = start + sizes[dim] if start < 0 else start
+    start = max(0, start + sizes[dim]) if start < 0 else start
     with graph.inserting_before(pad):
         padded = graph.call_function(aten.slice_backward.default, (
             graph.call_function(view.target, (base, view.args[1])), sizes, dim, start, end,

@@ -169,9 +169,18 @@ def padded_by(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     pad = next(iter(view.users))
     if pad.target is not aten.slice_backward.default:
         return None
-    sizes, dim, step = pad.args[1], pad.args[2], pad.args[5]
-    if step != 1 or len(view.args[1]) != len(sizes) or dim % len(sizes) >= len(sizes) - 1:
+    val, shaped = node.meta.get("val"), view.meta.get("val")
+    sizes, dim, start, end, step = pad.args[1:6]
+    if val is None or shaped is None or step != 1 or shaped.dim() != len(sizes):
         return None
+    shape, sizes, dim = list(shaped.shape), [int(d) for d in sizes], dim % len(sizes)
+    start = max(0, start + sizes[dim]) if start < 0 else start
+    end = max(0, end + sizes[dim]) if end < 0 else end
+    kept = len(range(start, min(end, sizes[dim])))
+    if (dim >= len(sizes) - 1 or shape[-1] != val.shape[-1] or shape[dim] != kept
+            or [d for i, d in enumerate(shape) if i != dim]
+            != [d for i, d in enumerate(sizes) if i != dim]):
+        return None  # the rows must land in the padded tensor as the view lays them out
     return view, pad
 
 
@@ -182,8 +191,9 @@ def _loss_gradients(graph: fx.Graph) -> set[fx.Node]:
     out = set()
     for n in graph.nodes:
         g = cross_entropy_grad(n) if n.op == "call_function" else None
-        if g is not None and len(g.users) == 1:
-            out.add(g)
+        if g is not None:
+            if len(g.users) == 1:
+                out.add(g)
             if padded_by(n) is not None:
                 out.add(n)
     return out

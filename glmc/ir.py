@@ -249,6 +249,8 @@ INPLACE_GM = "inplace_gm"
 #: TrainGraph.meta key of the graph's write-back form compiled by a backend
 #: (glmc.program.compile_inplace); derived from the graph too
 COMPILED_STEP = "compiled_step"
+#: `graph.meta` key: the gradient outputs the graph makes and owns (`glmc.schedule.fresh_gradients`)
+FRESH_GRADIENTS = "glmc.fresh_gradients"
 
 #: node.meta key on a node one of whose int arguments is this process's coordinate on a mesh
 #: dim: (mesh dim, argument index). `glmc.program.bind_mesh` fills it in per process.
@@ -325,7 +327,7 @@ class TrainGraph:
         for n in self.graph.nodes:
             env[n] = new.node_copy(n, lambda a: env[a])
         meta = {k: v for k, v in self.meta.items()  # the cached forms were made from this graph
-                if k not in (INPLACE_GM, COMPILED_STEP)}
+                if k not in (INPLACE_GM, COMPILED_STEP, FRESH_GRADIENTS)}
         return TrainGraph(fx.GraphModule(self.gm, new), list(self.inputs), list(self.outputs),
                           meta)
 

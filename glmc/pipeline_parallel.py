@@ -20,7 +20,7 @@ import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -298,7 +298,8 @@ def build_program(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: A
         budget = budgets[sm.index] if budgets is not None else None
         found: list[Any] = []
         stage = capture_stage(sm.index, sm.module, opt, args, send=sm.send,
-                              partition=recompute_partition(sm, budget, backend, found),
+                              partition=cleaned(recompute_partition(sm, budget, backend,
+                                                                    found)),
                               rewrites=rewrites)
         stats.append(found[-1] if found else None)
         if schedule == "zbh1":
@@ -312,6 +313,20 @@ def build_program(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: A
     return Pipeline(program, mods, opts, budgets=list(budgets) if budgets else None,
                     recompute=stats, loss_scaling=(loss_scaling or scaler.LossScaling())
                     if precision == "fp16" else None)
+
+
+def cleaned(partition: Callable[[Any], Any] | None) -> Callable[[Any], Any]:
+    """The joint-graph rewrite `partition` (or none) after glmc's cleanup pass on the joint
+    graph (`glmc.passes.cleanup.cleanup_stage`: no-op copies and views, common
+    subexpressions), as the single-device step gets it: e.g. a `Dropout(p=0)`'s copy of the
+    attention weights would otherwise be saved for the backward beside the weights."""
+    from glmc.passes.cleanup import cleanup_stage
+
+    def rewrite(joint: Any) -> None:
+        cleanup_stage(joint)
+        if partition is not None:
+            partition(joint)
+    return rewrite
 
 
 def recompute_partition(sm: StageModule, budget: StageBudget | None, backend: str,
@@ -372,12 +387,10 @@ def fuses_stage_loss(backend: str, budgeted: bool) -> bool:
 def stage_rewrites(precision: str | None = None, fusion: bool = False,
                    loss: bool = True) -> list[Any]:
     """The forward rewrites of every stage (`capture_stage`'s `rewrites`), in the default
-    pipeline's order: cleanup (no-op copies and views, common subexpressions), fusion's
-    forward patterns, then the dtype assignment of `precision`. `loss`: fusion includes the
-    loss pattern (the LM head and loss chunked: the logits are never stored;
-    `build_program` asks `fuses_stage_loss`)."""
-    from glmc.passes.cleanup import cleanup_stage
-    out: list[Any] = [cleanup_stage]
+    pipeline's order: fusion's forward patterns, then the dtype assignment of `precision`.
+    `loss`: fusion includes the loss pattern (the LM head and loss chunked: the logits are
+    never stored; `build_program` asks `fuses_stage_loss`)."""
+    out: list[Any] = []
     if fusion:
         from glmc.passes.fusion import STAGE_PATTERNS, fuse_stage
         patterns = tuple(p for p in STAGE_PATTERNS if loss or p != "loss")

@@ -15,6 +15,7 @@ after the last backward, which torch leaves outside its schedules.
 from __future__ import annotations
 
 import enum
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -25,7 +26,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from glmc.errors import ConfigError, PassError
-from glmc.ir import OutputKind, Role, TrainGraph
+from glmc.ir import FRESH_GRADIENTS, OutputKind, Role, TrainGraph
 from glmc.program import (Boundary, Stage, StagedProgram, Values, batch_values, inplace_module,
                           run_inplace, state_values)
 
@@ -334,7 +335,7 @@ class _StageRun:
     state: Values = field(default_factory=dict)
     sent: list[dict[str, torch.Tensor]] = field(default_factory=list)
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
-    owned: set[str] = field(default_factory=set)  #: gradient sums this run allocated
+    owned: set[str] = field(default_factory=set)  #: gradients summed into in place
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     works: list = field(default_factory=list)
     #: fp16 loss scaling: the current scale, which seeds every backward (None: unscaled)
@@ -555,8 +556,6 @@ def run_stage(program: StagedProgram, stage: int, module: nn.Module,
 #: of a microbatch, the update), by action
 CONSUMED = {"B": (Role.SAVED, Role.BOUNDARY, Role.GRADIENT), "U": (Role.GRADIENT,)}
 CONSUMED["W"] = CONSUMED["B"]  # ZB-H1's W is the microbatch's last backward action
-#: `graph.meta` key of `fresh_gradients`
-FRESH_GRADIENTS = "glmc.fresh_gradients"
 
 
 def fresh_gradients(graph: TrainGraph) -> frozenset[str]:
@@ -567,9 +566,7 @@ def fresh_gradients(graph: TrainGraph) -> frozenset[str]:
     if FRESH_GRADIENTS in graph.meta:
         return graph.meta[FRESH_GRADIENTS]
     keys = [storage_key(v) if isinstance(v, fx.Node) else None for v in graph.output_values()]
-    counts: dict[Any, int] = {}
-    for k in keys:
-        counts[k] = counts.get(k, 0) + 1
+    counts = Counter(keys)
     fresh = set()
     for spec, v, k in zip(graph.outputs, graph.output_values(), keys):
         val = v.meta.get("val") if isinstance(v, fx.Node) else None

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from glmc.cost import is_view
 from glmc.ir import REMAT, Phase, TrainGraph, is_collective, is_impure, replace_uses
 from glmc.passmanager import Pass, PassContext, PassResult
 
@@ -57,12 +58,11 @@ class CleanupPass(Pass):
         return PassResult(any((stats.noops, stats.cse, stats.dead)), stats)
 
 
-def cleanup_stage(gm: fx.GraphModule, inputs: Any = None) -> CleanupStats:
-    """The pass on a pipeline stage's forward, traced to ATen ops (one of
-    `glmc.program.capture_stage`'s rewrites, before AOTAutograd differentiates it): e.g. a
-    `Dropout(p=0)`'s clone of the attention weights, kept, would be saved for the backward
-    beside the weights themselves. An output that would become an input itself keeps its
-    copy (AOTAutograd treats outputs aliasing inputs apart)."""
+def cleanup_stage(gm: fx.GraphModule) -> CleanupStats:
+    """The pass on a pipeline stage's joint graph (AOTAutograd's, functional, differentiated
+    already; `glmc.program.capture_stage`'s `partition` hook) before it is split into forward
+    and backward. A copy whose removal would let a graph output alias an input stays
+    (AOTAutograd planned the outputs' aliasing before this rewrite)."""
     g = gm.graph
     noops = _remove_noops(g, keep=_copies_an_input_out)
     merged = _cse(g)
@@ -73,12 +73,21 @@ def cleanup_stage(gm: fx.GraphModule, inputs: Any = None) -> CleanupStats:
 
 
 def _copies_an_input_out(node: fx.Node) -> bool:
+    """Does `node` copy (a view of) an input, and reach an output through views?"""
     src = node.args[0]
     while isinstance(src, fx.Node) and src.op == "call_function" and src.args \
-            and _is_noop(src):
+            and isinstance(src.args[0], fx.Node) and (is_view(src) or _is_noop(src)):
         src = src.args[0]
-    return isinstance(src, fx.Node) and src.op == "placeholder" and \
-        any(u.op == "output" for u in node.users)
+    if not (isinstance(src, fx.Node) and src.op == "placeholder"):
+        return False
+    stack = [node]
+    while stack:
+        for u in stack.pop().users:
+            if u.op == "output":
+                return True
+            if is_view(u) or _is_noop(u):
+                stack.append(u)
+    return False
 
 
 def _val(node: Any) -> Any:

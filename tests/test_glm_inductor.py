@@ -89,7 +89,9 @@ def _cross_entropy_grad_graph(reduction: str, weighted: bool, dtype: torch.dtype
     return make_fx(grad)(*args), args, g
 
 
-def test_shifted_cross_entropy_scatters_into_the_padded_gradient() -> None:
+@pytest.mark.parametrize("start", [0, 1])  # logits[:, :-1] and logits[:, 1:]
+def test_shifted_cross_entropy_scatters_into_the_padded_gradient(start: int,
+                                                                 monkeypatch) -> None:
     """A causal LM's loss on `logits[:, :-1]`: the rewrite pads the gradient first and
     scatters the targets' values into the padded buffer, so Inductor writes one logits-sized
     buffer, not the scattered gradient and its padded copy. Bit-identical to the rewrite
@@ -102,12 +104,14 @@ def test_shifted_cross_entropy_scatters_into_the_padded_gradient() -> None:
     aten = torch.ops.aten
 
     def grad(logits, t):
-        x = logits[:, :-1].reshape(-1, logits.shape[-1])
+        x = logits[:, start:start + 63].reshape(-1, logits.shape[-1])
         out = aten._log_softmax.default(x, 1, False)
         _, total = aten.nll_loss_forward.default(out, t, None, 1, -100)
         gl = aten.nll_loss_backward.default(torch.tensor(1.0), out, t, None, 1, -100, total)
         gx = aten._log_softmax_backward_data.default(gl, out, 1, x.dtype)
-        return aten.slice_backward.default(gx.view(4, 63, 512), [4, 64, 512], 1, 0, 63, 1)
+        end = -1 if start == 0 else 64  # as `[:, :-1]` and `[:, 1:]` record them
+        return aten.slice_backward.default(gx.view(4, 63, 512), [4, 64, 512], 1, start, end,
+                                           1)
 
     gen = torch.Generator().manual_seed(0)
     args = (torch.randn(4, 64, 512, generator=gen), torch.randint(0, 512, (252,), generator=gen))
@@ -115,14 +119,10 @@ def test_shifted_cross_entropy_scatters_into_the_padded_gradient() -> None:
     graphs = {}
     for pad_first in (False, True):
         gm = make_fx(grad)(*args)
-        if not pad_first:  # the scatter as before: into the unpadded gradient
-            real, inductor._scatter_after_padding = inductor._scatter_after_padding, \
-                lambda *a: False
-        try:
+        with monkeypatch.context() as m:
+            if not pad_first:  # the scatter as before: into the unpadded gradient
+                m.setattr(inductor, "_scatter_after_padding", lambda *a: False)
             assert inductor._cross_entropy_backward(gm) == 1
-        finally:
-            if not pad_first:
-                inductor._scatter_after_padding = real
         puts = [n for n in gm.graph.nodes if n.target is aten.index_put.default]
         assert len(puts) == 1 and (puts[0].args[0].target is aten.slice_backward.default) \
             == pad_first
@@ -134,8 +134,9 @@ def test_shifted_cross_entropy_scatters_into_the_padded_gradient() -> None:
         grads[pad_first] = out[0] if isinstance(out, (tuple, list)) else out
         peaks[pad_first] = m.peak_bytes
     assert torch.equal(grads[True], grads[False])
-    assert (grads[True][:, -1] == 0).all() and (grads[True] != 0).sum() > 200 * 512
+    assert (grads[True][:, 63 - 63 * start] == 0).all() and (grads[True] != 0).sum() > 200 * 512
     x = args[0].clone().requires_grad_()
-    torch.nn.functional.cross_entropy(x[:, :-1].reshape(-1, 512), args[1]).backward()
+    torch.nn.functional.cross_entropy(x[:, start:start + 63].reshape(-1, 512),
+                                      args[1]).backward()
     torch.testing.assert_close(grads[True], x.grad, rtol=1e-5, atol=1e-7)
     assert peaks[False] - peaks[True] >= 252 * 512 * 4  # one unpadded gradient less

@@ -929,6 +929,32 @@ def test_a_stage_under_a_budget_saves_less_and_trains_like_eager(glm_graph) -> N
     assert losses == pytest.approx(eager_losses(*CASES["glm"].make(), STEPS), rel=RTOL)
 
 
+def test_a_stage_saves_no_more_than_autograd() -> None:
+    """Each stage's joint graph is cleaned up before it is split: the GLM's `Dropout(p=0)`
+    copy of the attention weights was saved beside the weights themselves."""
+    from glmc.ir import OutputKind
+    from glmc.memory import storage_bytes
+    from glmc.writeback import alias_root
+    model, batch, loss_fn, opt = CASES["glm"].make()
+    blocks = [["embed", "blocks.0"], ["blocks.1", "norm", "head"]]
+    pipe = build_program(model, opt, loss_fn, batch, blocks, 2, "1f1b")
+    st, sm = pipe.program.stages[0], pipe.stages[0]
+    roots = {alias_root(v) for spec, v in zip(st.forward.outputs, st.forward.output_values())
+             if spec.kind is OutputKind.SAVED}
+    ours = sum(storage_bytes(r.meta["val"]) for r in roots if r.op != "placeholder")
+    leaves = microbatch_leaves(batch, 2)[0]
+    known = {t.untyped_storage().data_ptr() for t in [*sm.module.parameters(), *leaves]}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in known:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        sm.module(*[leaves[a] for a in sm.args])
+    assert 0 < ours <= sum(saved.values())
+
+
 class _Shift(torch.nn.Module):
     """Adds its parameter's sum: that parameter's gradient is an expanded cotangent."""
 
