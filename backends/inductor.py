@@ -346,10 +346,10 @@ def _scatter_after_padding(graph: fx.Graph, grad: fx.Node) -> bool:
 
     A causal LM's loss reads `logits[:, :-1]`, so its gradient is padded back to the logits'
     shape by `slice_backward`. With the scatter first, Inductor realizes the scattered
-    gradient and then its padded copy: two logits-sized buffers, live together with the saved
-    log-probabilities (GLM small, 2 x 127 x 8192 rows: +4.5 MiB over the eager peak of the
-    backward). Padding first leaves the scatter to write into the padded buffer itself; each
-    element receives the same additions, so the values are unchanged."""
+    gradient and then its padded copy: two logits-sized buffers (GLM small's step on
+    Inductor: 241.4 MiB in-step peak, 209.7 with this rewrite). Padding first leaves the
+    scatter to write into the padded buffer itself; each element receives the same
+    additions, so the values are unchanged."""
     from glmc.backends.inductor_model import padded_by
     aten = torch.ops.aten
     found = padded_by(grad)

@@ -249,7 +249,8 @@ INPLACE_GM = "inplace_gm"
 #: TrainGraph.meta key of the graph's write-back form compiled by a backend
 #: (glmc.program.compile_inplace); derived from the graph too
 COMPILED_STEP = "compiled_step"
-#: `graph.meta` key: the gradient outputs the graph makes and owns (`glmc.schedule.fresh_gradients`)
+#: TrainGraph.meta key of the gradient outputs the graph makes and owns
+#: (glmc.schedule.fresh_gradients); derived from the graph too
 FRESH_GRADIENTS = "glmc.fresh_gradients"
 
 #: node.meta key on a node one of whose int arguments is this process's coordinate on a mesh
