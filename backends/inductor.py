@@ -355,16 +355,12 @@ def _scatter_after_padding(graph: fx.Graph, grad: fx.Node) -> bool:
     found = padded_by(grad)
     if found is None:
         return False
-    view, pad = found
+    view, pad, dim, start = found
     base, (rows, column), picked, _ = grad.args
-    _, sizes, dim, start, end, step = pad.args
     lead = list(view.meta["val"].shape)[:-1]
-    dim = dim % len(sizes)
-    start = max(0, start + sizes[dim]) if start < 0 else start
     with graph.inserting_before(pad):
         padded = graph.call_function(aten.slice_backward.default, (
-            graph.call_function(view.target, (base, view.args[1])), sizes, dim, start, end,
-            step))
+            graph.call_function(view.target, (base, view.args[1])), *pad.args[1:]))
         index, inner = [], 1  # the row's coordinate along each leading dim, last fastest
         for k in reversed(range(len(lead))):
             i = graph.call_function(aten.remainder.Scalar, (

@@ -157,10 +157,10 @@ def cross_entropy_grad(node: fx.Node) -> fx.Node | None:
     return g
 
 
-def padded_by(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
-    """(view, slice_backward) when `node`'s one reader views it and that view's one reader
-    pads it back along a leading dim with step 1 (a causal LM's `logits[:, :-1]` in the
-    backward); else None."""
+def padded_by(node: fx.Node) -> tuple[fx.Node, fx.Node, int, int] | None:
+    """(view, slice_backward, its dim, its start, both normalized) when `node`'s one reader
+    views it and that view's one reader pads it back along a leading dim with step 1 (a
+    causal LM's `logits[:, :-1]` in the backward); else None."""
     aten = torch.ops.aten
     view = next(iter(node.users)) if len(node.users) == 1 else None
     if view is None or view.target not in (aten.view.default, aten._unsafe_view.default,
@@ -181,7 +181,7 @@ def padded_by(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
             or [d for i, d in enumerate(shape) if i != dim]
             != [d for i, d in enumerate(sizes) if i != dim]):
         return None  # the rows must land in the padded tensor as the view lays them out
-    return view, pad
+    return view, pad, dim, start
 
 
 def _loss_gradients(graph: fx.Graph) -> set[fx.Node]:

@@ -932,15 +932,13 @@ def test_a_stage_under_a_budget_saves_less_and_trains_like_eager(glm_graph) -> N
 def test_a_stage_saves_no_more_than_autograd() -> None:
     """Each stage's joint graph is cleaned up before it is split: the GLM's `Dropout(p=0)`
     copy of the attention weights was saved beside the weights themselves."""
-    from glmc.ir import OutputKind
     from glmc.memory import storage_bytes
-    from glmc.writeback import alias_root
+    from glmc.schedule import _saved_roots
     model, batch, loss_fn, opt = CASES["glm"].make()
     blocks = [["embed", "blocks.0"], ["blocks.1", "norm", "head"]]
     pipe = build_program(model, opt, loss_fn, batch, blocks, 2, "1f1b")
     st, sm = pipe.program.stages[0], pipe.stages[0]
-    roots = {alias_root(v) for spec, v in zip(st.forward.outputs, st.forward.output_values())
-             if spec.kind is OutputKind.SAVED}
+    roots = set(_saved_roots(st, forward_only=True).values())
     ours = sum(storage_bytes(r.meta["val"]) for r in roots if r.op != "placeholder")
     leaves = microbatch_leaves(batch, 2)[0]
     known = {t.untyped_storage().data_ptr() for t in [*sm.module.parameters(), *leaves]}
