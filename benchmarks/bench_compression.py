@@ -36,7 +36,7 @@ from bench_step import WORKLOADS, cpu_name, run_distributed, run_meta, write_res
 import glmc  # noqa: E402
 from glmc.capture import LossModule  # noqa: E402
 
-CONTENDERS = {  # name -> compress option (None: uncompressed); "ddp-powersgd": torch's hook
+CONTENDERS = {  # name -> compress option (None: uncompressed); {"hook": seed}: torch's hook
     "glmc": None,
     "glmc bf16": {"method": "bf16"},
     "glmc sign": {"method": "sign"},
@@ -50,12 +50,18 @@ CONTENDERS = {  # name -> compress option (None: uncompressed); "ddp-powersgd": 
     "glmc powersgd r4": {"method": "powersgd", "rank": 4, "min_numel": 1024},
     "glmc powersgd r8": {"method": "powersgd", "rank": 8, "min_numel": 1024},
     "glmc powersgd r16": {"method": "powersgd", "rank": 16, "min_numel": 1024},
-    "ddp-powersgd r4": "hook",
+    "ddp-powersgd r4": {"hook": 0},
     "glmc sign, warm-up 20": {"method": "sign", "warmup_steps": 20},
     "glmc topk 1%, warm-up 20": {"method": "topk", "ratio": 0.01, "warmup_steps": 20},
     "glmc powersgd r4, warm-up 20": {"method": "powersgd", "rank": 4, "min_numel": 1024,
                                      "warmup_steps": 20},
+    # like for like with torch's hook (its start_powerSGD_iter=2), over the initial Q's seed
+    **{f"glmc powersgd r4, warm-up 2, seed {s}": {"method": "powersgd", "rank": 4,
+                                                  "min_numel": 1024, "warmup_steps": 2,
+                                                  "seed": s} for s in range(3)},
+    **{f"ddp-powersgd r4, seed {s}": {"hook": s} for s in (1, 2)},
 }
+SEEDED = ("glmc powersgd r4, warm-up 2, seed ", ("ddp-powersgd r4", "ddp-powersgd r4, seed "))
 LR = 3e-3
 TAIL = 20  #: final loss = mean of the last TAIL steps
 
@@ -94,12 +100,13 @@ class Contender:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR)
         self.wire = self.dense = self.price = None
         self.counted: int | None = None  #: bytes counted at the collectives in the last step
-        if spec == "hook":
+        if spec is not None and "hook" in spec:
             from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
             from torch.nn.parallel import DistributedDataParallel
             ddp = DistributedDataParallel(self.model)
             state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=4,
-                                       start_powerSGD_iter=2, min_compression_rate=2)
+                                       start_powerSGD_iter=2, min_compression_rate=2,
+                                       random_seed=spec["hook"])
             ddp.register_comm_hook(state, psgd.powerSGD_hook)
             self.loss_module = LossModule(ddp, loss_fn)
             self.trainer = None
@@ -219,10 +226,38 @@ def report(a, subjects, losses, times, link: str) -> None:
     if p is not None:
         lines += ["", f"glmc PowerSGD r4 vs torch's PowerSGD DDP hook r4: final loss ratio "
                   f"{p['final_loss_ratio']}, step time ratio {p['step_time_ratio']}."]
+    data["powersgd_over_seeds"] = seeds = _over_seeds(rows)
+    if seeds is not None:
+        g, h = seeds["glmc"], seeds["hook"]
+        lines += ["", f"PowerSGD r4 over the initial Q's seed, both warmed up 2 steps: glmc "
+                  f"final loss {g['mean']} (seeds {g['seeds']}: {g['min']}-{g['max']}), "
+                  f"torch's hook {h['mean']} ({h['seeds']}: {h['min']}-{h['max']}); ratio of "
+                  f"the means {seeds['final_loss_ratio']}, of the median steps "
+                  f"{seeds['step_time_ratio']}."]
     out = Path(a.out)
     _plot(losses, out / f"{a.name}-curves.svg")
     _csv(losses, out / f"{a.name}-curves.csv")
     write_result(out, a.name, data, "\n".join(lines))
+
+
+def _over_seeds(rows: list[dict]) -> dict | None:
+    """glmc's PowerSGD (warm-up 2) against torch's hook, each over the seeds that ran: the mean,
+    the range and the ratios of the means (None unless both ran)."""
+    def group(match) -> dict | None:
+        got = [r for r in rows if match(r["contender"])]
+        if not got:
+            return None
+        finals = [r["final_loss"] for r in got]
+        return {"seeds": len(got), "mean": round(statistics.mean(finals), 4),
+                "min": min(finals), "max": max(finals),
+                "step_ms": statistics.mean(r["step_ms"] for r in got)}
+    mine = group(lambda n: n.startswith(SEEDED[0]))
+    hook = group(lambda n: n == SEEDED[1][0] or n.startswith(SEEDED[1][1]))
+    if mine is None or hook is None:
+        return None
+    return {"glmc": mine, "hook": hook,
+            "final_loss_ratio": round(mine["mean"] / hook["mean"], 3),
+            "step_time_ratio": round(mine["step_ms"] / hook["step_ms"], 3)}
 
 
 def _plot(losses: dict, path: Path) -> None:

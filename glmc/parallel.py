@@ -344,7 +344,7 @@ class DataParallel:
             if target in self.comm_state:
                 continue
             if init == "randn":  # the same on every rank (PowerSGD's initial Q)
-                gen = torch.Generator().manual_seed(0)
+                gen = torch.Generator().manual_seed(compression.seed)
                 t = torch.randn(spec.shape, generator=gen, dtype=spec.dtype)
             else:
                 t = torch.zeros(spec.shape, dtype=spec.dtype)

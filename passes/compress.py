@@ -78,6 +78,7 @@ class CompressPlan:
     wire_bytes: int = 0  #: bytes each rank hands to the gradient collectives per step
     dense_bytes: int = 0  #: the same, uncompressed
     warmup_steps: int = 0  #: the first steps send `dense_bytes` instead
+    seed: int = 0  #: powersgd: the seed of the initial Q matrices (the same on every rank)
     #: the collectives of a compressed step and of the dense one: (kind, full buffer bytes)
     collectives: list[tuple[str, int]] = field(default_factory=list)
     dense_collectives: list[tuple[str, int]] = field(default_factory=list)
@@ -144,6 +145,7 @@ class CompressPass(Pass):
     link: str = "infiniband-ndr"
     warmup_steps: int = 0  #: the first steps go uncompressed (see the module docstring)
     block: int = 0  #: sign: elements per scale (0: one scale per tensor)
+    seed: int = 0  #: powersgd: the initial Q's random seed (torch's hook: `random_seed`)
 
     def needs(self) -> frozenset[Need]:
         return frozenset({Need.STEP})
@@ -161,6 +163,9 @@ class CompressPass(Pass):
                 self.method != "sign":
             raise ConfigError(f"compress: block (elements per scale) is a whole number >= 0 "
                               f"for method sign, got block={self.block!r} with {self.method}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+            raise ConfigError(f"compress: seed (PowerSGD's initial Q) is a whole number >= 0, "
+                              f"got {self.seed!r}")
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ConfigError(f"compress: warmup_steps must be a whole number >= 0, got "
                               f"{self.warmup_steps!r}")
@@ -204,7 +209,7 @@ class _Compressor:
         self.graph, self.g, self.plan, self.opts = graph, graph.graph, plan, opts
         self.emit = NodeBuilder(graph, "compress")
         self.mesh, self.dim, self.n = plan.mesh, plan.dim, plan.ranks
-        self.out = CompressPlan(opts.method, warmup_steps=opts.warmup_steps)
+        self.out = CompressPlan(opts.method, warmup_steps=opts.warmup_steps, seed=opts.seed)
         self.compressed = 0
         self.new_outputs: list[tuple[OutputSpec, fx.Node]] = []
         self._warm: fx.Node | None = None  #: lt(step, warmup_steps), made on first use

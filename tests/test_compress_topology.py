@@ -335,3 +335,5 @@ def test_sign_blocks_send_one_scale_per_block() -> None:
     assert per_tensor.wire_bytes < stats.wire_bytes < stats.dense_bytes / 16
     with pytest.raises(ConfigError, match="block .* for method sign"):
         CompressPass(method="topk", block=64).run(_glm(), PassContext())
+    with pytest.raises(ConfigError, match="seed .* whole number"):
+        CompressPass(method="powersgd", seed=-1).run(_glm(), PassContext())

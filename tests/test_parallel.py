@@ -119,15 +119,23 @@ def _compress_part(rank: int, out: Path) -> dict:
         (model, batch, loss_fn, opt), _ = _case()
         compress = {"method": "sign", "block": 64} if method == "sign_block" else \
             {"method": method, "min_numel": 256}
+        if method == "powersgd":
+            compress["seed"] = 7
         trainer = glmc.optimize(model, batch, loss_fn=loss_fn, optimizer=opt, backend="eager",
                                 fusion=False, predict=False, measure=False,
                                 parallel={"zero": stage, "bucket_mb": BUCKET_MB,
                                           "compress": compress})
+        first_q = {k: v.clone() for k, v in trainer.parallel.comm_state.items()
+                   if k.startswith("psgd_q:")}
         losses = [trainer.step(*batch).item() for _ in range(4)]
         stats = next(r.stats for r in trainer.report.compiles[-1].history
                      if r.name == "compress")
         found[method] = {"losses": losses, "ratio": stats.ratio,
                          "state": sorted(trainer.parallel.comm_state)}
+        if first_q:  # the initial Q comes from the given seed
+            q = next(iter(first_q.values()))
+            drawn = torch.randn(q.shape, generator=torch.Generator().manual_seed(7))
+            found[method]["seeded"] = bool(torch.equal(q, drawn))
         if method == "sign":
             save_checkpoint(trainer, str(out / "ckpt-sign"))
             residual = trainer.parallel.comm_state["ef:0"].clone()
@@ -361,6 +369,7 @@ def test_compression_cuts_the_bytes_on_the_wire_and_still_trains(runs: Path) -> 
         losses = found[method]["losses"]
         assert losses[-1] < losses[0], method  # the loss still falls
     assert any(k.startswith("psgd_q:") for k in found["powersgd"]["state"])
+    assert found["powersgd"]["seeded"]  # seed=7: the initial Q torch.randn draws from it
 
 
 def test_error_feedback_state_is_checkpointed(runs: Path) -> None:
