@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 import glmc
 from glmc.capture import split_batch
@@ -188,6 +189,31 @@ def _errors_part(rank: int, out: Path) -> dict:
     return found
 
 
+def _channels_last_part(rank: int, out: Path) -> dict:
+    """A convolutional model in channels-last layout (parameters, input, and so the weight
+    gradients: ConvNeXt's case) under stages 0 and 2: the buckets flatten copies of them."""
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(),
+                              nn.Conv2d(8, 8, 2, stride=2), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                              nn.Flatten(), nn.Linear(8, 4)).to(memory_format=torch.channels_last)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randn(4, 3, 8, 8, generator=g).contiguous(memory_format=torch.channels_last),
+             torch.randint(0, 4, (4,), generator=g))
+    ref_model, ref_opt = make()
+    found = {"ref": eager_losses(ref_model, batch, nn.CrossEntropyLoss(), ref_opt, STEPS),
+             "strided": ref_model[2].weight.is_contiguous(memory_format=torch.channels_last)
+             and not ref_model[2].weight.is_contiguous()}
+    for stage in (0, 2):
+        model, opt = make()
+        trainer = glmc.optimize(model, batch, loss_fn=nn.CrossEntropyLoss(), optimizer=opt,
+                                backend="eager", fusion=False, predict=False, measure=False,
+                                parallel={"zero": stage, "bucket_mb": BUCKET_MB})
+        found[stage] = [trainer.step(*batch).item() for _ in range(STEPS)]
+    return found
+
+
 def _worker(rank: int, port: int, out: str) -> None:
     parts = [(f"stage{s}", _stage_part(s, fusion=s == 2)) for s in (0, 1, 2, 3)]
     parts += [("stage3_bf16", _stage_part(3, "bf16", measure=False)),
@@ -196,6 +222,7 @@ def _worker(rank: int, port: int, out: str) -> None:
               ("stage3_keep", _stage_part(3, memory_budget="1.0", measure=False)),
               ("checkpoint", _checkpoint_part),
               ("accumulate", _accumulate_part), ("compress", _compress_part),
+              ("channels_last", _channels_last_part),
               ("errors", _errors_part)]
     run_parts(rank, port, 2, out, parts)
 
@@ -213,6 +240,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_every_zero_stage_trains_like_one_process_on_the_global_batch(runs: Path,
                                                                       stage: int) -> None:
     _check_like_one_process(runs, f"stage{stage}")
+
+
+def test_channels_last_parameters_and_gradients_shard_like_one_process(runs: Path) -> None:
+    r = result(runs, "channels_last", 0)
+    assert r["strided"]  # the model really holds channels-last weights
+    for stage in (0, 2):
+        torch.testing.assert_close(r[stage], r["ref"], rtol=1e-5, atol=0, msg=f"stage {stage}")
 
 
 def _inductor_worker(rank: int, port: int, out: str, stage: int) -> None:

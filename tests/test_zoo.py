@@ -121,3 +121,35 @@ def test_bf16_trains(name: str) -> None:
 @pytest.mark.parametrize("name", cases("inductor"))
 def test_inductor_parity(name: str) -> None:
     check(run(ZOO[name], "inductor"))
+
+
+# ---- data parallel: ZeRO stages and compression on 2 processes (slow; all cases in
+# benchmarks/zoo_parallel.py) ----------------------------------------------------------------------
+
+#: equal to one process (llama; convnext: channels-last weight gradients), dropout and tied
+#: weights (gpt2), BatchNorm buffers (resnet)
+PARALLEL_CASES = ("llama", "gpt2", "resnet", "convnext")
+
+
+def _parallel_worker(rank: int, port: int, out: str) -> None:
+    from tests.distributed import run_parts
+    from tests.zoo import parallel_cells
+    run_parts(rank, port, 2, out, [(f"dp-{name}", lambda rank, out, name=name:
+                                    parallel_cells(ZOO[name])) for name in PARALLEL_CASES])
+
+
+@pytest.mark.slow
+def test_zoo_cases_train_data_parallel_under_every_stage_and_compression(tmp_path) -> None:
+    """Each ZeRO stage and compression method of `tests.zoo.PARALLEL` on 2 processes:
+    `tests.zoo.judge_parallel` says "works" for every cell, on both ranks alike."""
+    from tests.distributed import result, spawn
+    from tests.zoo import PARALLEL, comparable_to_one_process, judge_parallel
+    spawn(_parallel_worker, str(tmp_path), nprocs=2)
+    for name in PARALLEL_CASES:
+        cells = [result(tmp_path, f"dp-{name}", rank) for rank in (0, 1)]
+        assert cells[0] == cells[1], name  # the same global losses on both ranks
+        exact = comparable_to_one_process(ZOO[name])
+        assert exact == (name in ("llama", "convnext"))
+        for column in PARALLEL:
+            status, why = judge_parallel(column, cells[0], exact)
+            assert status == "works", f"{name} / {column}: {why}"

@@ -16,6 +16,7 @@ benchmarks/zoo_table.py, which calls a failed check "partial" and any other erro
 """
 from __future__ import annotations
 
+import copy
 import importlib
 import math
 from dataclasses import dataclass, field
@@ -291,3 +292,94 @@ def _state_mismatch(model: torch.nn.Module, opt_a: torch.optim.Optimizer,
     a, b = opt_a.state_dict()["state"], opt_b.state_dict()["state"]
     return [f"{names[k]} (glmc: {sorted(a.get(k, {}))}, torch: {sorted(b.get(k, {}))})"
             for k in sorted(set(a) | set(b)) if set(a.get(k, {})) != set(b.get(k, {}))]
+
+
+# ---- data parallel: one case on 2 processes -----------------------------------------------------
+
+#: column -> parallel= option: each ZeRO stage, and each compression method on a stage it fits
+PARALLEL: dict[str, dict[str, Any]] = {
+    "zero 0": {"zero": 0}, "zero 1": {"zero": 1}, "zero 2": {"zero": 2},
+    "zero 3": {"zero": 3},
+    "bf16, zero 2": {"zero": 2, "compress": {"method": "bf16"}},
+    "sign": {"zero": 0, "compress": {"method": "sign"}},
+    "sign/64, zero 1": {"zero": 1, "compress": {"method": "sign", "block": 64}},
+    "topk 1%, zero 1": {"zero": 1, "compress": {"method": "topk", "ratio": 0.01}},
+    "powersgd r4": {"zero": 0, "compress": {"method": "powersgd", "rank": 4}},
+}
+#: ZeRO stages against one process; bf16 transfer against stage 0
+PARALLEL_RTOL, STAGE_RTOL, BF16_WIRE_RTOL = 1e-4, 1e-5, 1e-3
+
+
+def parallel_losses(case: ZooCase, parallel: dict[str, Any] | None, frozen: bool = False
+                    ) -> tuple[list[float], float | None]:
+    """STEPS steps of the case through glmc on this process group (each rank half the batch;
+    eager backend), or of plain PyTorch in this process on the whole batch (parallel=None);
+    with the compress pass's wire ratio where it ran. `frozen`: learning rate 0, the losses
+    the same steps see without training (dropout draws the same masks)."""
+    import glmc
+    model, batch, loss_fn, opt = case.make()
+    if frozen:
+        for group in opt.param_groups:
+            group["lr"] = 0.0
+    if parallel is None:
+        return eager_losses(model, batch, loss_fn, opt, STEPS), None
+    trainer = glmc.optimize(model, batch, loss_fn=loss_fn, optimizer=opt, backend="eager",
+                            predict=False, measure=False, parallel=copy.deepcopy(parallel))
+    stats = next((r.stats for r in trainer.report.compiles[-1].history
+                  if r.name == "compress"), None)
+    return glmc_losses(trainer, batch, STEPS), (stats.ratio if stats is not None else None)
+
+
+def parallel_cells(case: ZooCase) -> dict[str, tuple | str]:
+    """Every PARALLEL column of the case on this process group (an exception: its text), with
+    "one process" (plain PyTorch, whole batch) and "frozen" (stage 0 at learning rate 0)."""
+    import torch.distributed as dist
+    cells: dict[str, tuple | str] = {"one process": parallel_losses(case, None)}
+    runs = {"frozen": ({"zero": 0}, True), **{c: (p, False) for c, p in PARALLEL.items()}}
+    for column, (parallel, frozen) in runs.items():
+        try:
+            cells[column] = parallel_losses(case, parallel, frozen)
+        except Exception as e:  # noqa: BLE001 -- every failure is a cell
+            first = (str(e).strip().splitlines() or [""])[0]
+            cells[column] = f"{type(e).__name__}: {first[:160]}"
+        dist.barrier()
+    return cells
+
+
+def comparable_to_one_process(case: ZooCase) -> bool:
+    """Whether a data-parallel step can equal one process's on the whole batch: not where
+    dropout masks are drawn per rank, nor where BatchNorm normalises each rank's half."""
+    model = case.make()[0]
+    return not case.dropout and not any(
+        isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def judge_parallel(column: str, cells: dict[str, tuple | str], exact: bool
+                   ) -> tuple[str, str]:
+    """(works|partial|no, why) of one case in one PARALLEL column, from `parallel_cells`.
+    ZeRO stages: the losses of one process at PARALLEL_RTOL where `exact`, else stage 0's at
+    STAGE_RTOL (stage 0 itself: it trains); bf16 transfer: stage 0's at BF16_WIRE_RTOL; lossy
+    methods: it trains. "It trains": the last loss below the frozen run's (the same steps,
+    the same dropout masks, no update)."""
+    got = cells[column]
+    if isinstance(got, str):
+        return "no", got
+    losses, ratio = got
+    frozen = cells["frozen"]
+    trains = not isinstance(frozen, str) and losses[-1] < frozen[0][-1]
+
+    def close(ref: tuple | str, rtol: float) -> bool:
+        return not isinstance(ref, str) and all(abs(a - b) <= rtol * abs(b)
+                                                for a, b in zip(losses, ref[0]))
+    if column.startswith("zero"):
+        if exact:
+            return ("works", "= one process") if close(cells["one process"], PARALLEL_RTOL) \
+                else ("partial", "differs from one process")
+        if column == "zero 0":
+            return ("works", "trains") if trains else ("partial", "does not train")
+        return ("works", "= zero 0") if close(cells["zero 0"], STAGE_RTOL) and trains else \
+            ("partial", "differs from zero 0")
+    if column.startswith("bf16"):
+        return ("works", "= zero 0 at 1e-3") if close(cells["zero 0"], BF16_WIRE_RTOL) else \
+            ("partial", "differs from zero 0")
+    return ("works", f"{ratio}:1") if trains else ("partial", f"{ratio}:1, does not train")
