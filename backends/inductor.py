@@ -283,15 +283,18 @@ def _cross_entropy_backward(gm: fx.GraphModule) -> int:
     `nll_loss_backward`, each row of g holds one non-zero, at the row's target:
     `-(grad_output [/ total_weight] [* weight[target]])`, and none on an ignored row — so the
     sum is that value, computed per row (the same operations in the same order as torch's
-    decomposition of `nll_loss_backward`: bit-identical; adding the zeros was exact). Inductor's
+    decomposition of `nll_loss_backward`; adding the zeros was exact). Inductor's
     C++ backend vectorized that class-dim sum across rows and walked the vocabulary one
     element at a time (Llama, vocab 32000 x 1024 rows: the loss kernel took 196 ms against 138
     ms for torch.compile's two). The gradient is then `-(exp(out) * row)` with the row's value
     added at its target by `index_put(accumulate=True)` — `value - y` and `-y + value` are the
-    same IEEE sum, so still bit-identical (up to the sign of an exact zero) — rather than `g`
+    same IEEE sum — rather than `g`
     materialized per class: Inductor built it from a 64-bit arange compared with the target
     in the innermost loop (the same Llama loss kernel: 123 -> 47-70 ms, torch.compile's two
-    84-113 ms). Returns how many were rewritten.
+    84-113 ms). Compiled, the result was bit-identical to the compiled original on AVX2 hosts;
+    on an AVX-512 host a few elements differ by 1-2 ulp (Inductor's two kernels need not
+    evaluate the same operations on the same code path; tested to 4 ulp). Returns how many
+    were rewritten.
     """
     from glmc.backends.inductor_model import cross_entropy_grad
     aten = torch.ops.aten

@@ -277,7 +277,7 @@ class _Sharder:
         self._scale: fx.Node | None = None
 
     # -- node building --
-    def dense(self, x: fx.Node, phase: Phase, role: Role) -> fx.Node:
+    def contiguous(self, x: fx.Node, phase: Phase, role: Role) -> fx.Node:
         """`x`, or a contiguous copy of it where its layout cannot be viewed flat (a
         channels-last parameter or gradient: ConvNeXt's convolutions)."""
         if x.meta["val"].is_contiguous():
@@ -287,7 +287,7 @@ class _Sharder:
 
     def rows(self, x: fx.Node, lay: Layout, phase: Phase, role: Role) -> fx.Node:
         """`x` (full shape) as (N k, *rest): reshaped to rows and zero-padded."""
-        x = self.dense(x, phase, role)
+        x = self.contiguous(x, phase, role)
         if not lay.shape:
             x = self.emit(aten.view.default, (x, [1]), phase, role, like=x)
         pad = lay.padded_rows - lay._d0
@@ -449,7 +449,7 @@ class _Sharder:
                 parts.append(self.emit(aten.view.default, (x, [self.n, lay.chunk]), phase, role,
                                        like=x))
             else:
-                x = self.dense(x, phase, role)
+                x = self.contiguous(x, phase, role)
                 parts.append(self.emit(aten.view.default, (x, [-1]), phase, role, like=x))
         if rank_major:
             cat = self.emit(aten.cat.default, (parts, 1), phase, role, like=nodes[-1])

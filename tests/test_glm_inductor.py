@@ -32,7 +32,7 @@ def test_tiny_glm_on_inductor_matches_eager(passes: str | None) -> None:
 @pytest.mark.parametrize("weighted", [False, True])
 def test_cross_entropy_backward_reads_the_target_instead_of_summing(reduction, weighted) -> None:
     """The Inductor lowering's cross-entropy rewrite: the same gradient, the class-dim sum
-    gone (float64 through ATen here; bit-identity under Inductor: the next test)."""
+    gone (float64 through ATen here; under Inductor: the next test)."""
     gm, args, grad = _cross_entropy_grad_graph(reduction, weighted, torch.float64)
     from glmc.backends.inductor import _cross_entropy_backward
     want = gm(*args)
@@ -49,10 +49,17 @@ def test_cross_entropy_backward_reads_the_target_instead_of_summing(reduction, w
     torch.testing.assert_close(got, xr.grad, rtol=1e-12, atol=1e-15)
 
 
+#: compiled rewrite vs compiled original: the same IEEE operations per element, but Inductor's
+#: kernels need not evaluate them on the same code path (an AVX-512 host: 3-6 of 444 elements
+#: 1-2 ulp apart; bit-identical on AVX2 hosts), so a few ulp, not bit-identity
+ULP4 = 4 * torch.finfo(torch.float32).eps
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("weighted", [False, True])
-def test_cross_entropy_backward_rewrite_is_bit_identical_under_inductor(reduction: str,
-                                                                         weighted: bool) -> None:
+def test_cross_entropy_backward_rewrite_matches_under_inductor_to_a_few_ulp(reduction: str,
+                                                                            weighted: bool
+                                                                            ) -> None:
     from torch._inductor.compile_fx import compile_fx
 
     from glmc.backends.inductor import _cross_entropy_backward
@@ -62,7 +69,7 @@ def test_cross_entropy_backward_rewrite_is_bit_identical_under_inductor(reductio
     got = compile_fx(gm, list(args))(*args)
     got = got[0] if isinstance(got, (tuple, list)) else got
     want = want[0] if isinstance(want, (tuple, list)) else want
-    assert torch.equal(got, want)  # equal values (an exact zero may change its sign)
+    torch.testing.assert_close(got, want, rtol=ULP4, atol=0)
     assert (got[[2, 7]] == 0).all() and (got != 0).sum() > got.numel() // 2
 
 
@@ -94,8 +101,9 @@ def test_shifted_cross_entropy_scatters_into_the_padded_gradient(start: int,
                                                                  monkeypatch) -> None:
     """A causal LM's loss on `logits[:, :-1]`: the rewrite pads the gradient first and
     scatters the targets' values into the padded buffer, so Inductor writes one logits-sized
-    buffer, not the scattered gradient and its padded copy. Bit-identical to the rewrite
-    without it; the compiled gradient's peak is one unpadded gradient lower."""
+    buffer, not the scattered gradient and its padded copy. Equal to the rewrite without it
+    (each element gets the same additions; a few ulp allowed, as above); the compiled
+    gradient's peak is one unpadded gradient lower."""
     from torch._inductor.compile_fx import compile_fx
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -133,7 +141,7 @@ def test_shifted_cross_entropy_scatters_into_the_padded_gradient(start: int,
         out, m = measure_peak(lambda: fn(*args))
         grads[pad_first] = out[0] if isinstance(out, (tuple, list)) else out
         peaks[pad_first] = m.peak_bytes
-    assert torch.equal(grads[True], grads[False])
+    torch.testing.assert_close(grads[True], grads[False], rtol=ULP4, atol=0)
     assert (grads[True][:, 63 - 63 * start] == 0).all() and (grads[True] != 0).sum() > 200 * 512
     x = args[0].clone().requires_grad_()
     torch.nn.functional.cross_entropy(x[:, start:start + 63].reshape(-1, 512),
