@@ -425,6 +425,12 @@ def fused_adam_(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor
     is not read: depending on it makes a compiler schedule every output's computation — which
     may read the old parameters — before this update overwrites them."""
     op = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    # ATen's kernel walks a parameter and its gradient element by element in memory: a
+    # gradient in another layout (a channels-last convolution weight gradient Inductor made
+    # for a contiguous weight: ConvNeXt) is copied into the parameter's, as AccumulateGrad lays
+    # out `.grad`
+    grads = [g if g.stride() == p.stride() else torch.empty_like(p).copy_(g)
+             for p, g in zip(params, grads)]
     op(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr=lr, beta1=beta1,
        beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=amsgrad, maximize=maximize)
 

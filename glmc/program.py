@@ -750,6 +750,12 @@ def capture_stage(index: int, module: nn.Module, optimizer: torch.optim.Optimize
                                          tuple(flat[n_state:n_state + len(args)]))
         return loss_fn(out, flat[-1]) if loss_fn is not None else out
 
+    frozen = [n for n, p in module.named_parameters() if not p.requires_grad]
+    if frozen:  # Whisper's positions: the stage programs would train them (KeyError before)
+        raise ConfigError(f"capture_stage: stage {index} holds frozen parameters {frozen} "
+                          "(requires_grad=False); glmc's pipeline does not support them yet "
+                          "(a stage updates every parameter it holds): train this model "
+                          "data-parallel (--zero), which does")
     examples = [p.detach().requires_grad_() for p in module.parameters()]
     examples += [b.detach() for b in module.buffers()]
     examples += [t.detach().requires_grad_(isinstance(k, str)) for k, t in leaves]
@@ -760,7 +766,7 @@ def capture_stage(index: int, module: nn.Module, optimizer: torch.optim.Optimize
     fn: Callable = step
     for rewrite in rewrites:  # each traced afresh: a rewrite sees its input's values
         fn = _rewritten(fn, examples, ins, rewrite)
-    fw, bw, n_out = _aot_graphs(fn, examples, partition)
+    fw, bw, n_out = _aot_graphs(fn, examples, partition, index, send)
     if n_out != max(len(send), 1):
         raise ConfigError(f"capture_stage: stage {index} returns {n_out} values but send= "
                           f"names {len(send)} (a stage that writes a buffer returns more)")
@@ -803,8 +809,8 @@ def _rewritten(step: Callable, examples: list[torch.Tensor], inputs: list[InputS
 
 
 def _aot_graphs(fn: Callable, examples: list[torch.Tensor],
-                partition: Callable[[fx.GraphModule], Any] | None = None
-                ) -> tuple[fx.GraphModule, fx.GraphModule, int]:
+                partition: Callable[[fx.GraphModule], Any] | None = None, index: int = 0,
+                send: Sequence[str] = ()) -> tuple[fx.GraphModule, fx.GraphModule, int]:
     """AOTAutograd's forward and backward graphs of `fn` (run once on `examples`), split by
     the default partition after `partition`'s rewrite of the joint graph (`capture_stage`)."""
     from functorch.compile import aot_function, make_boxed_func
@@ -827,6 +833,14 @@ def _aot_graphs(fn: Callable, examples: list[torch.Tensor],
     compiled = aot_function(fn, fw_compiler=keep("F"), bw_compiler=keep("B"), partition_fn=split)
     out = compiled(*examples)
     outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+    inert = [name for name, o in zip(send or [""], outs) if not o.requires_grad]
+    if inert:
+        raise CaptureError(
+            f"capture_stage: stage {index} sends {inert} across the cut, which carries no "
+            "gradient (computed from the batch alone, e.g. an attention mask made once and "
+            "read by every block, as in T5); glmc's pipeline "
+            "sends a gradient back for every value it passes on. Not supported yet: cut "
+            "elsewhere (cut=), or train this model data-parallel (--zero)")
     torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
     return got["F"], got["B"], len(outs)
 

@@ -21,3 +21,23 @@ def test_cross_entropy_backward_leaves_its_inputs_alone(dtype) -> None:
     torch.autograd.backward(torch.nn.functional.cross_entropy(logits32, target))
     torch.testing.assert_close(grad.float(), logits32.grad, rtol=2e-2 if dtype != torch.float32
                                else 1e-5, atol=1e-3 if dtype != torch.float32 else 1e-7)
+
+
+def test_fused_adam_takes_a_gradient_in_another_layout_than_its_parameter() -> None:
+    """Inductor may return a convolution weight's gradient channels-last for a contiguous
+    weight (ConvNeXt); ATen's fused kernel walks both element by element in memory, so the
+    in-place update copies such a gradient into the parameter's layout first (without it
+    ConvNeXt's loss after one AdamW step on Inductor was 2.197 instead of 2.080)."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(8, 4, 3, 3, generator=gen)
+    grad = torch.randn(8, 4, 3, 3, generator=gen).contiguous(memory_format=torch.channels_last)
+    assert grad.stride() != weight.stride()
+    ref = weight.clone().requires_grad_()
+    ref.grad = grad.contiguous()
+    opt = torch.optim.AdamW([ref], lr=0.1)
+    opt.step()
+    p, m, v = weight.clone(), torch.zeros_like(weight), torch.zeros_like(weight)
+    torch.ops.glmc.fused_adam_([p], [grad], [m], [v], [], [torch.tensor(1.0)],  # step 1
+                               torch.tensor(0.1), 0.9, 0.999, 0.01, 1e-8, False, False, True, [])
+    torch.testing.assert_close(p, ref.detach(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(m, opt.state[ref]["exp_avg"], rtol=1e-6, atol=0)

@@ -260,3 +260,28 @@ def test_two_stage_gpipe_matches_eager_full_batch(distributed: Path) -> None:
     assert got[0]["losses"] == [[], []]
     got_losses = [torch.stack(ls).mean().item() for ls in got[1]["losses"]]
     assert got_losses == pytest.approx(want_losses, abs=1e-6)
+
+
+def test_stages_with_frozen_parameters_or_inert_sends_are_typed_errors() -> None:
+    """What glmc's pipeline does not support yet fails at capture with a GlmcError that says
+    so (before: a KeyError from the update's state, a RuntimeError from autograd)."""
+    from glmc.errors import CaptureError, ConfigError
+    from glmc.program import capture_stage
+    x = torch.randn(4, 8)
+    frozen = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    frozen[0].bias.requires_grad_(False)  # as Whisper's positions
+    opt = torch.optim.AdamW(frozen.parameters(), lr=LR)
+    with pytest.raises(ConfigError, match=r"frozen parameters \['0.bias'\]"):
+        capture_stage(0, frozen, opt, [(0, x)], send=("h",))
+
+    class MaskToo(nn.Module):  # sends a value made from the batch alone, as T5's mask
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.lin(x), (x > 0).float()
+    mod = MaskToo()
+    opt = torch.optim.SGD(mod.parameters(), lr=LR)
+    with pytest.raises(CaptureError, match=r"sends \['mask'\] across the cut"):
+        capture_stage(0, mod, opt, [(0, x)], send=("h", "mask"))
