@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from glmc.backends.base import Backend, CompiledStep, lower_writeback
+
 from glmc.errors import ConfigError
 
 
@@ -11,17 +12,17 @@ def _eager() -> Backend:
 
 
 def _inductor() -> Backend:
-    from glmc.backends.inductor import InductorBackend
+    from glmc.backends.inductor.backend import InductorBackend
     return InductorBackend()
 
 
 def _ort() -> Backend:
-    from glmc.backends.ort import OrtBackend
+    from glmc.backends.ort.backend import OrtBackend
     return OrtBackend()
 
 
 def _tvm() -> Backend:
-    from glmc.backends.tvm import TvmBackend
+    from glmc.backends.tvm.backend import TvmBackend
     return TvmBackend()
 
 

@@ -1,12 +1,12 @@
 """The backend contract.
 
-A backend has a `name`, `traits()` (what planning may know about it: glmc.target), `supports
+A backend has a `name`, `traits()` (what planning may know about it: glmc.ir.target), `supports
 (node)` (None when it takes the node, else the reason) and `compile(graph) -> CompiledStep`.
 
 The compiled step is a function over explicit state: `step(inputs) -> outputs`, both in the
 order of the graph's signature (`graph.inputs`, `graph.outputs`). Writing new state into the
 user's tensors is the runtime's job. A backend whose traits say `inplace` may instead be asked
-for the write-back form (`inplace=True`, glmc.writeback): it updates the state inputs in place
+for the write-back form (`inplace=True`, glmc.ir.writeback): it updates the state inputs in place
 and returns the loss alone — how eager and Inductor keep their in-place speed.
 """
 from __future__ import annotations
@@ -21,9 +21,9 @@ import torch.fx as fx
 
 from glmc.errors import (BackendError, ConfigError, ExportError, GlmcError, Offense,
                          UnsupportedOpError)
-from glmc.ir import TrainGraph, op_name
-from glmc.target import BackendTraits
-from glmc.writeback import copy_graph, lower_writeback
+from glmc.ir.graph import TrainGraph, op_name
+from glmc.ir.target import BackendTraits
+from glmc.ir.writeback import copy_graph, lower_writeback
 
 StepFn = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 
@@ -37,7 +37,7 @@ class CompiledStep:
     inplace: bool = False  #: state is updated in place; the call returns [loss]
     fallbacks: list[Offense] = field(default_factory=list)
     compile_seconds: float = 0.0
-    #: per-kernel timing hooks of this step (glmc.phases.Instrument), where the backend has them
+    #: per-kernel timing hooks of this step (glmc.analysis.phases.Instrument), where the backend has them
     instrument: Any = None
     #: a functional step whose state outputs are memory the caller may keep: none aliases an
     #: input of the call or an output it returned before and still holds. The runtime then

@@ -24,11 +24,10 @@ import time
 from pathlib import Path
 
 import torch
-
 from bench_step import ROOT, WORKLOADS, _clone, run_meta  # noqa: I001 (the benchmarks folder)
 
 import glmc
-from glmc.capture import LossModule, split_batch
+from glmc.trace.capture import LossModule, split_batch
 
 CONTENDERS = ("eager", "glmc-inductor", "glmc-ort")
 

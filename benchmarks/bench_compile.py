@@ -27,7 +27,7 @@ _CHILD = r"""
 import json, sys, time, torch
 sys.path.insert(0, {root!r}); sys.path.insert(0, {bench!r})
 from bench_step import WORKLOADS
-from glmc.capture import LossModule, split_batch
+from glmc.trace.capture import LossModule, split_batch
 model, x, loss_fn, opt = WORKLOADS[{model!r}]()
 args, kwargs = split_batch(x)
 t0 = time.perf_counter()

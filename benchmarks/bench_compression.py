@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 from bench_step import WORKLOADS, cpu_name, run_distributed, run_meta, write_result  # noqa: E402
 
 import glmc  # noqa: E402
-from glmc.capture import LossModule  # noqa: E402
+from glmc.trace.capture import LossModule  # noqa: E402
 
 CONTENDERS = {  # name -> compress option (None: uncompressed); {"hook": seed}: torch's hook
     "glmc": None,
@@ -123,7 +123,7 @@ class Contender:
     def step(self, batch, count: bool = False) -> float:
         if self.trainer is not None:
             if count:
-                from glmc.comm import count_wire_bytes
+                from glmc.analysis.comm import count_wire_bytes
                 loss, counted = count_wire_bytes(lambda: self.trainer.step(*batch))
                 self.counted = sum(counted.values())
                 return loss.item()
@@ -143,8 +143,8 @@ class Contender:
 def rank_main(a: argparse.Namespace) -> None:
     from datetime import timedelta
     dist.init_process_group("gloo", timeout=timedelta(seconds=1800))  # rank 0 may calibrate
-    from glmc.calibration import calibrate
-    from glmc.comm import measure_link
+    from glmc.analysis.calibration import calibrate
+    from glmc.analysis.comm import measure_link
     if dist.get_rank() == 0:
         calibrate()  # the host profile the pass prices compute on: cached after the first run
     dist.barrier()

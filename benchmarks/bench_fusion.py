@@ -16,14 +16,13 @@ import time
 from pathlib import Path
 
 import torch
+from bench_step import ROOT, MiB, _clone, _load, run_meta, write_result
+from glmc.backends import get_backend
 
 import glmc
-from glmc.capture import capture
-from glmc.memory import measure_peak
-from glmc.backends import get_backend
-from glmc.passmanager import PassContext
-
-from bench_step import MiB, ROOT, _clone, _load, run_meta, write_result
+from glmc.analysis.memory import measure_peak
+from glmc.compiler.passmanager import PassContext
+from glmc.trace.capture import capture
 
 CONTENDERS = {
     "eager": "cleanup",

@@ -35,8 +35,8 @@ sys.path.insert(0, str(ROOT))
 from bench_step import WORKLOADS, cpu_name, run_distributed, run_meta, write_result  # noqa: E402
 
 import glmc  # noqa: E402
-from glmc.capture import LossModule, split_batch  # noqa: E402
-from glmc.memory import measure_peak  # noqa: E402
+from glmc.analysis.memory import measure_peak  # noqa: E402
+from glmc.trace.capture import LossModule, split_batch  # noqa: E402
 
 MiB = 1024 * 1024
 PAIRS = (("glmc-zero0", "ddp"), ("glmc-zero2", "fsdp2-keep"), ("glmc-zero3", "fsdp2-reshard"))

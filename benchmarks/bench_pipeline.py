@@ -76,7 +76,7 @@ def _run_glmc(rank: int, args: argparse.Namespace, schedule: str, cut: str | Non
               budget: str | None, backend: str = "eager", fusion: bool = False) -> dict:
     """glmc's trainer as `glmc compile --pp 2` runs it: its own plan (on the measured link),
     warm-up steps, then `measure` (back-to-back steps, one aligned step, one memory step)."""
-    from glmc.pipeline_parallel import pipeline_report, pipeline_trainer
+    from glmc.parallel.pipeline import pipeline_report, pipeline_trainer
     model, batch, loss_fn, opt = _glm(args.config)
     virtual = 2 if schedule == "interleaved" else 1
     trainer = pipeline_trainer(model, opt, loss_fn, batch, args.microbatches, schedule, virtual,
@@ -94,7 +94,7 @@ def _run_torch(rank: int, args: argparse.Namespace, blocks: list) -> dict:
     split), eager autograd and torch.optim: back-to-back steps timed as glmc's are, one step's
     peak measured as glmc's is (c10 allocator events above the stage's parameters and
     optimizer state, plus that state), the mean microbatch loss for a parity check."""
-    from glmc.memory import measure_peak
+    from glmc.analysis.memory import measure_peak
     step, state = _torch_pipeline(rank, args, blocks)
     warm = [step() for _ in range(3)]  # 2 warm-up steps as glmc's, then one more
     dist.barrier()
@@ -112,7 +112,7 @@ def _run_pair(rank: int, args: argparse.Namespace, blocks: list) -> dict:
     glmc's split in the same two processes, one step of each per round after warm-up, the
     order swapped every round: each step starts at a barrier and lasts until the slower rank
     ends it (MAX over the ranks) — one isolated step, not `measure`'s back-to-back period."""
-    from glmc.pipeline_parallel import pipeline_trainer
+    from glmc.parallel.pipeline import pipeline_trainer
     model, batch, loss_fn, opt = _glm(args.config)
     trainer = pipeline_trainer(model, opt, loss_fn, batch, args.microbatches, "1f1b",
                                backend=args.pair_backend, memory_budget=args.pair_budget,
@@ -143,7 +143,7 @@ def _torch_pipeline(rank: int, args: argparse.Namespace, blocks: list):
     the tensors it keeps between steps (parameters, optimizer state)."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    from glmc.pipeline_parallel import split_module, trace_blocks
+    from glmc.parallel.pipeline import split_module, trace_blocks
     model, batch, loss_fn, opt = _glm(args.config)
     gm = trace_blocks(model, [b for bs in blocks for b in bs], loss_fn)
     stages = split_module(gm, blocks)
@@ -236,7 +236,7 @@ def main() -> None:
                    help="glmc's stages fused in the --interleave run (as NAME+fused)")
     args = p.parse_args()
     import glmc
-    from glmc.pipeline_parallel import plan_stages
+    from glmc.parallel.pipeline import plan_stages
     model, batch, loss_fn, opt = _glm(args.config)
     plan = plan_stages(model, opt, loss_fn, batch, 2, args.microbatches, "1f1b")
     blocks = [list(s.blocks) for s in plan.stages]

@@ -25,12 +25,11 @@ import time
 from pathlib import Path
 
 import torch
+from bench_recompute import _persistent
+from bench_step import ROOT, MiB, _clone, _load, run_meta, write_result
 
 import glmc
-from glmc.memory import measure_peak
-
-from bench_recompute import _persistent
-from bench_step import MiB, ROOT, _clone, _load, run_meta, write_result
+from glmc.analysis.memory import measure_peak
 
 
 def _batches(cfg_mod, cfg, n: int):

@@ -29,12 +29,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_step import (MiB, ROOT, WORKLOADS, _clone, _Contender, run_meta,  # noqa: E402
-                        write_result)
+from bench_step import ROOT, WORKLOADS, MiB, _clone, _Contender, run_meta, write_result  # noqa: E402
 
 import glmc  # noqa: E402
-from glmc.capture import LossModule, split_batch  # noqa: E402
-from glmc.memory import measure_peak  # noqa: E402
+from glmc.analysis.memory import measure_peak  # noqa: E402
+from glmc.trace.capture import LossModule, split_batch  # noqa: E402
 
 
 def _checkpoint_blocks(name: str, model: torch.nn.Module) -> None:

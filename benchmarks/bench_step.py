@@ -39,9 +39,9 @@ from pathlib import Path
 import torch
 
 import glmc
-from glmc.capture import split_batch
-from glmc.memory import measure_peak
-from glmc.phases import TorchLoop
+from glmc.analysis.memory import measure_peak
+from glmc.analysis.phases import TorchLoop
+from glmc.trace.capture import split_batch
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1024 * 1024
@@ -94,7 +94,7 @@ SETS = {"transformers": ["glm-2x128-4x256", "qwen2-tied-4x256-4x512", "glm-4x512
 SET_CONTENDERS = {"transformers": ("torch.compile", "torch.compile+opt", "glmc-inductor",
                                    "glmc-inductor-nofusion")}
 CONTENDERS = ("eager", "torch.compile", "glmc-eager", "glmc-inductor")
-#: glmc's host memory policy (glmc.hostalloc) is process-wide: with it (the default) every
+#: glmc's host memory policy (glmc.runtime.hostalloc) is process-wide: with it (the default) every
 #: contender of the run gets it once glmc compiles; `--default-malloc` runs all without it
 RETAIN_MEMORY = True
 
@@ -354,7 +354,7 @@ def main() -> None:
     if bad:
         ap.error(f"unknown model(s) {bad}; choose from {sorted(WORKLOADS)}")
     meta = {**run_meta("bench_step.py"), "cpu": cpu_name(),
-            "malloc": "glibc default" if a.default_malloc else "glmc.hostalloc policy "
+            "malloc": "glibc default" if a.default_malloc else "glmc.runtime.hostalloc policy "
             "(freed memory kept) for every contender, from glmc's first compile on"}
     results = []
     for name in models:

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import glmc  # noqa: E402
-from glmc.capture import LossModule, split_batch  # noqa: E402
+from glmc.trace.capture import LossModule, split_batch  # noqa: E402
 from tests.models import CASES, no_dropout, twin  # noqa: E402
 
 

@@ -15,16 +15,15 @@ import sys
 import time
 from pathlib import Path
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_step import MiB, ROOT, WORKLOADS, run_meta, write_result  # noqa: E402
+from bench_step import ROOT, WORKLOADS, MiB, run_meta, write_result  # noqa: E402
+from glmc.backends import get_backend  # noqa: E402
 
 import glmc  # noqa: E402
-from glmc.backends import get_backend  # noqa: E402
-from glmc.analysis import predict  # noqa: E402
-from glmc.capture import split_batch  # noqa: E402
-from glmc.cost import get_profile, measure_node_times  # noqa: E402
-from glmc.runtime import _leaves  # noqa: E402
+from glmc.analysis.cost import get_profile, measure_node_times  # noqa: E402
+from glmc.analysis.predict import predict  # noqa: E402
+from glmc.runtime.trainer import _leaves  # noqa: E402
+from glmc.trace.capture import split_batch  # noqa: E402
 
 
 def measure(name: str, backend: str, steps: int) -> dict:

@@ -78,6 +78,7 @@ def table(found: dict) -> tuple[list[str], dict]:
 def main() -> None:
     import torch.multiprocessing as mp
     from bench_step import cpu_name, run_meta
+
     from tests.distributed import free_port
     from tests.zoo import STEPS, ZOO
     ap = argparse.ArgumentParser()

@@ -1,17 +1,16 @@
 """glmc: a compiler for PyTorch training steps."""
-from glmc.api import optimize
-from glmc.capture import capture
+from glmc.compiler.passmanager import Pass, PassContext, PassManager, PassResult
 from glmc.errors import (BudgetError, CaptureError, CommError, ConfigError, GlmcError,
-                         GraphBreakError, InputError, PassError, PipelineError,
-                         UnsupportedOpError)
-from glmc.ir import NodeInfo, Phase, Role, TrainGraph
-from glmc.passmanager import Pass, PassContext, PassManager, PassResult
-from glmc.serialize import load_graph, save_graph
+                         GraphBreakError, InputError, PassError, PipelineError, UnsupportedOpError)
+from glmc.export.serialize import load_graph, save_graph
+from glmc.frontend.api import optimize
+from glmc.ir.graph import NodeInfo, Phase, Role, TrainGraph
+from glmc.trace.capture import capture
 
-__version__ = "0.1.0"
+from glmc.version import __version__  # noqa: F401  (glmc.__version__)
 
-_LAZY = {"Parallel": "glmc.parallel", "save_checkpoint": "glmc.parallel",
-         "load_checkpoint": "glmc.parallel"}  #: data parallelism, imported on first use
+_LAZY = {"Parallel": "glmc.parallel.data", "save_checkpoint": "glmc.parallel.data",
+         "load_checkpoint": "glmc.parallel.data"}  #: data parallelism, imported on first use
 
 
 def __getattr__(name: str):

@@ -1,5 +1,5 @@
 import sys
 
-from glmc.cli import main
+from glmc.frontend.cli import main
 
 sys.exit(main())

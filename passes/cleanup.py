@@ -19,9 +19,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from glmc.cost import is_view
-from glmc.ir import REMAT, Phase, TrainGraph, is_collective, is_impure, replace_uses
-from glmc.passmanager import Pass, PassContext, PassResult
+from glmc.analysis.cost import is_view
+from glmc.compiler.passmanager import Pass, PassContext, PassResult
+from glmc.ir.graph import REMAT, Phase, TrainGraph, is_collective, is_impure, replace_uses
 
 aten = torch.ops.aten
 
@@ -60,7 +60,7 @@ class CleanupPass(Pass):
 
 def cleanup_stage(gm: fx.GraphModule) -> CleanupStats:
     """The pass on a pipeline stage's joint graph (AOTAutograd's, functional, differentiated
-    already; `glmc.program.capture_stage`'s `partition` hook) before it is split into forward
+    already; `glmc.trace.stages.capture_stage`'s `partition` hook) before it is split into forward
     and backward. A copy whose removal would let a graph output alias an input stays
     (AOTAutograd planned the outputs' aliasing before this rewrite)."""
     g = gm.graph

@@ -55,14 +55,14 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from glmc.comm import collective_seconds, get_link
-from glmc.cost import dispatch_overhead, get_profile, is_view, node_time, op_cost
+from glmc.analysis.comm import collective_seconds, get_link
+from glmc.analysis.cost import dispatch_overhead, get_profile, is_view, node_time, op_cost
+from glmc.analysis.predict import graph_device
+from glmc.compiler.passmanager import Effect, Need, Pass, PassContext, PassResult
 from glmc.errors import ConfigError, PassError
-from glmc.analysis import graph_device
-from glmc.ir import (GRAD_BUCKET, NodeInfo, OutputKind, OutputSpec, Phase, Role, TensorSpec,
-                     TrainGraph)
-from glmc.passmanager import Effect, Need, Pass, PassContext, PassResult
-from glmc.program import NodeBuilder, SpmdProgram, insert_collective
+from glmc.ir.graph import (GRAD_BUCKET, NodeInfo, OutputKind, OutputSpec, Phase, Role, TensorSpec,
+                           TrainGraph)
+from glmc.ir.program import NodeBuilder, SpmdProgram, insert_collective
 
 aten = torch.ops.aten
 METHODS = ("bf16", "fp16", "sign", "topk", "powersgd")
@@ -96,7 +96,7 @@ class CompressStats:
     price: "Price | None" = None  #: predicted communication and compute (None: not priced)
 
     def report_section(self, ctx: Any) -> Any:
-        from glmc.report_parts import ReportSection, Table, Text
+        from glmc.compiler.report_parts import ReportSection, Table, Text
         p = self.price
         head = (f"{self.method}: {self.wire_bytes:,} bytes on the wire per rank per step "
                 f"(dense {self.dense_bytes:,}, {self.ratio}:1)")
@@ -114,7 +114,7 @@ class CompressStats:
                    f" ms dense" + (f"; first {self.warmup_steps} steps dense"
                                    if self.warmup_steps else ""))
         blocks = (Text(head), Table(("predicted per step", "dense", self.method), rows),
-                  Text("Predicted: alpha-beta per collective (glmc.comm) on the link above; the "
+                  Text("Predicted: alpha-beta per collective (glmc.analysis.comm) on the link above; the "
                        "added ops by the op cost model. The measured step time and exposed "
                        "communication are in the step's prediction check.", "note"))
         return ReportSection("Gradient compression", blocks, summary)
@@ -141,7 +141,7 @@ class CompressPass(Pass):
     rank: int = 4  #: powersgd: the rank of the approximation
     error_feedback: bool = True
     min_numel: int = 1024  #: powersgd: smaller tensors go uncompressed
-    #: the link the report prices the traffic on (glmc.comm.get_link: a name or figures)
+    #: the link the report prices the traffic on (glmc.analysis.comm.get_link: a name or figures)
     link: str = "infiniband-ndr"
     warmup_steps: int = 0  #: the first steps go uncompressed (see the module docstring)
     block: int = 0  #: sign: elements per scale (0: one scale per tensor)
@@ -563,7 +563,7 @@ def _profile(ctx: PassContext, device: str) -> Any:
     calibration only when it is cached (measuring it takes minutes on a loaded machine)."""
     if ctx.profile is not None or device != "cpu":
         return get_profile(ctx.profile, device)
-    from glmc.calibration import cache_path, calibration_enabled
+    from glmc.analysis.calibration import cache_path, calibration_enabled
     if calibration_enabled() and not cache_path().exists():
         return None
     return get_profile(None, device)

@@ -1,7 +1,7 @@
 """`fusion`: the large patterns of transformer training -> fused, memory-saving ops.
 
 Matched on the step's forward (ATen, any of the spellings below); the backward is derived again
-from the fused forward (`glmc.rederive`), so each fused op's backward replaces the hand-written
+from the fused forward (`glmc.trace.rederive`), so each fused op's backward replaces the hand-written
 one and saves only what it needs. Visible on every backend, eager included.
 
     attention  bmm(q, kᵀ) → (÷√d | ×s) → (masked_fill(causal/bool mask, -inf) | + mask) →
@@ -40,14 +40,13 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from glmc import kernels  # noqa: F401  (registers glmc's fused ops)
+from glmc.compiler.lossfusion import fuse_head, fuse_loss
+from glmc.compiler.passmanager import Effect, Need, Pass, PassContext, PassResult
 from glmc.errors import ConfigError
-from glmc.ir import TrainGraph, op_name
-from glmc.ir import is_impure, replace_uses
-from glmc.lossfusion import fuse_head, fuse_loss
-from glmc.passmanager import Effect, Need, Pass, PassContext, PassResult
-from glmc.rederive import ForwardProgram, forward_program, rederive
-from glmc.target import EAGER, BackendTraits
+from glmc.ir import kernels  # noqa: F401  (registers glmc's fused ops)
+from glmc.ir.graph import TrainGraph, is_impure, op_name, replace_uses
+from glmc.ir.target import EAGER, BackendTraits
+from glmc.trace.rederive import ForwardProgram, forward_program, rederive
 
 aten = torch.ops.aten
 PATTERNS = ("attention", "norm", "mlp", "loss", "optimizer")
@@ -60,9 +59,9 @@ class FusionStats:
     regions: list[dict[str, Any]] = field(default_factory=list)  #: pattern, op, source, nodes
 
     def report_section(self, ctx: Any) -> Any:
-        """The report's fusion section (a glmc.report_parts.ReportSection for the
+        """The report's fusion section (a glmc.compiler.report_parts.ReportSection for the
         SectionContext `ctx`): regions per pattern, prediction before/after, each region."""
-        from glmc.report_parts import ReportSection, Table, Text, before_after, mib
+        from glmc.compiler.report_parts import ReportSection, Table, Text, before_after, mib
         counts = ", ".join(f"{k}: {v}" for k, v in self.counts.items()) or "none"
         text = (f"Regions fused per pattern: {counts}. {before_after(ctx)}; measured peak of "
                 f"the compiled step {mib(ctx.measured_peak_bytes)} (the benchmark "
@@ -171,7 +170,7 @@ def fuse_stage(gm: fx.GraphModule, inputs: list[Any],
     LM head and loss -> `glmc::linear_cross_entropy` when both sit on it, the loss alone ->
     `glmc::cross_entropy` when the logits arrive from the stage before). Not `optimizer`: a
     stage's update is already ATen's fused AdamW. The caller differentiates the result again
-    (`glmc.program.capture_stage`). Returns the regions fused per pattern."""
+    (`glmc.trace.stages.capture_stage`). Returns the regions fused per pattern."""
     unknown = set(patterns) - set(STAGE_PATTERNS)
     if unknown:
         raise ConfigError(f"fusion: pattern(s) {sorted(unknown)} on pipeline stages; stages "

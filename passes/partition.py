@@ -1,7 +1,7 @@
 """`partition`: choose where to cut a step into pipeline stages, by predicted cost.
 
-Guarantees: the step is not rewritten (the pass plans; `glmc.pipeline_parallel` applies the
-plan by capturing each stage of the module, `glmc.program.capture_stage`). The plan cuts the
+Guarantees: the step is not rewritten (the pass plans; `glmc.parallel.pipeline` applies the
+plan by capturing each stage of the module, `glmc.trace.stages.capture_stage`). The plan cuts the
 forward between *layer-granular blocks* — an item of the model's list of layers (`blocks.0`,
 or nested as in transformers, `model.layers.0`), or a module at that list's depth (`embed`,
 `head`; `model.embed_tokens`, `lm_head`): `block_names` — in the order the forward first
@@ -17,19 +17,19 @@ Node times are grouped by module path (forward: `NodeInfo.module`; backward: the
 module AOTAutograd recorded); nodes of no block (the loss, glue) count on the last block; the
 update time is split over blocks by parameter count. Memory per stage: its state (parameters,
 gradients, optimizer state) plus its saved activations times the microbatches the schedule
-keeps in flight on it (`glmc.schedule.Timeline.in_flight`).
+keeps in flight on it (`glmc.planning.schedule.Timeline.in_flight`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from glmc.analysis import predict
-from glmc.cost import get_profile
+from glmc.analysis.cost import get_profile
+from glmc.analysis.predict import predict
+from glmc.compiler.passmanager import Need, Pass, PassContext, PassResult
 from glmc.errors import ConfigError, PassError
-from glmc.ir import Phase, Role, TrainGraph
-from glmc.passmanager import Need, Pass, PassContext, PassResult
-from glmc.schedule import Action, ActionKind, from_torch, simulate
+from glmc.ir.graph import Phase, Role, TrainGraph
+from glmc.planning.schedule import Action, ActionKind, from_torch, simulate
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1")
 LINK_BYTES_PER_S = 5e9  #: boundary transfer rate assumed when comparing cuts (host memory)
@@ -79,7 +79,7 @@ class PartitionPlan:
     bubble: float  #: predicted idle fraction of the schedule on these stage times
     equal_imbalance: float  #: imbalance of an equal split of blocks, for comparison
     notes: tuple[str, ...] = field(default=())
-    timeline: Any = None  #: the predicted schedule (glmc.schedule.Timeline), if simulated
+    timeline: Any = None  #: the predicted schedule (glmc.planning.schedule.Timeline), if simulated
     link: dict | None = None  #: the link transfers were priced on (LinkProfile.to_dict)
 
     @property
@@ -89,7 +89,7 @@ class PartitionPlan:
         return max(times) / (sum(times) / len(times)) if sum(times) > 0 else 1.0
 
     def report_section(self, ctx: Any) -> Any:
-        from glmc.report_parts import ReportSection, Table, Text, mib, ms
+        from glmc.compiler.report_parts import ReportSection, Table, Text, mib, ms
         rows = [(str(i), ", ".join(s.blocks), s.profile, ms(s.forward_s), ms(s.backward_s),
                  ms(s.update_s), ms(s.seconds), str(s.in_flight), mib(s.peak_bytes),
                  mib(s.send_bytes)) for i, s in enumerate(self.stages)]
@@ -173,7 +173,7 @@ def owner(path: str | None, blocks: Sequence[str]) -> str | None:
 def _module_of(n: Any, info: Any) -> str | None:
     if info.phase is Phase.FORWARD:
         return info.module
-    from glmc.step import _module_path  # the recorded forward module of a backward node
+    from glmc.trace.step import _module_path  # the recorded forward module of a backward node
     return _module_path(n.meta.get("fwd_nn_module_stack"))
 
 
@@ -263,7 +263,7 @@ class PartitionPass(Pass):
     schedule: str = "1f1b"
     virtual: int = 1
     profiles: str = ""
-    link: Any = ""  #: glmc.comm link between stages (name, figures or a LinkProfile); empty:
+    link: Any = ""  #: glmc.analysis.comm link between stages (name, figures or a LinkProfile); empty:
     #: transfers are free in the predicted schedule
     microbatch_graph: bool = False  #: the graph is of one microbatch (see plan_partition)
 
@@ -276,7 +276,7 @@ class PartitionPass(Pass):
                             f"{', '.join(SCHEDULES)}")
         if self.microbatches < 1 or self.stages < 1:
             raise PassError("partition: stages and microbatches must be positive")
-        from glmc.comm import get_link
+        from glmc.analysis.comm import get_link
         plan = plan_partition(graph, self.stages, self.microbatches, self.schedule,
                               self._profiles(ctx), ctx.traits, self.virtual,
                               get_link(self.link) if self.link else None,
@@ -298,7 +298,7 @@ def plan_partition(graph: TrainGraph, stages: int, microbatches: int, schedule: 
                    microbatch_graph: bool = False, cut: Sequence[int] | str | None = None
                    ) -> PartitionPlan:
     """The cost-balanced plan for `graph` (see the module docstring). `link`: the link
-    between neighbouring stages (glmc.comm; e.g. this host's, measured): boundary transfers
+    between neighbouring stages (glmc.analysis.comm; e.g. this host's, measured): boundary transfers
     then take time in the predicted schedule (a send its call cost, a receive the latency and
     bytes / bandwidth after its send); without one they are free. `microbatch_graph`:
     `graph` is the step on one microbatch (the accurate input: per-op overheads are paid per

@@ -14,7 +14,7 @@ overridable per op and per module path):
 Casts are made once per value and dtype and shared by every reader (a weight's low-precision
 copy is made once per step however many times it is used), at the first reader; a value is
 never cast back to a dtype it already has in the graph. Parameters and optimizer state stay fp32:
-the backward is derived again from the rewritten forward (`glmc.rederive`), so each gradient
+the backward is derived again from the rewritten forward (`glmc.trace.rederive`), so each gradient
 flows back through the casts and reaches its fp32 parameter as fp32, and saved activations are
 kept in whatever dtype the forward produced them in — the low one for matmul outputs, which is
 where the memory goes down. The loss and new buffer values are returned in their original dtype.
@@ -28,7 +28,7 @@ computes those logits with fp32 matmuls of the uncast activations: the largest e
 leaves in the loss is the bf16 rounding of the logits; `head=low` computes them in the low dtype.
 A shifted-LM slice of the logits is absorbed into the targets (ignore_index).
 
-fp16 adds dynamic loss scaling inside the step (`glmc.scaler`: scale, unscale, inf/NaN check,
+fp16 adds dynamic loss scaling inside the step (`glmc.trace.scaler`: scale, unscale, inf/NaN check,
 skip and back off, grow after `growth_interval` clean steps; no host synchronisation).
 
 Off by default, because they round more and measurably moved the loss further from fp64 on the
@@ -37,7 +37,7 @@ copy of its activation input, so the backward saves that copy) and `cast_constan
 as rotary tables are cast down to the activation's dtype instead of promoting it).
 
 `auto` reads, per module, the range of its forward values and gradients from the statistics
-the runtime records on the example batch before the passes run (`glmc.valuestats`; the pass
+the runtime records on the example batch before the passes run (`glmc.trace.valuestats`; the pass
 declares `Need.VALUE_STATS` and never runs the model itself). Modules whose values would overflow fp16 (|x| above
 65504 / headroom) or underflow it (more than 1% of nonzero values, gradients times the initial
 loss scale, below fp16's smallest normal) take bf16; the others take fp16 when fp16 is the
@@ -58,15 +58,16 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
-from glmc import kernels  # noqa: F401  (registers glmc's fused ops)
-from glmc.cost import get_profile
+from glmc.analysis.cost import get_profile
+from glmc.compiler.lossfusion import fuse_head, fuse_loss
+from glmc.compiler.lossfusion import is_plain_view as _is_plain_view
+from glmc.compiler.passmanager import Effect, Need, Pass, PassContext, PassResult
 from glmc.errors import ConfigError, PassError
-from glmc.ir import REMAT, InputSpec, Phase, Role, TrainGraph, op_name
-from glmc.passmanager import Effect, Need, Pass, PassContext, PassResult
-from glmc.lossfusion import fuse_head, fuse_loss, is_plain_view as _is_plain_view
-from glmc.rederive import ForwardProgram, forward_program, rederive
-from glmc.scaler import LossScaling
-from glmc.valuestats import ModuleStats, ValueStats
+from glmc.ir import kernels  # noqa: F401  (registers glmc's fused ops)
+from glmc.ir.graph import REMAT, InputSpec, Phase, Role, TrainGraph, op_name
+from glmc.trace.rederive import ForwardProgram, forward_program, rederive
+from glmc.trace.scaler import LossScaling
+from glmc.trace.valuestats import ModuleStats, ValueStats
 
 aten = torch.ops.aten
 
@@ -135,10 +136,10 @@ class PrecisionStats:
     node_dtypes: list[list[str]] = field(default_factory=list)  #: [node, op, phase, dtype]
 
     def report_section(self, ctx: Any) -> Any:
-        """The report's precision section (a glmc.report_parts.ReportSection for the
+        """The report's precision section (a glmc.compiler.report_parts.ReportSection for the
         SectionContext `ctx`; None when the pass changed nothing): casts, fused losses, loss
         scaling, dtypes per phase, per-module choices, every cast and every node's dtype."""
-        from glmc.report_parts import ReportSection, Text, before_after, mib
+        from glmc.compiler.report_parts import ReportSection, Text, before_after, mib
         if not ctx.changed:
             return None
         blocks: list[Any] = [Text(
@@ -160,7 +161,7 @@ class PrecisionStats:
 
     def _report_tables(self) -> list[Any]:
         """Dtypes per phase, per-module choices, every cast, every node's dtype (folded)."""
-        from glmc.report_parts import Table
+        from glmc.compiler.report_parts import Table
         dtypes = sorted({d for v in self.step_dtypes.values() for d in v})
         tables = [Table(("phase", *dtypes), tuple((ph, *(v.get(d, 0) for d in dtypes))
                                                   for ph, v in self.step_dtypes.items()))]
@@ -502,9 +503,9 @@ def assign_stage(gm: fx.GraphModule, inputs: list[InputSpec], policy: str) -> li
     or the loss, each output in its captured dtype; every node with glmc metadata), rewritten
     in place by the same dtype assignment as the precision pass (the default op rules;
     parameters stay fp32 masters, read through casts). The caller differentiates the result
-    again (`glmc.program.capture_stage`), as `rederive` does for a whole step. fp16's loss
+    again (`glmc.trace.stages.capture_stage`), as `rederive` does for a whole step. fp16's loss
     scaling is the pipeline runtime's (one scale, one overflow check across every stage:
-    `glmc.pipeline_parallel.PipelineTrainer`); auto measures a whole step, so it is not
+    `glmc.parallel.pipeline.PipelineTrainer`); auto measures a whole step, so it is not
     accepted here."""
     if policy not in ("bf16", "fp16"):
         raise ConfigError(f"precision: policy {policy!r} on pipeline stages; bf16 and fp16 "
@@ -664,7 +665,7 @@ def _fp16_preferred(prefer: str, device: str,
 def choose_layers(graph: TrainGraph, program: ForwardProgram, init_scale: float,
                   fp16: bool, note: str) -> list[LayerChoice]:
     """bf16 or fp16 for every module that owns a low-precision (matmul-class) op, from the
-    value ranges recorded on the example batch (`glmc.valuestats`, graph.meta)."""
+    value ranges recorded on the example batch (`glmc.trace.valuestats`, graph.meta)."""
     owners = sorted({TrainGraph.info(n).module or "" for n in program.graph.nodes
                      if n.op == "call_function" and DEFAULT_RULES.get(op_name(n)) == "low"})
     ranges: ValueStats = graph.meta["value_stats"]

@@ -11,7 +11,7 @@ optimizer; the program the backend runs) staying within the budget.
     budget=+64MiB  weights, optimizer state and batch plus this many bytes
 
 With `multiplicity=k` (a pipeline stage's joint graph, `recompute_stage`) the peak counts the
-values k - 1 other in-flight microbatches keep for their backward (`glmc.remat`).
+values k - 1 other in-flight microbatches keep for their backward (`glmc.planning.remat`).
 
 Guarantees:
 * Random ops (dropout) are never recomputed: they are kept, so masks and gradients are
@@ -23,14 +23,13 @@ Guarantees:
   model and the simulation disagree, the pass tightens its target and plans again.
 * A budget below the smallest reachable peak raises `BudgetError` naming that minimum.
 
-Solvers (`solver=auto|milp|greedy`, `time_limit=` seconds): see `glmc.remat`. `auto` runs the
+Solvers (`solver=auto|milp|greedy`, `time_limit=` seconds): see `glmc.planning.remat`. `auto` runs the
 greedy heuristic, then the MILP when the graph has at most `milp_units` candidate values, and
 keeps the cheaper valid plan; the report says which produced it and the MILP's gap.
 """
 from __future__ import annotations
 
 import dataclasses
-
 import operator
 import re
 import time
@@ -40,17 +39,16 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from glmc.analysis import graph_device
-from glmc.cost import value_bytes, get_profile, is_view, node_time, op_cost
+from glmc.analysis.cost import get_profile, is_view, node_time, op_cost, value_bytes
+from glmc.analysis.memory import simulate
+from glmc.analysis.predict import graph_device
+from glmc.compiler.passmanager import Effect, Need, Pass, PassContext, PassResult, Verdict
 from glmc.errors import BudgetError, ConfigError
-from glmc.ir import (RANDOM_OPS, REGATHER_S, Phase, TrainGraph, is_collective, is_comm,
-                     op_name)
-from glmc.memory import simulate
-from glmc.passmanager import Effect, Need, Pass, PassContext, PassResult, Verdict
-from glmc.target import BackendTraits, FusionModel
-from glmc.step import joint_to_traingraph
-from glmc.writeback import lower_writeback
-from glmc.remat import Plan, Problem, Unit, evaluate, greedy, milp, plan_cost, stored_bytes
+from glmc.ir.graph import RANDOM_OPS, REGATHER_S, Phase, TrainGraph, is_collective, is_comm, op_name
+from glmc.ir.target import BackendTraits, FusionModel
+from glmc.ir.writeback import lower_writeback
+from glmc.planning.remat import Plan, Problem, Unit, evaluate, greedy, milp, plan_cost, stored_bytes
+from glmc.trace.step import joint_to_traingraph
 
 BUDGET_TOLERANCE = 0.01  #: measured peak may exceed a memory budget by this fraction
 
@@ -123,10 +121,10 @@ class RecomputeStats:
     notes: list = field(default_factory=list)
 
     def report_section(self, ctx: Any) -> Any:
-        """The report's recompute section (a glmc.report_parts.ReportSection for the
+        """The report's recompute section (a glmc.compiler.report_parts.ReportSection for the
         SectionContext `ctx`): budget against planned, predicted and measured peak, the solver,
         the largest recomputed and kept values, the Pareto curve."""
-        from glmc.report_parts import MiB, LinePlot, ReportSection, Table, Text, mib, ms
+        from glmc.compiler.report_parts import LinePlot, MiB, ReportSection, Table, Text, mib, ms
         budget = f"{self.budget} ({mib(self.budget_bytes)})" if self.budget_bytes is not None \
             else self.budget
         gap = f", MILP gap {self.milp_gap:.2g}" if self.milp_gap is not None else ""
@@ -313,7 +311,7 @@ class RecomputePass(Pass):
 
 def recompute_stage(budget: Any, multiplicity: int, traits: BackendTraits, profile: Any = None,
                     found: list | None = None) -> Callable[[fx.GraphModule], None]:
-    """For a pipeline stage (`glmc.program.capture_stage(partition=...)`): a rewrite of the
+    """For a pipeline stage (`glmc.trace.stages.capture_stage(partition=...)`): a rewrite of the
     stage's AOTAutograd joint graph, before its default partition, by this pass under `budget`
     (a fraction, a size — `+N` above the stage's weights and inputs — or "min") with the
     `multiplicity` microbatches its schedule keeps in flight; the partition then saves what
@@ -537,7 +535,7 @@ def _made_ancestors(node: fx.Node, made: set[fx.Node]) -> list[fx.Node]:
 def _simulate_with(graph: TrainGraph, problem: Problem, units: list[str],
                    recompute: frozenset[int], backend: Any, prefetch: bool = False) -> int:
     """Predicted peak of the step with this plan applied (on a scratch copy of the graph),
-    with the values the problem's other in-flight microbatches keep (`glmc.remat`)."""
+    with the values the problem's other in-flight microbatches keep (`glmc.planning.remat`)."""
     scratch = graph.copy()
     if recompute:
         rewrite(scratch, {units[i] for i in recompute}, backend, prefetch)

@@ -2,7 +2,7 @@
 
 Runs on the step one rank computes (its slice of the global batch) over a 1-D data-parallel
 mesh (`PassContext.mesh`, dim "dp" of N ranks), and turns it into an SPMD program
-(`glmc.program`): gradients are averaged over the ranks by torch's functional collectives,
+(`glmc.ir.program`): gradients are averaged over the ranks by torch's functional collectives,
 placed in the graph, in buckets that follow the backward's production order.
 
     stage 0   grads all-reduced (avg)              update on the full params, state replicated
@@ -30,44 +30,43 @@ the forward while the next stage-3 bucket gathers); `overlap=false` waits at onc
 the step returns is averaged over the ranks too (the global batch's loss for a mean loss).
 
 Hierarchical all-reduce (`hierarchical=auto|on|off`, stages 0-1): on a 2-D mesh of nodes x
-ranks per node (dims "node" and "local", "dp" their flattening — glmc.parallel builds it from
+ranks per node (dims "node" and "local", "dp" their flattening — glmc.parallel.data builds it from
 `nodes=` or torchrun's LOCAL_WORLD_SIZE), a gradient bucket's all-reduce becomes
 
     pad(flat, to a multiple of L) -> reduce_scatter_tensor(avg) over "local"   (1/L each)
       -> all_reduce(avg) over "node"  -> all_gather_into_tensor over "local" -> drop the pad
 
 so only 1/L of the bucket crosses the slow inter-node link per rank. `auto` takes it for a
-bucket when the alpha-beta model (glmc.comm.choose_allreduce, with the `intra_link` and
+bucket when the alpha-beta model (glmc.analysis.comm.choose_allreduce, with the `intra_link` and
 `inter_link` profiles) predicts it faster than one flat ring over all ranks; the plan keeps
 both predictions per bucket. Equal to the flat all-reduce up to the order of the sums. The
 three collectives run back to back (each reads the previous wait): the bucket's last
 all-gather overlaps the backward, its first two do not.
 
 The pass records a `ShardPlan` in `graph.meta["sharding"]`: which inputs are stored sharded
-and how (`Layout`), for the runtime that keeps those shards (glmc.parallel).
+and how (`Layout`), for the runtime that keeps those shards (glmc.parallel.data).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
 import torch.fx as fx
 
-from glmc.comm import LinkProfile, choose_allreduce, collective_seconds, get_link
+from glmc.analysis.comm import LinkProfile, choose_allreduce, collective_seconds, get_link
+from glmc.compiler.passmanager import Effect, Need, Pass, PassContext, PassResult
 from glmc.errors import ConfigError, PassError
-from glmc.ir import (ACCUMULATES, GRAD_BUCKET, GRAD_OF, RANK_ARG, REGATHER_S, MeshSpec,
-                     OutputKind, Phase, Role, TensorSpec, TrainGraph)
-from glmc.passmanager import Effect, Need, Pass, PassContext, PassResult
-from glmc.program import NodeBuilder, SpmdProgram, insert_collective
+from glmc.ir.graph import (ACCUMULATES, GRAD_BUCKET, GRAD_OF, RANK_ARG, REGATHER_S, MeshSpec,
+                           OutputKind, Phase, Role, TensorSpec, TrainGraph)
+from glmc.ir.plans import DIM, HIERARCHICAL, LOCAL, NODE, Bucket, Layout, ShardPlan
+from glmc.ir.program import NodeBuilder, SpmdProgram, insert_collective
 
 aten = torch.ops.aten
-DIM = "dp"  #: the mesh dim data parallelism runs over (on a 2-D mesh: NODE x LOCAL flattened)
-NODE, LOCAL = "node", "local"  #: a 2-D data-parallel mesh: across nodes, inside a node
-HIERARCHICAL = ("auto", "on", "off")
+
 
 #: cheap forward ops a backward may read instead of the parameter itself (`t(w)` saved for
 #: `mm(grad, t(w))`); under stage 3 they are made again from the backward's gathered copy
@@ -76,88 +75,6 @@ _PARAM_VIEWS = {aten.t.default, aten.permute.default, aten.transpose.int, aten.v
                 aten.unsqueeze.default, aten.squeeze.dim, aten.slice.Tensor, aten.alias.default,
                 aten.detach.default, aten._to_copy.default, aten.clone.default,
                 aten.select.int}
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How a tensor of `shape` is stored on each of `ranks` ranks: rows [r k, (r+1) k) of dim 0
-    (`k = rows`), zero-padded; a 0-d tensor is one row."""
-
-    shape: tuple[int, ...]
-    ranks: int
-
-    @property
-    def rows(self) -> int:
-        return math.ceil(self._d0 / self.ranks)
-
-    @property
-    def _d0(self) -> int:
-        return self.shape[0] if self.shape else 1
-
-    @property
-    def _rest(self) -> tuple[int, ...]:
-        return tuple(self.shape[1:])
-
-    @property
-    def local_shape(self) -> tuple[int, ...]:
-        return (self.rows, *self._rest)
-
-    @property
-    def chunk(self) -> int:
-        """Elements of one rank's shard."""
-        return self.rows * math.prod(self._rest)
-
-    @property
-    def padded_rows(self) -> int:
-        return self.rows * self.ranks
-
-    def local(self, full: torch.Tensor, rank: int) -> torch.Tensor:
-        """This rank's padded shard of `full` (a new tensor)."""
-        rows = full.reshape(self._d0, *self._rest)
-        out = rows.new_zeros(self.local_shape)
-        lo, hi = rank * self.rows, min((rank + 1) * self.rows, self._d0)
-        if hi > lo:
-            out[: hi - lo].copy_(rows[lo:hi])
-        return out
-
-    def valid_rows(self, rank: int) -> int:
-        """Rows of rank `rank`'s shard that hold data (the rest is padding)."""
-        return max(0, min(self.rows, self._d0 - rank * self.rows))
-
-    def full(self, shards: list[torch.Tensor]) -> torch.Tensor:
-        """The tensor from every rank's padded shard, in rank order."""
-        return torch.cat(shards)[: self._d0].reshape(self.shape)
-
-
-@dataclass
-class Bucket:
-    """Parameters whose gradients (or gathered values) travel in one collective."""
-
-    params: list[str]
-    nbytes: int
-    collective: str
-    #: all-reduced in three steps: reduce-scatter in the node, all-reduce across, all-gather
-    hierarchical: bool = False
-    #: the alpha-beta predictions the choice was made on: {"flat_s", "hierarchical_s"}
-    predicted: dict[str, float] | None = None
-
-
-@dataclass
-class ShardPlan:
-    """What the shard pass did, for the runtime and the report."""
-
-    stage: int
-    mesh: MeshSpec
-    dim: str
-    #: inputs stored sharded, by InputSpec target (stage >= 1: optimizer state; 3: params)
-    layouts: dict[str, Layout] = field(default_factory=dict)
-    grad_buckets: list[Bucket] = field(default_factory=list)
-    gather_buckets: list[Bucket] = field(default_factory=list)  #: new params (1-2) / fwd (3)
-    accumulators: dict[str, TensorSpec] = field(default_factory=dict)  #: by input target
-
-    @property
-    def ranks(self) -> int:
-        return self.mesh.size(self.dim)
 
 
 @dataclass(frozen=True)
@@ -186,7 +103,7 @@ class ShardPass(Pass):
     #: hierarchical all-reduce of stage 0-1 gradient buckets on a (node, local) mesh: "auto"
     #: where the communication model predicts it faster, "on", "off"
     hierarchical: str = "auto"
-    intra_link: str = "nvlink4"  #: link profile inside a node (glmc.comm.get_link)
+    intra_link: str = "nvlink4"  #: link profile inside a node (glmc.analysis.comm.get_link)
     inter_link: str = "infiniband-ndr"  #: link profile between nodes
     #: stage 3, the backward's parameters: "always" gathered again (FSDP's reshard after
     #: forward); "budget" the forward's gathered copies kept for the backward, each forward
@@ -259,8 +176,6 @@ class ShardPass(Pass):
         """The (intra-node, inter-node) link profiles."""
         return get_link(self.intra_link), get_link(self.inter_link)
 
-
-# ---- the rewrite -------------------------------------------------------------------------------
 
 class _Sharder:
     def __init__(self, graph: TrainGraph, mesh: MeshSpec, opts: ShardPass) -> None:
@@ -697,8 +612,6 @@ def _settle_waits(graph: TrainGraph, overlap: bool) -> None:
             first.prepend(n)
 
 
-# ---- graph queries -----------------------------------------------------------------------------
-
 def _kind(node: fx.Node) -> tuple[Phase, Role]:
     info = TrainGraph.info(node)
     return info.phase, info.role
@@ -741,7 +654,7 @@ def _gradients(graph: TrainGraph) -> dict[str, fx.Node]:
     if missing:
         raise PassError(f"shard: cannot find the gradient of {missing[:3]} in the step: a pass "
                         "before shard replaced it without carrying its mark "
-                        "(glmc.ir.replace_uses); run shard right after capture's passes")
+                        "(glmc.ir.graph.replace_uses); run shard right after capture's passes")
     return {p: found[p] for p in updated}
 
 

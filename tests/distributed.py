@@ -8,8 +8,8 @@ import socket
 import sys
 import tempfile
 import time
-import warnings
 import traceback
+import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Callable

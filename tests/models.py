@@ -10,8 +10,8 @@ from typing import Any, Callable
 
 import torch
 
-from glmc.capture import LossModule, split_batch
-from glmc.workload import load_workload
+from glmc.frontend.workload import load_workload
+from glmc.trace.capture import LossModule, split_batch
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -112,8 +112,9 @@ def train_side_by_side(model, batch, loss_fn, backend: str = "eager", steps: int
                        lr: float = 1e-2, **options):
     """`steps` AdamW steps of `model` through glmc and of a copy in eager PyTorch, comparing
     the losses at every step; returns (trainer, model, reference, optimizer, its reference)."""
-    import glmc
     import pytest
+
+    import glmc
 
     ref = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)

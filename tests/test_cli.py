@@ -19,7 +19,7 @@ def glmc(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
 
 
 def test_compile_glm_eager_matches_eager_losses(tmp_path: Path) -> None:
-    from glmc.workload import load_workload
+    from glmc.frontend.workload import load_workload
     from tests.models import eager_losses
 
     r = glmc("compile", "examples/glm.py", "--backend", "eager", "--steps", "3",
@@ -50,7 +50,7 @@ def test_missing_model_is_exit_1(tmp_path: Path) -> None:
 
 
 def test_usage_error_is_exit_2(capsys: pytest.CaptureFixture) -> None:
-    from glmc.cli import main  # in-process: the console script itself runs in the tests above
+    from glmc.frontend.cli import main  # in-process: the console script itself runs in the tests above
     for argv, code in ((["compile"], 2), (["frobnicate"], 2), (["compile", "--help"], 0)):
         with pytest.raises(SystemExit) as e:
             main(argv)
@@ -142,9 +142,10 @@ def test_usage_errors_exit_2_before_the_file_loads(tmp_path: Path, command: str,
 
 
 def test_version_and_help(capsys: pytest.CaptureFixture) -> None:
+    from glmc.passes import registry
+
     import glmc as package
-    from glmc.cli import main
-    from glmc.pipeline import registry
+    from glmc.frontend.cli import main
 
     r = glmc("--version")
     assert r.returncode == 0 and r.stdout.strip() == f"glmc {package.__version__}"
@@ -158,7 +159,7 @@ def test_version_and_help(capsys: pytest.CaptureFixture) -> None:
 
 
 def test_file_imports_modules_next_to_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from glmc.workload import load_workload
+    from glmc.frontend.workload import load_workload
 
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.delitem(sys.modules, "glmc_test_sibling", raising=False)
@@ -211,7 +212,7 @@ def test_compile_export_onnx_fails_before_training(tmp_path: Path) -> None:
 def test_launcher_noise_is_dropped_and_rank_errors_kept() -> None:
     """torchrun's report of a failed child (log line, its own traceback, the Failures box)
     goes; the ranks' own output — a typed error, a real traceback — stays, in order."""
-    from glmc.cli import _without_launcher_noise
+    from glmc.frontend.cli import _without_launcher_noise
     stderr = """glmc: error: pipeline: rank 0 needs more than 0.9 MiB
 E1201 04:53:00.123000 4242 torch/distributed/elastic/multiprocessing/api.py:900] failed (exitcode: 1)
 Traceback (most recent call last):

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from glmc.passes.shard import ShardPass
 
 import glmc
-from glmc.comm import choose_allreduce, get_link
+from glmc.analysis.comm import choose_allreduce, get_link
+from glmc.compiler.passmanager import PassContext
 from glmc.errors import ConfigError
-from glmc.ir import GRAD_BUCKET, MeshSpec, TrainGraph
-from glmc.parallel import Parallel
-from glmc.passes.shard import ShardPass
-from glmc.passmanager import PassContext
+from glmc.ir.graph import GRAD_BUCKET, MeshSpec, TrainGraph
+from glmc.parallel.data import Parallel
 from tests.distributed import result, run_parts, spawn
 from tests.models import CASES, eager_losses
 
@@ -164,7 +164,7 @@ def test_hierarchical_bucket_is_reduce_scatter_all_reduce_all_gather() -> None:
 
 
 def test_the_step_prediction_prices_sub_group_collectives_on_their_own_ranks() -> None:
-    from glmc.comm import LinkProfile, collective_seconds, estimate_comm
+    from glmc.analysis.comm import LinkProfile, collective_seconds, estimate_comm
     graph, _ = _sharded(hierarchical="on", intra_link=UNIFORM, inter_link=UNIFORM)
     link = LinkProfile("test", 1e-5, 1e9, "made up")
     est = estimate_comm(graph.graph, {}, 4, link)  # 4 ranks in all; "local"/"node" have 2
@@ -205,7 +205,7 @@ def _warmup_part(backend: str):
 
 def _warmup(rank: int, out: Path, backend: str) -> dict:
     """Uncompressed, and PowerSGD / sign with 2 warm-up steps, 4 steps each on the MLP."""
-    from glmc.parallel import load_checkpoint, save_checkpoint
+    from glmc.parallel.data import load_checkpoint, save_checkpoint
     found = {}
     for name, compress in (("dense", None),
                            ("powersgd", {"method": "powersgd", "min_numel": 256,
@@ -307,7 +307,7 @@ def test_warmup_is_one_step_with_a_branch_per_bucket() -> None:
 
 
 def test_cli_topology_and_warmup_options_are_usage_errors_without_their_context(capsys) -> None:
-    from glmc.cli import main
+    from glmc.frontend.cli import main
     for argv, says in ((["--compress-warmup", "3"], "--compress-warmup needs --compress"),
                        (["--zero", "0", "--compress", "topk", "--compress-block", "64"],
                         "--compress-block needs --compress sign"),

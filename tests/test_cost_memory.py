@@ -10,20 +10,20 @@ from pathlib import Path
 import pytest
 import torch
 import torch.fx as fx
+from glmc.backends.inductor.model import FusionGroups
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import glmc
-from glmc import calibration
-from glmc.analysis import predict
-from glmc.backends.inductor_model import FusionGroups
-from glmc.capture import split_batch
-from glmc.cost import (BUILTIN, DeviceProfile, _interp, estimate_time, get_profile,
-                       gpu_profile, host_profile, kind_of, node_time, op_cost)
+from glmc.analysis import calibration
+from glmc.analysis.cost import (BUILTIN, DeviceProfile, _interp, estimate_time, get_profile,
+                                gpu_profile, host_profile, kind_of, node_time, op_cost)
+from glmc.analysis.memory import measure_peak, simulate, state_bytes
+from glmc.analysis.predict import predict
 from glmc.errors import ConfigError
-from glmc.memory import measure_peak, simulate, state_bytes
-from glmc.report import CompileRecord
-from glmc.target import EAGER, BackendTraits
-from glmc.writeback import lower_writeback
+from glmc.ir.target import EAGER, BackendTraits
+from glmc.ir.writeback import lower_writeback
+from glmc.report.summary import CompileRecord
+from glmc.trace.capture import split_batch
 from tests.models import CASES
 
 aten = torch.ops.aten
@@ -299,7 +299,7 @@ def test_linear_cross_entropy_rule_is_three_matmuls_per_chunk() -> None:
     x, w, t = torch.randn(1016, 384), torch.randn(8192, 384), torch.randint(0, 8192, (1016,))
     c = op_cost(_node(_glmc_graph("linear_cross_entropy", x, w, t, -100, 1, True),
                       "linear_cross_entropy"))
-    rows, chunks = 256, 4  # glmc.kernels.head_rows: HEAD_CHUNK_ELEMENTS // vocab, >= 256
+    rows, chunks = 256, 4  # glmc.ir.kernels.head_rows: HEAD_CHUNK_ELEMENTS // vocab, >= 256
     (mm, n_mm), (soft, n_soft) = c.parts  # fp32: the matmuls accumulate grad w themselves
     assert mm.kind == "matmul" and mm.flops == 2 * rows * 384 * 8192 and n_mm == 3 * chunks
     assert n_soft == chunks and soft.flops == 23 * rows * 8192
@@ -341,7 +341,7 @@ def _direct_calls(fn) -> int:
                                       torch.randint(0, 8192, (600,)), -100, 1, True)),
 ])
 def test_glmc_rule_calls_match_the_kernels(op: str, make) -> None:
-    """The rules count the ATen calls of glmc.kernels' bodies (one chunk and several): a
+    """The rules count the ATen calls of glmc.ir.kernels' bodies (one chunk and several): a
     change there shows here."""
     args = make()
     c = op_cost(_node(_glmc_graph(op, *args), op))
@@ -503,7 +503,7 @@ def test_errors_separate_state_from_in_step_memory() -> None:
 
 
 def test_predicted_state_matches_the_real_state_tensors() -> None:
-    from glmc.runtime import input_getters
+    from glmc.runtime.trainer import input_getters
     model, x, loss_fn, opt = CASES["glm"].make()
     trainer = glmc.optimize(model, x, loss_fn=loss_fn, optimizer=opt, backend="eager",
                             measure=False)
@@ -588,25 +588,31 @@ def test_prediction_carries_the_profile_provenance() -> None:
     assert "user-supplied" in estimate_time(g, FLAT).to_dict()["profile_provenance"]
 
 
-_CORE = ("opcost", "cost", "memory", "analysis", "profiles", "calibration", "report",
-         "report_html", "report_parts", "comm")
+_CORE = ("analysis.opcost", "analysis.cost", "analysis.memory", "analysis.predict",
+         "analysis.profiles", "analysis.calibration", "report.summary", "report.html",
+         "compiler.report_parts", "analysis.comm")
 #: what each core module may import of glmc's: only modules below it
-_BELOW = {"report_parts": set(), "profiles": set(), "calibration": {"profiles"},
-          "comm": {"errors", "ir"},  # the communication model: alpha-beta, timeline replay
+_BELOW = {"compiler.report_parts": set(), "analysis.profiles": set(),
+          "analysis.calibration": {"analysis.profiles"},
+          # the communication model: alpha-beta, timeline replay
+          "analysis.comm": {"errors", "ir.graph"},
           # kernels: glmc's fused ops (a leaf: imports nothing of glmc), for their chunk sizes
-          "opcost": {"profiles", "ir", "kernels"},
-          "cost": {"profiles", "calibration", "errors", "opcost", "target"},
-          "memory": {"cost", "ir", "target"},
-          "analysis": {"comm", "cost", "memory", "ir", "target", "writeback"},
-          "report_html": {"memory", "report_parts"},
-          "report": {"comm", "errors", "passmanager", "report_html", "report_parts"}}
+          "analysis.opcost": {"analysis.profiles", "ir.graph", "ir.kernels"},
+          "analysis.cost": {"analysis.profiles", "analysis.calibration", "errors",
+                            "analysis.opcost", "ir.target"},
+          "analysis.memory": {"analysis.cost", "ir.graph", "ir.target"},
+          "analysis.predict": {"analysis.comm", "analysis.cost", "analysis.memory", "ir.graph",
+                               "ir.target", "ir.writeback"},
+          "report.html": {"analysis.memory", "compiler.report_parts"},
+          "report.summary": {"analysis.comm", "errors", "compiler.passmanager", "report.html",
+                             "compiler.report_parts"}}
 
 
 @pytest.mark.parametrize("module", _CORE)
 def test_core_analyses_import_only_downward(module: str) -> None:
     """No cycles (cost <-> memory, report <-> report_html), no backend, no Inductor — also not
     lazily inside functions."""
-    tree = ast.parse((Path(glmc.__file__).parent / f"{module}.py").read_text())
+    tree = ast.parse((Path(glmc.__file__).parent / f"{module.replace('.', '/')}.py").read_text())
     imported = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module:

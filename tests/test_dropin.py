@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from glmc.passmanager import Pass, PassResult
+from glmc.compiler.passmanager import Pass, PassResult
 from tests.models import ATOL, CASES, RTOL, assert_state_close, eager_losses, twin
 
 

@@ -69,6 +69,7 @@ def test_non_scalar_loss() -> None:
 
 def test_strict_backend_lists_unsupported_ops(monkeypatch) -> None:
     from glmc.backends.eager import EagerBackend
+
     from glmc.errors import UnsupportedOpError
 
     monkeypatch.setattr(EagerBackend, "supports",
@@ -101,6 +102,7 @@ def test_wrong_feature_size_says_what_was_expected_and_what_came() -> None:
 
 def test_a_backend_compile_failure_is_a_typed_error(monkeypatch) -> None:
     from glmc.backends.eager import EagerBackend
+
     from glmc.errors import BackendError
 
     def broken(self, gm, graph):

@@ -34,7 +34,7 @@ def test_cross_entropy_backward_reads_the_target_instead_of_summing(reduction, w
     """The Inductor lowering's cross-entropy rewrite: the same gradient, the class-dim sum
     gone (float64 through ATen here; under Inductor: the next test)."""
     gm, args, grad = _cross_entropy_grad_graph(reduction, weighted, torch.float64)
-    from glmc.backends.inductor import _cross_entropy_backward
+    from glmc.backends.inductor.backend import _cross_entropy_backward
     want = gm(*args)
     assert _cross_entropy_backward(gm) == 1
     aten = torch.ops.aten
@@ -60,9 +60,8 @@ ULP4 = 4 * torch.finfo(torch.float32).eps
 def test_cross_entropy_backward_rewrite_matches_under_inductor_to_a_few_ulp(reduction: str,
                                                                             weighted: bool
                                                                             ) -> None:
+    from glmc.backends.inductor.backend import _cross_entropy_backward
     from torch._inductor.compile_fx import compile_fx
-
-    from glmc.backends.inductor import _cross_entropy_backward
     gm, args, _ = _cross_entropy_grad_graph(reduction, weighted, torch.float32)
     want = compile_fx(gm, list(args))(*args)
     assert _cross_entropy_backward(gm) == 1
@@ -104,11 +103,11 @@ def test_shifted_cross_entropy_scatters_into_the_padded_gradient(start: int,
     buffer, not the scattered gradient and its padded copy. Equal to the rewrite without it
     (each element gets the same additions; a few ulp allowed, as above); the compiled
     gradient's peak is one unpadded gradient lower."""
+    from glmc.backends.inductor import backend as inductor
     from torch._inductor.compile_fx import compile_fx
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from glmc.backends import inductor
-    from glmc.memory import measure_peak
+    from glmc.analysis.memory import measure_peak
     aten = torch.ops.aten
 
     def grad(logits, t):

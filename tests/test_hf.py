@@ -7,7 +7,15 @@ import torch
 pytest.importorskip("transformers")
 
 import glmc  # noqa: E402
-from tests.models import ATOL, RTOL, _example, assert_state_close, eager_losses, glmc_losses, twin  # noqa: E402
+from tests.models import (  # noqa: E402
+    ATOL,
+    RTOL,
+    _example,
+    assert_state_close,
+    eager_losses,
+    glmc_losses,
+    twin,
+)
 
 make = _example("hf_glm.py")
 

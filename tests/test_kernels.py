@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from glmc import kernels  # noqa: F401  (registers the ops)
+from glmc.ir import kernels  # noqa: F401  (registers the ops)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -17,8 +17,7 @@ pytest.importorskip("onnxscript")
 
 import glmc  # noqa: E402
 from glmc.errors import ExportError  # noqa: E402
-from tests.models import (  # noqa: E402
-    BACKEND_CASES, check_backend_parity, glmc_losses, twin)
+from tests.models import BACKEND_CASES, check_backend_parity, glmc_losses, twin  # noqa: E402
 
 STEPS = 3
 
@@ -136,10 +135,10 @@ def test_dropout_runs_with_ort_generator_and_says_so() -> None:
 def test_op_that_does_not_lower_is_a_typed_error_listing_every_site(monkeypatch) -> None:
     """No per-op fallback on ORT: every op without an ONNX lowering is named, with its source
     line, before anything is exported (strict: the fake-tensor check runs first)."""
-    import glmc.kernels
+    import glmc.ir.kernels
 
-    full = glmc.kernels.decompositions
-    monkeypatch.setattr(glmc.kernels, "decompositions",
+    full = glmc.ir.kernels.decompositions
+    monkeypatch.setattr(glmc.ir.kernels, "decompositions",
                         lambda: {k: v for k, v in full().items() if "rms_norm" not in str(k)})
     model, x, loss_fn, opt = MAKE["glm"]()
     with warnings.catch_warnings():
@@ -173,7 +172,7 @@ def test_ort_training_artifacts_train_to_glmcs_losses(tmp_path, case: str) -> No
     pytest.importorskip("onnxruntime.training")
     if case == "hf_glm":
         pytest.importorskip("transformers")
-    from glmc.export import ORT_TRAINING_FILES, export_ort_training
+    from glmc.export.artifacts import ORT_TRAINING_FILES, export_ort_training
 
     model, x, loss_fn, opt = MAKE[case]()
     opt.param_groups[0]["weight_decay"] = 0.1  # not ORT's default (0): must be carried over
@@ -195,7 +194,7 @@ def test_ort_training_export_of_a_model_in_pieces_uses_its_own_forward(tmp_path)
     """A model that breaks into several graphs has no step: its own forward is exported
     (TorchScript exporter), and the artifacts still train to glmc's losses."""
     pytest.importorskip("onnxruntime.training")
-    from glmc.export import export_ort_training
+    from glmc.export.artifacts import export_ort_training
     from tests.test_graph_breaks import Branches
 
     torch.manual_seed(0)
@@ -214,7 +213,7 @@ def test_ort_training_export_of_a_model_in_pieces_uses_its_own_forward(tmp_path)
 
 def test_ort_training_export_refuses_a_low_precision_forward(tmp_path) -> None:
     pytest.importorskip("onnxruntime.training")
-    from glmc.export import export_ort_training
+    from glmc.export.artifacts import export_ort_training
 
     model, x, loss_fn, opt = MAKE["glm"]()
     opt = torch.optim.AdamW(model.parameters())
@@ -227,7 +226,7 @@ def test_ort_training_export_refuses_a_low_precision_forward(tmp_path) -> None:
 
 def test_ort_training_export_rejects_other_optimizers(tmp_path) -> None:
     pytest.importorskip("onnxruntime.training")
-    from glmc.export import export_ort_training
+    from glmc.export.artifacts import export_ort_training
 
     model, x, loss_fn, opt = MAKE["mlp"]()  # SGD with momentum
     trainer = glmc.optimize(model, x, loss_fn=loss_fn, optimizer=opt, backend="eager",
@@ -238,6 +237,6 @@ def test_ort_training_export_rejects_other_optimizers(tmp_path) -> None:
 
 
 def test_cli_check_backend_ort(capsys) -> None:
-    from glmc.cli import main
+    from glmc.frontend.cli import main
     assert main(["check", "examples/mlp.py", "--backend", "ort"]) == 0
     assert "every op is supported by backend 'ort'" in capsys.readouterr().out

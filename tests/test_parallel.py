@@ -13,16 +13,17 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from glmc.passes.shard import ShardPass
 from torch import nn
 
 import glmc
-from glmc.capture import split_batch
+from glmc.analysis.memory import simulate
+from glmc.compiler.passmanager import PassContext
 from glmc.errors import CommError, ConfigError, InputError
-from glmc.ir import MeshSpec
-from glmc.memory import simulate
-from glmc.parallel import Parallel, load_checkpoint, save_checkpoint
-from glmc.passes.shard import Layout, ShardPass
-from glmc.passmanager import PassContext
+from glmc.ir.graph import MeshSpec
+from glmc.ir.plans import Layout
+from glmc.parallel.data import Parallel, load_checkpoint, save_checkpoint
+from glmc.trace.capture import split_batch
 from tests.distributed import result, run_parts, spawn
 from tests.models import CASES, eager_losses
 
@@ -51,7 +52,7 @@ def _recomputed(trainer: Any) -> int:
 
 def _gathers(graph: Any) -> dict[str, int]:
     """All-gathers of the step by phase (ZeRO-3: the forward's, and the backward's)."""
-    from glmc.ir import TrainGraph
+    from glmc.ir.graph import TrainGraph
     out: dict[str, int] = {}
     for n in graph.compute_nodes():
         if "all_gather" in str(n.target):
@@ -331,9 +332,10 @@ def test_buckets_gathered_again_for_the_backward_are_prefetched() -> None:
     rewrite; here all of them) is issued once the bucket before it has arrived and before
     that bucket is read (one ahead, as the shard pass prefetches the forward's), not right
     before its own reader; its wait stays right before its first reader."""
-    from glmc.ir import REGATHER_S, Phase, TrainGraph, comm_ops, is_collective, is_comm
     from glmc.passes.recompute import rewrite
-    from glmc.target import EAGER
+
+    from glmc.ir.graph import REGATHER_S, Phase, TrainGraph, comm_ops, is_collective, is_comm
+    from glmc.ir.target import EAGER
 
     model, batch, loss_fn, opt = CASES["glm"].make()
     g = glmc.capture(model, batch, loss_fn, opt)
@@ -510,7 +512,7 @@ def test_layout_pads_rows_and_reassembles() -> None:
 # ---- communication model -----------------------------------------------------------------------
 
 def test_alpha_beta_formulas_and_the_topology_choice() -> None:
-    from glmc.comm import LINKS, LinkProfile, choose_allreduce, collective_seconds
+    from glmc.analysis.comm import LINKS, LinkProfile, choose_allreduce, collective_seconds
     link = LinkProfile("test", 1e-5, 1e9, "made up")
     # ring all-reduce: 2(N-1) alpha + 2(N-1)/N B/beta
     assert collective_seconds("all_reduce", 8_000_000, 4, link) == pytest.approx(
@@ -528,7 +530,7 @@ def test_alpha_beta_formulas_and_the_topology_choice() -> None:
 
 def test_exposed_communication_is_what_compute_does_not_hide() -> None:
     """A collective issued early and waited for late is hidden by the compute in between."""
-    from glmc.comm import LinkProfile, estimate_comm
+    from glmc.analysis.comm import LinkProfile, estimate_comm
     model, batch, loss_fn, opt = CASES["mlp"].make()
     graph = glmc.capture(model, batch, loss_fn, opt)
     ShardPass(stage=0, bucket_mb=0.001).run(graph, PassContext(mesh=MeshSpec((2,), ("dp",))))
@@ -545,8 +547,8 @@ def test_all_gather_staging_lives_until_the_transfer_ends() -> None:
     """gloo frees an all-gather's staging copy when the transfer ends: with compute to hide
     behind, the model ends it at the node during which the transfer is predicted done, not
     at the wait; a transfer that cannot end before its wait keeps it to the wait."""
-    from glmc.comm import LinkProfile, estimate_comm
-    from glmc.memory import simulate
+    from glmc.analysis.comm import LinkProfile, estimate_comm
+    from glmc.analysis.memory import simulate
     model, batch, loss_fn, opt = CASES["mlp"].make()
     graph = glmc.capture(model, batch, loss_fn, opt)
     ShardPass(stage=3, bucket_mb=0.001).run(graph, PassContext(mesh=MeshSpec((2,), ("dp",))))
@@ -577,7 +579,7 @@ def test_all_gather_staging_lives_until_the_transfer_ends() -> None:
 def _hf_worker(rank: int, port: int, out: str) -> None:
     def part(stage: int):
         def run(rank: int, out: Path) -> dict:
-            from glmc.workload import load_workload
+            from glmc.frontend.workload import load_workload
             from tests.models import EXAMPLES
             w = load_workload(str(EXAMPLES / "hf_glm.py"))
             ref_model = copy.deepcopy(w.model)

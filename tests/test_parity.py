@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import glmc
-from glmc.optim import RULES
-from tests.models import CASES, RTOL, ATOL, assert_state_close, eager_losses, glmc_losses, twin
+from glmc.trace.optim import RULES
+from tests.models import ATOL, CASES, RTOL, assert_state_close, eager_losses, glmc_losses, twin
 
 STEPS = 3
 
@@ -80,10 +80,10 @@ class _StandInRecorder:
 
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
 def test_graphed_step_replays_new_batches_and_records_again_when_lr_changes(backend) -> None:
-    """glmc.cudagraph's logic (partial: no GPU here) through a stand-in recorder: every step
+    """glmc.runtime.cudagraph's logic (partial: no GPU here) through a stand-in recorder: every step
     on a new batch, an lr change mid-way; losses and state equal eager PyTorch's."""
-    from glmc.cudagraph import GraphedStep
     from glmc.errors import ConfigError
+    from glmc.runtime.cudagraph import GraphedStep
     (m, x, loss_fn, opt), (m2, _, _, opt2) = twin(CASES["mlp"].make)
     trainer = glmc.optimize(m, x, loss_fn=loss_fn, optimizer=opt, backend=backend,
                             measure=False)

@@ -4,13 +4,13 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from glmc.passes import parse_pipeline
+from glmc.passes.cleanup import CleanupPass
 
 import glmc
-from glmc.capture import capture
+from glmc.compiler.passmanager import Pass, PassContext, PassManager, PassResult, split_pipeline
 from glmc.errors import PassError, PipelineError
-from glmc.passes.cleanup import CleanupPass
-from glmc.passmanager import Pass, PassContext, PassManager, PassResult, split_pipeline
-from glmc.pipeline import parse_pipeline
+from glmc.trace.capture import capture
 from tests.models import CASES
 
 

@@ -1,4 +1,4 @@
-"""Per-phase profile (glmc.phases) and the fused in-place optimizer update on Inductor."""
+"""Per-phase profile (glmc.analysis.phases) and the fused in-place optimizer update on Inductor."""
 from __future__ import annotations
 
 import json
@@ -93,7 +93,7 @@ def test_profile_with_torch_compile_reference_leaves_the_model_alone() -> None:
 
 
 def test_cpu_steps_keep_freed_memory_without_page_faults() -> None:
-    """glmc.hostalloc on a CPU trainer: the report says the policy is in force, and a large
+    """glmc.runtime.hostalloc on a CPU trainer: the report says the policy is in force, and a large
     block freed and allocated again is not faulted in again (glibc only)."""
     import platform
     import resource

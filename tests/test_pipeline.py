@@ -11,15 +11,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from glmc.passes import parse_pipeline
+from glmc.passes.partition import PartitionPass, balanced_cut, plan_partition, step_blocks
 
 import glmc
+from glmc.compiler.passmanager import PassContext
 from glmc.errors import ConfigError, InputError, PassError
-from glmc.ir import COMPILED_STEP, OutputKind
-from glmc.passes.partition import PartitionPass, balanced_cut, plan_partition, step_blocks
-from glmc.passmanager import PassContext
-from glmc.pipeline import parse_pipeline
-from glmc.pipeline_parallel import build_program, measured_timeline, microbatch_leaves
-from glmc.schedule import Action, ActionKind, from_torch, run_rank, simulate
+from glmc.ir.graph import COMPILED_STEP, OutputKind
+from glmc.parallel.executor import run_rank
+from glmc.parallel.pipeline import build_program, measured_timeline, microbatch_leaves
+from glmc.planning.schedule import Action, ActionKind, from_torch, simulate
 from tests.distributed import result, run_parts, spawn
 from tests.models import CASES, RTOL, eager_losses
 
@@ -92,7 +93,7 @@ def test_partition_pass_plans_the_glm_step(glm_graph: glmc.TrainGraph) -> None:
 
 
 def test_a_link_prices_boundary_transfers(glm_graph: glmc.TrainGraph) -> None:
-    from glmc.comm import get_link
+    from glmc.analysis.comm import get_link
     link = get_link("200us:0.05GBps:30us")
     free = plan_partition(glm_graph, 2, 4, "1f1b")
     priced = plan_partition(glm_graph, 2, 4, "1f1b", link=link)
@@ -183,9 +184,10 @@ TIED_CUT = [["embed", "blocks.0"], ["blocks.1", "norm", "head"]]
 def test_gradient_sync_is_in_the_predicted_step() -> None:
     """Replicas' all-reduce (or ZeRO-1's reduce-scatter + all-gather) and the tied copies'
     all-reduce, priced on the link, lengthen each stage's UPDATE in the predicted schedule."""
-    from glmc.comm import LinkProfile, collective_seconds
     from glmc.passes.partition import with_sync
-    from glmc.pipeline_parallel import sync_seconds
+
+    from glmc.analysis.comm import LinkProfile, collective_seconds
+    from glmc.parallel.pipeline import sync_seconds
     link = LinkProfile("test", 1e-4, 1e8, "made up")
     model, batch, loss_fn, opt = tied_glm()
     pipe = build_program(model, opt, loss_fn, batch, TIED_CUT, 2)
@@ -231,7 +233,7 @@ def test_tied_weights_cut_apart_are_one_shared_parameter() -> None:
         dataclasses.replace(pipe.program, shared=((tie[0], (2, "norm.weight")),)).verify()
     with pytest.raises(PassError, match="must name one shape and dtype"):  # 64 vs (256, 64)
         dataclasses.replace(pipe.program, shared=(((0, "embed.weight"), tie[1]),)).verify()
-    from glmc.pipeline_parallel import PipelineTrainer
+    from glmc.parallel.pipeline import PipelineTrainer
     with pytest.raises(ConfigError, match="ZeRO stage 2 with a pipeline"):
         PipelineTrainer(pipe, zero=2)  # refused before any process group is needed
 
@@ -277,7 +279,7 @@ def _pipeline_part(rank: int, name: str, blocks: list[list[str]] | None = None,
 
 def _trainer_part(rank: int, out: Path) -> dict:
     """The CLI's path: rank 0 plans (on the measured link), every rank trains, then measures."""
-    from glmc.pipeline_parallel import pipeline_report, pipeline_trainer, write_report
+    from glmc.parallel.pipeline import pipeline_report, pipeline_trainer, write_report
     model, batch, loss_fn, opt = CASES["glm"].make()
     trainer = pipeline_trainer(model, opt, loss_fn, batch, MICROBATCHES, "1f1b")
     losses = [trainer.step(*batch) for _ in range(STEPS)]
@@ -292,7 +294,7 @@ def _trainer_part(rank: int, out: Path) -> dict:
 def _hf_part(rank: int, out: Path, schedule: str = "1f1b") -> dict:
     """transformers' GLM (torch.fx cannot trace it: the torch.export path), a keyword batch,
     its layers nested at `model.layers.N`; rank 0 plans the cut."""
-    from glmc.pipeline_parallel import pipeline_trainer
+    from glmc.parallel.pipeline import pipeline_trainer
     from tests.models import BACKEND_CASES
     model, batch, loss_fn, opt = BACKEND_CASES["hf_glm"]()
     trainer = pipeline_trainer(model, opt, loss_fn, batch, 2, schedule, SCHEDULES[schedule])
@@ -306,7 +308,7 @@ def _hf_part(rank: int, out: Path, schedule: str = "1f1b") -> dict:
 
 def _tied_part(rank: int, out: Path, schedule: str) -> dict:
     """The tied GLM on PipelineTrainer: the copies' gradients summed between the ranks."""
-    from glmc.pipeline_parallel import PipelineTrainer
+    from glmc.parallel.pipeline import PipelineTrainer
     model, batch, loss_fn, opt = tied_glm()
     trainer = PipelineTrainer(build_program(model, opt, loss_fn, batch, TIED_CUT,
                                             MICROBATCHES, schedule), timeout_s=120)
@@ -320,7 +322,7 @@ def _tied_part(rank: int, out: Path, schedule: str) -> dict:
 def _inductor_part(rank: int, out: Path, schedule: str, backend: str = "inductor") -> dict:
     """Every graph a rank runs compiled by Inductor in its write-back form, the stages' forwards
     fused (attention, norms, gated MLP)."""
-    from glmc.pipeline_parallel import PipelineTrainer
+    from glmc.parallel.pipeline import PipelineTrainer
     model, batch, loss_fn, opt = CASES["glm"].make()
     trainer = PipelineTrainer(build_program(model, opt, loss_fn, batch, _stage_blocks(schedule),
                                             MICROBATCHES, schedule, fusion=True),
@@ -341,7 +343,7 @@ def _inductor_part(rank: int, out: Path, schedule: str, backend: str = "inductor
 
 def _bf16_part(rank: int, out: Path) -> dict:
     """Every stage's forward under glmc's bf16 dtype assignment, the backward re-derived."""
-    from glmc.pipeline_parallel import PipelineTrainer
+    from glmc.parallel.pipeline import PipelineTrainer
     model, batch, loss_fn, opt = CASES["glm"].make()
     trainer = PipelineTrainer(build_program(model, opt, loss_fn, batch, _stage_blocks("1f1b"),
                                             MICROBATCHES, "1f1b", precision="bf16"),
@@ -368,8 +370,8 @@ def _fp16_part(rank: int, out: Path, init_scale: float = 2.0 ** 16, schedule: st
     run until one applies (at most 40), then one more. `dp` replicas of the pipeline (each
     stage built for its slice of the batch, in 4 / dp microbatches), `zero=1`: their
     optimizer state sharded."""
-    from glmc.pipeline_parallel import PipelineTrainer
-    from glmc.scaler import SCALE, LossScaling
+    from glmc.parallel.pipeline import PipelineTrainer
+    from glmc.trace.scaler import SCALE, LossScaling
     model, batch, loss_fn, opt = make()
     rows = tuple(t[: len(t) // dp] for t in batch)  # one replica's slice: what a stage sees
     trainer = PipelineTrainer(build_program(model, opt, loss_fn, rows,
@@ -397,7 +399,7 @@ def _fp16_part(rank: int, out: Path, init_scale: float = 2.0 ** 16, schedule: st
 def _budget_part(rank: int, out: Path) -> dict:
     """ZB-H1 under `min` through pipeline_trainer: every stage planned by glmc's recompute
     pass with its in-flight microbatches, its I/W split over the recomputing backward."""
-    from glmc.pipeline_parallel import pipeline_trainer
+    from glmc.parallel.pipeline import pipeline_trainer
     model, batch, loss_fn, opt = CASES["glm"].make()
     trainer = pipeline_trainer(model, opt, loss_fn, batch, MICROBATCHES, "zbh1",
                                memory_budget="min")
@@ -412,7 +414,7 @@ def _dead_part(rank: int, out: Path) -> dict:
     import os
 
     from glmc.errors import CommError
-    from glmc.pipeline_parallel import pipeline_trainer
+    from glmc.parallel.pipeline import pipeline_trainer
     model, batch, loss_fn, opt = CASES["glm"].make()
     trainer = pipeline_trainer(model, opt, loss_fn, batch, MICROBATCHES, "1f1b")
     if rank == 1:
@@ -426,7 +428,7 @@ def _dead_part(rank: int, out: Path) -> dict:
 
 def _hf_tied_part(rank: int, out: Path) -> dict:
     """transformers' Qwen2 with tied embeddings (torch.export path), cut by the planner."""
-    from glmc.pipeline_parallel import pipeline_trainer
+    from glmc.parallel.pipeline import pipeline_trainer
     from tests.zoo import ZOO
     model, batch, loss_fn, opt = ZOO["qwen2_tied"].make()
     trainer = pipeline_trainer(model, opt, loss_fn, batch, 2, "1f1b", timeout_s=120)
@@ -438,7 +440,7 @@ def _hf_tied_part(rank: int, out: Path) -> dict:
 def _convnext_part(rank: int, out: Path) -> dict:
     """transformers' ConvNeXt: its convolutions return channels-last weight gradients for
     contiguous weights; the update must see them in the weights' layout."""
-    from glmc.pipeline_parallel import pipeline_trainer
+    from glmc.parallel.pipeline import pipeline_trainer
     from tests.models import eager_losses
     from tests.zoo import ZOO
     model, batch, loss_fn, opt = ZOO["convnext"].make()
@@ -517,7 +519,7 @@ def test_two_ranks_match_one_process(name: str, distributed: Path, eager: tuple)
 
 
 def measured_timeline_of(got: list[dict]):
-    from glmc.pipeline_parallel import StepTrace
+    from glmc.parallel.pipeline import StepTrace
     return measured_timeline([StepTrace(r, g["spans"]) for r, g in enumerate(got)], 2)
 
 
@@ -695,8 +697,8 @@ def test_trainer_measures_its_pipeline_and_writes_a_report(distributed: Path,
     for name in ("report.json", "pipeline-trace.json", "pipeline-predicted.json"):
         assert (distributed / "pipeline-report" / name).stat().st_size > 100
     # a stage under a budget: its budget and what the recompute pass did, printed and drawn
-    from glmc.pipeline_parallel import summary
-    from glmc.report_html import render_pipeline_html
+    from glmc.parallel.pipeline import summary
+    from glmc.report.html import render_pipeline_html
     assert all(st["budget"] is None and st["remat"] is None for st in data["stages"])
     data["stages"][0].update(budget="min", remat={"rematerialized": 7, "extra_seconds": 0.002,
                                                   "predicted_peak": 3 * 2 ** 20})
@@ -711,14 +713,14 @@ def test_trainer_measures_its_pipeline_and_writes_a_report(distributed: Path,
 # ---- pp x dp: four processes, two replicas of a two-stage pipeline ---------------------------------
 
 def _ppdp_part(rank: int, out: Path, zero: int = 0) -> dict:
-    from glmc.pipeline_parallel import pipeline_trainer
-    from glmc.schedule import predicted_peaks
+    from glmc.parallel.pipeline import pipeline_trainer
+    from glmc.planning.schedule import predicted_peaks
     model, batch, loss_fn, opt = CASES["glm"].make()
     trainer = pipeline_trainer(model, opt, loss_fn, batch, 2, "1f1b", dp=2, zero=zero)
     losses = [trainer.step(*batch) for _ in range(STEPS)]
     names = {n for s in trainer.local for n, _ in trainer.pipeline.stages[s].module
              .named_parameters()}
-    from glmc.program import inplace_module
+    from glmc.compiler.inplace import inplace_module
     in_place = [any("fused_adam_" in str(n.target) for n in
                     inplace_module(trainer.runnable.stages[s].update).graph.nodes)
                 for s in trainer.local]
@@ -734,7 +736,7 @@ def _ppdp_part(rank: int, out: Path, zero: int = 0) -> dict:
 
 def _ppdp_tied_part(rank: int, out: Path) -> dict:
     """The tied GLM, 2 stages x 2 replicas: the copies sum over all four ranks, / 2."""
-    from glmc.pipeline_parallel import PipelineTrainer
+    from glmc.parallel.pipeline import PipelineTrainer
     model, batch, loss_fn, opt = tied_glm()
     half = tuple(t[: len(t) // 2] for t in batch)  # one replica's rows: what a stage sees
     trainer = PipelineTrainer(build_program(model, opt, loss_fn, half, TIED_CUT, 2),
@@ -931,14 +933,15 @@ def _replicas_bit_equal(got: list[dict]) -> None:
 def test_a_stage_under_a_budget_saves_less_and_trains_like_eager(glm_graph) -> None:
     """glmc's recompute pass plans the stage's joint graph with its in-flight microbatches:
     the forward saves less, the backward recomputes, the losses stay eager PyTorch's."""
-    from glmc.pipeline_parallel import StageBudget
+    from glmc.analysis.memory import stage_saved_bytes
+    from glmc.parallel.pipeline import StageBudget
     blocks = step_blocks(glm_graph)
     sizes = {}
     for budget in (None, StageBudget("min", 2)):
         model, batch, loss_fn, opt = CASES["glm"].make()
         pipe = build_program(model, opt, loss_fn, batch, [blocks], 2, "1f1b",
                              budgets=[budget])
-        sizes[budget] = pipe.program.stages[0].saved_bytes()
+        sizes[budget] = stage_saved_bytes(pipe.program.stages[0])
     stats = pipe.recompute[0]
     assert stats.recomputed > 0 and stats.predicted_peak < stats.baseline_peak
     assert sizes[budget] < 0.5 * sizes[None]  # recomputed in the backward instead
@@ -952,8 +955,8 @@ def test_a_stage_under_a_budget_saves_less_and_trains_like_eager(glm_graph) -> N
 def test_a_stage_saves_no_more_than_autograd() -> None:
     """Each stage's joint graph is cleaned up before it is split: the GLM's `Dropout(p=0)`
     copy of the attention weights was saved beside the weights themselves."""
-    from glmc.memory import storage_bytes
-    from glmc.schedule import _saved_roots
+    from glmc.analysis.memory import storage_bytes
+    from glmc.planning.schedule import _saved_roots
     model, batch, loss_fn, opt = CASES["glm"].make()
     blocks = [["embed", "blocks.0"], ["blocks.1", "norm", "head"]]
     pipe = build_program(model, opt, loss_fn, batch, blocks, 2, "1f1b")
@@ -988,8 +991,9 @@ def test_microbatch_gradients_sum_in_place_where_the_backward_owns_them() -> Non
     """The second microbatch's gradients are summed into the first's storage when the
     backward made it (as autograd's AccumulateGrad does); an expanded gradient gets a fresh
     sum, which the memory prediction counts. The sums are eager PyTorch's gradients."""
-    from glmc.program import batch_values
-    from glmc.schedule import _StageMemory, _StageRun, fresh_gradients
+    from glmc.compiler.inplace import batch_values
+    from glmc.parallel.executor import _StageRun
+    from glmc.planning.schedule import _StageMemory, fresh_gradients
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), _Shift())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -1016,7 +1020,7 @@ def test_microbatch_gradients_sum_in_place_where_the_backward_owns_them() -> Non
 
 
 def test_loss_scaling_without_fp16_stages_is_a_typed_error(glm_graph) -> None:
-    from glmc.scaler import LossScaling
+    from glmc.trace.scaler import LossScaling
     model, batch, loss_fn, opt = CASES["glm"].make()
     with pytest.raises(ConfigError, match="loss_scaling is for fp16 stages; precision is bf16"):
         build_program(model, opt, loss_fn, batch, [step_blocks(glm_graph)], 2, "gpipe",
@@ -1025,7 +1029,7 @@ def test_loss_scaling_without_fp16_stages_is_a_typed_error(glm_graph) -> None:
 
 def test_a_stage_that_cannot_fit_its_budget_is_a_typed_error_naming_it(glm_graph) -> None:
     from glmc.errors import BudgetError
-    from glmc.pipeline_parallel import StageBudget
+    from glmc.parallel.pipeline import StageBudget
     model, batch, loss_fn, opt = CASES["glm"].make()
     with pytest.raises(BudgetError, match=r"pipeline: stage 0 \(2 microbatches in flight\): "
                                           r"recompute: .* raise the budget to at least"):
@@ -1035,7 +1039,7 @@ def test_a_stage_that_cannot_fit_its_budget_is_a_typed_error_naming_it(glm_graph
 
 def test_budget_per_rank_becomes_each_stages_budget(glm_graph) -> None:
     from glmc.errors import BudgetError
-    from glmc.pipeline_parallel import StageBudget, stage_budgets
+    from glmc.parallel.pipeline import StageBudget, stage_budgets
     plan = plan_partition(glm_graph, 2, 4, "1f1b")
     s0, s1 = plan.stages
     assert stage_budgets(plan, None, 2) == [None, None]

@@ -13,15 +13,18 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from glmc.passes.cleanup import CleanupPass
 
 import glmc
+from glmc.compiler.inplace import run_step
+from glmc.compiler.passmanager import PassContext
 from glmc.errors import PassError
-from glmc.ir import CommInfo, MeshSpec, OutputKind, Phase, Role, TrainGraph
-from glmc.passes.cleanup import CleanupPass
-from glmc.passmanager import PassContext
-from glmc.program import (UNBOUND, SpmdProgram, StagedProgram, all_reduce_gradients,
-                          capture_stage, comm_nodes, insert_collective, link, run_step)
-from glmc.schedule import Action, ActionKind, gpipe, run_stage
+from glmc.ir.graph import CommInfo, MeshSpec, OutputKind, Phase, Role, TrainGraph
+from glmc.ir.program import (UNBOUND, SpmdProgram, StagedProgram, all_reduce_gradients, comm_nodes,
+                             insert_collective, link)
+from glmc.parallel.executor import run_stage
+from glmc.planning.schedule import Action, ActionKind, gpipe
+from glmc.trace.stages import capture_stage
 from tests.distributed import result, run_parts, spawn
 
 MESH = MeshSpec((2,), ("dp",), "cpu")
@@ -266,7 +269,7 @@ def test_stages_with_frozen_parameters_or_inert_sends_are_typed_errors() -> None
     """What glmc's pipeline does not support yet fails at capture with a GlmcError that says
     so (before: a KeyError from the update's state, a RuntimeError from autograd)."""
     from glmc.errors import CaptureError, ConfigError
-    from glmc.program import capture_stage
+    from glmc.trace.stages import capture_stage
     x = torch.randn(4, 8)
     frozen = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
     frozen[0].bias.requires_grad_(False)  # as Whisper's positions

@@ -7,15 +7,16 @@ import random
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from glmc.passes.recompute import Budget
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import glmc
-from glmc.capture import split_batch
 from glmc.errors import BudgetError, ConfigError
-from glmc.passes.recompute import Budget
-from glmc.remat import (Problem, Unit, closure, creation_times, evaluate, greedy, milp, plan_cost,
-                        stored_bytes, timeline)
-from tests.models import CASES, RTOL, ATOL, assert_state_close, eager_losses, glmc_losses, twin
+from glmc.planning.remat import (Problem, Unit, closure, creation_times, evaluate, greedy, milp,
+                                 plan_cost, stored_bytes, timeline)
+from glmc.trace.capture import split_batch
+from tests.models import ATOL, CASES, RTOL, assert_state_close, eager_losses, glmc_losses, twin
 
 
 def _recompute_stats(trainer):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import glmc
-from tests.models import CASES, RTOL, ATOL, glmc_losses
+from tests.models import ATOL, CASES, RTOL, glmc_losses
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -56,9 +56,10 @@ def test_report_sections_come_from_the_passes(tmp_path: Path) -> None:
     report.json, and drawn from there (also by `glmc report` on a saved file). Rendering
     touches no global matplotlib state."""
     import matplotlib
-    from glmc.report_html import render_html
-    from glmc.report_parts import LinePlot, ReportSection, Table, Text
-    source = (ROOT / "glmc" / "report_html.py").read_text()
+
+    from glmc.compiler.report_parts import LinePlot, ReportSection, Table, Text
+    from glmc.report.html import render_html
+    source = (ROOT / "glmc" / "report" / "html.py").read_text()
     assert not re.search(r"recompute|precision|fusion|cleanup", source)
     section = ReportSection("My pass", (Text("did <things>", "note"),
                                         Table(("value", "size"), (("a", 1), ("b", 2))),
@@ -189,8 +190,8 @@ def test_onnx_export_of_an_unsupported_step_fails_typed_and_writes_nothing(
     """Every op the exporter cannot take is found on fake tensors before anything is written:
     the fused attention's backward, and a glmc op without an ATen decomposition."""
     pytest.importorskip("onnxscript")
-    import glmc.kernels
-    from glmc.export import OnnxExportError, onnx_export_offenses
+    import glmc.ir.kernels
+    from glmc.export.artifacts import OnnxExportError, onnx_export_offenses
 
     trainer, _ = _trainer("glm", predict=False, measure=False)
     with pytest.raises(OnnxExportError) as e:
@@ -202,8 +203,8 @@ def test_onnx_export_of_an_unsupported_step_fails_typed_and_writes_nothing(
     assert "--disable fusion" in str(e.value) and "\x1b" not in str(e.value)
     assert list(tmp_path.iterdir()) == []  # no directory, not even the parent
 
-    full = glmc.kernels.decompositions
-    monkeypatch.setattr(glmc.kernels, "decompositions",
+    full = glmc.ir.kernels.decompositions
+    monkeypatch.setattr(glmc.ir.kernels, "decompositions",
                         lambda: {k: v for k, v in full().items() if "rms_norm" not in str(k)})
     reasons = [o.reason for o in onnx_export_offenses(trainer)]
     assert {r.split(":")[0] for r in reasons} == {
@@ -217,7 +218,7 @@ def test_failed_onnx_export_leaves_the_directory_as_it_was(
     """An exporter failure: a typed error without the exporter's terminal colours, and the
     earlier export in the directory untouched (files are staged, then moved in)."""
     pytest.importorskip("onnxscript")
-    from glmc.export import OnnxExportError
+    from glmc.export.artifacts import OnnxExportError
 
     trainer, _ = _trainer("mlp", predict=False, measure=False)
     trainer.export(str(tmp_path))
@@ -236,7 +237,7 @@ def test_failed_onnx_export_leaves_the_directory_as_it_was(
 def test_onnx_export_with_dropout_warns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import warnings
 
-    import glmc.export
+    import glmc.export.artifacts
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.1),
@@ -248,7 +249,7 @@ def test_onnx_export_with_dropout_warns(tmp_path: Path, monkeypatch: pytest.Monk
         warnings.simplefilter("error")
         trainer.export(str(tmp_path / "py"))  # step.py reproduces torch's masks: no warning
     pytest.importorskip("onnxscript")
-    monkeypatch.setattr(glmc.export, "export_onnx", lambda g, i, path: path.write_bytes(b""))
+    monkeypatch.setattr(glmc.export.artifacts, "export_onnx", lambda g, i, path: path.write_bytes(b""))
     with pytest.warns(UserWarning, match="native_dropout.*ONNX Runtime's generator"):
         trainer.export(str(tmp_path / "onnx"), onnx=True)
 
@@ -256,7 +257,7 @@ def test_onnx_export_with_dropout_warns(tmp_path: Path, monkeypatch: pytest.Monk
 def test_measured_step_is_the_fastest_and_a_spread_says_the_machine_is_loaded() -> None:
     """The report's measured step time is the fastest timed step (the least disturbed); when
     the median is well above it the report warns that the machine looks loaded."""
-    from glmc.report import CompileRecord
+    from glmc.report.summary import CompileRecord
 
     def record(seconds: list[float]) -> dict:
         return CompileRecord("b", "eager", 0.0, 0.0, 0.0, 1, 1, [], [],

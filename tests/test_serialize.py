@@ -91,8 +91,8 @@ def test_load_rejects_a_directory_without_a_graph(tmp_path):
 def test_spmd_program_with_collectives_and_placements_roundtrips(tmp_path):
     """A data-parallel step (gradients all-reduced by functional collectives over a mesh dim,
     placements on the specs) saves and loads with its communication intact and unbound."""
-    from glmc.ir import MeshSpec
-    from glmc.program import SpmdProgram, all_reduce_gradients, comm_nodes
+    from glmc.ir.graph import MeshSpec
+    from glmc.ir.program import SpmdProgram, all_reduce_gradients, comm_nodes
 
     mesh = MeshSpec((2,), ("dp",), "cpu")
     model = torch.nn.Linear(4, 3)

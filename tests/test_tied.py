@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from glmc.ir import Role
+from glmc.ir.graph import Role
 from tests.models import assert_state_close, train_side_by_side
 
 

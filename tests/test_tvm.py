@@ -21,13 +21,18 @@ import torch
 
 pytest.importorskip("tvm")
 
+from glmc.backends.tvm.backend import TvmBackend, resolve_target, to_tvm  # noqa: E402
+from glmc.backends.tvm.ops import (  # noqa: E402
+    cat,
+    index_put,
+    max_pool2d_with_indices,
+    native_layer_norm,
+    var_mean,
+)
+
 import glmc  # noqa: E402
-from glmc.backends.tvm import TvmBackend, resolve_target, to_tvm  # noqa: E402
-from glmc.backends.tvm_ops import (  # noqa: E402
-    cat, index_put, max_pool2d_with_indices, native_layer_norm, var_mean)
 from glmc.errors import ConfigError, ExportError  # noqa: E402
-from tests.models import (  # noqa: E402
-    ATOL, BACKEND_CASES, RTOL, check_backend_parity, glmc_losses)
+from tests.models import ATOL, BACKEND_CASES, RTOL, check_backend_parity, glmc_losses  # noqa: E402
 
 STEPS = 3
 aten = torch.ops.aten
@@ -138,13 +143,13 @@ def test_inputs_are_handed_to_tvm_without_copy() -> None:
 
 
 def test_cli_check_backend_tvm(capsys) -> None:
-    from glmc.cli import main
+    from glmc.frontend.cli import main
     assert main(["check", "examples/mlp.py", "--backend", "tvm"]) == 0
     assert "every op is supported by backend 'tvm'" in capsys.readouterr().out
 
 
 def test_cli_target_needs_export_tvm(capsys) -> None:
-    from glmc.cli import main
+    from glmc.frontend.cli import main
     with pytest.raises(SystemExit) as e:
         main(["compile", "examples/mlp.py", "--backend", "tvm", "--target", "kunpeng920"])
     assert e.value.code == 2
@@ -156,7 +161,7 @@ def test_cli_target_needs_export_tvm(capsys) -> None:
 def _export(tmp_path: Path, case: str, target) -> tuple[Path, list[float], Any]:
     """The step of `case` exported for `target`; glmc's losses of the next steps, and the
     trainer that took them."""
-    from glmc.export import export_tvm
+    from glmc.export.artifacts import export_tvm
     model, x, loss_fn, opt = MAKE[case]()
     trainer = glmc.optimize(model, x, loss_fn=loss_fn, optimizer=opt, backend="eager",
                             predict=False, measure=False)

@@ -16,7 +16,7 @@ from tests.zoo import ZOO, check, run  # noqa: E402
 
 #: (case, mode) -> (the exception it raises today, why); strict, so a fix in the core shows up
 #: as XPASS and the entry goes. Fixed: Whisper's frozen embed_positions got optimizer state
-#: (glmc.optim.ensure_state now skips frozen parameters, as torch.optim does); GPT-2 and T5 on
+#: (glmc.trace.optim.ensure_state now skips frozen parameters, as torch.optim does); GPT-2 and T5 on
 #: Inductor failed in a captured `view` of a clone Inductor lays out transposed (the
 #: Inductor backend now compiles views as reshapes)
 KNOWN_FAILURES: dict[tuple[str, str], tuple[type[Exception], str]] = {}

@@ -27,16 +27,16 @@ def main() -> int:
     a = ap.parse_args()
     warnings.simplefilter("ignore")
     import tvm
+    from glmc.backends.tvm.backend import decompositions, to_tvm
+    from glmc.backends.tvm.ops import CONVERTERS
     from tvm import relax
     from tvm.relax.frontend.torch import from_exported_program
 
     import glmc
-    from glmc.backends.tvm import decompositions, to_tvm
-    from glmc.onnx_lowering import lower_to_reshapes as _lower
-    from glmc.backends.tvm_ops import CONVERTERS
-    from glmc.ir import TrainGraph
-    from glmc.onnx_lowering import _decompose, example_inputs
-    from glmc.workload import load_workload
+    from glmc.compiler.onnx_lowering import _decompose, example_inputs
+    from glmc.compiler.onnx_lowering import lower_to_reshapes as _lower
+    from glmc.frontend.workload import load_workload
+    from glmc.ir.graph import TrainGraph
 
     w = load_workload(a.file)
     trainer = glmc.optimize(w.model, w.example_inputs, loss_fn=w.loss_fn, optimizer=w.optimizer,

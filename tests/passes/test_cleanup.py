@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from glmc.passes.cleanup import CleanupPass, CleanupStats
 
 import glmc
-from glmc.capture import capture
-from glmc.ir import op_name
-from glmc.passes.cleanup import CleanupPass, CleanupStats
-from glmc.passmanager import PassContext, PassManager
+from glmc.compiler.passmanager import PassContext, PassManager
+from glmc.ir.graph import op_name
+from glmc.trace.capture import capture
 
 
 class Dup(nn.Module):
@@ -151,8 +151,8 @@ def test_recompute_copies_survive_a_later_cleanup() -> None:
 
 
 def test_never_merges_drops_or_moves_communication() -> None:
-    from glmc.ir import MeshSpec
-    from glmc.program import all_reduce_gradients, comm_nodes, insert_collective
+    from glmc.ir.graph import MeshSpec
+    from glmc.ir.program import all_reduce_gradients, comm_nodes, insert_collective
 
     graph = _mlp_step()
     mesh = MeshSpec((2,), ("dp",))

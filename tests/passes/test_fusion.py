@@ -9,14 +9,14 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from glmc.backends import get_backend
+from glmc.passes.fusion import FusionPass
 
 import glmc
-from glmc.capture import capture
+from glmc.compiler.passmanager import PassContext
 from glmc.errors import ConfigError, PipelineError
-from glmc.backends import get_backend
-from glmc.ir import Phase, TrainGraph, op_name
-from glmc.passes.fusion import FusionPass
-from glmc.passmanager import PassContext
+from glmc.ir.graph import Phase, TrainGraph, op_name
+from glmc.trace.capture import capture
 from tests.models import CASES, RTOL, assert_state_close, glmc_losses, twin
 
 
@@ -249,7 +249,7 @@ def test_examples_parity_with_and_without_fusion(case, backend):
 def test_options_and_ordering():
     with pytest.raises(ConfigError, match="unknown pattern"):
         FusionPass(patterns="attention+softmax")
-    from glmc.pipeline import parse_pipeline
+    from glmc.passes import parse_pipeline
     with pytest.raises(PipelineError, match="would undo 'precision'.*put 'fusion' first"):
         parse_pipeline("precision,fusion")
     assert [p.name for p in parse_pipeline("fusion,precision{policy=bf16},cleanup")] == [

@@ -8,14 +8,14 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from glmc.passes.precision import PrecisionPass
 
 import glmc
-from glmc.capture import capture
+from glmc.compiler.passmanager import PassContext
 from glmc.errors import ConfigError, PipelineError
-from glmc.ir import OutputKind, Phase, Role, TrainGraph, op_name
-from glmc.kernels import cross_entropy, cross_entropy_reference
-from glmc.passes.precision import PrecisionPass
-from glmc.passmanager import PassContext
+from glmc.ir.graph import OutputKind, Phase, Role, TrainGraph, op_name
+from glmc.ir.kernels import cross_entropy, cross_entropy_reference
+from glmc.trace.capture import capture
 from tests.models import CASES, twin
 
 aten = torch.ops.aten
@@ -49,8 +49,8 @@ def _graph(policy: str = "bf16", model: nn.Module | None = None, **opts) -> tupl
     batch = _batch()
     g = capture(model, batch, optimizer=opt)
     if policy == "auto":  # what the runtime records before the passes (Need.VALUE_STATS)
-        from glmc.runtime import input_getters
-        from glmc.valuestats import record_value_stats
+        from glmc.runtime.trainer import input_getters
+        from glmc.trace.valuestats import record_value_stats
         g.meta["value_stats"] = record_value_stats(
             g.gm, [get(list(batch)) for get in input_getters(g, model, opt)])
     res = PrecisionPass(policy=policy, **opts).run(g, PassContext())
@@ -152,7 +152,7 @@ def test_fp32_policy_is_a_no_op():
 
 
 def test_pipeline_order_and_option_conflicts():
-    from glmc.pipeline import parse_pipeline
+    from glmc.passes import parse_pipeline
     with pytest.raises(PipelineError, match="would undo 'recompute'"):
         parse_pipeline("recompute{budget=0.5},precision")
     with pytest.raises(PipelineError, match="give it in one place"):
@@ -179,7 +179,7 @@ def test_fused_cross_entropy_matches_reference():
 
 @pytest.mark.parametrize("fp32", [True, False])
 def test_fused_linear_cross_entropy_matches_reference(fp32):
-    from glmc.kernels import linear_cross_entropy
+    from glmc.ir.kernels import linear_cross_entropy
     g = torch.Generator().manual_seed(2)
     dtype = torch.float32 if fp32 else torch.bfloat16
     x = torch.randn(53, 24, generator=g).to(dtype).requires_grad_()
@@ -354,7 +354,7 @@ def test_auto_reports_device_speed_choice():
 def test_auto_keeps_fp32_where_low_precision_is_not_faster(profile, low):
     """`precision=auto` must not make training slower: on a profile whose bf16/fp16 matmuls
     are no faster than fp32 it keeps fp32 and says why; on a GPU profile it goes low."""
-    from glmc.cost import get_profile
+    from glmc.analysis.cost import get_profile
     prof = get_profile(profile)
     rates = [prof.matmul_rate(d, 2.0 * 1024 ** 3) for d in ("float32", "bfloat16", "float16")]
     assert (max(rates[1:]) >= 1.1 * rates[0]) is low  # what the profile says
@@ -363,8 +363,8 @@ def test_auto_keeps_fp32_where_low_precision_is_not_faster(profile, low):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batch = _batch()
     g = capture(model, batch, optimizer=opt)
-    from glmc.runtime import input_getters
-    from glmc.valuestats import record_value_stats
+    from glmc.runtime.trainer import input_getters
+    from glmc.trace.valuestats import record_value_stats
     g.meta["value_stats"] = record_value_stats(
         g.gm, [get(list(batch)) for get in input_getters(g, model, opt)])
     res = PrecisionPass(policy="auto").run(g, PassContext(profile=profile))

@@ -1,0 +1,1 @@
+"""TorchInductor backend."""

@@ -1,0 +1,1 @@
+"""ONNX Runtime backend."""

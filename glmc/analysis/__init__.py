@@ -1,0 +1,1 @@
+"""Analyses: cost, memory and communication models, device profiles, calibration, prediction."""

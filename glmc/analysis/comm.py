@@ -1,0 +1,393 @@
+"""Communication cost: an alpha-beta model of each collective, and how much of it the compute
+hides.
+
+One collective of `B` bytes (the full buffer: the all-reduced tensor, the gathered output, the
+reduce-scatter input) over `N` ranks on a link of latency `alpha` and bandwidth `beta` takes,
+with ring algorithms (what gloo and NCCL use for large buffers):
+
+    all_reduce                 2 (N-1) alpha + 2 (N-1)/N  B / beta
+    all_gather, reduce_scatter   (N-1) alpha +   (N-1)/N  B / beta
+
+Links come from datasheets (NVLink, InfiniBand, Ethernet) or from timing this host's process
+group once (`measure_link`, like the compute calibration). `estimate_comm` replays the step in
+program order: compute advances a clock by each node's predicted time; a collective starts when
+it is issued and the link is free (one collective at a time per link); a wait blocks until its
+collective ends — that blocking is the *exposed* communication, the rest overlaps compute.
+"""
+from __future__ import annotations
+
+import re
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from glmc.errors import ConfigError
+from glmc.ir.graph import TrainGraph, comm_ops
+
+
+@dataclass(frozen=True)
+class LinkProfile:
+    """One link between the ranks of a mesh dim: latency per message step and bytes/s."""
+
+    name: str
+    latency_s: float
+    bandwidth: float
+    source: str
+    #: fixed cost of issuing one collective (a kernel launch, a gloo call), paid once per
+    #: collective whatever its ring steps: what makes one collective cheaper than three
+    call_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "latency_us": self.latency_s * 1e6,
+                "bandwidth_GBps": self.bandwidth / 1e9, "call_us": self.call_s * 1e6,
+                "source": self.source}
+
+
+#: per-direction figures from the vendors' datasheets (bus bandwidth a ring can use)
+LINKS = {
+    "nvlink4": LinkProfile("nvlink4", 3e-6, 450e9, "NVIDIA H100/H200 SXM datasheet: NVLink 4, "
+                           "900 GB/s bidirectional per GPU"),
+    "infiniband-ndr": LinkProfile("infiniband-ndr", 5e-6, 50e9, "NVIDIA ConnectX-7 datasheet: "
+                                  "NDR 400 Gb/s per port"),
+    "roce-200g": LinkProfile("roce-200g", 8e-6, 25e9, "200 GbE RoCE (e.g. Huawei Ascend/Kunpeng "
+                             "clusters' 200G NICs)"),
+    "ethernet-25g": LinkProfile("ethernet-25g", 30e-6, 3.125e9, "25 GbE, TCP"),
+}
+
+#: ring factors: (latency steps, bandwidth share) as functions of the group size
+_FACTORS = {
+    "all_reduce": (lambda n: 2 * (n - 1), lambda n: 2 * (n - 1) / n),
+    "all_gather_into_tensor": (lambda n: n - 1, lambda n: (n - 1) / n),
+    "reduce_scatter_tensor": (lambda n: n - 1, lambda n: (n - 1) / n),
+}
+
+
+def collective_seconds(kind: str, nbytes: int, ranks: int, link: LinkProfile) -> float:
+    """The alpha-beta time of one collective on `nbytes` (the full buffer)."""
+    if ranks <= 1:
+        return 0.0
+    steps, share = _FACTORS[kind]
+    return link.call_s + steps(ranks) * link.latency_s + share(ranks) * nbytes / link.bandwidth
+
+
+_NUMBER = r"\d+(?:\.\d*)?(?:e[-+]?\d+)?"
+#: a link given by its figures: "ALPHAus:BETAGBps[:CALLus]"
+_FIGURES = re.compile(rf"(?P<alpha>{_NUMBER})us:(?P<beta>{_NUMBER})GBps(?::(?P<call>{_NUMBER})us)?")
+
+
+def get_link(spec: Any) -> LinkProfile:
+    """A link profile: a LinkProfile, a name from LINKS, or figures spelled
+    "ALPHAus:BETAGBps[:CALLus]" (latency per ring step, bandwidth, cost of one collective
+    call; e.g. "200us:0.05GBps" for a slow simulated inter-node link)."""
+    if isinstance(spec, LinkProfile):
+        return spec
+    if spec in LINKS:
+        return LINKS[spec]
+    m = _FIGURES.fullmatch(str(spec))
+    if m is not None and float(m["beta"]) > 0:
+        return LinkProfile(str(spec), float(m["alpha"]) * 1e-6, float(m["beta"]) * 1e9,
+                           "given figures", float(m["call"] or 0.0) * 1e-6)
+    raise ConfigError(f"link: unknown link profile {spec!r}; known: {', '.join(LINKS)}, or "
+                      "figures spelled ALPHAus:BETAGBps[:CALLus] (e.g. 200us:0.05GBps:50us), "
+                      "or one measured by glmc.analysis.comm.measure_link")
+
+
+@dataclass
+class CommEstimate:
+    """Predicted communication of one rank's step."""
+
+    link: dict[str, Any]
+    ranks: int
+    collectives: int
+    bytes_by_kind: dict[str, int]
+    comm_seconds: float  #: the collectives' own time, back to back
+    exposed_seconds: float  #: the part the step waits for
+    compute_seconds: float
+    timeline: list[dict[str, Any]] = field(default_factory=list)  #: per collective
+    #: compute as contiguous spans of one phase, split at collectives and waits:
+    #: {"phase", "start_s", "end_s"}; a wait that blocks shows as a gap
+    compute_spans: list[dict[str, Any]] = field(default_factory=list)
+    #: collective node name -> the node during which it is predicted to finish (its wait, if
+    #: the step blocks for it): what lives only while a collective is in flight ends there
+    done_at: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def step_seconds(self) -> float:
+        return self.compute_seconds + self.exposed_seconds
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"link": self.link, "ranks": self.ranks, "collectives": self.collectives,
+                "bytes_by_kind": self.bytes_by_kind, "comm_seconds": self.comm_seconds,
+                "exposed_seconds": self.exposed_seconds,
+                "compute_seconds": self.compute_seconds, "step_seconds": self.step_seconds,
+                "timeline": self.timeline, "compute_spans": self.compute_spans}
+
+
+def _full_bytes(n: fx.Node, kind: str) -> int:
+    """The collective's full buffer: its output for a gather, its input otherwise."""
+    v = n.meta.get("val") if kind == "all_gather_into_tensor" else n.args[0].meta.get("val")
+    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+
+
+def estimate_comm(graph: fx.Graph, node_seconds: dict[str, float], ranks: int,
+                  link: LinkProfile, groups: dict[str, tuple[int, LinkProfile]] | None = None
+                  ) -> CommEstimate:
+    """Replay the step (see the module docstring); `node_seconds`: predicted compute time of
+    each node by name (glmc.analysis.cost). `groups`: (ranks, link) of the collectives over a mesh dim
+    by its name (a hierarchical all-reduce's "local" and "node"); the rest use `ranks` and
+    `link`. One link is busy with one collective at a time."""
+    ops = comm_ops()
+    clock = link_free = comm = exposed = 0.0
+    ends: dict[fx.Node, float] = {}
+    volume: dict[str, int] = {}
+    timeline: list[dict[str, Any]] = []
+    spans: list[dict[str, Any]] = []
+    done_at: dict[str, str] = {}
+    pending: dict[fx.Node, float] = {}  #: issued, not yet predicted done
+
+    def finish(until: float, at: fx.Node) -> None:
+        for c in [c for c, end in pending.items() if end <= until]:
+            done_at[c.name] = at.name
+            del pending[c]
+
+    for n in graph.nodes:
+        kind = ops.get(n.target) if n.op == "call_function" else None
+        if kind is None:
+            t = node_seconds.get(n.name, 0.0)
+            finish(clock + t, n)
+            info = n.meta.get("glmc")
+            phase = info.phase.value if info is not None else "other"
+            if t and spans and spans[-1]["phase"] == phase and spans[-1]["end_s"] == clock:
+                spans[-1]["end_s"] = clock + t
+            elif t:
+                spans.append({"phase": phase, "start_s": clock, "end_s": clock + t})
+            clock += t
+            continue
+        if kind == "wait_tensor":
+            end = ends.get(n.args[0], clock)
+            waited = max(0.0, end - clock)
+            done_at.setdefault(n.args[0].name, n.name)
+            pending.pop(n.args[0], None)
+            exposed += waited
+            clock += waited
+            finish(clock, n)  # others that ended while this wait blocked
+            for entry in timeline:
+                if entry["node"] == n.args[0].name:
+                    entry["wait_s"] = clock
+            continue
+        nbytes = _full_bytes(n, kind)
+        volume[kind] = volume.get(kind, 0) + nbytes
+        info = n.meta.get("glmc")
+        comm_info = info.comm if info is not None else None
+        dim = comm_info.mesh_dim if comm_info is not None else None
+        # a sub-group's collective (hierarchical all-reduce) runs over its own ranks
+        n_ranks = comm_info.group_size if comm_info is not None and comm_info.group_size \
+            else ranks
+        n_ranks, on = (groups or {}).get(dim, (n_ranks, link))
+        seconds = collective_seconds(kind, nbytes, n_ranks, on)
+        start = max(clock, link_free)
+        link_free = ends[n] = pending[n] = start + seconds
+        comm += seconds
+        timeline.append({"node": n.name, "kind": kind, "bytes": nbytes, "issue_s": clock,
+                         "start_s": start, "end_s": start + seconds,
+                         "phase": info.phase.value if info is not None else None})
+    compute = sum(node_seconds.values())
+    return CommEstimate(link.to_dict(), ranks, len(timeline), volume, comm, exposed, compute,
+                        timeline, spans, done_at)
+
+
+def chrome_trace(comm: dict[str, Any], rank: int = 0) -> dict[str, Any]:
+    """A predicted step (`CommEstimate.to_dict()`) as a Chrome / Perfetto trace: compute spans
+    on one track, each collective on another, from its start to its end."""
+    events: list[dict[str, Any]] = [
+        {"ph": "M", "name": "thread_name", "pid": rank, "tid": 0, "args": {"name": "compute"}},
+        {"ph": "M", "name": "thread_name", "pid": rank, "tid": 1,
+         "args": {"name": "communication"}}]
+    for s in comm["compute_spans"]:
+        events.append({"ph": "X", "name": s["phase"], "pid": rank, "tid": 0,
+                       "ts": s["start_s"] * 1e6, "dur": (s["end_s"] - s["start_s"]) * 1e6})
+    for c in comm["timeline"]:
+        events.append({"ph": "X", "name": c["kind"], "pid": rank, "tid": 1,
+                       "ts": c["start_s"] * 1e6, "dur": (c["end_s"] - c["start_s"]) * 1e6,
+                       "args": {"bytes": c["bytes"], "node": c["node"],
+                                "issued_us": c["issue_s"] * 1e6}})
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "otherData": {"predicted_by": "glmc.analysis.comm", "link": comm["link"]}}
+
+
+def measure_link(group: Any = None, device: str = "cpu", reps: int = 5) -> LinkProfile:
+    """This host's link between the ranks of `group`, fitted to the all-reduce formula from
+    the median time of a small (latency) and a large (bandwidth) all-reduce. Every rank of
+    the group must call it; each gets the same profile (rank 0's figures, broadcast)."""
+    import torch.distributed as dist
+
+    n = dist.get_world_size(group)
+    if n == 1:
+        return LinkProfile("none", 0.0, float("inf"), "one rank: nothing is communicated")
+    small, large = 1024, 8 << 20
+
+    def timed(nbytes: int) -> float:
+        t = torch.zeros(nbytes // 4, device=device)
+        dist.all_reduce(t, group=group)  # warm-up: connections, buffers
+        times = []
+        for _ in range(reps):
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            dist.all_reduce(t, group=group)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    t_small, t_large = timed(small), timed(large)
+    steps, share = _FACTORS["all_reduce"]
+    latency = max(t_small / steps(n), 1e-7)
+    bandwidth = share(n) * (large - small) / max(t_large - t_small, 1e-9)
+    figures = torch.tensor([latency, bandwidth], dtype=torch.float64)
+    dist.broadcast(figures, src=dist.get_global_rank(group, 0) if group is not None else 0,
+                   group=group)
+    return LinkProfile(f"measured-{dist.get_backend(group)}", float(figures[0]),
+                       float(figures[1]), f"timed all_reduce of {small} B and {large} B, median "
+                       f"of {reps}, on {n} ranks ({dist.get_backend(group)})")
+
+
+def measure_waits(run: Any) -> tuple[Any, float]:
+    """`run()`'s result and the seconds it spent blocked in collective waits: the durations
+    of `wait_tensor` calls, from the legacy (non-Kineto) profiler's CPU events — quiet, unlike
+    Kineto's start/stop lines — or torch.profiler where that is unavailable."""
+    try:
+        from torch._C._profiler import _ExperimentalConfig
+        from torch.autograd import (ProfilerConfig, ProfilerState, _disable_profiler_legacy,
+                                    _enable_profiler_legacy)
+    except ImportError:
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            out = run()
+        return out, sum(e.cpu_time_total for e in prof.key_averages()
+                        if e.key.endswith("wait_tensor")) / 1e6
+    config = ProfilerConfig(ProfilerState.CPU, False, False, False, False, False,
+                            _ExperimentalConfig())
+    _enable_profiler_legacy(config)
+    try:
+        out = run()
+    finally:
+        records = _disable_profiler_legacy()
+    waited = 0.0
+    for thread in records:
+        stack: list[Any] = []  # pops carry no name: they close the latest push
+        for e in thread:
+            if e.kind() == "push":
+                stack.append(e)
+            elif e.kind() == "pop" and stack:
+                push = stack.pop()
+                if push.name().endswith("wait_tensor"):
+                    waited += push.cpu_elapsed_us(e) / 1e6
+    return out, waited
+
+
+def count_wire_bytes(run: Any) -> tuple[Any, dict[str, int]]:
+    """`run()`'s result and the bytes this rank handed to each kind of collective while it
+    ran: the input tensors of torch's functional collectives, counted as they are called
+    (inside `torch.cond` branches too, so only the branch taken counts)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops = comm_ops()
+    counted: dict[str, int] = {}
+
+    class _Count(TorchDispatchMode):
+        supports_higher_order_operators = True
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            if func is torch.ops.higher_order.cond:  # run the branch taken, still counting
+                pred, on_true, on_false, operands = args
+                with self:
+                    return (on_true if bool(pred) else on_false)(*operands)
+            if isinstance(func, torch._ops.HigherOrderOperator):
+                return NotImplemented
+            kind = ops.get(func)
+            if kind is not None and kind != "wait_tensor" and isinstance(args[0], torch.Tensor):
+                t = args[0]
+                counted[kind] = counted.get(kind, 0) + t.numel() * t.element_size()
+            return func(*args, **(kwargs or {}))
+
+    with _Count():
+        out = run()
+    return out, counted
+
+
+def has_comm(graph: TrainGraph) -> bool:
+    ops = comm_ops()
+    return any(n.target in ops for n in graph.compute_nodes())
+
+
+# ---- topology: flat ring vs hierarchical all-reduce ------------------------------------------
+
+@dataclass(frozen=True)
+class AllReduceChoice:
+    """The predicted time of one all-reduce of `nbytes` over `nodes` x `per_node` ranks, as one
+    flat ring (its slowest link sets the pace: the inter-node one) and hierarchically:
+    reduce-scatter inside each node, all-reduce of the 1/per_node shards across nodes,
+    all-gather inside each node."""
+
+    nbytes: int
+    nodes: int
+    per_node: int
+    flat_seconds: float
+    hierarchical_seconds: float
+    parts: dict[str, float]  #: the hierarchical algorithm's three collectives
+
+    @property
+    def best(self) -> str:
+        return "hierarchical" if self.hierarchical_seconds < self.flat_seconds else "flat"
+
+
+def choose_allreduce(nbytes: int, nodes: int, per_node: int, intra: LinkProfile,
+                     inter: LinkProfile) -> AllReduceChoice:
+    n = nodes * per_node
+    flat = collective_seconds("all_reduce", nbytes, n, inter if nodes > 1 else intra)
+    parts = {"reduce_scatter (in node)": collective_seconds("reduce_scatter_tensor", nbytes,
+                                                            per_node, intra),
+             "all_reduce (across nodes)": collective_seconds("all_reduce", nbytes // per_node,
+                                                             nodes, inter),
+             "all_gather (in node)": collective_seconds("all_gather_into_tensor", nbytes,
+                                                        per_node, intra)}
+    return AllReduceChoice(nbytes, nodes, per_node, flat, sum(parts.values()), parts)
+
+
+def comm_arguments(ap: Any) -> Any:
+    """The options of `glmc comm` (cluster-scale all-reduce prediction) on parser `ap`."""
+    ap.add_argument("--nodes", type=int, default=128)
+    ap.add_argument("--per-node", type=int, default=8)
+    ap.add_argument("--params", type=float, default=10e9, help="parameters (gradient elements)")
+    ap.add_argument("--bytes-per-param", type=int, default=2, help="2: bf16 gradients")
+    ap.add_argument("--intra", default="nvlink4", choices=sorted(LINKS))
+    ap.add_argument("--inter", default="infiniband-ndr", choices=sorted(LINKS))
+    return ap
+
+
+def predict_allreduce(a: Any) -> str:
+    """`glmc comm`: one data-parallel gradient all-reduce per step at cluster scale, flat ring
+    vs hierarchical (one NIC per GPU, as DGX-class nodes), with the formulas used."""
+    out = []
+    print = out.append  # noqa: A001 (the lines are returned)
+    intra, inter = LINKS[a.intra], LINKS[a.inter]
+    nbytes = int(a.params * a.bytes_per_param)
+    c = choose_allreduce(nbytes, a.nodes, a.per_node, intra, inter)
+    n = a.nodes * a.per_node
+    print(f"all-reduce of {nbytes / 1e9:.1f} GB over {a.nodes} nodes x {a.per_node} = {n} ranks")
+    for link in (intra, inter):
+        print(f"  link {link.name}: alpha {link.latency_s * 1e6:.1f} us, beta "
+              f"{link.bandwidth / 1e9:.1f} GB/s ({link.source})")
+    print("  formulas: all_reduce 2(N-1) alpha + 2(N-1)/N B/beta; reduce_scatter and "
+          "all_gather (N-1) alpha + (N-1)/N B/beta; + call per collective (0 for these links)")
+    print(f"  flat ring over {n} ranks on {inter.name}: {c.flat_seconds:.3f} s")
+    for name, t in c.parts.items():
+        print(f"  hierarchical: {name}: {t:.3f} s")
+    print(f"  hierarchical total: {c.hierarchical_seconds:.3f} s -> {c.best} "
+          f"({max(c.flat_seconds, c.hierarchical_seconds) / min(c.flat_seconds, c.hierarchical_seconds):.1f}x)")
+    return "\n".join(out)

@@ -1,0 +1,1 @@
+"""The compiler: pass manager and its instruments, lowerings shared by passes and backends."""

@@ -1,0 +1,1 @@
+"""Export: saved steps, the optimized step as Python / ONNX / ORT training artifacts."""

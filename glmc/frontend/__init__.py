@@ -1,0 +1,1 @@
+"""Frontend: the public API, the command line and workload loading."""

@@ -1,0 +1,1 @@
+"""Parallel strategies: the parallel plan, data parallelism (ZeRO), pipeline parallelism."""

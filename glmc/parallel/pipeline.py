@@ -1,0 +1,1128 @@
+"""Pipeline-parallel training: apply a partition plan to a model and run its stages.
+
+    plan = partition pass on the captured step          (passes/partition.py: the cut)
+    stage modules = the model's fx graph cut at the plan's blocks   (`split_module`)
+    StagedProgram = capture_stage per stage + link + schedule       (`build_program`)
+    PipelineTrainer.step(batch): this rank's stages run the schedule (glmc.parallel.executor.run_rank)
+
+The model is traced with torch.fx, its blocks (`embed`, `blocks.0`, ...) kept as leaf calls;
+where torch.fx cannot trace it (transformers' models) or the batch is by keyword, it is
+exported by torch.export and each node belongs to the block its module stack names
+(`export_blocks`). Every other node (glue: residual adds, the loss) runs on the stage of the latest block it
+depends on; nodes that depend on no block (shapes, slices of constant buffers) are copied into
+every stage that reads them. A value crossing a cut is sent once per microbatch; the batch
+leaves (input ids, labels) are given to every stage that reads them. The stage modules share
+the model's parameter tensors, so the model and `state_dict()` stay the source of truth.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn as nn
+
+from glmc.errors import ConfigError, InputError
+from glmc.ir.program import StagedProgram, link
+from glmc.ir.split import split_backward
+from glmc.parallel.executor import run_rank
+from glmc.planning.schedule import (COMPUTE, Action, ActionKind, Timeline, from_torch,
+                                    predicted_peaks, simulate)
+from glmc.trace import scaler
+from glmc.trace.capture import batch_leaves, capture, split_batch
+from glmc.trace.scaler import SCALE
+from glmc.trace.stages import capture_stage
+
+# ---- splitting a module into stage modules -----------------------------------------------------
+
+class _BlockTracer(fx.Tracer):
+    def __init__(self, blocks: set[str]) -> None:
+        super().__init__()
+        self.blocks = blocks
+        self.proxy_buffer_attributes = True  # `self.cos[:s]` with a traced `s`
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return qualname in self.blocks or (not self.blocks and super().is_leaf_module(m, qualname))
+
+
+BLOCK = "glmc_block"  #: node meta of an exported graph: the block the node computes
+
+
+@dataclass
+class StageModule:
+    """One stage: `module(*[leaf or received value for each arg])` -> sent values or loss."""
+
+    index: int
+    module: fx.GraphModule
+    args: list[int | str]  #: batch leaf index, or the name of a received value
+    send: list[str]
+
+
+def trace_blocks(model: nn.Module, blocks: Sequence[str], loss_fn: Any = None,
+                 example: Any = None) -> fx.GraphModule:
+    """`model`'s forward (then the loss) as an fx graph over `blocks`. torch.fx's symbolic
+    trace, the blocks kept as leaf calls; where that cannot trace the model (transformers'
+    models: decorators, data-dependent Python) or the batch is by keyword, torch.export's
+    graph of model and loss on the `example` microbatch (`export_blocks`)."""
+    fx_error = "a keyword batch"
+    if example is None or not split_batch(example)[1]:
+        try:
+            graph = _BlockTracer(set(blocks)).trace(model)
+        except Exception as e:
+            fx_error = f"{type(e).__name__}: {e}"
+        else:
+            if loss_fn is not None:
+                out = next(n for n in graph.nodes if n.op == "output")
+                last_ph = [n for n in graph.nodes if n.op == "placeholder"][-1]
+                with graph.inserting_after(last_ph):
+                    target = graph.placeholder("target")
+                with graph.inserting_before(out):
+                    loss = graph.call_function(loss_fn, (out.args[0], target))
+                out.args = (loss,)
+            return fx.GraphModule(model, graph)
+    if example is None:
+        raise ConfigError(f"pipeline: the model's forward cannot be traced by torch.fx to split "
+                          f"it into stages ({fx_error})")
+    return export_blocks(model, blocks, loss_fn, example, fx_error)
+
+
+def export_blocks(model: nn.Module, blocks: Sequence[str], loss_fn: Any, example: Any,
+                  fx_error: str = "") -> fx.GraphModule:
+    """Model and loss exported by torch.export (non-strict) on `example`, as one fx graph:
+    batch leaves as placeholders (`split_batch` order), parameters and buffers read from the
+    model itself (get_attr: stage modules share its tensors), every node computed inside a
+    block marked `node.meta[BLOCK]` (from the module stack export records), the loss as the
+    output. Shapes are those of `example` (one microbatch)."""
+    from glmc.passes.partition import owner
+    from glmc.trace.capture import LossModule
+
+    wrapper = LossModule(model, loss_fn)  # holds the model as `model`: paths start "model."
+    args, kwargs = split_batch(example)
+    try:
+        ep = torch.export.export(wrapper, tuple(args), dict(kwargs), strict=False)
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise ConfigError(f"pipeline: the model's forward cannot be traced to split it into "
+                          f"stages: torch.fx failed ({fx_error}) and torch.export failed "
+                          f"({type(e).__name__}: {first})") from None
+    sig = ep.graph_signature
+    if sig.buffers_to_mutate or sig.user_inputs_to_mutate:
+        raise ConfigError("pipeline: the forward updates buffers or inputs in place (e.g. "
+                          "BatchNorm running statistics: "
+                          f"{sorted(sig.buffers_to_mutate.values())[:3]}); a model traced by "
+                          "torch.export cannot be pipelined with them yet")
+    # the root: the model's own children and tensors (names as in model.state_dict()), plus
+    # the tensor constants export lifted out of the forward
+    root = nn.Module()
+    for name, child in model.named_children():
+        root.add_module(name, child)
+    for name, p in model.named_parameters(recurse=False):
+        root.register_parameter(name, p)
+    for name, b in model.named_buffers(recurse=False):
+        root.register_buffer(name, b)
+    state = {ph: fqn.removeprefix("model.")
+             for ph, fqn in {**sig.inputs_to_parameters, **sig.inputs_to_buffers}.items()}
+    consts = {}
+    for i, (ph, name) in enumerate(sig.inputs_to_lifted_tensor_constants.items()):
+        root.register_buffer(f"_glmc_const{i}", ep.constants[name], persistent=False)
+        consts[ph] = f"_glmc_const{i}"
+    graph, env = fx.Graph(), {}
+    for n in ep.graph.nodes:
+        if n.op == "placeholder":
+            attr = state.get(n.name) or consts.get(n.name)
+            env[n] = graph.get_attr(attr) if attr else graph.placeholder(n.name)
+            env[n].meta = dict(n.meta)
+        elif n.op == "output":
+            graph.output(env[n.args[0][0]])  # LossModule returns (loss,)
+        else:
+            env[n] = graph.node_copy(n, lambda a: env[a])
+            stack = list((n.meta.get("nn_module_stack") or {}).values())
+            block = owner(stack[-1][0].removeprefix("model."), blocks) if stack else None
+            if block is not None:
+                env[n].meta[BLOCK] = block
+    return fx.GraphModule(root, graph)
+
+
+def split_module(gm: fx.GraphModule, stage_blocks: Sequence[Sequence[str]]) -> list[StageModule]:
+    """Cut `gm` (from `trace_blocks`) into one module per stage (see the module docstring)."""
+    where = {b: s for s, bs in enumerate(stage_blocks) for b in bs}
+    stage: dict[fx.Node, int | None] = {}  # None: depends on no block (copied where read)
+    for n in gm.graph.nodes:
+        if n.op == "output":
+            continue
+        deps = [stage[a] for a in n.all_input_nodes if stage[a] is not None]
+        block = n.target if n.op == "call_module" else n.meta.get(BLOCK)
+        if block in where:
+            if deps and max(deps) > where[block]:
+                raise ConfigError(f"pipeline: block {block!r} (stage {where[block]}) reads "
+                                  f"a value of stage {max(deps)}; cut in forward order")
+            stage[n] = where[block]
+        else:
+            stage[n] = max(deps) if deps else None
+    leaves = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    if stage[out.args[0]] != len(stage_blocks) - 1:
+        raise ConfigError("pipeline: the loss must be computed on the last stage")
+    return [_stage_module(gm, stage, leaves, s, len(stage_blocks), out.args[0])
+            for s in range(len(stage_blocks))]
+
+
+def _stage_module(gm: fx.GraphModule, stage: dict, leaves: list[fx.Node], s: int, n: int,
+                  loss: fx.Node) -> StageModule:
+    own = [x for x in gm.graph.nodes if stage.get(x) == s and x.op != "placeholder"]
+    recv = sorted({a for x in own for a in x.all_input_nodes
+                   if stage[a] is not None and stage[a] != s}, key=list(gm.graph.nodes).index)
+    for a in recv:
+        if stage[a] != s - 1:
+            raise ConfigError(f"pipeline: {a.name!r} goes from stage {stage[a]} to stage {s}; "
+                              "only neighbouring stages exchange values")
+    send = [x for x in own if any(stage.get(u) is not None and stage[u] > s for u in x.users)]
+    g, env = fx.Graph(), {}
+    args: list[int | str] = []
+    needed = _free_closure(own, stage)
+    for i, ph in enumerate(leaves):
+        if ph in needed:
+            env[ph] = g.placeholder(ph.name)
+            args.append(i)
+    for a in recv:
+        env[a] = g.placeholder(a.name)
+        args.append(a.name)
+    for x in gm.graph.nodes:
+        if x.op != "placeholder" and (x in own or x in needed):
+            env[x] = g.node_copy(x, lambda a: env[a])
+    g.output(env[loss] if s == n - 1 else tuple(env[x] for x in send))
+    return StageModule(s, fx.GraphModule(gm, g), args, [x.name for x in send])
+
+
+def _free_closure(own: list[fx.Node], stage: dict) -> set[fx.Node]:
+    """The block-free nodes (and batch leaves) `own` reads, transitively."""
+    seen: set[fx.Node] = set()
+    todo = [a for x in own for a in x.all_input_nodes if stage[a] is None]
+    while todo:
+        a = todo.pop()
+        if a not in seen:
+            seen.add(a)
+            todo += [b for b in a.all_input_nodes if stage[b] is None]
+    return seen
+
+
+# ---- a staged program for a model --------------------------------------------------------------
+
+def stage_optimizer(optimizer: torch.optim.Optimizer, module: nn.Module
+                    ) -> torch.optim.Optimizer:
+    """`optimizer`'s class and per-group hyperparameters over `module`'s parameters."""
+    mine = {id(p) for p in module.parameters()}
+    groups = [{**{k: v for k, v in g.items() if k != "params"},
+               "params": [p for p in g["params"] if id(p) in mine]}
+              for g in optimizer.param_groups]
+    groups = [g for g in groups if g["params"]]
+    if not groups:
+        raise ConfigError("pipeline: a stage holds no parameters; use fewer stages")
+    return type(optimizer)(groups)  # every group carries all its hyperparameters
+
+
+@dataclass
+class Pipeline:
+    """A StagedProgram with the stage modules and optimizers it runs against."""
+
+    program: StagedProgram
+    stages: list[StageModule]
+    optimizers: list[torch.optim.Optimizer]
+    plan: Any = None
+    budgets: list["StageBudget | None"] | None = None  #: per stage, under a memory budget
+    #: per stage, the recompute pass's stats on its joint graph (None: no budget)
+    recompute: list[Any] | None = None
+    rank_budget_bytes: int | None = None  #: a per-rank size budget (the report checks it)
+    #: fp16 stages: dynamic loss scaling across every stage (`PipelineTrainer`), else None
+    loss_scaling: Any = None
+
+
+@dataclass(frozen=True)
+class StageBudget:
+    """A stage's memory budget for glmc's recompute pass on its joint graph (`stage_budgets`):
+    `spec` a fraction or "min" in the pass's spelling, or None with `activation_bytes`, the
+    bytes its in-flight microbatches' activations may take on its rank; `multiplicity`: the
+    microbatches the schedule keeps in flight on it."""
+
+    spec: str | None
+    multiplicity: int
+    activation_bytes: int | None = None
+
+    def pass_budget(self) -> str:
+        """In the pass's spelling for the stage's joint graph, whose own persistent bytes are
+        its weights and inputs: `activation_bytes` above them. The joint graph's timeline also
+        holds the gradients its backward makes, which on the rank are state outside
+        `activation_bytes`: counted twice in the backward, so the plan errs on the safe
+        side there; in the forward the accounting is the rank's."""
+        return self.spec if self.spec is not None else f"+{int(self.activation_bytes)}B"
+
+    def describe(self) -> str:
+        if self.spec == "min":
+            return "min"
+        if self.spec is not None:
+            return f"{float(self.spec):.0%}"
+        return f"{self.activation_bytes / 2**20:.1f} MiB of activations"
+
+
+def build_program(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any,
+                  example_inputs: Any, stage_blocks: Sequence[Sequence[str]], microbatches: int,
+                  schedule: str = "1f1b", virtual: int = 1,
+                  budgets: Sequence[StageBudget | None] | None = None,
+                  precision: str | None = None, fusion: bool = False,
+                  backend: str = "eager", loss_scaling: Any = None) -> Pipeline:
+    """Capture every stage of `model` cut at `stage_blocks` on one microbatch of
+    `example_inputs`, link them and attach the schedule (torch's generator for `schedule`).
+    `budgets[s]`: stage s's memory budget, planned by glmc's recompute pass on its joint graph
+    with the backend's traits (`recompute_partition`; None: it saves all the backward reads);
+    `precision`: every stage's forward under that policy (bf16 or fp16; fp16 with
+    `loss_scaling`, a `glmc.trace.scaler.LossScaling`, default GradScaler's), `fusion`: with the
+    fusion pass's forward patterns (`stage_rewrites`, `capture_stage`; the loss pattern unless
+    the stages run on Inductor without a budget)."""
+    if loss_scaling is not None and precision != "fp16":
+        raise ConfigError(f"pipeline: loss_scaling is for fp16 stages; precision is "
+                          f"{precision or 'fp32'}: drop loss_scaling or use precision='fp16'")
+    budgeted = budgets is not None and any(b is not None for b in budgets)
+    rewrites = stage_rewrites(precision, fusion, loss=fuses_stage_loss(backend, budgeted))
+    leaves = microbatch_leaves(example_inputs, microbatches)[0]
+    blocks = [b for bs in stage_blocks for b in bs]
+    gm = trace_blocks(model, blocks, loss_fn, like(example_inputs, leaves))
+    mods = split_module(gm, stage_blocks)
+    values = _values(gm, leaves)
+    stages, opts, stats = [], [], []
+    for sm in mods:
+        opt = stage_optimizer(optimizer, sm.module)
+        args = [(a, leaves[a] if isinstance(a, int) else values[a].detach()) for a in sm.args]
+        budget = budgets[sm.index] if budgets is not None else None
+        found: list[Any] = []
+        stage = capture_stage(sm.index, sm.module, opt, args, send=sm.send,
+                              partition=cleaned(recompute_partition(sm, budget, backend,
+                                                                    found)),
+                              rewrites=rewrites)
+        stats.append(found[-1] if found else None)
+        if schedule == "zbh1":
+            stage = split_backward(stage)
+        stages.append(stage)
+        opts.append(opt)
+    stages_t = tuple(stages)
+    sched = from_torch(schedule, len(stages) // virtual, microbatches, virtual)
+    program = StagedProgram(stages_t, link(stages_t), sched, shared_parameters(mods))
+    program.verify()
+    return Pipeline(program, mods, opts, budgets=list(budgets) if budgets else None,
+                    recompute=stats, loss_scaling=(loss_scaling or scaler.LossScaling())
+                    if precision == "fp16" else None)
+
+
+def cleaned(partition: Callable[[Any], Any] | None) -> Callable[[Any], Any]:
+    """The joint-graph rewrite `partition` (or none) after glmc's cleanup pass on the joint
+    graph (`glmc.passes.cleanup.cleanup_stage`: no-op copies and views, common
+    subexpressions), as the single-device step gets it: e.g. a `Dropout(p=0)`'s copy of the
+    attention weights would otherwise be saved for the backward beside the weights."""
+    from glmc.passes.cleanup import cleanup_stage
+
+    def rewrite(joint: Any) -> None:
+        cleanup_stage(joint)
+        if partition is not None:
+            partition(joint)
+    return rewrite
+
+
+def recompute_partition(sm: StageModule, budget: StageBudget | None, backend: str,
+                        found: list) -> Any:
+    """The joint-graph rewrite that plans stage `sm` under `budget` (glmc's recompute pass,
+    `glmc.passes.recompute.recompute_stage`; its stats to `found`), or None without one. A
+    budget the stage cannot meet even recomputing all it can is a BudgetError naming it."""
+    if budget is None:
+        return None
+    from glmc.errors import BudgetError
+    from glmc.passes.recompute import recompute_stage
+
+    plan = recompute_stage(budget.pass_budget(), budget.multiplicity,
+                           stage_backend(backend).traits(), found=found)
+
+    def rewrite(joint: Any) -> None:
+        try:
+            plan(joint)
+        except BudgetError as e:
+            raise BudgetError(f"pipeline: stage {sm.index} ({budget.multiplicity} "
+                              f"microbatches in flight): {e}") from None
+    return rewrite
+
+
+def sync_seconds(pipe: Pipeline, dp: int, zero: int, link: Any) -> list[float]:
+    """Per stage, the predicted seconds of its gradients' synchronisation before its update
+    (alpha-beta on `link`, one collective per buffer — a lower bound where buckets split it):
+    an all-reduce over the `dp` replicas (ZeRO-1: reduce-scatter, then the new parameters'
+    all-gather), and each tied copy's all-reduce over every rank holding one."""
+    from glmc.analysis.comm import collective_seconds
+    tied = {(s, n) for copies in pipe.program.shared for s, n in copies}
+    out = []
+    for sm in pipe.stages:
+        params = dict(sm.module.named_parameters())
+        own = sum(p.numel() * p.element_size() for n, p in params.items()
+                  if (sm.index, n) not in tied)
+        if zero:
+            t = collective_seconds("reduce_scatter_tensor", own, dp, link) + \
+                collective_seconds("all_gather_into_tensor", own, dp, link)
+        else:
+            t = collective_seconds("all_reduce", own, dp, link)
+        for copies in pipe.program.shared:
+            for s, n in copies:
+                if s == sm.index:
+                    p = params[n]
+                    t += collective_seconds("all_reduce", p.numel() * p.element_size(),
+                                            len(copies) * dp, link)
+        out.append(t)
+    return out
+
+
+def fuses_stage_loss(backend: str, budgeted: bool) -> bool:
+    """Whether fused stages take the loss pattern: as in one process, not on Inductor (its
+    own kernels for the LM head and loss are faster) unless a memory budget is set."""
+    return backend != "inductor" or budgeted
+
+
+def stage_rewrites(precision: str | None = None, fusion: bool = False,
+                   loss: bool = True) -> list[Any]:
+    """The forward rewrites of every stage (`capture_stage`'s `rewrites`), in the default
+    pipeline's order: fusion's forward patterns, then the dtype assignment of `precision`.
+    `loss`: fusion includes the loss pattern (the LM head and loss chunked: the logits are
+    never stored; `build_program` asks `fuses_stage_loss`)."""
+    out: list[Any] = []
+    if fusion:
+        from glmc.passes.fusion import STAGE_PATTERNS, fuse_stage
+        patterns = tuple(p for p in STAGE_PATTERNS if loss or p != "loss")
+        out.append(lambda gm, inputs: fuse_stage(gm, inputs, patterns))
+    if precision is not None:
+        from glmc.passes.precision import assign_stage
+        out.append(lambda gm, inputs: assign_stage(gm, inputs, precision))
+    return out
+
+
+def shared_parameters(mods: Sequence[StageModule]) -> tuple[tuple[tuple[int, str], ...], ...]:
+    """Parameters that several stage modules read (tied input and output embeddings cut
+    apart): each as ((stage, its name in that stage), ...), in first-use order."""
+    where: dict[int, list[tuple[int, str]]] = {}
+    for sm in mods:
+        for name, p in sm.module.named_parameters():
+            copies = where.setdefault(id(p), [])
+            if not copies or copies[-1][0] != sm.index:
+                copies.append((sm.index, name))
+    return tuple(tuple(c) for c in where.values() if len(c) > 1)
+
+
+def _values(gm: fx.GraphModule, leaves: Sequence[torch.Tensor]) -> dict[str, Any]:
+    """Every node's value on one microbatch, by name (the examples of received values)."""
+    env: dict[str, Any] = {}
+
+    class Recorder(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            env[n.name] = super().run_node(n)
+            return env[n.name]
+
+    with torch.no_grad():
+        Recorder(gm).run(*leaves)
+    return env
+
+
+def microbatch_leaves(batch: Any, microbatches: int) -> list[list[torch.Tensor]]:
+    """The batch's leaves (`batch_leaves` order) cut into `microbatches` equal parts along
+    dim 0."""
+    return _equal_rows(batch_leaves(split_batch(batch)), microbatches, "microbatches",
+                       "use a divisor of {rows}")
+
+
+def like(batch: Any, leaves: Sequence[torch.Tensor]) -> Any:
+    """`leaves` in the form of `batch`: a tuple, or a dict with `batch`'s keys."""
+    _, kwargs = split_batch(batch)
+    return dict(zip(kwargs, leaves)) if kwargs else tuple(leaves)
+
+
+def _equal_rows(leaves: Sequence[torch.Tensor], parts: int, what: str, fix: str
+                ) -> list[list[torch.Tensor]]:
+    """`leaves` cut into `parts` equal slices of rows (dim 0), or an InputError saying `what`
+    does not divide the batch and how to `fix` it (formatted with `rows`)."""
+    rows = leaves[0].shape[0]
+    if parts < 1 or rows % parts:
+        raise InputError(f"pipeline: {parts} {what} do not divide the batch of {rows} rows; "
+                         + fix.format(rows=rows))
+    chunks = [t.chunk(parts) for t in leaves]
+    return [[c[m] for c in chunks] for m in range(parts)]
+
+
+# ---- the trainer -------------------------------------------------------------------------------
+
+@dataclass
+class StepTrace:
+    """What one rank ran in one step: (action, start, end) in wall-clock seconds; `origin`:
+    when the step started after a barrier (aligned steps), else 0."""
+
+    rank: int
+    spans: list = field(default_factory=list)
+    origin: float = 0.0
+
+    def busy(self) -> float:
+        return sum(e - s for a, s, e in self.spans if a.kind in COMPUTE)
+
+
+def measured_timeline(traces: Sequence[StepTrace], num_ranks: int) -> Timeline:
+    return Timeline({a: (t.rank, s, e) for t in traces for a, s, e in t.spans}, num_ranks)
+
+
+@dataclass(frozen=True)
+class PipelineMeasurement:
+    """What `PipelineTrainer.measure` saw, the same on every rank."""
+
+    timeline: Timeline  #: one barrier-aligned step, times from the barrier
+    period_s: float  #: wall seconds per step, steps back to back (slowest rank)
+    busy_s: list[float]  #: per rank: compute seconds per step in those steps
+    peak_bytes: list[int]  #: per rank: its state + the step's allocator peak above it
+    state_bytes: list[int]  #: per rank: parameters + optimizer state (measured storages)
+    source: str = ""
+
+    def imbalance(self) -> float | None:
+        """The busiest rank's compute per step over the ranks' mean (None: nothing ran)."""
+        mean = sum(self.busy_s) / len(self.busy_s)
+        return max(self.busy_s) / mean if mean > 0 else None
+
+    def steady_bubble(self) -> float:
+        """Idle fraction of back-to-back steps: 1 - mean busy per rank / period (the next
+        step's first actions may overlap this one's last, so this can be below the aligned
+        step's bubble)."""
+        busy = sum(self.busy_s) / len(self.busy_s)
+        return 1.0 - busy / self.period_s if self.period_s > 0 else 0.0
+
+
+class PipelineTrainer:
+    """Trains `model` pipelined over the default process group, optionally with data
+    parallelism (pp x dp): `dp` replicas of the pipeline, global rank = replica x S +
+    pipeline rank (S = pipeline ranks). Pipeline rank r holds stages r, r + S, ... of
+    `pipeline`. `step(*batch)` runs one step on the global batch: every rank passes the same
+    batch, each replica takes its 1/dp slice (rows), each stage reads what it needs; a stage's
+    gradients are averaged over its replicas before its update (one all-reduce of the flat
+    gradients per stage). Returns the global-batch mean loss on the ranks holding the last
+    stage, None elsewhere. fp16 stages (`pipeline.loss_scaling`): one dynamic loss scale on
+    every rank, as `torch.amp.GradScaler` keeps it — it seeds each backward; before the
+    updates every rank unscales its gradients and one MAX all-reduce over all ranks (stages
+    and replicas) tells whether any overflowed: then every rank skips its updates and backs
+    the scale off, so the stages never disagree."""
+
+    def __init__(self, pipeline: Pipeline, timeout_s: float = 300.0, dp: int = 1,
+                 zero: int = 0, backend: str = "eager") -> None:
+        from glmc.parallel.data import init_distributed
+        compiler = stage_backend(backend)  # a bad name fails before any process group
+        if zero not in (0, 1):
+            raise ConfigError(f"pipeline: ZeRO stage {zero} with a pipeline: a stage sums its "
+                              "gradients over the microbatches before any reduction, so only "
+                              "the optimizer state can be sharded (stage 1, as DeepSpeed and "
+                              "Megatron's distributed optimizer do with pipelines); use zero 0 "
+                              "or 1")
+        init_distributed("cpu", timeout_s)
+        self.pipeline = pipeline
+        sched = pipeline.program.schedule
+        self.rank, world = dist.get_rank(), dist.get_world_size()
+        if world != sched.num_ranks * dp:
+            raise ConfigError(f"pipeline: {sched.num_ranks} pipeline ranks x {dp} data-parallel "
+                              f"replicas need {sched.num_ranks * dp} processes, got {world}")
+        self.dp, self.replica = dp, self.rank // sched.num_ranks
+        self.pp_rank = self.rank % sched.num_ranks
+        #: global rank of every stage in this replica
+        self.ranks = [self.replica * sched.num_ranks + sched.rank_of(s)
+                      for s in range(sched.num_stages)]
+        # every rank creates every group, in the same order (torch.distributed's rule)
+        groups = [dist.new_group([d * sched.num_ranks + r for d in range(dp)])
+                  for r in range(sched.num_ranks)] if dp > 1 else []
+        self.dp_group = groups[self.pp_rank] if groups else None
+        self.local = [s for s in range(sched.num_stages) if sched.rank_of(s) == self.pp_rank]
+        self.last = (sched.num_stages - 1) in self.local
+        #: per shared parameter (`program.shared`): its copies on this rank's stages, and the
+        #: group of every rank (all replicas) holding a copy, which sums their gradients
+        self.ties: list[tuple[dict[int, str], Any]] = []
+        for copies in pipeline.program.shared:
+            members = sorted({d * sched.num_ranks + sched.rank_of(s)
+                              for d in range(dp) for s, _ in copies})
+            group = dist.new_group(members)
+            if self.rank in members:
+                self.ties.append(({s: n for s, n in copies if s in self.local}, group))
+        self.traces: list[StepTrace] = []
+        self.zero = zero if dp > 1 else 0
+        self.scaling = pipeline.loss_scaling
+        #: fp16: the loss scale and growth tracker (glmc.trace.scaler), alike on every rank
+        self.scaler = self.scaling.initial_state() if self.scaling is not None else None
+        self.skipped = 0  #: steps whose update was skipped (a gradient overflowed)
+        #: the program this rank runs: its stages' sharded updates bound to its replicas' group
+        self.runnable = pipeline.program
+        if self.zero:
+            self._shard_updates()
+        self.backend = backend
+        self.compile_seconds = self._compile(compiler)
+
+    def _compile(self, compiler: Any) -> float:
+        """Compile every graph this rank's actions run (forward, backward or ZB-H1's I and W,
+        the update) with `compiler` (a glmc Backend) in its write-back form; "eager" runs the
+        fx graphs as they are. Returns the compile seconds."""
+        if compiler.name == "eager":
+            return 0.0
+        from glmc.compiler.inplace import compile_inplace
+        t0 = time.perf_counter()
+        K = ActionKind
+        sched = self.runnable.schedule
+        for stage in self.local:
+            st = self.runnable.stages[stage]
+            kinds = {a.kind for a in sched.rank_actions(self.pp_rank) if a.stage == stage}
+            graphs = [st.forward] if K.F in kinds else []
+            graphs += [st.backward] if K.B in kinds else []
+            graphs += list(st.split or ()) if kinds & {K.I, K.W} else []
+            graphs += [st.update] if K.UPDATE in kinds else []
+            for g in graphs:
+                compile_inplace(g, compiler)
+        return time.perf_counter() - t0
+
+    def _shard_updates(self) -> None:
+        """ZeRO-1 over each stage's replicas: every stage's update becomes glmc's shard pass
+        on it (gradients reduce-scattered in buckets, this replica's rows of the optimizer
+        state updated, the new parameters all-gathered; `ShardPass(stage=2)` on an update
+        alone); the program records the sharded updates (predicted memory), this rank binds
+        its own to its replicas' group (a ("dp", "pp") DeviceMesh) and keeps its optimizer
+        state as its padded rows."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from glmc.compiler.passmanager import PassContext
+        from glmc.ir.graph import MeshSpec
+        from glmc.ir.plans import DIM
+        from glmc.ir.program import bind_mesh
+        from glmc.passes.shard import ShardPass
+
+        program = self.pipeline.program
+        ranks = program.schedule.num_ranks
+        mesh = init_device_mesh("cpu", (self.dp, ranks), mesh_dim_names=(DIM, "pp"))[DIM]
+        stages, bound = [], []
+        for st in program.stages:
+            update = st.update.copy()
+            ShardPass(stage=2).run(update, PassContext(mesh=MeshSpec((self.dp,), (DIM,))))
+            stages.append(dataclasses.replace(st, update=update))
+            if st.index in self.local:
+                self._install(st.index, update.meta["sharding"])
+                bound.append(dataclasses.replace(st, update=bind_mesh(update, mesh)))
+            else:
+                bound.append(stages[-1])
+        self.pipeline.program = dataclasses.replace(program, stages=tuple(stages))
+        self.runnable = dataclasses.replace(program, stages=tuple(bound))
+
+    def _install(self, stage: int, plan: Any) -> None:
+        """Stage `stage`'s per-element optimizer state as this replica's padded rows."""
+        module, opt = self.pipeline.stages[stage].module, self.pipeline.optimizers[stage]
+        for target, lay in plan.layouts.items():
+            key, _, name = target.partition(":")
+            state = opt.state[module.get_parameter(name)]
+            state[key] = lay.local(state[key].detach(), self.replica)
+
+    def _comm_error(self, e: RuntimeError, done: int) -> None:
+        """A failed point-to-point op or gradient all-reduce (another rank died, hung or ran
+        a different program) as a CommError naming this rank and the action it was in; other
+        errors pass through."""
+        from glmc.errors import CommError
+        from glmc.parallel.data import comm_failure
+
+        text = comm_failure(e)
+        if text is None:
+            return
+        sched = self.pipeline.program.schedule
+        actions = sched.rank_actions(self.pp_rank)
+        action = actions[done] if done < len(actions) else None
+        peer = ""
+        if action is not None and action.kind.value.startswith(("SEND", "RECV")):
+            forward = action.kind.value.endswith("_F")
+            other = action.stage + (1 if forward == action.kind.value.startswith("SEND")
+                                    else -1)
+            if 0 <= other < sched.num_stages:
+                peer = f" with stage {other} on rank {self.ranks[other]}"
+        raise CommError(f"pipeline: rank {self.rank} (stages {', '.join(map(str, self.local))}) "
+                        f"failed in action {action or 'after its last action'}{peer} ({text}); "
+                        "that rank has probably died, hung or runs a different pipeline (a "
+                        "hung rank fails the others after the process group's timeout, "
+                        "timeout_s); check its output") from e
+
+    def _reduce_grads(self, grads: dict[int, dict[str, torch.Tensor]]) -> bool:
+        """Before this rank's first update: fp16's unscale and overflow check (`_unscale`;
+        False: every rank skips its updates), then average every local stage's gradients
+        over its replicas (one all-reduce of their flat concat per stage), then sum each
+        shared parameter's copies over the ranks holding one (and average over replicas), in
+        one global order of the shared parameters so no two ranks wait on each other."""
+        if self.scaler is not None and not self._unscale(grads):
+            return False
+        tied = {(s, n) for local, _ in self.ties for s, n in local.items()}
+        for stage in sorted(grads):
+            names = [n for n in grads[stage] if (stage, n) not in tied]
+            if self.dp == 1 or self.zero or not names:  # ZeRO: the update reduce-scatters
+                continue
+            mine = grads[stage]
+            flat = torch.cat([mine[n].reshape(-1) for n in names])
+            dist.all_reduce(flat, group=self.dp_group)
+            flat /= self.dp
+            for n, part in zip(names, flat.split([mine[n].numel() for n in names])):
+                mine[n] = part.view_as(mine[n])
+        for local, group in self.ties:
+            for stage, name in local.items():  # one copy per rank (StagedProgram.verify)
+                if name not in grads[stage]:
+                    raise ConfigError(f"pipeline: stage {stage} reads the shared parameter "
+                                      f"{name!r} but computes no gradient for it, so its copy "
+                                      "would drift from the others; freeze it on every stage "
+                                      "(requires_grad=False) or cut elsewhere")
+                # a copy of its own: the graph's output may be a view of another value
+                g = grads[stage][name].clone(memory_format=torch.contiguous_format)
+                dist.all_reduce(g, group=group)
+                grads[stage][name] = g.div_(self.dp) if self.dp > 1 else g
+        return True
+
+    def _unscale(self, grads: dict[int, dict[str, torch.Tensor]]) -> bool:
+        """fp16: every local gradient divided by the loss scale (GradScaler's arithmetic,
+        `glmc.trace.scaler.unscale_each`: one gradient at a time); whether any rank's held inf/NaN,
+        from one MAX all-reduce over the default group (every stage of every replica); the
+        scale updated by GradScaler's rule, alike on every rank. Returns whether the updates
+        apply (on an overflow the gradients are dropped by the caller)."""
+        scale, tracker = self.scaler[SCALE], self.scaler[scaler.TRACKER]
+        flag = torch.zeros((), dtype=torch.float32)
+        for stage in sorted(grads):
+            flag = torch.maximum(flag, scaler.unscale_each(grads[stage], scale).float())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        found = flag > 0
+        scale, tracker = scaler.update(scale, tracker, found, self.scaling)
+        self.scaler = {SCALE: scale, scaler.TRACKER: tracker}
+        if bool(found):
+            self.skipped += 1
+            return False
+        return True
+
+    def replica_batch(self, batch: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """This replica's rows of the global batch."""
+        return tuple(replica_slices(tuple(batch), self.dp)[self.replica])
+
+    def step(self, *args: torch.Tensor, aligned: bool = False, **kwargs: torch.Tensor
+             ) -> torch.Tensor | None:
+        """One step on the batch (positional or keyword tensors, as the model takes them).
+        `aligned`: every rank waits at a barrier first and its trace is timed from there
+        (what a prediction assumes: all ranks start the step together; on several hosts it
+        also removes their clock offsets)."""
+        p = self.pipeline
+        batch = batch_leaves((args, kwargs))
+        mbs = microbatch_leaves(self.replica_batch(batch), p.program.schedule.num_microbatches)
+        if aligned:
+            dist.barrier()
+        trace = StepTrace(self.rank, origin=time.time() if aligned else 0.0)
+        try:
+            losses = run_rank(self.runnable, {s: p.stages[s].module for s in self.local},
+                              {s: p.optimizers[s] for s in self.local}, mbs, ranks=self.ranks,
+                              spans=trace.spans,
+                              reduce_grads=self._reduce_grads
+                              if (self.dp > 1 and not self.zero) or self.ties
+                              or self.scaler is not None else None,
+                              scale=None if self.scaler is None else self.scaler[SCALE])
+        except RuntimeError as e:
+            self._comm_error(e, len(trace.spans))
+            raise
+        self.traces.append(trace)
+        if not self.last:
+            return None
+        loss = torch.stack(losses).mean()
+        if self.dp > 1:  # every replica's slice has as many rows: the mean of the means
+            dist.all_reduce(loss, group=self.dp_group)
+            loss /= self.dp
+        return loss
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """This rank's persistent state: its stages' parameters and optimizer state."""
+        out: list[torch.Tensor] = []
+        for s in self.local:
+            out += list(self.pipeline.stages[s].module.parameters())
+            opt = self.pipeline.optimizers[s]
+            out += [v for st in opt.state.values() for v in st.values()
+                    if isinstance(v, torch.Tensor)]
+        return out
+
+    def measure(self, *args: torch.Tensor, steps: int = 3, **kwargs: torch.Tensor
+                ) -> "PipelineMeasurement":
+        """Train `steps` more steps and measure them (every rank calls this): the wall time
+        per step back to back (steady state), one barrier-aligned step's timeline, and one
+        step's peak memory per rank (c10 allocator events above the live state, plus that
+        state). Returns replica 0's measurement on every rank."""
+        from glmc.analysis.memory import measure_peak
+
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            self.step(*args, **kwargs)
+        period = (time.perf_counter() - t0) / steps
+        busy = sum(t.busy() for t in self.traces[-steps:]) / steps
+        self.step(*args, aligned=True, **kwargs)
+        trace = self.traces[-1]
+        spans = [(a, s - trace.origin, e - trace.origin) for a, s, e in trace.spans]
+        _, mem = measure_peak(lambda: self.step(*args, **kwargs), state=self.state_tensors())
+        mine = {"spans": spans, "period": period, "busy": busy, "peak": mem.peak_bytes,
+                "state": mem.persistent_bytes or 0, "source": mem.source}
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        ranks = self.pipeline.program.schedule.num_ranks
+        every = every[:ranks]  # replica 0
+        timeline = measured_timeline([StepTrace(r, e["spans"]) for r, e in enumerate(every)],
+                                     ranks)
+        return PipelineMeasurement(timeline, max(e["period"] for e in every),
+                                   [e["busy"] for e in every],
+                                   [e["state"] + e["peak"] for e in every],
+                                   [e["state"] for e in every], every[0]["source"])
+
+
+def stage_backend(name: str) -> Any:
+    """The glmc backend that compiles pipeline stages: one that updates state in place (a
+    stage writes its parameters and optimizer state as it goes)."""
+    from glmc.backends import get_backend
+    backend = get_backend(name)
+    if not backend.traits().inplace:
+        raise ConfigError(f"pipeline: backend {name!r} runs functional steps; pipeline stages "
+                          "update their state in place and run on 'eager' or 'inductor'")
+    return backend
+
+
+def replica_slices(batch: tuple[torch.Tensor, ...], dp: int) -> list[list[torch.Tensor]]:
+    """The global batch's rows cut into `dp` equal replica slices."""
+    return _equal_rows(batch, dp, "data-parallel replicas",
+                       f"use a batch divisible by {dp} x the microbatches")
+
+
+def from_env_world() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+# ---- end to end: plan, build, train ------------------------------------------------------------
+
+def plan_stages(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any,
+                example_inputs: Any, stages: int, microbatches: int, schedule: str,
+                virtual: int = 1, profile: Any = None, link: Any = None,
+                cut: Any = None, backend: str = "eager") -> Any:
+    """The partition pass's plan for the whole step, captured once on this process on one
+    microbatch (what each stage runs per action); `link`: the link between stages the
+    predicted schedule prices transfers on; `cut`: predict this cut instead of choosing
+    (`plan_partition`'s `cut`: block indices or "equal"); `backend`: what will run the stages
+    (its traits price their ops: Inductor's fusion groups)."""
+    from glmc.compiler.passmanager import PassContext
+    from glmc.passes.partition import PartitionPass
+
+    one = like(example_inputs, microbatch_leaves(example_inputs, microbatches)[0])
+    graph = capture(model, one, loss_fn, optimizer)
+    traits = stage_backend(backend).traits()
+    if cut is not None:
+        from glmc.passes.partition import plan_partition
+        return plan_partition(graph, stages, microbatches, schedule, [profile] * stages,
+                              traits=traits, virtual=virtual, link=link,
+                              microbatch_graph=True, cut=cut)
+    ps = PartitionPass(stages=stages, microbatches=microbatches, schedule=schedule,
+                       virtual=virtual, link=link or "", microbatch_graph=True)
+    return ps.run(graph, PassContext(traits=traits, profile=profile)).stats
+
+
+def stage_budgets(plan: Any, budget: Any, ranks: int) -> list[StageBudget | None]:
+    """Per stage, its budget for glmc's recompute pass (`StageBudget`) from `budget` (the
+    pass's Budget spelling) with the microbatches the schedule keeps in flight on it: a size is
+    the peak allowed per *rank* — its stages' state first, the rest shared by their in-flight
+    activations in proportion to what each would keep (`+size`: that rest itself); a fraction
+    or "min" applies to every stage. None: no budget. A size below a rank's state is a
+    BudgetError naming it."""
+    from glmc.errors import BudgetError
+    from glmc.passes.recompute import Budget
+
+    if budget is None:
+        return [None] * len(plan.stages)
+    b = Budget.parse(budget)
+    if b.kind in ("min", "fraction"):
+        spec = "min" if b.kind == "min" else str(b.value)
+        return [StageBudget(spec, s.in_flight) for s in plan.stages]
+    out: list[StageBudget | None] = [None] * len(plan.stages)
+    for r in range(ranks):
+        own = [i for i in range(len(plan.stages)) if i % ranks == r]
+        state = sum(plan.stages[i].state_bytes for i in own)
+        acts = [plan.stages[i].in_flight * plan.stages[i].saved_bytes_per_microbatch
+                for i in own]
+        rest = b.value if b.kind == "above" else b.value - state
+        if rest <= 0:
+            raise BudgetError(
+                f"pipeline: rank {r} (stage{'s' if len(own) > 1 else ''} "
+                f"{', '.join(map(str, own))}) needs more than {state / 2**20:.1f} MiB for its "
+                f"parameters, gradients and optimizer state before any activation; the budget "
+                f"is {b.value / 2**20:.1f} MiB per rank. Raise the budget or use more stages")
+        for i, a in zip(own, acts):
+            share = a / sum(acts) if sum(acts) else 1 / len(own)
+            out[i] = StageBudget(None, plan.stages[i].in_flight, int(rest * share))
+    return out
+
+
+def pipeline_trainer(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any,
+                     example_inputs: Any, microbatches: int, schedule: str = "1f1b",
+                     virtual: int = 1, timeout_s: float = 300.0, dp: int = 1,
+                     memory_budget: Any = None, cut: Any = None, zero: int = 0,
+                     backend: str = "eager", precision: str | None = None,
+                     fusion: bool = False) -> PipelineTrainer:
+    """A PipelineTrainer over every process of the default group (from torchrun's env):
+    world / dp pipeline ranks, `dp` replicas. Rank 0 plans the cut for one replica's slice of
+    the batch (the cost model may be calibrated differently per process, so one process
+    decides) and broadcasts it; every rank captures its program. `memory_budget` (a size per
+    rank, a fraction or "min"): glmc's recompute pass plans each stage's backward so that its
+    in-flight microbatches fit (`stage_budgets`). `cut`: use this cut (block indices, or
+    "equal") instead of the planned one. `zero=1`: each stage's optimizer state sharded over
+    its replicas (`PipelineTrainer`). `backend`: what runs each stage's graphs ("eager":
+    the fx graphs; "inductor": each compiled once, in its write-back form). `precision`:
+    "bf16" or "fp16" (with dynamic loss scaling across the stages) runs every stage's
+    forward under glmc's dtype assignment, `fusion` fuses its
+    attention, norms and gated MLPs (`stage_rewrites`)."""
+    from glmc.analysis.comm import measure_link
+    from glmc.parallel.data import init_distributed
+    from glmc.passes.partition import with_sync
+    init_distributed("cpu", timeout_s)
+    world = dist.get_world_size()
+    if dp < 1 or world % dp:
+        raise ConfigError(f"pipeline: {dp} data-parallel replicas do not divide the {world} "
+                          "processes")
+    stages = world // dp * virtual
+    leaves = batch_leaves(split_batch(example_inputs))
+    example = like(example_inputs, replica_slices(tuple(leaves), dp)[0])
+    link = measure_link(reps=21)  # every rank takes part; the same figures everywhere
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        box[0] = plan_stages(model, optimizer, loss_fn, example, stages, microbatches,
+                             schedule, virtual, link=link, cut=cut, backend=backend)
+    dist.broadcast_object_list(box, src=0)
+    plan = box[0]
+    budgets = stage_budgets(plan, memory_budget, stages // virtual)
+    pipe = build_program(model, optimizer, loss_fn, example,
+                         [s.blocks for s in plan.stages], microbatches, schedule, virtual,
+                         budgets, precision, fusion, backend)
+    pipe.plan = with_sync(plan, sync_seconds(pipe, dp, zero, link), virtual, link)
+    pipe.rank_budget_bytes = _rank_budget_bytes(memory_budget)
+    return PipelineTrainer(pipe, timeout_s, dp, zero, backend)
+
+
+def _fused_patterns(backend: str, memory_budget: Any) -> str:
+    """The forward patterns `build_program` fuses into the stages (`stage_rewrites`)."""
+    loss = fuses_stage_loss(backend, memory_budget is not None)
+    return "attention/norm/MLP/loss" if loss else "attention/norm/MLP"
+
+
+def _fused_spelling(fusion: Any) -> str:
+    return fusion if isinstance(fusion, str) else "attention/norm/MLP"  # an older report
+
+
+def _rank_budget_bytes(budget: Any) -> int | None:
+    """A size budget as bytes per rank (None for no budget, a fraction, min or +size)."""
+    from glmc.passes.recompute import Budget
+    b = Budget.parse(budget) if budget is not None else None
+    return int(b.value) if b is not None and b.kind == "bytes" else None
+
+
+def train_cli(work: Any, steps: int, microbatches: int, schedule: str, pp: int,
+              report_dir: str | None = None, memory_budget: Any = None, zero: int = 0,
+              backend: str = "eager", precision: str | None = None,
+              fusion: bool = False) -> int:
+    """`glmc compile FILE --nproc N --pp S ...`: trains `work` pipelined; the rank holding
+    replica 0's last stage prints `step i  loss x` lines as a single process does, then the plan and
+    its predictions against three more measured steps (per-stage peak, bubble); with
+    `report_dir`, also report.html (plan, Gantt charts), report.json and Chrome traces.
+    More processes than stages: pp x dp (`--nproc` a multiple of `--pp`), with `zero=1` the
+    optimizer state sharded over the replicas; `backend` runs the stages' graphs, `precision`
+    (bf16, fp16) sets their dtypes."""
+    world = from_env_world()
+    if world % pp:
+        raise ConfigError(f"pipeline: --pp {pp} needs a multiple of {pp} processes (pp x dp); "
+                          f"this run has {world}")
+    virtual = 2 if schedule == "interleaved" else 1
+    trainer = pipeline_trainer(work.model, work.optimizer, work.loss_fn, work.example_inputs,
+                               microbatches, schedule, virtual, dp=world // pp,
+                               memory_budget=memory_budget, zero=zero, backend=backend,
+                               precision=precision, fusion=fusion)
+    args, kwargs = split_batch(work.example_inputs)
+    printer = trainer.last and trainer.replica == 0
+    for i in range(steps):
+        loss = trainer.step(*args, **kwargs)
+        if printer:
+            print(f"step {i:4d}  loss {loss.item():.6f}", flush=True)
+    measured = trainer.measure(*args, **kwargs)  # three more steps: not printed as training steps
+    if printer:
+        data = pipeline_report(trainer.pipeline.plan, measured, trainer.pipeline)
+        data["backend"] = {"name": trainer.backend, "precision": precision or "fp32",
+                           "fusion": fusion and _fused_patterns(backend, memory_budget),
+                           "loss_scale": None if trainer.scaler is None else {
+                               "scale": float(trainer.scaler[SCALE]),
+                               "skipped": trainer.skipped, "steps": len(trainer.traces)},
+                           "compile_seconds": trainer.compile_seconds}  # this rank's
+        print(summary(data), flush=True)
+        if report_dir:
+            print(f"report: {write_report(data, report_dir)}")
+    dist.destroy_process_group()
+    return 0
+
+
+# ---- the report --------------------------------------------------------------------------------
+
+def _spans(timeline: Timeline | None) -> list[dict]:
+    if timeline is None:
+        return []
+    return [{"rank": r, "action": str(a), "kind": a.kind.value, "start_s": s, "end_s": e}
+            for a, (r, s, e) in sorted(timeline.spans.items(), key=lambda x: x[1][1:])]
+
+
+def replay(schedule: Any, measured: Timeline) -> Timeline:
+    """`schedule` simulated with each action's *measured* duration (a receive: only its part
+    after its send finished, as the transfer; the rest was waiting, which the simulation
+    derives again): what the schedule model predicts given perfect action times. Near the measured
+    timeline, the schedule model holds and the remaining error is in the predicted action
+    times."""
+    K = ActionKind
+    spans = measured.spans
+
+    def seconds(a: Action) -> float:
+        r, s, e = spans[a]
+        if a.kind in (K.RECV_F, K.RECV_B):
+            send = next((p for p in schedule.dag.predecessors(a)
+                         if p.kind in (K.SEND_F, K.SEND_B)), None)
+            return e - max(s, spans[send][2]) if send in spans else e - s
+        return e - s
+    return simulate(schedule, seconds)
+
+
+def pipeline_report(plan: Any, measured: PipelineMeasurement,
+                    pipeline: Pipeline | None = None) -> dict:
+    """The plan's predictions next to the measurement, as plain data (report.json). With the
+    captured `program`: each rank's peak predicted from its stages' graphs walked through the
+    schedule (`glmc.planning.schedule.predicted_peaks`; else the plan's estimate), and the measured
+    action times replayed through the schedule; with a memory budget, each stage's budget and
+    what the recompute pass did on it."""
+    program = pipeline.program if pipeline is not None else None
+    sched_ranks = measured.timeline.num_ranks
+    stages = []
+    for i, s in enumerate(plan.stages):
+        stages.append({"stage": i, "rank": i % sched_ranks, "blocks": list(s.blocks),
+                       "profile": s.profile, "forward_s": s.forward_s,
+                       "backward_s": s.backward_s, "update_s": s.update_s,
+                       "seconds": s.seconds, "in_flight": s.in_flight,
+                       **_stage_recompute(pipeline, i),
+                       "planned_peak_bytes": s.peak_bytes, "send_bytes": s.send_bytes})
+    peaks = predicted_peaks(program) if program is not None else None
+    ranks = []
+    for r in range(sched_ranks):
+        own = [st for st in stages if st["rank"] == r]
+        ranks.append({"rank": r, "stages": [st["stage"] for st in own],
+                      "planned_peak_bytes": sum(st["planned_peak_bytes"] for st in own),
+                      "predicted_peak_bytes": peaks[r] if peaks is not None else
+                      sum(st["planned_peak_bytes"] for st in own),
+                      "measured_peak_bytes": measured.peak_bytes[r],
+                      "measured_state_bytes": measured.state_bytes[r],
+                      "budget_bytes": pipeline.rank_budget_bytes if pipeline else None})
+    pred = plan.timeline
+    replayed = replay(program.schedule, measured.timeline) if program is not None else None
+    return {"created": time.strftime("%Y-%m-%d %H:%M:%S"), "schedule": plan.schedule,
+            "microbatches": plan.microbatches, "cut": list(plan.cut), "link": plan.link,
+            "imbalance": plan.imbalance, "equal_imbalance": plan.equal_imbalance,
+            "measured_imbalance": measured.imbalance(),
+            "stages": stages, "ranks": ranks,
+            "bubble": {"predicted": plan.bubble, "measured": measured.timeline.bubble(),
+                       "measured_steady": measured.steady_bubble(),
+                       "replayed": replayed.bubble() if replayed is not None else None},
+            "step_seconds": {"predicted": pred.makespan if pred is not None else None,
+                             "measured": measured.timeline.makespan,
+                             "measured_steady": measured.period_s},
+            "memory_source": measured.source,
+            "predicted_timeline": _spans(pred), "measured_timeline": _spans(measured.timeline)}
+
+
+def _stage_recompute(pipeline: Pipeline | None, i: int) -> dict:
+    """Stage i's budget and the recompute pass's result on it (report.json fields)."""
+    budget = pipeline.budgets[i] if pipeline is not None and pipeline.budgets else None
+    stats = pipeline.recompute[i] if pipeline is not None and pipeline.recompute else None
+    rec = None if stats is None else {
+        "rematerialized": stats.recomputed, "kept": stats.kept, "solver": stats.solver,
+        "extra_seconds": stats.extra_seconds, "budget_bytes": stats.budget_bytes,
+        "baseline_peak": stats.baseline_peak, "predicted_peak": stats.predicted_peak,
+        "rematerialized_values": [list(v) for v in stats.recomputed_values]}
+    return {"budget": budget.describe() if budget is not None else None, "remat": rec}
+
+
+def _against(rank: dict) -> str:
+    """How the measured peak stands against a per-rank size budget ("" without one)."""
+    budget = rank.get("budget_bytes")
+    if not budget:
+        return ""
+    over = rank["measured_peak_bytes"] / budget - 1
+    return (f" (budget {budget / 2**20:.2f} MiB: "
+            + (f"{over:.1%} over)" if over > 0 else f"met, {-over:.1%} below)"))
+
+
+def summary(data: dict) -> str:
+    """The report in a few lines (what `glmc compile --pp` prints)."""
+    lines = []
+    for st in data["stages"]:
+        rec = st["remat"]
+        budget = "" if st["budget"] is None else \
+            f", budget {st['budget']}: {rec['rematerialized']} values recomputed, " \
+            f"+{rec['extra_seconds'] * 1e3:.2f} ms, joint-graph peak " \
+            f"{rec['predicted_peak'] / 2**20:.2f} MiB"
+        lines.append(f"stage {st['stage']}: {', '.join(st['blocks'])}  predicted "
+                     f"{st['seconds'] * 1e3:.2f} ms/step, planned peak "
+                     f"{st['planned_peak_bytes'] / 2**20:.2f} MiB ({st['in_flight']} "
+                     f"microbatches in flight{budget})")
+    for r in data["ranks"]:
+        lines.append(f"rank {r['rank']}: peak predicted {r['predicted_peak_bytes'] / 2**20:.2f} "
+                     f"MiB (stage graphs through the schedule; the cut's plan "
+                     f"{r['planned_peak_bytes'] / 2**20:.2f}), measured "
+                     f"{r['measured_peak_bytes'] / 2**20:.2f} MiB{_against(r)}")
+    if data.get("backend"):
+        be = data["backend"]
+        lines.append(f"stages run on {be['name']} in {be.get('precision', 'fp32')}"
+                     + (f", {_fused_spelling(be['fusion'])} fused" if be.get("fusion")
+                        else "") + (
+            f" (each graph compiled once: {be['compile_seconds']:.1f} s on this rank)"
+            if be["name"] != "eager" else " (the captured fx graphs)"))
+        if be.get("loss_scale"):
+            ls = be["loss_scale"]
+            lines.append(f"fp16 loss scale {ls['scale']:g} after {ls['steps']} steps; "
+                         f"{ls['skipped']} skipped because a gradient overflowed on some rank")
+    b, t = data["bubble"], data["step_seconds"]
+    pred_t = f"{t['predicted'] * 1e3:.1f}" if t["predicted"] is not None else "-"
+    if data["link"]:
+        lk = data["link"]
+        lines.append(f"link between stages: {lk['name']}, latency {lk['latency_us']:.1f} us, "
+                     f"{lk['bandwidth_GBps']:.2f} GB/s (prices the predicted transfers)")
+    if b.get("replayed") is not None:
+        lines.append(f"schedule model: the measured action times replayed through the "
+                     f"schedule give a bubble of {b['replayed']:.1%} (measured "
+                     f"{b['measured']:.1%}); the rest of the gap is in predicted action times")
+    lines.append(f"pipeline: {data['schedule']}, {data['microbatches']} microbatches; imbalance "
+                 f"{data['imbalance']:.3f} (equal split {data['equal_imbalance']:.3f}; measured "
+                 f"{data['measured_imbalance'] or 0:.3f}: busiest rank / mean); bubble "
+                 f"predicted {b['predicted']:.1%}, measured {b['measured']:.1%} (one aligned "
+                 f"step), {b['measured_steady']:.1%} back to back; step predicted {pred_t} ms, "
+                 f"measured {t['measured'] * 1e3:.1f} ms ({t['measured_steady'] * 1e3:.1f} ms "
+                 "back to back)")
+    return "\n".join(lines)
+
+
+def write_report(data: dict, report_dir: str) -> str:
+    """report.json, report.html and the two timelines as Chrome/Perfetto traces in
+    `report_dir`; returns the html's path."""
+    import json
+    from pathlib import Path
+
+    from glmc.report.html import render_pipeline_html
+
+    out = Path(report_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(data, indent=1))
+    for key, name in (("measured_timeline", "pipeline-trace.json"),
+                      ("predicted_timeline", "pipeline-predicted.json")):
+        events = [{"name": e["action"], "ph": "X", "pid": 0, "tid": e["rank"],
+                   "ts": e["start_s"] * 1e6, "dur": (e["end_s"] - e["start_s"]) * 1e6,
+                   "cat": e["kind"]} for e in data[key]]
+        (out / name).write_text(json.dumps({"traceEvents": events}))
+    (out / "report.html").write_text(render_pipeline_html(data))
+    return str(out / "report.html")

@@ -1,0 +1,1 @@
+"""Planning: rematerialization solver, pipeline schedules as DAGs and their simulation."""

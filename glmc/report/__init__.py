@@ -1,0 +1,1 @@
+"""The compile report (text, JSON, HTML)."""

@@ -1,0 +1,1 @@
+"""Capture: from a user's model, loss and optimizer to a TrainGraph (and pipeline stages)."""
