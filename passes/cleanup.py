@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from glmc.analysis.cost import is_view
-from glmc.compiler.passmanager import Pass, PassContext, PassResult
+from glmc.compiler.passmanager import Pass, PassContext, PassResult, StageForm, StageUnit
 from glmc.ir.graph import REMAT, Phase, TrainGraph, is_collective, is_impure, replace_uses
 
 aten = torch.ops.aten
@@ -57,19 +57,21 @@ class CleanupPass(Pass):
         stats = CleanupStats(noops, merged, before - len(g.nodes))
         return PassResult(any((stats.noops, stats.cse, stats.dead)), stats)
 
+    def stage_forms(self) -> frozenset[StageForm]:
+        return frozenset({StageForm.JOINT})
 
-def cleanup_stage(gm: fx.GraphModule) -> CleanupStats:
-    """The pass on a pipeline stage's joint graph (AOTAutograd's, functional, differentiated
-    already; `glmc.trace.stages.capture_stage`'s `partition` hook) before it is split into forward
-    and backward. A copy whose removal would let a graph output alias an input stays
-    (AOTAutograd planned the outputs' aliasing before this rewrite)."""
-    g = gm.graph
-    noops = _remove_noops(g, keep=_copies_an_input_out)
-    merged = _cse(g)
-    before = len(g.nodes)
-    g.eliminate_dead_code(is_impure_node=is_impure)
-    gm.recompile()
-    return CleanupStats(noops, merged, before - len(g.nodes))
+    def run_stage(self, unit: StageUnit, ctx: PassContext) -> PassResult:
+        """The pass on a pipeline stage's joint graph (AOTAutograd's, functional,
+        differentiated already) before it is split into forward and backward. A copy whose
+        removal would let a graph output alias an input stays (AOTAutograd planned the
+        outputs' aliasing before this rewrite)."""
+        g = unit.graph
+        noops = _remove_noops(g, keep=_copies_an_input_out)
+        merged = _cse(g) if self.cse else 0
+        before = len(g.nodes)
+        g.eliminate_dead_code(is_impure_node=is_impure)
+        stats = CleanupStats(noops, merged, before - len(g.nodes))
+        return PassResult(any((stats.noops, stats.cse, stats.dead)), stats)
 
 
 def _copies_an_input_out(node: fx.Node) -> bool:

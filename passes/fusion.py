@@ -41,7 +41,8 @@ import torch
 import torch.fx as fx
 
 from glmc.compiler.lossfusion import fuse_head, fuse_loss
-from glmc.compiler.passmanager import Effect, Need, Pass, PassContext, PassResult
+from glmc.compiler.passmanager import (Effect, Need, Pass, PassContext, PassResult, StageForm,
+                                       StageUnit)
 from glmc.errors import ConfigError
 from glmc.ir import kernels  # noqa: F401  (registers glmc's fused ops)
 from glmc.ir.graph import TrainGraph, is_impure, op_name, replace_uses
@@ -115,6 +116,21 @@ class FusionPass(Pass):
         if self.update not in ("auto", "foreach", "fused"):
             raise ConfigError(f"fusion: update={self.update!r}; choose auto, foreach or fused")
 
+    def stage_forms(self) -> frozenset[StageForm]:
+        return frozenset({StageForm.FORWARD})
+
+    def run_stage(self, unit: StageUnit, ctx: PassContext) -> PassResult:
+        """A pipeline stage's forward program with the forward patterns fused in place
+        (`STAGE_PATTERNS`): attention unless `attention=false` (the timing the pass does on
+        Inductor is not done for stages), norms, gated MLPs, and the loss where `loss` (None:
+        not on a backend that fuses) — on the stage that computes it. The stage capture
+        differentiates the result again."""
+        loss = self.loss if self.loss is not None else not ctx.traits.fuses
+        patterns = tuple(p for p in STAGE_PATTERNS if (loss or p != "loss")
+                         and (self.attention is not False or p != "attention"))
+        counts = _fuse_forward(unit.gm, unit.inputs, patterns)
+        return PassResult(any(counts.values()), counts)
+
     def selected(self, traits: BackendTraits = EAGER) -> list[str]:
         """`auto` leaves out `optimizer` on a backend that neither fuses nor runs ATen's fused
         update (eager), where it measured bigger (bench_fusion.py). It reads no other option:
@@ -157,20 +173,18 @@ class FusionPass(Pass):
         return PassResult(True, FusionStats(counts, regions))
 
 
-#: the patterns a pipeline stage's forward takes (`fuse_stage`)
+#: the patterns a pipeline stage's forward takes (`FusionPass.run_stage`)
 STAGE_PATTERNS = ("attention", "norm", "mlp", "loss")
 
 
-def fuse_stage(gm: fx.GraphModule, inputs: list[Any],
-               patterns: tuple[str, ...] = STAGE_PATTERNS) -> dict[str, int]:
-    """A pipeline stage's forward program (`gm` over `inputs`, see
-    `glmc.passes.precision.assign_stage`) with the fusion pass's forward patterns fused in
-    place: attention -> SDPA (always: the timing the pass does on Inductor is not done for
-    stages), RMSNorm / LayerNorm, gated MLP, and the loss (on the stage that computes it: the
-    LM head and loss -> `glmc::linear_cross_entropy` when both sit on it, the loss alone ->
-    `glmc::cross_entropy` when the logits arrive from the stage before). Not `optimizer`: a
-    stage's update is already ATen's fused AdamW. The caller differentiates the result again
-    (`glmc.trace.stages.capture_stage`). Returns the regions fused per pattern."""
+def _fuse_forward(gm: fx.GraphModule, inputs: list[Any],
+                patterns: tuple[str, ...] = STAGE_PATTERNS) -> dict[str, int]:
+    """A pipeline stage's forward program (`gm` over `inputs`) with the fusion pass's forward
+    patterns fused in place: attention -> SDPA, RMSNorm / LayerNorm, gated MLP, and the loss
+    (on the stage that computes it: the LM head and loss -> `glmc::linear_cross_entropy` when
+    both sit on it, the loss alone -> `glmc::cross_entropy` when the logits arrive from the
+    stage before). Not `optimizer`: a stage's update is already ATen's fused AdamW. Returns
+    the regions fused per pattern."""
     unknown = set(patterns) - set(STAGE_PATTERNS)
     if unknown:
         raise ConfigError(f"fusion: pattern(s) {sorted(unknown)} on pipeline stages; stages "

@@ -61,7 +61,8 @@ from torch._guards import detect_fake_mode
 from glmc.analysis.cost import get_profile
 from glmc.compiler.lossfusion import fuse_head, fuse_loss
 from glmc.compiler.lossfusion import is_plain_view as _is_plain_view
-from glmc.compiler.passmanager import Effect, Need, Pass, PassContext, PassResult
+from glmc.compiler.passmanager import (Effect, Need, Pass, PassContext, PassResult, StageForm,
+                                       StageUnit)
 from glmc.errors import ConfigError, PassError
 from glmc.ir import kernels  # noqa: F401  (registers glmc's fused ops)
 from glmc.ir.graph import REMAT, InputSpec, Phase, Role, TrainGraph, op_name
@@ -256,6 +257,15 @@ class PrecisionPass(Pass):
     def scaling(self) -> LossScaling:
         return LossScaling(self.init_scale, self.growth_factor, self.backoff_factor,
                            self.growth_interval)
+
+    def stage_forms(self) -> frozenset[StageForm]:
+        return frozenset({StageForm.FORWARD})
+
+    def run_stage(self, unit: StageUnit, ctx: PassContext) -> PassResult:
+        """A pipeline stage's forward program under this policy (bf16 or fp16) with the
+        default op rules (`_assign_forward`); the stage capture differentiates it again."""
+        casts = _assign_forward(unit.gm, unit.inputs, self.policy)
+        return PassResult(bool(casts), {"casts": len(casts)})
 
     def run(self, graph: TrainGraph, ctx: PassContext) -> PassResult:
         if self.policy == "fp32" and not self.modules:
@@ -497,14 +507,14 @@ def assign(program: ForwardProgram, rules: Mapping[str, str], modules: Mapping[s
     return a.casts, a.counts
 
 
-def assign_stage(gm: fx.GraphModule, inputs: list[InputSpec], policy: str) -> list[Cast]:
+def _assign_forward(gm: fx.GraphModule, inputs: list[InputSpec], policy: str) -> list[Cast]:
     """A pipeline stage's forward program under `policy` (bf16 or fp16): `gm` is the stage's
     forward in ATen ops (parameters, buffers, batch leaves and received values -> sent values
     or the loss, each output in its captured dtype; every node with glmc metadata), rewritten
     in place by the same dtype assignment as the precision pass (the default op rules;
-    parameters stay fp32 masters, read through casts). The caller differentiates the result
-    again (`glmc.trace.stages.capture_stage`), as `rederive` does for a whole step. fp16's loss
-    scaling is the pipeline runtime's (one scale, one overflow check across every stage:
+    parameters stay fp32 masters, read through casts). The stage capture differentiates the
+    result again, as `rederive` does for a whole step. fp16's loss scaling is the pipeline
+    runtime's (one scale, one overflow check across every stage:
     `glmc.parallel.pipeline.PipelineTrainer`); auto measures a whole step, so it is not
     accepted here."""
     if policy not in ("bf16", "fp16"):

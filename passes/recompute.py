@@ -10,7 +10,7 @@ optimizer; the program the backend runs) staying within the budget.
     budget=min     the smallest peak this pass can reach
     budget=+64MiB  weights, optimizer state and batch plus this many bytes
 
-With `multiplicity=k` (a pipeline stage's joint graph, `recompute_stage`) the peak counts the
+With `multiplicity=k` (a pipeline stage's joint graph, `RecomputePass.run_stage`) the peak counts the
 values k - 1 other in-flight microbatches keep for their backward (`glmc.planning.remat`).
 
 Guarantees:
@@ -34,7 +34,7 @@ import operator
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -42,7 +42,8 @@ import torch.fx as fx
 from glmc.analysis.cost import get_profile, is_view, node_time, op_cost, value_bytes
 from glmc.analysis.memory import simulate
 from glmc.analysis.predict import graph_device
-from glmc.compiler.passmanager import Effect, Need, Pass, PassContext, PassResult, Verdict
+from glmc.compiler.passmanager import (Effect, Need, Pass, PassContext, PassResult, StageForm,
+                                       StageUnit, Verdict)
 from glmc.errors import BudgetError, ConfigError
 from glmc.ir.graph import RANDOM_OPS, REGATHER_S, Phase, TrainGraph, is_collective, is_comm, op_name
 from glmc.ir.target import BackendTraits, FusionModel
@@ -179,6 +180,16 @@ class RecomputePass(Pass):
     def effects(self) -> frozenset[Effect]:
         return frozenset({Effect.EDITS_BACKWARD})
 
+    def stage_forms(self) -> frozenset[StageForm]:
+        return frozenset({StageForm.JOINT})
+
+    def run_stage(self, unit: StageUnit, ctx: PassContext) -> PassResult:
+        """For a pipeline stage: its AOTAutograd joint graph rewritten before the default
+        partition, under `budget` (a fraction, a size — `+N` above the stage's weights and
+        inputs — or "min") with the `multiplicity` microbatches its schedule keeps in flight;
+        the partition then saves what the plan keeps and the backward recomputes the rest."""
+        return self.run(joint_to_traingraph(unit.gm), ctx)
+
     def after_measure(self, stats: Any, measured_peak: int, retried: bool) -> Verdict:
         """The budget holds on *measured* memory: when the measured peak exceeds it (ops'
         internal workspaces, backend buffer choices), plan again once with the target lowered
@@ -307,22 +318,6 @@ class RecomputePass(Pass):
         low = greedy(problem, None)
         points.append(("min", low.peak, round(low.cost, 6)))
         return points
-
-
-def recompute_stage(budget: Any, multiplicity: int, traits: BackendTraits, profile: Any = None,
-                    found: list | None = None) -> Callable[[fx.GraphModule], None]:
-    """For a pipeline stage (`glmc.trace.stages.capture_stage(partition=...)`): a rewrite of the
-    stage's AOTAutograd joint graph, before its default partition, by this pass under `budget`
-    (a fraction, a size — `+N` above the stage's weights and inputs — or "min") with the
-    `multiplicity` microbatches its schedule keeps in flight; the partition then saves what
-    the plan keeps and the backward recomputes the rest. Each run's stats go to `found`."""
-    def rewrite(joint: fx.GraphModule) -> None:
-        graph = joint_to_traingraph(joint)
-        result = RecomputePass(budget=str(budget), multiplicity=multiplicity,
-                               pareto=False).run(graph, PassContext(traits, profile=profile))
-        if found is not None:
-            found.append(result.stats)
-    return rewrite
 
 
 # ---- graph -> problem -------------------------------------------------------------------------
@@ -545,5 +540,5 @@ def _simulate_with(graph: TrainGraph, problem: Problem, units: list[str],
     return peak
 
 
-__all__ = ["RecomputePass", "Budget", "build_problem", "recompute_stage", "rewrite", "evaluate",
+__all__ = ["RecomputePass", "Budget", "build_problem", "rewrite", "evaluate",
            "plan_cost"]

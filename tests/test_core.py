@@ -238,6 +238,19 @@ def test_passes_and_backends_stay_in_their_lane() -> None:
     assert not core, f"core importing backends: {core}"
 
 
+def test_architecture_names_every_module() -> None:
+    """docs/architecture.md covers the whole package: every module's file name and folder."""
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    missing = []
+    for name, path in _modules().items():
+        folder = path.parent.relative_to(ROOT).as_posix() + "/"
+        if f"`{folder}" not in page and f"{folder}`" not in page and folder not in page:
+            missing.append(f"{name}: folder {folder}")
+        if path.stem != "__init__" and f"{path.name}" not in page:
+            missing.append(f"{name}: {path.name}")
+    assert not missing, missing
+
+
 def test_no_function_over_80_lines() -> None:
     long = []
     for name, path in _modules().items():
@@ -389,3 +402,21 @@ def test_a_functional_backend_trains_through_the_runtime_write_back(monkeypatch)
                                                                             opt2, 3)),
                                rtol=1e-4, atol=1e-5)
     assert_state_close(m, m2, opt, opt2)  # parameters, BatchNorm buffers, Adam state
+
+
+def test_graph_meta_holds_data_only() -> None:
+    """Compiled objects (the write-back module, a backend's compiled step) are cached beside
+    the graph, keyed on its module; `graph.meta` keeps data a saved step could hold."""
+    from glmc.backends import get_backend
+    from glmc.backends.base import CompiledStep
+    from glmc.compiler.inplace import compile_inplace, compiled_step, inplace_module
+    (m, x, loss_fn, opt), _ = twin(CASES["mlp"].make)
+    trainer = glmc.optimize(m, x, loss_fn=loss_fn, optimizer=opt, backend="eager")
+    glmc_losses(trainer, x, 1)
+    graph = trainer.graph
+    inplace_module(graph)
+    compile_inplace(graph, get_backend("eager"))
+    assert isinstance(compiled_step(graph), CompiledStep)
+    assert compiled_step(graph.copy()) is None  # a copy (a pass may rewrite it) carries none
+    for key, value in graph.meta.items():
+        assert not isinstance(value, (torch.nn.Module, CompiledStep)) and not callable(value), key

@@ -17,7 +17,8 @@ from glmc.passes.partition import PartitionPass, balanced_cut, plan_partition, s
 import glmc
 from glmc.compiler.passmanager import PassContext
 from glmc.errors import ConfigError, InputError, PassError
-from glmc.ir.graph import COMPILED_STEP, OutputKind
+from glmc.compiler.inplace import compiled_step
+from glmc.ir.graph import OutputKind
 from glmc.parallel.executor import run_rank
 from glmc.parallel.pipeline import build_program, measured_timeline, microbatch_leaves
 from glmc.planning.schedule import Action, ActionKind, from_torch, simulate
@@ -291,6 +292,22 @@ def _trainer_part(rank: int, out: Path) -> dict:
             "last": trainer.last}
 
 
+def _plan_part(rank: int, out: Path) -> dict:
+    """glmc.optimize given a pipeline plan and no optimizer (a FILE with only `model` and
+    `example_inputs`): the PipelineTrainer with the default optimizer, AdamW(lr=1e-3), as one
+    process (issue 36 item 1: `stage_optimizer` read `None.param_groups`)."""
+    from glmc.parallel.plan import ParallelPlan
+    model, batch, loss_fn, _ = CASES["glm"].make()
+    ref_model = CASES["glm"].make()[0]
+    ref = eager_losses(ref_model, batch, loss_fn,
+                       torch.optim.AdamW(ref_model.parameters(), lr=1e-3), STEPS)
+    trainer = glmc.optimize(model, batch, loss_fn=loss_fn, backend="eager",
+                            parallel=ParallelPlan(pp=2, microbatches=MICROBATCHES))
+    losses = [trainer.step(*batch) for _ in range(STEPS)]
+    return {"losses": [float(v) for v in losses if v is not None], "ref": ref,
+            "last": trainer.last}
+
+
 def _hf_part(rank: int, out: Path, schedule: str = "1f1b") -> dict:
     """transformers' GLM (torch.fx cannot trace it: the torch.export path), a keyword batch,
     its layers nested at `model.layers.N`; rank 0 plans the cut."""
@@ -330,7 +347,7 @@ def _inductor_part(rank: int, out: Path, schedule: str, backend: str = "inductor
     losses = [trainer.step(*batch) for _ in range(STEPS)]
     names = {n for s in trainer.local for n, _ in trainer.pipeline.stages[s].module
              .named_parameters()}
-    compiled = [g.meta.get(COMPILED_STEP) for s in trainer.local
+    compiled = [compiled_step(g) for s in trainer.local
                 for g in trainer.runnable.stages[s].graphs().values()]
     fused = [str(n.target) for s in trainer.local
              for n in trainer.pipeline.program.stages[s].forward.graph.nodes
@@ -467,7 +484,8 @@ def _worker(rank: int, port: int, out: str, names: list[str], slow: bool = False
                  ("fp16_overflow", lambda r, o: _fp16_part(r, o, 2.0 ** 40)),
                  ("budget", _budget_part)]
               + ([("convnext", _convnext_part)] if _has_transformers() else [])
-              + [("trainer", _trainer_part), ("dead", _dead_part)])  # "dead" kills rank 1
+              + [("trainer", _trainer_part), ("plan", _plan_part),
+                 ("dead", _dead_part)])  # "dead" kills rank 1
 
 
 def _has_transformers() -> bool:
@@ -1083,3 +1101,43 @@ def test_channels_last_gradients_update_like_one_process(distributed: Path) -> N
     pytest.importorskip("transformers")
     r = result(distributed, "convnext", 1)  # the last stage holds the loss
     torch.testing.assert_close(r["losses"], r["ref"], rtol=1e-5, atol=0)
+
+
+def test_a_pipeline_plan_without_an_optimizer_trains_with_the_default(distributed: Path) -> None:
+    """The defaults of a workload are resolved in one place for every strategy: a pipeline
+    plan with no optimizer trains as one process does with AdamW(lr=1e-3)."""
+    got = [result(distributed, "plan", r) for r in range(2)]
+    assert [g["last"] for g in got] == [False, True]
+    assert got[0]["losses"] == []
+    torch.testing.assert_close(got[1]["losses"], got[1]["ref"], rtol=RTOL, atol=0)
+
+
+def test_stages_run_the_default_pipeline_through_the_pass_manager() -> None:
+    """Every stage runs glmc's passes through a pass manager (no side doors): the default
+    pipeline's fusion and precision on its forward program, cleanup and recompute on its joint
+    graph, each recorded with the stage, the graph it rewrote and its time; and the report
+    lists them per stage."""
+    from glmc.parallel.pipeline import StageBudget, pass_times
+    model, batch, loss_fn, opt = CASES["glm"].make()
+    pipe = build_program(model, opt, loss_fn, batch, TIED_CUT, 2, fusion=True,
+                         precision="bf16", budgets=[StageBudget("min", 2), None])
+    got = {s: [(r.name, r.form) for r in pipe.passes if r.stage == s] for s in (0, 1)}
+    assert got[0] == [("fusion", "forward"), ("precision", "forward"), ("cleanup", "joint"),
+                      ("recompute", "joint")]
+    assert got[1] == [("fusion", "forward"), ("precision", "forward"), ("cleanup", "joint")]
+    assert all(r.seconds > 0 and not r.skipped for r in pipe.passes)
+    assert pipe.recompute[0] is not None and pipe.recompute[1] is None
+    fused = next(r for r in pipe.passes if r.stage == 1 and r.name == "fusion")
+    assert fused.changed and fused.stats["loss"] == 1  # a budget anywhere: the loss fused
+    text = pass_times([{"name": r.name, "form": r.form, "skipped": r.skipped,
+                        "seconds": r.seconds} for r in pipe.passes if r.stage == 0])
+    assert text.startswith("fusion (forward) ") and "recompute (joint) " in text
+
+
+def test_the_pipeline_report_lists_each_stages_passes(distributed: Path) -> None:
+    from glmc.parallel.pipeline import summary
+    data = result(distributed, "trainer", 1)["data"]
+    for st in data["stages"]:
+        assert [(p["name"], p["form"]) for p in st["passes"]] == [("cleanup", "joint")]
+        assert all(p["seconds"] > 0 for p in st["passes"])
+    assert "passes: cleanup (joint) " in summary(data)

@@ -4,6 +4,8 @@ step against a live module and optimizer (`run_inplace`, `run_step`). The compil
 are cached beside the graph, never in `graph.meta`."""
 from __future__ import annotations
 
+import weakref
+
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -11,13 +13,19 @@ import torch.fx as fx
 import torch.nn as nn
 
 from glmc.errors import ConfigError
-from glmc.ir.graph import COMPILED_STEP, INPLACE_GM, OutputKind, Role, TrainGraph
+from glmc.ir.graph import OutputKind, Role, TrainGraph
 from glmc.trace.optim import ensure_state
 
 
 
 
 Values = dict[tuple[Role, str], torch.Tensor]  #: step inputs by (role, target)
+
+#: compiled objects made from a graph, keyed on its fx module (weakly: they go with it) —
+#: `graph.meta` holds data only; a copy of the graph (a new module) carries none of them
+_INPLACE: "weakref.WeakKeyDictionary[fx.GraphModule, fx.GraphModule]" = \
+    weakref.WeakKeyDictionary()
+_COMPILED: "weakref.WeakKeyDictionary[fx.GraphModule, Any]" = weakref.WeakKeyDictionary()
 
 
 def state_values(module: nn.Module, optimizer: torch.optim.Optimizer) -> Values:
@@ -78,7 +86,7 @@ def run_inplace(graph: TrainGraph, *sources: Values,
                 consume: Iterable[Role | tuple[Role, str]] = ()
                 ) -> dict[tuple[OutputKind, str], torch.Tensor]:
     """Run `graph` on its inputs from `sources` (`gather`) in its write-back form
-    (`glmc.ir.writeback.lower_writeback`, made once and kept in `graph.meta`): each new parameter,
+    (`glmc.ir.writeback.lower_writeback`, made once and cached beside the graph): each new parameter,
     buffer and optimizer-state value is copied into the tensor it was read from as soon as the
     old value's last read is done, so an update holds one parameter's new values at a time,
     not a whole stage's. The inputs of the roles in `consume` are taken out of `sources` and
@@ -87,7 +95,7 @@ def run_inplace(graph: TrainGraph, *sources: Values,
     each gradient; a (role, target) key in `consume` takes that one input. Returns the other
     outputs (loss, sent, saved values, gradients) by (kind, target)."""
     from glmc.ir.writeback import STATE_KINDS
-    compiled = graph.meta.get(COMPILED_STEP)
+    compiled = compiled_step(graph)
     gm = inplace_module(graph) if compiled is None else None
     args = gather(graph, *sources)
     consume = set(consume)
@@ -108,9 +116,14 @@ def run_inplace(graph: TrainGraph, *sources: Values,
 
 def compile_inplace(graph: TrainGraph, backend: Any) -> None:
     """Compile `graph`'s write-back form with `backend` (a glmc Backend that updates state in
-    place: eager, Inductor) once and keep it in `graph.meta`: `run_inplace` then runs the
+    place: eager, Inductor) once and cache it beside the graph: `run_inplace` then runs the
     compiled step instead of the fx module (a copy of the graph does not carry it)."""
-    graph.meta[COMPILED_STEP] = backend.compile(graph, inplace=True)
+    _COMPILED[graph.gm] = backend.compile(graph, inplace=True)
+
+
+def compiled_step(graph: TrainGraph) -> Any:
+    """The backend's compiled write-back form of `graph` (`compile_inplace`), or None."""
+    return _COMPILED.get(graph.gm)
 
 
 def _conform(graph: TrainGraph, args: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -136,20 +149,20 @@ def _same_layout(t: torch.Tensor, want: torch.Tensor) -> bool:
 
 def inplace_module(graph: TrainGraph) -> fx.GraphModule:
     """`graph`'s early write-back form with fx's boxed calling convention (`gm(args)` clears
-    `args`), made once and kept in `graph.meta`: what `run_inplace` runs and what
+    `args`), made once and cached beside the graph: what `run_inplace` runs and what
     `glmc.planning.schedule.predicted_peaks` simulates. ATen's fused optimizer kernels in it run in
     place on the state (`glmc.ir.kernels.in_place_fused_updates`)."""
     from torch.fx.graph import _BoxedCodeGen
 
     from glmc.ir.kernels import in_place_fused_updates
     from glmc.ir.writeback import lower_writeback
-    gm = graph.meta.get(INPLACE_GM)
+    gm = _INPLACE.get(graph.gm)
     if gm is None:
         gm = lower_writeback(graph)
         in_place_fused_updates(gm)
         gm.graph.set_codegen(_BoxedCodeGen())
         gm.recompile()
-        graph.meta[INPLACE_GM] = gm
+        _INPLACE[graph.gm] = gm
     return gm
 
 

@@ -1,7 +1,9 @@
-"""Pass base, pass manager and pipeline strings.
+"""Pass base, pass manager and its instruments, pipeline stages as pass targets, pipeline strings.
 
-The manager — not the passes — times, verifies, snapshots counts, records provenance
-(`NodeInfo.created_by`) and lets a pass be disabled by name for bisecting.
+The manager — not the passes — runs every pass through its instruments: it times them,
+verifies the graph after each, records provenance (`NodeInfo.created_by`), observes the
+prediction, dumps the graph and lets a pass be disabled by name for bisecting. Whole steps
+(`PassManager.run`) and pipeline stages (`PassManager.run_stage`) go through the same path.
 """
 from __future__ import annotations
 
@@ -99,6 +101,14 @@ class Pass:
     def effects(self) -> frozenset[Effect]:
         return frozenset()
 
+    def stage_forms(self) -> frozenset["StageForm"]:
+        """Which graphs of a pipeline stage this pass rewrites (`run_stage`); none by default."""
+        return frozenset()
+
+    def run_stage(self, unit: "StageUnit", ctx: PassContext) -> PassResult:
+        """This pass on one pipeline stage's graph (`unit.form`, one of `stage_forms()`)."""
+        raise NotImplementedError(f"{self.name}: does not rewrite pipeline stages")
+
     def after_measure(self, stats: Any, measured_peak: int, retried: bool) -> Verdict:
         """Given this pass's own stats and the measured peak bytes of the compiled step (state
         included): whether to compile again with other options. `retried`: this compile is
@@ -149,79 +159,282 @@ class PassRecord:
     nodes_after: int
     skipped: bool = False
     predicted: dict[str, Any] | None = None  #: the observer's prediction after this pass
+    stage: int | None = None  #: the pipeline stage it rewrote (None: a whole step)
+    form: str | None = None  #: which graph of the stage (`StageForm`)
 
     def to_dict(self) -> dict[str, Any]:
         stats = dataclasses.asdict(self.stats) if dataclasses.is_dataclass(self.stats) else self.stats
-        return {"name": self.name, "options": self.options, "changed": self.changed,
-                "stats": stats, "seconds": round(self.seconds, 6),
-                "nodes_before": self.nodes_before, "nodes_after": self.nodes_after,
-                "skipped": self.skipped, "predicted": self.predicted}
+        out = {"name": self.name, "options": self.options, "changed": self.changed,
+               "stats": stats, "seconds": round(self.seconds, 6),
+               "nodes_before": self.nodes_before, "nodes_after": self.nodes_after,
+               "skipped": self.skipped, "predicted": self.predicted}
+        if self.stage is not None:
+            out.update(stage=self.stage, form=self.form)
+        return out
+
+
+# ---- pipeline stages -------------------------------------------------------------------------
+
+class StageForm(enum.Enum):
+    """Which graph of a pipeline stage a pass sees (`glmc.trace.stages.capture_stage`)."""
+
+    FORWARD = "forward"  #: the stage's forward program in ATen ops, before it is differentiated
+    JOINT = "joint"  #: its joint forward + backward (AOTAutograd's), before the partition
+
+
+@dataclass
+class StageUnit:
+    """One pipeline stage's graph as the pass manager hands it to `Pass.run_stage`: rewritten
+    in place. `inputs`: the forward program's `InputSpec`s (FORWARD)."""
+
+    index: int
+    form: StageForm
+    gm: fx.GraphModule
+    inputs: list[Any] = field(default_factory=list)
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.gm.graph
+
+
+
+# ---- instruments -----------------------------------------------------------------------------
+
+class Instrument:
+    """A hook around every pass the manager runs, on whole steps and pipeline stages alike
+    (TVM Relax's `PassInstrument` is the model). `before` hooks run in order, `after` hooks in
+    reverse, so the last instrument wraps the pass most closely."""
+
+    def start(self, target: Any) -> None:
+        """Before the first pass (the captured graph)."""
+
+    def should_run(self, p: Pass, target: Any) -> bool:
+        return True
+
+    def before(self, p: Pass, target: Any) -> None:
+        pass
+
+    def after(self, p: Pass, target: Any, record: PassRecord) -> PassRecord:
+        return record
+
+    def skipped(self, p: Pass, target: Any, record: PassRecord) -> PassRecord:
+        return record
+
+
+@dataclass
+class Disable(Instrument):
+    """`--disable NAME`: the pass is recorded as skipped instead of run (for bisecting)."""
+
+    names: frozenset[str] = frozenset()
+
+    def should_run(self, p: Pass, target: Any) -> bool:
+        return p.name not in self.names
+
+
+@dataclass
+class Verify(Instrument):
+    """After each pass: the step graph is well formed and its signature only extended (a
+    stage's graph: fx's lint); a pass that breaks it is named in the error."""
+
+    signature: Any = None
+
+    def before(self, p: Pass, target: Any) -> None:
+        if isinstance(target, TrainGraph):
+            self.signature = target.signature()
+
+    def after(self, p: Pass, target: Any, record: PassRecord) -> PassRecord:
+        try:
+            if isinstance(target, TrainGraph):
+                target.verify(None if p.changes_signature else self.signature)
+                _check_extends(self.signature, target.signature())
+            else:
+                target.graph.lint()
+        except PassError as e:
+            raise PassError(f"{p.name}: left an invalid graph: {e}") from e
+        except RuntimeError as e:  # fx's lint
+            raise PassError(f"{p.name}: left an invalid stage {target.index} graph: {e}") from e
+        return record
+
+
+@dataclass
+class Provenance(Instrument):
+    """Nodes a pass created carry its name (`NodeInfo.created_by`)."""
+
+    existing: set = field(default_factory=set)
+
+    def before(self, p: Pass, target: Any) -> None:
+        self.existing = set(target.graph.nodes)
+
+    def after(self, p: Pass, target: Any, record: PassRecord) -> PassRecord:
+        _stamp_provenance(target.graph, self.existing, p.name)
+        self.existing = set()
+        return record
+
+
+@dataclass
+class Observe(Instrument):
+    """The observer's view (e.g. the cost/memory prediction) of the captured step and after
+    every pass that changed it, stored on each record (whole steps only)."""
+
+    fn: Callable[[TrainGraph], dict[str, Any]]
+    initial: dict[str, Any] | None = None
+    last: dict[str, Any] | None = None
+
+    def start(self, target: Any) -> None:
+        if isinstance(target, TrainGraph):
+            self.initial = self.last = self.fn(target)
+
+    def after(self, p: Pass, target: Any, record: PassRecord) -> PassRecord:
+        if not isinstance(target, TrainGraph):
+            return record
+        if record.changed:
+            self.last = self.fn(target)
+        return dataclasses.replace(record, predicted=self.last)
+
+    def skipped(self, p: Pass, target: Any, record: PassRecord) -> PassRecord:
+        if not isinstance(target, TrainGraph):
+            return record
+        return dataclasses.replace(record, predicted=self.last)
+
+
+@dataclass
+class Dump(Instrument):
+    """Readable Python of the step after capture and after each pass (`00_captured.py`,
+    `01_cleanup.py`, ...; a stage's: `stage1_joint_01_cleanup.py`)."""
+
+    directory: str
+    index: int = 0
+
+    def start(self, target: Any) -> None:
+        self.index = 0
+        self._write(target, "captured")
+
+    def after(self, p: Pass, target: Any, record: PassRecord) -> PassRecord:
+        self._write(target, p.name)
+        return record
+
+    def skipped(self, p: Pass, target: Any, record: PassRecord) -> PassRecord:
+        self.index += 1  # the files keep the pass's position in the pipeline
+        return record
+
+    def _write(self, target: Any, label: str) -> None:
+        out = Path(self.directory)
+        out.mkdir(parents=True, exist_ok=True)
+        if isinstance(target, TrainGraph):
+            name, code = f"{self.index:02d}_{label}.py", target.code()
+        else:
+            name = f"stage{target.index}_{target.form.value}_{self.index:02d}_{label}.py"
+            code = target.gm.code
+        (out / name).write_text(f"# glmc: the training step after '{label}' "
+                                f"({len(target.graph.nodes)} nodes)\n" + code)
+        self.index += 1
+
+
+@dataclass
+class Recompile(Instrument):
+    """The module's Python regenerated from the rewritten graph, once it verified (what later
+    instruments — the observer, the dump — and the next pass run)."""
+
+    def after(self, p: Pass, target: Any, record: PassRecord) -> PassRecord:
+        target.gm.recompile()
+        return record
+
+
+@dataclass
+class Timing(Instrument):
+    """Each pass's wall time (the innermost instrument: it times the pass alone)."""
+
+    t0: float = 0.0
+
+    def before(self, p: Pass, target: Any) -> None:
+        self.t0 = time.perf_counter()
+
+    def after(self, p: Pass, target: Any, record: PassRecord) -> PassRecord:
+        return dataclasses.replace(record, seconds=time.perf_counter() - self.t0)
 
 
 @dataclass
 class PassManager:
-    """Runs passes in order. `observe(graph)` (e.g. the cost/memory prediction) is called on the
-    captured graph and after every pass that changed it; `dump_dir` gets readable Python of the
-    step after capture and after each pass (`00_captured.py`, `01_cleanup.py`, ...)."""
+    """Runs passes in order on a whole step (`run`) or on one pipeline stage's graph
+    (`run_stage`), every pass through the same instruments: `disabled` (Disable), `verify`
+    (Verify), provenance, `observe(graph)` (Observe: e.g. the cost/memory prediction after
+    every pass that changed the step), `dump_dir` (Dump), timing; `instruments` adds more.
+    `history` holds one record per pass (and per stage)."""
 
     passes: list[Pass]
     disabled: frozenset[str] = frozenset()
     verify: bool = True
     observe: Callable[[TrainGraph], dict[str, Any]] | None = None
     dump_dir: str | None = None
+    instruments: list[Instrument] = field(default_factory=list)
     history: list[PassRecord] = field(default_factory=list)
-    initial: dict[str, Any] | None = None  #: the observer's result on the captured graph
+
+    def __post_init__(self) -> None:
+        # `before` in this order, `after` in reverse: timing, provenance, verification and
+        # the recompile first, then what reads the result (extras, observer, dump)
+        self._observer = Observe(self.observe) if self.observe else None
+        self._stack: list[Instrument] = [Disable(frozenset(self.disabled))]
+        if self.dump_dir is not None:
+            self._stack.append(Dump(self.dump_dir))
+        if self._observer:
+            self._stack.append(self._observer)
+        self._stack += [*self.instruments, Recompile()]
+        if self.verify:
+            self._stack.append(Verify())
+        self._stack += [Provenance(), Timing()]
+
+    @property
+    def initial(self) -> dict[str, Any] | None:
+        """The observer's result on the captured graph."""
+        return self._observer.initial if self._observer else None
 
     def run(self, graph: TrainGraph, ctx: PassContext | None = None) -> TrainGraph:
         ctx = ctx or PassContext()
         graph.verify()
         check_needs([p for p in self.passes if p.name not in self.disabled], provided(graph))
-        self.initial = self.observe(graph) if self.observe else None
-        self._dump(graph, 0, "captured")
-        last = self.initial
-        for i, p in enumerate(self.passes, start=1):
-            before = len(graph.graph.nodes)
-            if p.name in self.disabled:
-                self.history.append(PassRecord(p.name, p.options(), False, None, 0.0,
-                                               before, before, skipped=True, predicted=last))
-                continue
-            record = self._run_one(p, graph, ctx, before)
-            if self.observe and record.changed:
-                last = self.observe(graph)
-            self.history.append(dataclasses.replace(record, predicted=last))
-            self._dump(graph, i, p.name)
+        for inst in self._stack:
+            inst.start(graph)
+        for p in self.passes:
+            self._apply(p, graph, lambda p=p: p.run(graph, ctx))
         return graph
 
-    def _dump(self, graph: TrainGraph, index: int, label: str) -> None:
-        if self.dump_dir is None:
-            return
-        out = Path(self.dump_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"{index:02d}_{label}.py").write_text(
-            f"# glmc: the training step after '{label}' ({len(graph.graph.nodes)} nodes)\n"
-            + graph.code())
+    def run_stage(self, unit: StageUnit, ctx: PassContext | None = None) -> StageUnit:
+        """The passes that rewrite this form of a stage (`Pass.stage_forms`), in pipeline
+        order, each recorded with the stage's index."""
+        ctx = ctx or PassContext()
+        passes = [p for p in self.passes if unit.form in p.stage_forms()]
+        if not passes:
+            return unit
+        for inst in self._stack:
+            inst.start(unit)
+        for p in passes:
+            self._apply(p, unit, lambda p=p: p.run_stage(unit, ctx))
+        return unit
 
-    def _run_one(self, p: Pass, graph: TrainGraph, ctx: PassContext, before: int) -> PassRecord:
-        signature = graph.signature()
-        existing = set(graph.graph.nodes)
-        start = time.perf_counter()
+    def _apply(self, p: Pass, target: Any, run: Callable[[], PassResult]) -> None:
+        before = len(target.graph.nodes)
+        where = {} if isinstance(target, TrainGraph) else \
+            {"stage": target.index, "form": target.form.value}
+        record = PassRecord(p.name, p.options(), False, None, 0.0, before, before, **where)
+        if not all(inst.should_run(p, target) for inst in self._stack):
+            record = dataclasses.replace(record, skipped=True)
+            for inst in self._stack:
+                record = inst.skipped(p, target, record)
+            self.history.append(record)
+            return
+        for inst in self._stack:
+            inst.before(p, target)
         try:
-            result = p.run(graph, ctx)
+            result = run()
         except GlmcError:
             raise  # typed errors (PassError, BudgetError, ConfigError) reach the user as they are
         except Exception as e:
             raise PassError(f"{p.name}: failed: {e}") from e
-        seconds = time.perf_counter() - start
-        _stamp_provenance(graph.graph, existing, p.name)
-        if self.verify:
-            try:
-                graph.verify(None if p.changes_signature else signature)
-                _check_extends(signature, graph.signature())
-            except PassError as e:
-                raise PassError(f"{p.name}: left an invalid graph: {e}") from e
-        graph.gm.recompile()
-        return PassRecord(p.name, p.options(), result.changed, result.stats, seconds,
-                          before, len(graph.graph.nodes))
+        record = dataclasses.replace(record, changed=result.changed, stats=result.stats,
+                                     nodes_after=len(target.graph.nodes))
+        for inst in reversed(self._stack):
+            record = inst.after(p, target, record)
+        self.history.append(record)
 
 
 def check_order(passes: list[Pass]) -> None:

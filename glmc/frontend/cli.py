@@ -103,51 +103,10 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
 
 
 def _parallel_args(c: argparse.ArgumentParser) -> None:
-    """Options of data and pipeline parallelism (`glmc compile`)."""
-    c.add_argument("--nproc", type=_positive, default=None, metavar="N",
-                   help="train data parallel on N local processes (glmc launches them through "
-                        "torchrun; FILE's batch is the global batch, split over the ranks)")
-    c.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None, metavar="S",
-                   help="ZeRO stage when data parallel: 0 all-reduce, 1 shard optimizer state, "
-                        "2 and gradients, 3 and parameters (default 0; under torchrun this "
-                        "option turns data parallelism on)")
-    c.add_argument("--pp", type=_positive, default=None, metavar="S",
-                   help="pipeline parallel over S stages, one process each (with --nproc S; "
-                        "--nproc k*S: k data-parallel replicas of the pipeline); the partition "
-                        "pass chooses the cut by predicted cost")
-    c.add_argument("--microbatches", type=_positive, default=None, metavar="M",
-                   help="with --pp: microbatches per step (must divide the batch; default S)")
-    c.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved",
-                                                          "zbh1"),
-                   help="with --pp: pipeline schedule (interleaved: 2 virtual stages per rank)")
-    c.add_argument("--bucket-mb", type=float, default=None, metavar="M",
-                   help="gradient bucket size in MiB for data parallelism (default 25)")
-    c.add_argument("--compress", default=None, metavar="METHOD",
-                   choices=("bf16", "fp16", "sign", "topk", "powersgd"),
-                   help="compress the data-parallel gradient traffic (error feedback on): "
-                        "bf16|fp16|sign|topk|powersgd")
-    c.add_argument("--compress-rank", type=_positive, default=None, metavar="R",
-                   help="powersgd: rank of the approximation (default 4)")
-    c.add_argument("--compress-ratio", type=float, default=None, metavar="F",
-                   help="topk: fraction of the gradient sent (default 0.01)")
-    c.add_argument("--compress-block", type=_positive, default=None, metavar="B",
-                   help="sign: one scale per B gradient elements instead of one per tensor "
-                        "(64: 21:1 on the wire and within 2%% of uncompressed in "
-                        "benchmarks/bench_compression.py)")
-    c.add_argument("--compress-warmup", type=_positive, default=None, metavar="N",
-                   help="send the first N steps' gradients uncompressed (PowerSGD's "
-                        "start_powerSGD_iter)")
-    c.add_argument("--nodes", type=_positive, default=None, metavar="K",
-                   help="the ranks run on K nodes, numbered node by node (a K x ranks-per-node "
-                        "mesh; default: torchrun's LOCAL_WORLD_SIZE, else one node)")
-    c.add_argument("--hierarchical", default=None, choices=("auto", "on", "off"),
-                   help="on several nodes, all-reduce gradients inside each node, across "
-                        "nodes, inside again; auto (default): where predicted faster")
-    c.add_argument("--intra-link", default=None, metavar="LINK",
-                   help="link profile inside a node for that prediction: a name (nvlink4, "
-                        "infiniband-ndr, roce-200g, ethernet-25g) or ALPHAus:BETAGBps[:CALLus]")
-    c.add_argument("--inter-link", default=None, metavar="LINK",
-                   help="link profile between nodes (default infiniband-ndr)")
+    """Options of data and pipeline parallelism (`glmc compile`): one flag per field of the
+    parallel plan, generated from it (glmc.parallel.plan.ParallelPlan)."""
+    from glmc.parallel.plan import ParallelPlan
+    ParallelPlan.add_arguments(c)
 
 
 def _pipeline_args(c: argparse.ArgumentParser, precisions: tuple[str, ...]) -> None:
@@ -177,20 +136,16 @@ def _steps(text: str) -> int:
     return n
 
 
-def _positive(text: str) -> int:
-    n = _steps(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError("must be >= 1")
-    return n
-
-
 def main(argv: list[str] | None = None) -> int:
     parser, commands = _parser()
     args = parser.parse_args(argv)
+    if args.command == "compile":
+        from glmc.parallel.plan import ParallelPlan
+        args.plan = ParallelPlan.from_args(args)
     problems = _usage_problems(args)
     if problems:
         commands[args.command].error("\n  ".join(problems))  # exits 2
-    if args.command == "compile" and args.nproc is not None:
+    if args.command == "compile" and args.plan.nproc is not None:
         return _launch(args, sys.argv[1:] if argv is None else list(argv))
     try:
         run = {"compile": _compile, "check": _check, "report": _report,
@@ -260,35 +215,11 @@ def _usage_problems(args: argparse.Namespace) -> list[str]:
         out = Path(args.export_dir) if args.export_dir else None
         if out is not None and out.exists() and not out.is_dir():
             problems.append(f"--export-dir: {out} exists and is not a directory")
-        parallel = args.nproc is not None or args.zero is not None
-        problems += _pipeline_problems(args)
-        if args.bucket_mb is not None and (not parallel or args.bucket_mb <= 0):
-            problems.append("--bucket-mb needs --nproc or --zero and a positive size")
-        if (args.compress or args.compress_rank or args.compress_ratio) and not parallel:
-            problems.append("--compress needs --nproc or --zero (it compresses the gradient "
-                            "traffic between ranks)")
-        if args.compress_warmup is not None and not args.compress:
-            problems.append("--compress-warmup needs --compress METHOD")
-        if args.compress_block is not None and args.compress != "sign":
-            problems.append("--compress-block needs --compress sign")
-        topology = (args.nodes, args.hierarchical, args.intra_link, args.inter_link)
-        if any(v is not None for v in topology) and not parallel:
-            problems.append("--nodes / --hierarchical / --intra-link / --inter-link need --nproc"
-                            " or --zero (they shape the gradient all-reduce between ranks)")
-        if args.nproc is not None and args.nodes is not None and args.nproc % args.nodes:
-            problems.append(f"--nodes {args.nodes} does not divide --nproc {args.nproc}")
-        if args.hierarchical == "on" and (args.compress or (args.zero or 0) >= 2):
-            problems.append("--hierarchical on needs --zero 0 or 1 and no --compress")
-        for flag, link in (("--intra-link", args.intra_link), ("--inter-link", args.inter_link)):
-            if link is not None:
-                from glmc.analysis.comm import get_link
-                check(f"{flag}: ", lambda link=link: get_link(link))
-        if args.compress in ("sign", "topk", "powersgd") and (args.zero or 0) >= 2:
-            problems.append(f"--compress {args.compress} needs --zero 0 or 1 (stages 2-3 "
-                            "reduce-scatter the gradients); use bf16/fp16 there")
-        if parallel and (args.export_dir or args.export_ort_training):
-            problems.append("--export-dir / --export-ort-training: exporting a data-parallel "
-                            "step is not supported yet; export from one process")
+        from glmc.parallel.plan import StepOptions
+        step = StepOptions(backend=args.backend, precision=args.precision, passes=args.passes,
+                           disable=tuple(args.disable), cuda_graphs=args.cuda_graphs,
+                           export=bool(args.export_dir or args.export_ort_training))
+        problems += args.plan.problems(step)  # every parallel rule: the plan owns them
         problems += _tvm_problems(args)
         ort_dir = Path(args.export_ort_training) if args.export_ort_training else None
         if ort_dir is not None and ort_dir.exists() and not ort_dir.is_dir():
@@ -327,38 +258,6 @@ def _tvm_problems(args: argparse.Namespace) -> list[str]:
     return []
 
 
-def _pipeline_problems(args: argparse.Namespace) -> list[str]:
-    """What is wrong with the pipeline-parallel options (`--pp` and its companions)."""
-    problems = []
-    if args.pp is not None and (args.zero or 0) > 1:
-        problems.append(f"--pp {args.pp} --zero {args.zero}: a pipeline stage sums its gradients "
-                        "over the microbatches before any reduction, so only the optimizer "
-                        "state is sharded with a pipeline: use --zero 1 (or 0)")
-    if args.pp is not None and args.nproc is not None and args.nproc % args.pp:
-        problems.append(f"--pp {args.pp}: --nproc must be a multiple of {args.pp} (the "
-                        "processes beyond one pipeline are its data-parallel replicas)")
-    if args.pp is None and (args.microbatches is not None or args.schedule != "1f1b"):
-        problems.append("--microbatches / --schedule need --pp")
-    if args.pp is not None:
-        if args.precision not in (None, "bf16", "fp16"):
-            problems.append(f"--pp: --precision {args.precision}: pipeline stages take bf16 "
-                            "or fp16 (auto measures a whole step)")
-        ignored = [flag for flag, v in (("--passes", args.passes),
-                                        ("--disable", args.disable or None),
-                                        ("--cuda-graphs", args.cuda_graphs or None),
-                                        ("--compress", args.compress)) if v is not None]
-        if ignored:
-            problems.append(f"--pp: {', '.join(ignored)} cannot apply to pipeline stages yet "
-                            "(each stage is captured as its own forward, backward and update "
-                            "graphs, not as one whole step for glmc's passes); drop "
-                            f"{'it' if len(ignored) == 1 else 'them'} or train without --pp")
-        if args.backend not in ("eager", "inductor"):
-            problems.append(f"--pp: --backend {args.backend} runs functional steps; pipeline "
-                            "stages update their state in place: use --backend inductor "
-                            "(default) or eager")
-    return problems
-
-
 def _calibrate(args: argparse.Namespace) -> int:
     from glmc.analysis.calibration import calibrate
     from glmc.analysis.profiles import describe_profile
@@ -379,10 +278,10 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
             skip = True
         elif not a.startswith("--nproc="):
             rest.append(a)
-    if args.zero is None and args.pp is None:  # --pp: pipeline, not data parallelism
-        rest += ["--zero", "0"]
+    if args.plan.for_rank().zero != args.plan.zero:  # data parallel: each rank a ZeRO stage
+        rest += ["--zero", str(args.plan.for_rank().zero)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={args.nproc}", "-m", "glmc", *rest]
+           f"--nproc_per_node={args.plan.nproc}", "-m", "glmc", *rest]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace")
     assert proc.stderr is not None
     for chunk in _without_launcher_noise(proc.stderr):
@@ -390,7 +289,7 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
         sys.stderr.flush()
     rc = proc.wait()
     if rc:
-        print(f"glmc: error: {args.nproc} processes were launched and at least one failed "
+        print(f"glmc: error: {args.plan.nproc} processes were launched and at least one failed "
               f"(exit status {rc}); each rank's own error is above", file=sys.stderr)
     return rc
 
@@ -425,28 +324,6 @@ def _without_launcher_noise(lines: Any) -> Any:
 _LAUNCHER_LOG = re.compile(r"^[EWI]\d{4} [\d:.]+ \d+ .*(elastic|torch/distributed/run)")
 
 
-def _parallel(args: argparse.Namespace) -> dict | None:
-    if args.zero is None:
-        return None
-    out: dict = {"zero": args.zero}
-    if args.bucket_mb is not None:
-        out["bucket_mb"] = args.bucket_mb
-    if args.compress is not None:
-        out["compress"] = {"method": args.compress}
-        if args.compress_rank is not None:
-            out["compress"]["rank"] = args.compress_rank
-        if args.compress_ratio is not None:
-            out["compress"]["ratio"] = args.compress_ratio
-        if args.compress_warmup is not None:
-            out["compress"]["warmup_steps"] = args.compress_warmup
-        if args.compress_block is not None:
-            out["compress"]["block"] = args.compress_block
-    for key in ("nodes", "hierarchical", "intra_link", "inter_link"):
-        if getattr(args, key) is not None:
-            out[key] = getattr(args, key)
-    return out
-
-
 def _compile(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -458,18 +335,18 @@ def _compile(args: argparse.Namespace) -> int:
     if args.export_onnx:
         require_onnx()  # before the model loads
     work = load_workload(args.file)
-    if args.pp is not None:
+    plan = args.plan
+    if plan.strategy == "pipeline":
         from glmc.parallel.pipeline import train_cli
-        return train_cli(work, args.steps, args.microbatches or args.pp, args.schedule, args.pp,
-                         args.report_dir, args.memory_budget, args.zero or 0, args.backend,
-                         args.precision, bool(args.fusion))
+        return train_cli(work, args.steps, plan, args.report_dir, args.memory_budget,
+                         args.backend, args.precision, bool(args.fusion))
     trainer = optimize(work.model, work.example_inputs, loss_fn=work.loss_fn,
                             optimizer=work.optimizer, backend=args.backend, passes=args.passes,
                             memory_budget=args.memory_budget, precision=args.precision,
                             fusion=args.fusion, strict=args.strict,
                             disable=tuple(args.disable), profile=args.profile,
                             profile_guided=args.profile_guided, progress=_rank() == 0,
-                            parallel=_parallel(args), cuda_graphs=args.cuda_graphs,
+                            parallel=plan.data_parallel(), cuda_graphs=args.cuda_graphs,
                             dump_dir=str(Path(args.report_dir) / "graphs") if args.report_dir
                             and _rank() == 0 else None)
     if args.export_onnx:
@@ -479,7 +356,7 @@ def _compile(args: argparse.Namespace) -> int:
                disable=not sys.stderr.isatty() or _rank() != 0)
     lead = _rank() == 0  # one rank speaks for all; the loss is the global batch's
     # each rank of a data-parallel run traces its last step (compute vs communication)
-    trace_at = args.steps - 1 if args.report_dir and args.zero is not None else None
+    trace_at = args.steps - 1 if args.report_dir and plan.strategy == "data" else None
     for i in bar:
         if i == trace_at:
             loss = _traced_step(trainer, batch_args, batch_kwargs, Path(args.report_dir))

@@ -243,12 +243,6 @@ GRAD_OF = "glmc_grad_of"
 #: pass weighs against keeping them, as it weighs recomputing an activation
 REGATHER_S = "glmc_regather_s"
 
-#: TrainGraph.meta key of the graph's cached write-back module (glmc.compiler.inplace.inplace_module);
-#: derived from the graph, so a copy (which a pass may rewrite) does not carry it
-INPLACE_GM = "inplace_gm"
-#: TrainGraph.meta key of the graph's write-back form compiled by a backend
-#: (glmc.compiler.inplace.compile_inplace); derived from the graph too
-COMPILED_STEP = "compiled_step"
 #: TrainGraph.meta key of the gradient outputs the graph makes and owns
 #: (glmc.planning.schedule.fresh_gradients); derived from the graph too
 FRESH_GRADIENTS = "glmc.fresh_gradients"
@@ -328,7 +322,7 @@ class TrainGraph:
         for n in self.graph.nodes:
             env[n] = new.node_copy(n, lambda a: env[a])
         meta = {k: v for k, v in self.meta.items()  # the cached forms were made from this graph
-                if k not in (INPLACE_GM, COMPILED_STEP, FRESH_GRADIENTS)}
+                if k != FRESH_GRADIENTS}
         return TrainGraph(fx.GraphModule(self.gm, new), list(self.inputs), list(self.outputs),
                           meta)
 

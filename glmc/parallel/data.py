@@ -70,7 +70,17 @@ class Parallel:
 
     @staticmethod
     def of(value: Any) -> "Parallel | None":
-        """None; a Parallel; an int (the ZeRO stage); or a dict of the fields."""
+        """None; a Parallel; an int (the ZeRO stage); a dict of the fields; or a
+        `ParallelPlan` (or its spelling) without pipeline stages."""
+        from glmc.parallel.plan import ParallelPlan
+        if isinstance(value, str):
+            value = ParallelPlan.parse(value)
+        if isinstance(value, ParallelPlan):
+            if value.validate().strategy == "pipeline":
+                raise ConfigError("parallel: a pipeline plan (pp=...) runs on "
+                                  "glmc.parallel.pipeline.pipeline_trainer, not a Trainer; "
+                                  "glmc.optimize chooses it when given the plan")
+            value = value.data_parallel()
         if value is None or isinstance(value, Parallel):
             return value
         if isinstance(value, bool):
@@ -212,6 +222,20 @@ class DataParallel:
         self.link = measure_link(device=device)  #: this host's link, timed once
         self.store: dict[str, torch.Tensor] = {}  #: padded local shards by input target
         self._owners: dict[str, tuple[Any, str]] = {}  #: target -> (container, key) of the view
+
+    #: the compiled step must not give parameters new storage: they are views of the store
+    adopts_state = False
+    #: measure the communication the step waits for (profiler events, third step)
+    measures_comm = True
+
+    def passes(self, budgeted: bool) -> list[Any]:
+        """The passes this plan adds to the pipeline: the shard pass (and compression), with
+        this host's measured link (`Parallel.passes`)."""
+        return self.options.passes(self.link, budgeted)
+
+    def wants_micro_program(self, graph: TrainGraph) -> bool:
+        """Gradient accumulation: the step was compiled with running sums."""
+        return bool(graph.meta["sharding"].accumulators)
 
     # -- batches --------------------------------------------------------------------------------
 

@@ -28,13 +28,16 @@ import torch.fx as fx
 import torch.nn as nn
 
 from glmc.errors import ConfigError, InputError
+from glmc.compiler.passmanager import PassContext, PassManager, StageForm, StageUnit
 from glmc.ir.program import StagedProgram, link
 from glmc.ir.split import split_backward
+from glmc.parallel.plan import ParallelPlan
 from glmc.parallel.executor import run_rank
 from glmc.planning.schedule import (COMPUTE, Action, ActionKind, Timeline, from_torch,
                                     predicted_peaks, simulate)
 from glmc.trace import scaler
 from glmc.trace.capture import batch_leaves, capture, split_batch
+from glmc.trace.optim import resolve_optimizer
 from glmc.trace.scaler import SCALE
 from glmc.trace.stages import capture_stage
 
@@ -240,6 +243,8 @@ class Pipeline:
     rank_budget_bytes: int | None = None  #: a per-rank size budget (the report checks it)
     #: fp16 stages: dynamic loss scaling across every stage (`PipelineTrainer`), else None
     loss_scaling: Any = None
+    #: what glmc's passes did to each stage (`PassRecord`s with their stage), in order
+    passes: list[Any] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -277,33 +282,35 @@ def build_program(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: A
                   backend: str = "eager", loss_scaling: Any = None) -> Pipeline:
     """Capture every stage of `model` cut at `stage_blocks` on one microbatch of
     `example_inputs`, link them and attach the schedule (torch's generator for `schedule`).
-    `budgets[s]`: stage s's memory budget, planned by glmc's recompute pass on its joint graph
-    with the backend's traits (`recompute_partition`; None: it saves all the backward reads);
-    `precision`: every stage's forward under that policy (bf16 or fp16; fp16 with
-    `loss_scaling`, a `glmc.trace.scaler.LossScaling`, default GradScaler's), `fusion`: with the
-    fusion pass's forward patterns (`stage_rewrites`, `capture_stage`; the loss pattern unless
-    the stages run on Inductor without a budget)."""
+    Each stage runs glmc's passes through its own pass manager (`stage_passes`: the default
+    pipeline's policy for `precision`, `fusion` and the stage's budget), on its forward program
+    before it is differentiated (fusion, precision) and on its joint graph before the
+    partition (cleanup, recompute); their records are `Pipeline.passes`, per stage.
+    `budgets[s]`: stage s's memory budget, planned by the recompute pass with the microbatches
+    its schedule keeps in flight (None: it saves all the backward reads); `loss_scaling`
+    (fp16): a `glmc.trace.scaler.LossScaling`, default GradScaler's."""
     if loss_scaling is not None and precision != "fp16":
         raise ConfigError(f"pipeline: loss_scaling is for fp16 stages; precision is "
                           f"{precision or 'fp32'}: drop loss_scaling or use precision='fp16'")
     budgeted = budgets is not None and any(b is not None for b in budgets)
-    rewrites = stage_rewrites(precision, fusion, loss=fuses_stage_loss(backend, budgeted))
     leaves = microbatch_leaves(example_inputs, microbatches)[0]
     blocks = [b for bs in stage_blocks for b in bs]
     gm = trace_blocks(model, blocks, loss_fn, like(example_inputs, leaves))
     mods = split_module(gm, stage_blocks)
     values = _values(gm, leaves)
-    stages, opts, stats = [], [], []
+    ctx = PassContext(stage_backend(backend).traits())
+    stages, opts, stats, records = [], [], [], []
     for sm in mods:
         opt = stage_optimizer(optimizer, sm.module)
         args = [(a, leaves[a] if isinstance(a, int) else values[a].detach()) for a in sm.args]
         budget = budgets[sm.index] if budgets is not None else None
-        found: list[Any] = []
+        manager = PassManager(stage_passes(budget, precision, fusion, budgeted))
         stage = capture_stage(sm.index, sm.module, opt, args, send=sm.send,
-                              partition=cleaned(recompute_partition(sm, budget, backend,
-                                                                    found)),
-                              rewrites=rewrites)
+                              partition=_joint_passes(manager, sm.index, budget, ctx),
+                              rewrites=[_forward_passes(manager, sm.index, ctx)])
+        found = [r.stats for r in manager.history if r.name == "recompute"]
         stats.append(found[-1] if found else None)
+        records += manager.history
         if schedule == "zbh1":
             stage = split_backward(stage)
         stages.append(stage)
@@ -314,42 +321,49 @@ def build_program(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: A
     program.verify()
     return Pipeline(program, mods, opts, budgets=list(budgets) if budgets else None,
                     recompute=stats, loss_scaling=(loss_scaling or scaler.LossScaling())
-                    if precision == "fp16" else None)
+                    if precision == "fp16" else None, passes=records)
 
 
-def cleaned(partition: Callable[[Any], Any] | None) -> Callable[[Any], Any]:
-    """The joint-graph rewrite `partition` (or none) after glmc's cleanup pass on the joint
-    graph (`glmc.passes.cleanup.cleanup_stage`: no-op copies and views, common
-    subexpressions), as the single-device step gets it: e.g. a `Dropout(p=0)`'s copy of the
-    attention weights would otherwise be saved for the backward beside the weights."""
-    from glmc.passes.cleanup import cleanup_stage
+def stage_passes(budget: StageBudget | None, precision: str | None, fusion: bool,
+                 budgeted: bool) -> list[Any]:
+    """The passes a pipeline stage runs: the default pipeline (`glmc.passes.default_pipeline`,
+    the one place its policy is written) for this stage's budget, `precision` and `fusion`,
+    with what differs on stages: the recompute pass plans the microbatches the schedule keeps
+    in flight and skips the Pareto sweep; the fusion pass takes the loss pattern wherever any
+    stage is budgeted (else its own rule: not on a backend that fuses)."""
+    from glmc.passes import default_pipeline
+    out = []
+    for p in default_pipeline(budget.pass_budget() if budget is not None else None, precision,
+                              fusion=bool(fusion)):
+        if p.name == "recompute" and budget is not None:
+            p = dataclasses.replace(p, multiplicity=budget.multiplicity, pareto=False)
+        elif p.name == "fusion":
+            p = dataclasses.replace(p, loss=True if budgeted else None)
+        out.append(p)
+    return out
 
-    def rewrite(joint: Any) -> None:
-        cleanup_stage(joint)
-        if partition is not None:
-            partition(joint)
+
+def _forward_passes(manager: PassManager, index: int, ctx: PassContext) -> Callable:
+    """`capture_stage`'s forward rewrite: the passes that rewrite a stage's forward program."""
+    def rewrite(gm: fx.GraphModule, inputs: list[Any]) -> None:
+        manager.run_stage(StageUnit(index, StageForm.FORWARD, gm, list(inputs)), ctx)
     return rewrite
 
 
-def recompute_partition(sm: StageModule, budget: StageBudget | None, backend: str,
-                        found: list) -> Any:
-    """The joint-graph rewrite that plans stage `sm` under `budget` (glmc's recompute pass,
-    `glmc.passes.recompute.recompute_stage`; its stats to `found`), or None without one. A
-    budget the stage cannot meet even recomputing all it can is a BudgetError naming it."""
-    if budget is None:
-        return None
+def _joint_passes(manager: PassManager, index: int, budget: StageBudget | None,
+                  ctx: PassContext) -> Callable:
+    """`capture_stage`'s partition hook: the passes that rewrite a stage's joint graph
+    (cleanup: e.g. a `Dropout(p=0)`'s copy of the attention weights would otherwise be saved
+    beside them; recompute under the stage's budget). A budget the stage cannot meet even
+    recomputing all it can is a BudgetError naming the stage."""
     from glmc.errors import BudgetError
-    from glmc.passes.recompute import recompute_stage
 
-    plan = recompute_stage(budget.pass_budget(), budget.multiplicity,
-                           stage_backend(backend).traits(), found=found)
-
-    def rewrite(joint: Any) -> None:
+    def rewrite(joint: fx.GraphModule) -> None:
         try:
-            plan(joint)
+            manager.run_stage(StageUnit(index, StageForm.JOINT, joint), ctx)
         except BudgetError as e:
-            raise BudgetError(f"pipeline: stage {sm.index} ({budget.multiplicity} "
-                              f"microbatches in flight): {e}") from None
+            raise BudgetError(f"pipeline: stage {index} ({budget.multiplicity} microbatches "
+                              f"in flight): {e}") from None
     return rewrite
 
 
@@ -377,29 +391,6 @@ def sync_seconds(pipe: Pipeline, dp: int, zero: int, link: Any) -> list[float]:
                     t += collective_seconds("all_reduce", p.numel() * p.element_size(),
                                             len(copies) * dp, link)
         out.append(t)
-    return out
-
-
-def fuses_stage_loss(backend: str, budgeted: bool) -> bool:
-    """Whether fused stages take the loss pattern: as in one process, not on Inductor (its
-    own kernels for the LM head and loss are faster) unless a memory budget is set."""
-    return backend != "inductor" or budgeted
-
-
-def stage_rewrites(precision: str | None = None, fusion: bool = False,
-                   loss: bool = True) -> list[Any]:
-    """The forward rewrites of every stage (`capture_stage`'s `rewrites`), in the default
-    pipeline's order: fusion's forward patterns, then the dtype assignment of `precision`.
-    `loss`: fusion includes the loss pattern (the LM head and loss chunked: the logits are
-    never stored; `build_program` asks `fuses_stage_loss`)."""
-    out: list[Any] = []
-    if fusion:
-        from glmc.passes.fusion import STAGE_PATTERNS, fuse_stage
-        patterns = tuple(p for p in STAGE_PATTERNS if loss or p != "loss")
-        out.append(lambda gm, inputs: fuse_stage(gm, inputs, patterns))
-    if precision is not None:
-        from glmc.passes.precision import assign_stage
-        out.append(lambda gm, inputs: assign_stage(gm, inputs, precision))
     return out
 
 
@@ -591,7 +582,6 @@ class PipelineTrainer:
         state as its padded rows."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        from glmc.compiler.passmanager import PassContext
         from glmc.ir.graph import MeshSpec
         from glmc.ir.plans import DIM
         from glmc.ir.program import bind_mesh
@@ -603,7 +593,10 @@ class PipelineTrainer:
         stages, bound = [], []
         for st in program.stages:
             update = st.update.copy()
-            ShardPass(stage=2).run(update, PassContext(mesh=MeshSpec((self.dp,), (DIM,))))
+            manager = PassManager([ShardPass(stage=2)])
+            manager.run(update, PassContext(mesh=MeshSpec((self.dp,), (DIM,))))
+            self.pipeline.passes += [dataclasses.replace(r, stage=st.index, form="update")
+                                     for r in manager.history]
             stages.append(dataclasses.replace(st, update=update))
             if st.index in self.local:
                 self._install(st.index, update.meta["sharding"])
@@ -808,7 +801,6 @@ def plan_stages(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any
     predicted schedule prices transfers on; `cut`: predict this cut instead of choosing
     (`plan_partition`'s `cut`: block indices or "equal"); `backend`: what will run the stages
     (its traits price their ops: Inductor's fusion groups)."""
-    from glmc.compiler.passmanager import PassContext
     from glmc.passes.partition import PartitionPass
 
     one = like(example_inputs, microbatch_leaves(example_inputs, microbatches)[0])
@@ -821,7 +813,9 @@ def plan_stages(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any
                               microbatch_graph=True, cut=cut)
     ps = PartitionPass(stages=stages, microbatches=microbatches, schedule=schedule,
                        virtual=virtual, link=link or "", microbatch_graph=True)
-    return ps.run(graph, PassContext(traits=traits, profile=profile)).stats
+    manager = PassManager([ps])
+    manager.run(graph, PassContext(traits=traits, profile=profile))
+    return manager.history[-1].stats
 
 
 def stage_budgets(plan: Any, budget: Any, ranks: int) -> list[StageBudget | None]:
@@ -859,7 +853,7 @@ def stage_budgets(plan: Any, budget: Any, ranks: int) -> list[StageBudget | None
     return out
 
 
-def pipeline_trainer(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any,
+def pipeline_trainer(model: nn.Module, optimizer: torch.optim.Optimizer | None, loss_fn: Any,
                      example_inputs: Any, microbatches: int, schedule: str = "1f1b",
                      virtual: int = 1, timeout_s: float = 300.0, dp: int = 1,
                      memory_budget: Any = None, cut: Any = None, zero: int = 0,
@@ -876,10 +870,11 @@ def pipeline_trainer(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn
     the fx graphs; "inductor": each compiled once, in its write-back form). `precision`:
     "bf16" or "fp16" (with dynamic loss scaling across the stages) runs every stage's
     forward under glmc's dtype assignment, `fusion` fuses its
-    attention, norms and gated MLPs (`stage_rewrites`)."""
+    attention, norms and gated MLPs (`stage_passes`)."""
     from glmc.analysis.comm import measure_link
     from glmc.parallel.data import init_distributed
     from glmc.passes.partition import with_sync
+    optimizer = resolve_optimizer(model, optimizer)  # None: the default, as on one process
     init_distributed("cpu", timeout_s)
     world = dist.get_world_size()
     if dp < 1 or world % dp:
@@ -904,10 +899,13 @@ def pipeline_trainer(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn
     return PipelineTrainer(pipe, timeout_s, dp, zero, backend)
 
 
-def _fused_patterns(backend: str, memory_budget: Any) -> str:
-    """The forward patterns `build_program` fuses into the stages (`stage_rewrites`)."""
-    loss = fuses_stage_loss(backend, memory_budget is not None)
-    return "attention/norm/MLP/loss" if loss else "attention/norm/MLP"
+def _fused_patterns(pipe: Pipeline) -> str:
+    """The forward patterns the fusion pass tried on the stages (its records' counts)."""
+    names: list[str] = []
+    for r in pipe.passes:
+        if r.name == "fusion" and isinstance(r.stats, dict):
+            names += [k for k in r.stats if k not in names]
+    return "/".join("MLP" if n == "mlp" else n for n in names)
 
 
 def _fused_spelling(fusion: Any) -> str:
@@ -921,26 +919,25 @@ def _rank_budget_bytes(budget: Any) -> int | None:
     return int(b.value) if b is not None and b.kind == "bytes" else None
 
 
-def train_cli(work: Any, steps: int, microbatches: int, schedule: str, pp: int,
-              report_dir: str | None = None, memory_budget: Any = None, zero: int = 0,
-              backend: str = "eager", precision: str | None = None,
+def train_cli(work: Any, steps: int, plan: ParallelPlan, report_dir: str | None = None,
+              memory_budget: Any = None, backend: str = "eager", precision: str | None = None,
               fusion: bool = False) -> int:
-    """`glmc compile FILE --nproc N --pp S ...`: trains `work` pipelined; the rank holding
-    replica 0's last stage prints `step i  loss x` lines as a single process does, then the plan and
-    its predictions against three more measured steps (per-stage peak, bubble); with
-    `report_dir`, also report.html (plan, Gantt charts), report.json and Chrome traces.
-    More processes than stages: pp x dp (`--nproc` a multiple of `--pp`), with `zero=1` the
-    optimizer state sharded over the replicas; `backend` runs the stages' graphs, `precision`
-    (bf16, fp16) sets their dtypes."""
+    """`glmc compile FILE --nproc N --pp S ...`: trains `work` pipelined as `plan` says; the
+    rank holding replica 0's last stage prints `step i  loss x` lines as a single process does,
+    then the plan and its predictions against three more measured steps (per-stage peak,
+    bubble); with `report_dir`, also report.html (plan, Gantt charts), report.json and Chrome
+    traces. More processes than stages: pp x dp (`--nproc` a multiple of `--pp`), with
+    `zero=1` the optimizer state sharded over the replicas; `backend` runs the stages' graphs,
+    `precision` (bf16, fp16) sets their dtypes. A FILE without an optimizer trains with the
+    default one (`resolve_optimizer`), as one process does."""
     world = from_env_world()
-    if world % pp:
-        raise ConfigError(f"pipeline: --pp {pp} needs a multiple of {pp} processes (pp x dp); "
-                          f"this run has {world}")
-    virtual = 2 if schedule == "interleaved" else 1
+    dims = plan.degrees(world)
+    virtual = 2 if plan.schedule == "interleaved" else 1
     trainer = pipeline_trainer(work.model, work.optimizer, work.loss_fn, work.example_inputs,
-                               microbatches, schedule, virtual, dp=world // pp,
-                               memory_budget=memory_budget, zero=zero, backend=backend,
-                               precision=precision, fusion=fusion)
+                               plan.microbatches or dims["pp"], plan.schedule, virtual,
+                               timeout_s=plan.timeout_s, dp=dims["dp"],
+                               memory_budget=memory_budget, zero=plan.zero or 0,
+                               backend=backend, precision=precision, fusion=fusion)
     args, kwargs = split_batch(work.example_inputs)
     printer = trainer.last and trainer.replica == 0
     for i in range(steps):
@@ -951,7 +948,7 @@ def train_cli(work: Any, steps: int, microbatches: int, schedule: str, pp: int,
     if printer:
         data = pipeline_report(trainer.pipeline.plan, measured, trainer.pipeline)
         data["backend"] = {"name": trainer.backend, "precision": precision or "fp32",
-                           "fusion": fusion and _fused_patterns(backend, memory_budget),
+                           "fusion": fusion and _fused_patterns(trainer.pipeline),
                            "loss_scale": None if trainer.scaler is None else {
                                "scale": float(trainer.scaler[SCALE]),
                                "skipped": trainer.skipped, "steps": len(trainer.traces)},
@@ -1006,7 +1003,7 @@ def pipeline_report(plan: Any, measured: PipelineMeasurement,
                        "profile": s.profile, "forward_s": s.forward_s,
                        "backward_s": s.backward_s, "update_s": s.update_s,
                        "seconds": s.seconds, "in_flight": s.in_flight,
-                       **_stage_recompute(pipeline, i),
+                       **_stage_recompute(pipeline, i), "passes": _stage_passes(pipeline, i),
                        "planned_peak_bytes": s.peak_bytes, "send_bytes": s.send_bytes})
     peaks = predicted_peaks(program) if program is not None else None
     ranks = []
@@ -1036,6 +1033,15 @@ def pipeline_report(plan: Any, measured: PipelineMeasurement,
             "predicted_timeline": _spans(pred), "measured_timeline": _spans(measured.timeline)}
 
 
+def _stage_passes(pipeline: Pipeline | None, i: int) -> list[dict]:
+    """What glmc's passes did to stage i, in order (report.json: name, graph, time, nodes)."""
+    if pipeline is None:
+        return []
+    return [{"name": r.name, "form": r.form, "changed": r.changed, "skipped": r.skipped,
+             "seconds": round(r.seconds, 6), "nodes_before": r.nodes_before,
+             "nodes_after": r.nodes_after} for r in pipeline.passes if r.stage == i]
+
+
 def _stage_recompute(pipeline: Pipeline | None, i: int) -> dict:
     """Stage i's budget and the recompute pass's result on it (report.json fields)."""
     budget = pipeline.budgets[i] if pipeline is not None and pipeline.budgets else None
@@ -1058,6 +1064,13 @@ def _against(rank: dict) -> str:
             + (f"{over:.1%} over)" if over > 0 else f"met, {-over:.1%} below)"))
 
 
+def pass_times(passes: list[dict]) -> str:
+    """"fusion (forward) 12.1 ms, cleanup (joint) 0.8 ms, ..." for a stage's pass records."""
+    return ", ".join(f"{r['name']} ({r['form']}) "
+                     + ("skipped" if r["skipped"] else f"{r['seconds'] * 1e3:.1f} ms")
+                     for r in passes)
+
+
 def summary(data: dict) -> str:
     """The report in a few lines (what `glmc compile --pp` prints)."""
     lines = []
@@ -1071,6 +1084,8 @@ def summary(data: dict) -> str:
                      f"{st['seconds'] * 1e3:.2f} ms/step, planned peak "
                      f"{st['planned_peak_bytes'] / 2**20:.2f} MiB ({st['in_flight']} "
                      f"microbatches in flight{budget})")
+        if st.get("passes"):
+            lines.append(f"  passes: {pass_times(st['passes'])}")
     for r in data["ranks"]:
         lines.append(f"rank {r['rank']}: peak predicted {r['predicted_peak_bytes'] / 2**20:.2f} "
                      f"MiB (stage graphs through the schedule; the cut's plan "

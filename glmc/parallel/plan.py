@@ -207,14 +207,12 @@ class ParallelPlan:
         if self.bucket_mb is not None and not data:
             out.append("--bucket-mb needs --nproc or --zero (it sizes the gradient buckets "
                        "sent between ranks)")
-        compress_opts = (self.compress_rank, self.compress_ratio, self.compress_block,
-                         self.compress_warmup)
         if self.compress is not None and not data:
             out.append("--compress needs --nproc or --zero (it compresses the gradient "
                        "traffic between ranks)")
-        if self.compress is None and any(v is not None for v in compress_opts):
-            out.append("--compress-rank / --compress-ratio / --compress-block / "
-                       "--compress-warmup need --compress METHOD")
+        for key in ("compress_rank", "compress_ratio", "compress_block", "compress_warmup"):
+            if self.compress is None and getattr(self, key) is not None:
+                out.append(f"{_flag(key)} needs --compress METHOD")
         if self.compress_block is not None and self.compress not in (None, "sign"):
             out.append("--compress-block needs --compress sign")
         topology = (self.nodes, self.hierarchical, self.intra_link, self.inter_link)

@@ -384,6 +384,11 @@ def render_pipeline_html(data: dict[str, Any]) -> str:
                           _stage_budget(s),
                           mib(s["planned_peak_bytes"]),
                           mib(s["send_bytes"])) for s in data["stages"]))
+    passes = Table(("stage", "pass", "graph", "changed", "time", "nodes"),
+                   tuple((str(s["stage"]), r["name"], r["form"] or "",
+                          "skipped" if r["skipped"] else ("yes" if r["changed"] else "no"),
+                          ms(r["seconds"]), f"{r['nodes_before']} → {r['nodes_after']}")
+                         for s in data["stages"] for r in s.get("passes", [])))
     ranks = Table(("rank", "stages", "planned peak (cut)", "predicted peak (stage graphs)",
                    "measured peak", "measured state"),
                   tuple((str(r["rank"]), ", ".join(map(str, r["stages"])),
@@ -401,6 +406,10 @@ def render_pipeline_html(data: dict[str, Any]) -> str:
         "mean, steps back to back). "
         f"Boundary transfers priced on link {_esc(_link(data['link']))}.</p>",
         _table(stages),
+        "<h2>Passes per stage</h2>", _table(passes),
+        "<p class=note>glmc's passes on each stage, through the pass manager: on its forward "
+        "program before it is differentiated, on its joint graph before the partition, and on "
+        "its update.</p>",
         "<h2>Schedule</h2>",
         f"<p>Bubble predicted {b['predicted']:.1%}, measured {b['measured']:.1%} in one "
         f"barrier-aligned step and {b['measured_steady']:.1%} with steps back to back"

@@ -7,7 +7,6 @@ those seen before is captured and compiled again (one cache entry per signature)
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import sys
 import time
@@ -27,13 +26,15 @@ from glmc.compiler.passmanager import Need, Pass, PassContext, PassManager, Pass
 from glmc.errors import CaptureError, ConfigError, GraphBreakError, InputError
 from glmc.ir.graph import Role, TrainGraph
 from glmc.ir.writeback import copy_back, writeback_pairs
-from glmc.parallel.data import DataParallel, Parallel
+from glmc.parallel.data import DataParallel
 from glmc.passes import parse_pipeline, with_pass
 from glmc.report.summary import CompileRecord, Report
 from glmc.runtime.cudagraph import GraphedStep, check_cuda_graphs
 from glmc.runtime.pieces import PieceStep, fallback_warning
+from glmc.runtime.strategy import (SingleProcess, pipeline_plan, pipeline_trainer_for,
+                                   strategy_for)
 from glmc.trace.capture import Batch, batch_leaves, capture_step, describe, split_batch
-from glmc.trace.optim import ensure_state, rule_for
+from glmc.trace.optim import ensure_state, resolve_optimizer, rule_for
 from glmc.trace.valuestats import record_value_stats
 
 
@@ -94,7 +95,8 @@ class Trainer:
     report: Report = field(default_factory=Report)
     scaler_state: dict[str, torch.Tensor] | None = None  #: loss scale + tracker (fp16)
     _cache: dict[Any, _Entry] = field(default_factory=dict)
-    parallel: DataParallel | None = None  #: this rank's data-parallel state (options.parallel)
+    #: how the step is spread over processes (glmc.runtime.strategy; from options.parallel)
+    strategy: SingleProcess | DataParallel = field(default_factory=SingleProcess)
 
     def __post_init__(self) -> None:
         rule_for(self.optimizer)  # fail early on an unsupported optimizer
@@ -105,27 +107,23 @@ class Trainer:
             check_cuda_graphs(self._device, self.options.parallel)
         self._backend = get_backend(self.options.backend)
         self._traits = self._backend.traits()
-        options = Parallel.of(self.options.parallel)
-        if options is not None:
-            self.parallel = DataParallel(options, self._device)
-            program = {k: v for k, v in dataclasses.asdict(self.options).items()
-                       if k not in ("progress", "dump_dir")}  # may differ between ranks
-            self.parallel.check_same(self.model, self.example, repr(program))
-            # a size or fraction: stage-3 gathers planned with activations; "min" keeps the
-            # rule (every bucket gathered again), whose smallest peak the joint plan may miss
-            budget = self.options.memory_budget
-            budgeted = budget is not None and str(budget).strip().lower() != "min"
-            for p in options.passes(self.parallel.link, budgeted):
-                self._pipeline = with_pass(self._pipeline, p)
+        self.strategy = strategy_for(self.options.parallel, self._device)
+        program = {k: v for k, v in dataclasses.asdict(self.options).items()
+                   if k not in ("progress", "dump_dir")}  # may differ between ranks
+        self.strategy.check_same(self.model, self.example, repr(program))
+        # a size or fraction: stage-3 gathers planned with activations; "min" keeps the
+        # rule (every bucket gathered again), whose smallest peak the joint plan may miss
+        budget = self.options.memory_budget
+        budgeted = budget is not None and str(budget).strip().lower() != "min"
+        for p in self.strategy.passes(budgeted):
+            self._pipeline = with_pass(self._pipeline, p)
         self._entry(self._micro_batches(self._local(self.example))[-1])
 
     # -- public ---------------------------------------------------------------------------------
 
     def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """One training step on this batch; returns the (detached) loss."""
-        if self.parallel is None:
-            return self._step(args, kwargs)
-        with self.parallel.guard():
+        with self.strategy.guard():
             return self._step(args, kwargs)
 
     def _step(self, args: tuple, kwargs: dict) -> torch.Tensor:
@@ -133,11 +131,11 @@ class Trainer:
         batch = micro[-1]
         entry = self._entry(batch)
         if entry.micro is not None:  # gradient accumulation: all but the last micro-batch
-            self.parallel.start_step(entry.graph)
+            self.strategy.start_step(entry.graph)
             for mb in micro[:-1]:
                 leaves = _leaves(mb)
                 sums = _run(entry.micro, [get(leaves) for get in entry.getters], mb)
-                self.parallel.carry(entry.micro_graph, sums)
+                self.strategy.carry(entry.micro_graph, sums)
         if entry.pieces is not None:
             t0 = time.perf_counter()
             loss = entry.pieces(batch)
@@ -155,9 +153,9 @@ class Trainer:
                 measured = True
             except MeasurementUnavailable as e:  # e.g. the user's own profiler is running
                 entry.record.warnings.append(f"memory not measured: {e}")
-        if not measured and self.options.measure and self.parallel is not None and \
+        if not measured and self.options.measure and self.strategy.measures_comm and \
                 entry.calls == 3:  # the communication the step waits for, from profiler events
-            outs, waited = self.parallel.time_waits(lambda: _run(entry.step, inputs, batch))
+            outs, waited = self.strategy.time_waits(lambda: _run(entry.step, inputs, batch))
             entry.record.measured = {**(entry.record.measured or {}),
                                      "exposed_comm_seconds": waited}
             measured = True
@@ -220,10 +218,15 @@ class Trainer:
 
     def _local(self, batch: Batch) -> Batch:
         """This rank's slice of the global batch (the batch itself on one process)."""
-        return self.parallel.local(batch) if self.parallel is not None else batch
+        return self.strategy.local(batch)
 
     def _micro_batches(self, batch: Batch) -> list[Batch]:
-        return self.parallel.micro_batches(batch) if self.parallel is not None else [batch]
+        return self.strategy.micro_batches(batch)
+
+    @property
+    def parallel(self) -> DataParallel | None:
+        """This rank's data-parallel state (its strategy), or None on one process."""
+        return self.strategy if isinstance(self.strategy, DataParallel) else None
 
     @property
     def _device(self) -> str:
@@ -269,8 +272,8 @@ class Trainer:
         measured = entry.record.measured.get("total_peak_bytes")
         if measured is None:
             return
-        if self.parallel is not None:  # every rank decides on the same peak: recompiling on
-            measured = self.parallel.largest(measured)  # one rank alone would hang the others
+        # every rank decides on the same peak: recompiling on one rank alone would hang the others
+        measured = self.strategy.largest(measured)
         pipeline, again = [], False
         for p, rec in zip(entry.pipeline, entry.record.history):
             verdict = p.after_measure(rec.stats, measured, entry.retried)
@@ -291,8 +294,7 @@ class Trainer:
         self._say(f"capturing the training step for batch {describe(batch)} ...")
         t0 = time.perf_counter()
         try:
-            full = self.parallel.full_parameters if self.parallel is not None else None
-            with full(self.model, self.optimizer) if full else contextlib.nullcontext():
+            with self.strategy.full_parameters(self.model, self.optimizer):
                 graph = self._saved_graph(batch) or capture_step(self.model, batch,
                                                                   self.loss_fn, self.optimizer)
         except CaptureError as e:
@@ -314,9 +316,8 @@ class Trainer:
                 node_times = None
                 if self.options.profile_guided:
                     node_times = measure_node_times(g.gm, [get(leaves) for get in self._getters(g)])
-                link, ranks = (self.parallel.link, self.parallel.world) if self.parallel \
-                    else (None, 1)
-                predictions.append(predict(g, self._traits, profile, node_times, link, ranks))
+                predictions.append(predict(g, self._traits, profile, node_times,
+                                           self.strategy.link, self.strategy.world))
                 return predictions[-1].brief()
             observe = predict_step
         pipeline = pipeline or self._pipeline
@@ -329,13 +330,10 @@ class Trainer:
         nodes_captured = len(graph.graph.nodes)
         self._say(f"captured {nodes_captured} nodes in {t1 - t0:.1f} s; running passes "
                   f"{', '.join(p.spelling() for p in pipeline)} ...")
-        mesh = self.parallel.spec if self.parallel is not None else None
-        manager.run(graph, PassContext(self._traits, self.options.profile, mesh))
-        runnable = graph
-        if self.parallel is not None:
-            self.parallel.check_collectives(graph)
-            self.parallel.install(graph, self.model, self.optimizer)
-            runnable = self.parallel.bind(graph)
+        manager.run(graph, PassContext(self._traits, self.options.profile, self.strategy.spec))
+        self.strategy.check_collectives(graph)
+        self.strategy.install(graph, self.model, self.optimizer)
+        runnable = self.strategy.bind(graph)
         getters = self._getters(graph)
         t2 = time.perf_counter()
         self._say(f"passes done in {t2 - t1:.1f} s; compiling with {self._backend.name} ...")
@@ -355,12 +353,12 @@ class Trainer:
             record.host_memory = retain_freed_memory()
         self.report.compiles.append(record)
         micro, micro_graph = None, None
-        if self.parallel is not None and graph.meta["sharding"].accumulators:
-            micro_graph = self.parallel.micro_program(runnable)
+        if self.strategy.wants_micro_program(graph):
+            micro_graph = self.strategy.micro_program(runnable)
             micro = self._backend.compile(micro_graph, strict=self.options.strict)
         owners = None  # with cuda_graphs, state is copied back inside the graph: addresses stay
         graphed = GraphedStep(compiled, graph) if self.options.cuda_graphs else None
-        if graphed is None and compiled.adopt and self.parallel is None:  # glmc.parallel.data's state is views of a store
+        if graphed is None and compiled.adopt and self.strategy.adopts_state:
             params = dict(self.model.named_parameters(remove_duplicate=False))
             owners = {i: params[s.target] for i, s in enumerate(graph.inputs)
                       if s.role is Role.PARAMETER}
@@ -407,9 +405,7 @@ class Trainer:
         if scaling is not None and self.scaler_state is None:
             self.scaler_state = scaling.initial_state(self._device)
         getters = input_getters(graph, self.model, self.optimizer, self.scaler_state)
-        if self.parallel is not None:
-            getters = self.parallel.getters(graph, getters)
-        return getters
+        return self.strategy.getters(graph, getters)
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -568,14 +564,18 @@ _leaves = batch_leaves
 
 
 def make_trainer(model: nn.Module, example_inputs: Any, *, loss_fn: Any = None,
-                 optimizer: torch.optim.Optimizer | None = None, **options: Any) -> Trainer:
+                 optimizer: torch.optim.Optimizer | None = None, **options: Any) -> Any:
+    """A Trainer for the step, or — when `parallel` is a pipeline plan (a `ParallelPlan` or
+    its spelling with `pp`) — a PipelineTrainer over the processes of the default group."""
+    pipe = pipeline_plan(options.get("parallel"))
+    if pipe is not None:
+        return pipeline_trainer_for(model, example_inputs, loss_fn, optimizer, pipe, options)
     batch = split_batch(example_inputs)
     for t in _leaves(batch):
         if not isinstance(t, torch.Tensor):
             raise InputError(f"optimize: example_inputs must hold tensors only, got "
                              f"{type(t).__name__}")
-    if optimizer is None:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = resolve_optimizer(model, optimizer)
     known = {f.name for f in dataclasses.fields(TrainerOptions)}
     unknown = sorted(set(options) - known)
     if unknown:

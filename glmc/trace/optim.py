@@ -321,3 +321,12 @@ def ensure_state(optimizer: torch.optim.Optimizer) -> None:
             if keys and not all(k in state for k in keys):
                 state.update({k: v for k, v in rule.init_state(p, group).items()
                               if k not in state})
+
+
+def resolve_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+                      ) -> torch.optim.Optimizer:
+    """The one place a workload's missing optimizer is defaulted, for every strategy (one
+    process, data parallel, pipeline): AdamW(lr=1e-3) over the model's parameters."""
+    if optimizer is None:
+        return torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return optimizer

@@ -14,6 +14,7 @@ from glmc.ir.graph import (InputSpec, NodeInfo, OutputKind, OutputSpec, Phase, R
                            TrainGraph)
 from glmc.ir.program import Stage
 from glmc.trace.optim import ensure_state, rule_for
+from glmc.trace.step import OptimizerSpec
 
 
 
@@ -257,4 +258,8 @@ def _update_graph(index: int, module: nn.Module, optimizer: torch.optim.Optimize
         return new
 
     gm = make_fx(step, tracing_mode="fake")(*examples)
-    return _retype(gm, ins, outs, Phase.OPTIMIZER, index)
+    graph = _retype(gm, ins, outs, Phase.OPTIMIZER, index)
+    # the optimizer as data, as a whole step records it: passes that need the update (the
+    # shard pass under ZeRO-1 over pipeline replicas) see what it is
+    graph.meta["optimizer"] = OptimizerSpec.of(optimizer, names)
+    return graph

@@ -1,0 +1,118 @@
+"""How a Trainer spreads its step over processes: a strategy chosen from the parallel plan.
+
+The Trainer compiles and runs one step the same way whatever the plan; what differs is asked of
+its strategy — which slice of the batch this process trains on, which passes the plan adds
+(sharding, compression), how the compiled step's inputs are found (sharded state lives in the
+strategy's store), and what every rank must agree on. `SingleProcess` answers for one process;
+`glmc.parallel.data.DataParallel` for data parallelism (ZeRO 0-3); a pipeline plan is run by
+`glmc.parallel.pipeline.PipelineTrainer` instead of a Trainer (`strategy_for`).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn as nn
+
+from glmc.errors import ConfigError
+from glmc.ir.graph import TrainGraph
+from glmc.parallel.data import DataParallel, Parallel
+from glmc.trace.capture import Batch
+
+
+class SingleProcess:
+    """One process: the batch is the whole batch, no collectives, state in the user's tensors."""
+
+    world = 1
+    link = None  #: no link between ranks to price communication on
+    spec = None  #: no device mesh
+    #: the compiled step may give the user's parameters new storage (a backend's adopt)
+    adopts_state = True
+    #: the step's communication waits are worth measuring (they are none here)
+    measures_comm = False
+
+    def passes(self, budgeted: bool) -> list[Any]:
+        return []
+
+    def guard(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def local(self, batch: Batch) -> Batch:
+        return batch
+
+    def micro_batches(self, batch: Batch) -> list[Batch]:
+        return [batch]
+
+    @contextlib.contextmanager
+    def full_parameters(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+                        ) -> Iterator[None]:
+        yield
+
+    def largest(self, value: int) -> int:
+        return value
+
+    def check_same(self, model: nn.Module, batch: Batch, what: str) -> None:
+        pass
+
+    def check_collectives(self, graph: TrainGraph) -> None:
+        pass
+
+    def install(self, graph: TrainGraph, model: nn.Module, optimizer: torch.optim.Optimizer
+                ) -> None:
+        pass
+
+    def bind(self, graph: TrainGraph) -> TrainGraph:
+        return graph
+
+    def wants_micro_program(self, graph: TrainGraph) -> bool:
+        return False
+
+    def getters(self, graph: TrainGraph, getters: list[Callable]) -> list[Callable]:
+        return getters
+
+
+def strategy_for(parallel: Any, device: str) -> SingleProcess | DataParallel:
+    """The strategy of a Trainer's `parallel` option (None, a ZeRO stage, a dict, a
+    `Parallel`, or a data-parallel `ParallelPlan` — its `data_parallel()` options)."""
+    options = Parallel.of(parallel)
+    return SingleProcess() if options is None else DataParallel(options, device)
+
+
+def pipeline_plan(parallel: Any) -> Any:
+    """The plan of `parallel` when it asks for pipeline stages (a `ParallelPlan` or its
+    spelling with `pp`), else None."""
+    from glmc.parallel.plan import ParallelPlan
+    plan = ParallelPlan.parse(parallel) if isinstance(parallel, str) else parallel
+    return plan if isinstance(plan, ParallelPlan) and plan.strategy == "pipeline" else None
+
+
+def pipeline_trainer_for(model: nn.Module, example_inputs: Any, loss_fn: Any,
+                         optimizer: torch.optim.Optimizer | None, plan: Any,
+                         options: dict[str, Any]) -> Any:
+    """The PipelineTrainer of a pipeline plan over the processes of the default group, with
+    the step options that apply to stages (the plan checks the others)."""
+    from glmc.parallel.pipeline import pipeline_trainer
+    from glmc.parallel.plan import StepOptions
+    supported = {"parallel", "backend", "memory_budget", "precision", "fusion", "passes",
+                 "disable", "cuda_graphs"}
+    unsupported = sorted(k for k, v in options.items() if k not in supported and v)
+    if unsupported:
+        raise ConfigError(f"optimize: {', '.join(unsupported)} cannot apply to a pipeline plan "
+                          "yet; drop them or train without pp")
+    backend = options.get("backend", "inductor")
+    plan.validate(StepOptions(backend=backend, precision=options.get("precision"),
+                              passes=options.get("passes"),
+                              disable=tuple(options.get("disable") or ()),
+                              cuda_graphs=bool(options.get("cuda_graphs"))))
+    import torch.distributed as dist
+
+    from glmc.parallel.data import init_distributed
+    init_distributed("cpu", plan.timeout_s)
+    dims = plan.degrees(dist.get_world_size())
+    return pipeline_trainer(model, optimizer, loss_fn, example_inputs,
+                            plan.microbatches or dims["pp"], plan.schedule,
+                            2 if plan.schedule == "interleaved" else 1, plan.timeout_s,
+                            dims["dp"], options.get("memory_budget"), zero=plan.zero or 0,
+                            backend=backend, precision=options.get("precision"),
+                            fusion=bool(options.get("fusion")))
