@@ -76,7 +76,8 @@ def _run_glmc(rank: int, args: argparse.Namespace, schedule: str, cut: str | Non
               budget: str | None, backend: str = "eager", fusion: bool = False) -> dict:
     """glmc's trainer as `glmc compile --pp 2` runs it: its own plan (on the measured link),
     warm-up steps, then `measure` (back-to-back steps, one aligned step, one memory step)."""
-    from glmc.parallel.pipeline import pipeline_report, pipeline_trainer
+    from glmc.parallel.pipeline_report import pipeline_report
+    from glmc.parallel.pipeline import pipeline_trainer
     model, batch, loss_fn, opt = _glm(args.config)
     virtual = 2 if schedule == "interleaved" else 1
     trainer = pipeline_trainer(model, opt, loss_fn, batch, args.microbatches, schedule, virtual,
@@ -143,7 +144,7 @@ def _torch_pipeline(rank: int, args: argparse.Namespace, blocks: list):
     the tensors it keeps between steps (parameters, optimizer state)."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    from glmc.parallel.pipeline import split_module, trace_blocks
+    from glmc.parallel.stage_modules import split_module, trace_blocks
     model, batch, loss_fn, opt = _glm(args.config)
     gm = trace_blocks(model, [b for bs in blocks for b in bs], loss_fn)
     stages = split_module(gm, blocks)

@@ -41,6 +41,7 @@ import torch
 import torch.fx as fx
 
 from glmc.compiler.lossfusion import fuse_head, fuse_loss
+from glmc.compiler.patterns import Alt, Capture, Op, Pattern, find, is_float, is_node
 from glmc.compiler.passmanager import (Effect, Need, Pass, PassContext, PassResult, StageForm,
                                        StageUnit)
 from glmc.errors import ConfigError
@@ -441,161 +442,111 @@ def _mask_node(mask: tuple, anchor: fx.Node) -> fx.Node:
     return inv
 
 
-# ---- RMSNorm ----------------------------------------------------------------------------------
+# ---- norms and the gated MLP, as declared patterns (glmc.compiler.patterns) ---------------------
 
-def fuse_rms_norm(program: ForwardProgram, regions: list) -> int:
+_X, _W, _B = Capture("x"), Capture("w", is_node), Capture("b", is_node)
+_EPS = Capture("eps", is_float)
+
+#: RMSNorm: w * (x * rsqrt(mean(x ** 2, [-1], keepdim) + eps))
+RMS_NORM = Pattern(
+    Op("mul", (Op("mul", (_X, Op("rsqrt", (Op("add", (Op("mean", (Op("pow", (_X, 2)), [-1],
+                                                                  True)), _EPS)),))),
+                  commutative=True, bind="norm"), _W), commutative=True, bind="end"),
+    check=lambda b: _per_channel(b, "w"))
+
+#: x - mean(x, [-1], keepdim)
+_CENTERED = Op("sub", (_X, Op("mean", (_X, [-1], True))))
+#: var(x) + eps, the variance written as mean((x - mean(x)) ** 2) or var(x, correction=0)
+_VAR_EPS = Op("add", (Alt((Op("mean", (Op("pow", (_CENTERED, 2)), [-1], True)),
+                          Op("var", (_X, [-1]), {"correction": 0, "keepdim": True}))), _EPS))
+#: (x - mean(x)) / sqrt(var + eps), or times rsqrt(var + eps)
+_LAYER_NORM = Alt((Op("div", (_CENTERED, Op("sqrt", (_VAR_EPS,))), bind="scale"),
+                   Op("mul", (_CENTERED, Op("rsqrt", (_VAR_EPS,))), commutative=True,
+                      bind="scale")))
+
+
+def _per_channel(b: dict, name: str) -> bool:
+    """b[name] is (d,)-shaped for an input x of last dim d (x of unknown shape: no match)."""
+    x = _shape(b["x"])
+    return bool(x) and _shape(b[name]) == (x[-1],)
+
+
+#: LayerNorm with its affine tail, the largest first: [* w] [+ b]
+LAYER_NORMS = (
+    Pattern(Op("add", (Op("mul", (_LAYER_NORM, _W), commutative=True), _B), commutative=True,
+               bind="end"), check=lambda b: _per_channel(b, "w") and _per_channel(b, "b")),
+    Pattern(Op("mul", (_LAYER_NORM, _W), commutative=True, bind="end"),
+            check=lambda b: _per_channel(b, "w")),
+    # no affine: the scale is the end
+    *(Pattern(scale, check=lambda b: bool(_shape(b["x"]))) for scale in _LAYER_NORM.options))
+
+#: gated MLP: act(gate) * up, act SiLU or GELU (exact or tanh)
+GATED = Pattern(Op("mul", (Op(("silu", "gelu"), (Capture("gate"),), bind="act"),
+                           Capture("up", is_node)), commutative=True, bind="end"),
+                check=lambda b: _shape(b["act"]) == _shape(b["up"]))
+
+
+def _replace(g: fx.Graph, end: fx.Node, op: Any, args: tuple, first: bool = True) -> fx.Node:
+    """`op(*args)` (its first output where `first`) in place of `end`: inserted before it,
+    with its metadata (not its value), reading `end`'s readers."""
+    with g.inserting_before(end):
+        call = g.call_function(op, args)
+        out = g.call_function(operator.getitem, (call, 0)) if first else call
+    for n in {call, out}:
+        n.meta = {k: v for k, v in end.meta.items() if k != "val"}
+    replace_uses(end, out)
+    return out
+
+
+def fuse_rms_norm(program: ForwardProgram, regions: list, consumed: set | None = None) -> int:
     g = program.graph
     fused = 0
-    for rs in [n for n in g.nodes if op_name(n) == "rsqrt"]:
-        add = rs.args[0]
-        if op_name(add) != "add" or len(add.users) != 1 or not isinstance(add.args[1], float):
-            continue
-        mean = add.args[0]
-        if op_name(mean) != "mean" or len(mean.users) != 1 or list(mean.args[1]) not in ([-1],) \
-                or not (len(mean.args) > 2 and mean.args[2]):
-            continue
-        pw = mean.args[0]
-        if op_name(pw) != "pow" or pw.args[1] != 2 or len(pw.users) != 1:
-            continue
-        x = pw.args[0]
-        norm = _only_user(rs)
-        if norm is None or op_name(norm) != "mul" or set(norm.args) != {x, rs}:
-            continue
-        scale = _only_user(norm)
-        if scale is None or op_name(scale) != "mul":
-            continue
-        w = scale.args[1] if scale.args[0] is norm else scale.args[0]
-        if not isinstance(w, fx.Node) or _shape(w) != (_shape(x)[-1],):
-            continue
-        with g.inserting_before(scale):
-            rn = g.call_function(torch.ops.glmc.rms_norm.default, (x, w, add.args[1]))
-            out = g.call_function(operator.getitem, (rn, 0))
-        for n in (rn, out):
-            n.meta = {k: v for k, v in scale.meta.items() if k != "val"}
-        replace_uses(scale, out)
-        _region(regions, "norm", "glmc::rms_norm", norm, [pw, mean, add, rs, norm, scale])
+    for m in find(RMS_NORM, g, consumed):
+        _replace(g, m["end"], torch.ops.glmc.rms_norm.default, (m["x"], m["w"], m["eps"]))
+        _region(regions, "norm", "glmc::rms_norm", m["norm"], m.nodes)
         fused += 1
     return fused
 
-
-# ---- LayerNorm --------------------------------------------------------------------------------
 
 def fuse_norms(program: ForwardProgram, regions: list) -> int:
-    return fuse_rms_norm(program, regions) + fuse_layer_norm(program, regions)
+    consumed: set = set()  # a node one norm took is not another's
+    return fuse_rms_norm(program, regions, consumed) + \
+        fuse_layer_norm(program, regions, consumed)
 
 
-def _centered_of(c: Any) -> fx.Node | None:
-    """x for c = sub(x, mean(x, [-1], keepdim=True)), else None."""
-    if not isinstance(c, fx.Node) or op_name(c) != "sub" or len(c.args) != 2:
-        return None
-    x, m = c.args
-    if isinstance(m, fx.Node) and op_name(m) == "mean" and m.args[0] is x and \
-            list(m.args[1]) == [-1] and len(m.args) > 2 and m.args[2]:
-        return x
-    return None
-
-
-def fuse_layer_norm(program: ForwardProgram, regions: list) -> int:
+def fuse_layer_norm(program: ForwardProgram, regions: list, consumed: set | None = None) -> int:
     """(x - mean(x)) / sqrt(var(x) + eps) [* w] [+ b], with var written as mean((x - mean)^2)
-    or var(x, correction=0); the scale as div by sqrt or mul by rsqrt -> native_layer_norm."""
+    or var(x, correction=0); the scale as div by sqrt or mul by rsqrt -> native_layer_norm
+    (`LAYER_NORMS`, the largest affine tail first)."""
     g = program.graph
     fused = 0
-    for add in [n for n in g.nodes if op_name(n) == "add"]:
-        if len(add.args) != 2 or not isinstance(add.args[1], float) or len(add.users) != 1:
-            continue
-        v, eps = add.args
-        pattern = [add]
-        if op_name(v) == "mean" and list(v.args[1]) == [-1] and len(v.args) > 2 and v.args[2] \
-                and op_name(v.args[0]) == "pow" and v.args[0].args[1] == 2:
-            centered = v.args[0].args[0]
-            x = _centered_of(centered)
-            if x is None:
-                continue  # mean(x²) with no centring: RMSNorm's statistic, not LayerNorm's
-            pattern += [v, v.args[0], centered, centered.args[1]]
-        elif op_name(v) == "var" and list(v.args[1]) == [-1] and \
-                v.kwargs.get("correction") == 0 and v.kwargs.get("keepdim"):
-            x = v.args[0]
-            pattern.append(v)
-        else:
-            continue
-        root = _only_user(add)
-        if x is None or root is None or op_name(root) not in ("sqrt", "rsqrt"):
-            continue
-        scale = _only_user(root)
-        if scale is None:
-            continue
-        if op_name(root) == "sqrt" and op_name(scale) == "div" and scale.args[1] is root:
-            c = scale.args[0]
-        elif op_name(root) == "rsqrt" and op_name(scale) == "mul" and root in scale.args:
-            c = scale.args[1] if scale.args[0] is root else scale.args[0]
-        else:
-            continue
-        if _centered_of(c) is not x:
-            continue
-        pattern += [root, scale, c, c.args[1]]
-        dim = _shape(x)[-1]
-        end, w, b = scale, None, None
-        w = _per_channel(end, "mul", dim)
-        if w is not None:
-            end = _only_user(end)
-            pattern.append(end)
-            b = _per_channel(end, "add", dim)
-            if b is not None:
-                end = _only_user(end)
-                pattern.append(end)
-        inside = set(pattern)
-        if any(u not in inside for n in pattern if n is not end for u in n.users):
-            continue  # an intermediate (the mean, the centred x, ...) is read elsewhere
-        with g.inserting_before(end):
-            ln = g.call_function(aten.native_layer_norm.default, (x, [dim], w, b, eps))
-            out = g.call_function(operator.getitem, (ln, 0))
-        for n in (ln, out):
-            n.meta = {k: val for k, val in end.meta.items() if k != "val"}
-        replace_uses(end, out)
-        _region(regions, "norm", "native_layer_norm", scale, pattern)
-        fused += 1
+    consumed = set() if consumed is None else consumed
+    for pattern in LAYER_NORMS:
+        for m in find(pattern, g, consumed):
+            x = m["x"]
+            _replace(g, m.binds.get("end", m["scale"]), aten.native_layer_norm.default,
+                     (x, [_shape(x)[-1]], m.binds.get("w"), m.binds.get("b"), m["eps"]))
+            _region(regions, "norm", "native_layer_norm", m["scale"], m.nodes)
+            fused += 1
     return fused
 
-
-def _per_channel(value: fx.Node, op: str, dim: int) -> fx.Node | None:
-    """The (dim,)-shaped operand of `value`'s only reader if that reader is `op`(value, it)."""
-    nxt = _only_user(value)
-    if nxt is None or op_name(nxt) != op or len(nxt.args) != 2:
-        return None
-    other = nxt.args[1] if nxt.args[0] is value else nxt.args[0]
-    return other if isinstance(other, fx.Node) and _shape(other) == (dim,) else None
-
-
-# ---- gated MLP --------------------------------------------------------------------------------
 
 def fuse_gated(program: ForwardProgram, regions: list) -> int:
     g = program.graph
     fused = 0
-    for mul in [n for n in g.nodes if op_name(n) == "mul"]:
-        if len(mul.args) != 2 or not all(isinstance(a, fx.Node) for a in mul.args):
-            continue
-        for act_node, up in (mul.args, mul.args[::-1]):
-            act = _activation(act_node)
-            if act is None or len(act_node.users) != 1 or _shape(act_node) != _shape(up):
-                continue
-            with g.inserting_before(mul):
-                new = g.call_function(torch.ops.glmc.gated.default,
-                                      (act_node.args[0], up, act))
-            new.meta = {k: v for k, v in mul.meta.items() if k != "val"}
-            replace_uses(mul, new)
-            _region(regions, "mlp", f"glmc::gated({act})", mul, [act_node, mul])
-            fused += 1
-            break
+    for m in find(GATED, g):
+        act = _activation(m["act"])
+        _replace(g, m["end"], torch.ops.glmc.gated.default, (m["gate"], m["up"], act),
+                 first=False)
+        _region(regions, "mlp", f"glmc::gated({act})", m["end"], m.nodes)
+        fused += 1
     return fused
 
 
-def _activation(n: fx.Node) -> str | None:
-    name = op_name(n)
-    if name == "silu":
+def _activation(n: fx.Node) -> str:
+    if op_name(n) == "silu":
         return "silu"
-    if name == "gelu":
-        return "gelu_tanh" if n.kwargs.get("approximate", "none") == "tanh" else "gelu"
-    return None
+    return "gelu_tanh" if n.kwargs.get("approximate", "none") == "tanh" else "gelu"
 
 
 # ---- optimizer --------------------------------------------------------------------------------

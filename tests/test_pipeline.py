@@ -280,7 +280,8 @@ def _pipeline_part(rank: int, name: str, blocks: list[list[str]] | None = None,
 
 def _trainer_part(rank: int, out: Path) -> dict:
     """The CLI's path: rank 0 plans (on the measured link), every rank trains, then measures."""
-    from glmc.parallel.pipeline import pipeline_report, pipeline_trainer, write_report
+    from glmc.parallel.pipeline_report import pipeline_report, write_report
+    from glmc.parallel.pipeline import pipeline_trainer
     model, batch, loss_fn, opt = CASES["glm"].make()
     trainer = pipeline_trainer(model, opt, loss_fn, batch, MICROBATCHES, "1f1b")
     losses = [trainer.step(*batch) for _ in range(STEPS)]
@@ -342,7 +343,8 @@ def _inductor_part(rank: int, out: Path, schedule: str, backend: str = "inductor
     from glmc.parallel.pipeline import PipelineTrainer
     model, batch, loss_fn, opt = CASES["glm"].make()
     trainer = PipelineTrainer(build_program(model, opt, loss_fn, batch, _stage_blocks(schedule),
-                                            MICROBATCHES, schedule, fusion=True),
+                                            MICROBATCHES, schedule, fusion=True,
+                                            backend=backend),  # planned for what runs it
                               timeout_s=300, backend=backend)
     losses = [trainer.step(*batch) for _ in range(STEPS)]
     names = {n for s in trainer.local for n, _ in trainer.pipeline.stages[s].module
@@ -715,7 +717,7 @@ def test_trainer_measures_its_pipeline_and_writes_a_report(distributed: Path,
     for name in ("report.json", "pipeline-trace.json", "pipeline-predicted.json"):
         assert (distributed / "pipeline-report" / name).stat().st_size > 100
     # a stage under a budget: its budget and what the recompute pass did, printed and drawn
-    from glmc.parallel.pipeline import summary
+    from glmc.parallel.pipeline_report import summary
     from glmc.report.html import render_pipeline_html
     assert all(st["budget"] is None and st["remat"] is None for st in data["stages"])
     data["stages"][0].update(budget="min", remat={"rematerialized": 7, "extra_seconds": 0.002,
@@ -1117,7 +1119,8 @@ def test_stages_run_the_default_pipeline_through_the_pass_manager() -> None:
     pipeline's fusion and precision on its forward program, cleanup and recompute on its joint
     graph, each recorded with the stage, the graph it rewrote and its time; and the report
     lists them per stage."""
-    from glmc.parallel.pipeline import StageBudget, pass_times
+    from glmc.parallel.pipeline import StageBudget
+    from glmc.parallel.pipeline_report import pass_times
     model, batch, loss_fn, opt = CASES["glm"].make()
     pipe = build_program(model, opt, loss_fn, batch, TIED_CUT, 2, fusion=True,
                          precision="bf16", budgets=[StageBudget("min", 2), None])
@@ -1135,7 +1138,7 @@ def test_stages_run_the_default_pipeline_through_the_pass_manager() -> None:
 
 
 def test_the_pipeline_report_lists_each_stages_passes(distributed: Path) -> None:
-    from glmc.parallel.pipeline import summary
+    from glmc.parallel.pipeline_report import summary
     data = result(distributed, "trainer", 1)["data"]
     for st in data["stages"]:
         assert [(p["name"], p["form"]) for p in st["passes"]] == [("cleanup", "joint")]

@@ -187,30 +187,73 @@ def test_export_save_continues_training(tmp_path: Path) -> None:
 
 def test_onnx_export_of_an_unsupported_step_fails_typed_and_writes_nothing(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every op the exporter cannot take is found on fake tensors before anything is written:
-    the fused attention's backward, and a glmc op without an ATen decomposition."""
+    """Every op the exporter cannot take is found on fake tensors before anything is written.
+    The export lowers the step as the ORT backend does (the fused attention's backward
+    decomposed: no offense since issue 36); a glmc op without an ATen decomposition is one."""
     pytest.importorskip("onnxscript")
     import glmc.ir.kernels
     from glmc.export.artifacts import OnnxExportError, onnx_export_offenses
 
     trainer, _ = _trainer("glm", predict=False, measure=False)
-    with pytest.raises(OnnxExportError) as e:
-        trainer.export(str(tmp_path / "new" / "export"), onnx=True)
-    assert isinstance(e.value, glmc.UnsupportedOpError)
-    (offense,) = e.value.offenses
-    assert offense.reason.startswith("aten._scaled_dot_product_flash_attention_for_cpu_backward")
-    assert re.search(r"examples/glm\.py:\d+ in forward", offense.location)
-    assert "--disable fusion" in str(e.value) and "\x1b" not in str(e.value)
-    assert list(tmp_path.iterdir()) == []  # no directory, not even the parent
-
+    assert onnx_export_offenses(trainer) == []  # SDPA's backward lowers as on ONNX Runtime
     full = glmc.ir.kernels.decompositions
     monkeypatch.setattr(glmc.ir.kernels, "decompositions",
                         lambda: {k: v for k, v in full().items() if "rms_norm" not in str(k)})
-    reasons = [o.reason for o in onnx_export_offenses(trainer)]
-    assert {r.split(":")[0] for r in reasons} == {
-        "aten._scaled_dot_product_flash_attention_for_cpu_backward.default",
-        "glmc.rms_norm.default", "glmc.rms_norm_backward.default"}
-    assert all("file a glmc issue" in r for r in reasons if r.startswith("glmc."))
+    with pytest.raises(OnnxExportError) as e:
+        trainer.export(str(tmp_path / "new" / "export"), onnx=True)
+    assert isinstance(e.value, glmc.UnsupportedOpError)
+    reasons = [o.reason for o in e.value.offenses]
+    assert {r.split(":")[0] for r in reasons} == {"glmc.rms_norm.default",
+                                                  "glmc.rms_norm_backward.default"}
+    assert all("file a glmc issue" in r for r in reasons)
+    assert all(re.search(r"examples/glm\.py:\d+ in forward", o.location)
+               for o in e.value.offenses)
+    assert "--disable fusion" in str(e.value) and "\x1b" not in str(e.value)
+    assert list(tmp_path.iterdir()) == []  # no directory, not even the parent
+
+
+class _CachedAttention(torch.nn.Module):
+    """SDPA attention whose keys and values are concatenated to an empty cache tensor held as
+    a plain attribute, as transformers' DynamicCache starts: a real constant in the step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = torch.nn.Linear(16, 48), torch.nn.Linear(16, 16)
+        self.empty = torch.tensor([])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        k, v = torch.cat([self.empty, k], dim=-2), torch.cat([self.empty, v], dim=-2)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(o.transpose(1, 2).reshape(b, s, 16))
+
+
+def test_onnx_export_of_an_sdpa_step_with_a_real_constant(tmp_path: Path) -> None:
+    """Issue 36 item 3: the pre-check traced on fake tensors met the model's real empty cache
+    tensor (`aten.cat([tensor([]), FakeTensor])`) and gave up; the export then failed on
+    SDPA's CPU backward, which the ORT backend lowers itself. Both now use one lowering: the
+    step checks clean and step.onnx trains as the trainer does."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    import warnings
+
+    from glmc.export.artifacts import onnx_export_offenses
+    torch.manual_seed(0)
+    model, x, y = _CachedAttention(), torch.randn(2, 8, 16), torch.randn(2, 8, 16)
+    trainer = glmc.optimize(model, (x, y), loss_fn=torch.nn.functional.mse_loss,
+                            optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                            backend="eager", predict=False, measure=False)
+    glmc_losses(trainer, (x, y), 1)
+    assert any("scaled_dot_product" in str(n.target) for n in trainer.graph.graph.nodes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "could not check the step" is a failure here
+        assert onnx_export_offenses(trainer) == []
+    files = trainer.export(str(tmp_path), onnx=True)
+    assert "step.onnx" in {Path(f).name for f in files}
+    want = glmc_losses(trainer, (x, y), 3, seed=100)
+    got = _run_export(tmp_path, "--steps", "3", "--seed", "100", "--onnx")
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-4, atol=1e-5)
 
 
 def test_failed_onnx_export_leaves_the_directory_as_it_was(
@@ -249,7 +292,7 @@ def test_onnx_export_with_dropout_warns(tmp_path: Path, monkeypatch: pytest.Monk
         warnings.simplefilter("error")
         trainer.export(str(tmp_path / "py"))  # step.py reproduces torch's masks: no warning
     pytest.importorskip("onnxscript")
-    monkeypatch.setattr(glmc.export.artifacts, "export_onnx", lambda g, i, path: path.write_bytes(b""))
+    monkeypatch.setattr(glmc.export.artifacts, "export_onnx", lambda g, i, path, **kw: path.write_bytes(b""))
     with pytest.warns(UserWarning, match="native_dropout.*ONNX Runtime's generator"):
         trainer.export(str(tmp_path / "onnx"), onnx=True)
 

@@ -50,7 +50,6 @@ from glmc.backends.base import Backend, StepFn, step_device
 
 from glmc.analysis.phases import CallSite, Instrument, KernelCall, phase_map, sync_for
 from glmc.compiler.inplace import inplace_module
-from glmc.compiler.onnx_lowering import lower_to_reshapes
 from glmc.errors import ConfigError, ExportError, Offense
 from glmc.ir.graph import RANDOM_OPS, OutputKind, TrainGraph, op_name
 from glmc.ir.split import UpdateSplit, split_update
@@ -88,10 +87,10 @@ class OrtBackend(Backend):
         source lines; traced on fake tensors (seconds)."""
         if self._checked is not None and self._checked[0] is graph:
             return self._checked[1]
-        from glmc.compiler.onnx_lowering import example_inputs, onnx_offenses, require_onnx
+        from glmc.compiler.onnx_lowering import (example_inputs, onnx_offenses, onnx_ready,
+                                                 require_onnx)
         require_onnx(f"backend '{self.name}'")
-        front = _front(graph)[0]
-        g = TrainGraph(lower_to_reshapes(front.gm), front.inputs, front.outputs, front.meta)
+        g = onnx_ready(_front(graph)[0])
         offenses = onnx_offenses(g, example_inputs(g), extra_decompositions=True)
         self._checked = (graph, offenses)
         return offenses
@@ -105,10 +104,10 @@ class OrtBackend(Backend):
         return list(self._notes)
 
     def _compile(self, gm: fx.GraphModule, graph: TrainGraph) -> StepFn:
-        from glmc.compiler.onnx_lowering import example_inputs, export_onnx
+        from glmc.compiler.onnx_lowering import example_inputs, export_onnx, onnx_ready
 
         front, split = _front(TrainGraph(gm, graph.inputs, graph.outputs, graph.meta))
-        step = TrainGraph(lower_to_reshapes(front.gm), front.inputs, front.outputs, front.meta)
+        step = onnx_ready(front)
         self._notes = _random_notes(step)
         with tempfile.TemporaryDirectory(prefix="glmc-ort-") as tmp:
             path = export_onnx(step, example_inputs(step), Path(tmp) / "step.onnx",

@@ -185,8 +185,16 @@ def _decompose(gm: fx.GraphModule, inputs: list[torch.Tensor], fake: bool,
         table = lowering_decompositions(extra_decompositions)
     rng = torch.get_rng_state()
     with torch.no_grad():
-        decomposed = make_fx(gm, decomposition_table=table,
-                             tracing_mode="fake" if fake else "real")(*inputs)
+        if fake:
+            # the step's own real constants (a model's empty cache tensor, say) meet the fake
+            # inputs there: the mode converts them instead of refusing the mix
+            from torch._subclasses.fake_tensor import FakeTensorMode
+            mode = FakeTensorMode(allow_non_fake_inputs=True)
+            fakes = [mode.from_tensor(t) for t in inputs]
+            with mode:
+                decomposed = make_fx(gm, decomposition_table=table)(*fakes)
+        else:
+            decomposed = make_fx(gm, decomposition_table=table)(*inputs)
     torch.set_rng_state(rng)
     return decomposed
 
@@ -195,6 +203,14 @@ def lowered(graph: TrainGraph) -> TrainGraph:
     """`graph` with glmc's own ops replaced by plain ATen (kernels.lower_to_aten)."""
     from glmc.ir.kernels import lower_to_aten
     return TrainGraph(lower_to_aten(graph.gm), graph.inputs, graph.outputs, graph.meta)
+
+
+def onnx_ready(graph: TrainGraph) -> TrainGraph:
+    """`graph` as every ONNX consumer lowers it — the ORT backend and the step export alike:
+    glmc's ops to ATen and views to reshapes (`lower_to_reshapes`); pass the result to
+    `export_onnx` / `onnx_offenses` with `extra_decompositions=True` (the fused attention's and
+    convolution's backward, training-mode batch norm)."""
+    return TrainGraph(lower_to_reshapes(graph.gm), graph.inputs, graph.outputs, graph.meta)
 
 
 def example_inputs(graph: TrainGraph) -> list[torch.Tensor]:

@@ -34,18 +34,10 @@ from typing import Any, Iterator
 import torch
 import torch.fx as fx
 
-from glmc.compiler.onnx_lowering import (  # noqa: F401 (the lowering lives in the core; old names kept)
-    _ANSI,
-    _check_outputs,
-    _decompose,
-    _exporter_message,
-    _fix,
-    _offenses_of,
-    _onnx_registry,
-    export_onnx,
-    onnx_offenses,
-    require_onnx,
-)
+# the lowering lives in the compiler layer; the old names stay importable from here
+from glmc.compiler.onnx_lowering import (_ANSI, _check_outputs, _decompose,  # noqa: F401
+                                         _exporter_message, _fix, _offenses_of, _onnx_registry,
+                                         export_onnx, onnx_offenses, onnx_ready, require_onnx)
 from glmc.errors import ConfigError, ExportError, GlmcError, Offense
 from glmc.ir.graph import RANDOM_OPS, Role, TrainGraph, op_name
 
@@ -150,7 +142,7 @@ def export_step(trainer: Any, directory: str, onnx: bool = False,
     randoms = random_ops(graph)
     if onnx:
         require_onnx()
-        offenses = onnx_offenses(graph, inputs)
+        offenses = onnx_offenses(onnx_ready(graph), inputs, extra_decompositions=True)
         if offenses:
             raise _unsupported(offenses)
         if randoms:
@@ -188,8 +180,8 @@ def _write(graph: TrainGraph, inputs: list[torch.Tensor], randoms: list[str], ou
            "outputs": [{"kind": s.kind.value, "target": s.target} for s in graph.outputs],
            "random_ops": randoms}
     (out / "signature.json").write_text(json.dumps(sig, indent=1))
-    if onnx:
-        export_onnx(graph, inputs, out / "step.onnx")
+    if onnx:  # lowered as the ORT backend lowers it (`onnx_ready`)
+        export_onnx(onnx_ready(graph), inputs, out / "step.onnx", extra_decompositions=True)
         written.append(out / "step.onnx")
     return written
 
@@ -273,11 +265,8 @@ def _source(graph: TrainGraph) -> str:
 
 def onnx_export_offenses(trainer: Any) -> list[Offense]:
     """Every op of the trainer's optimized step that `export(dir, onnx=True)` would fail on."""
-    from glmc.ir.kernels import lower_to_aten
-
-    graph: TrainGraph = trainer.graph
-    graph = TrainGraph(lower_to_aten(graph.gm), graph.inputs, graph.outputs, graph.meta)
-    return onnx_offenses(graph, _step_inputs(trainer))
+    return onnx_offenses(onnx_ready(trainer.graph), _step_inputs(trainer),
+                         extra_decompositions=True)
 
 
 def check_onnx_export(trainer: Any) -> None:

@@ -5,14 +5,11 @@
     StagedProgram = capture_stage per stage + link + schedule       (`build_program`)
     PipelineTrainer.step(batch): this rank's stages run the schedule (glmc.parallel.executor.run_rank)
 
-The model is traced with torch.fx, its blocks (`embed`, `blocks.0`, ...) kept as leaf calls;
-where torch.fx cannot trace it (transformers' models) or the batch is by keyword, it is
-exported by torch.export and each node belongs to the block its module stack names
-(`export_blocks`). Every other node (glue: residual adds, the loss) runs on the stage of the latest block it
-depends on; nodes that depend on no block (shapes, slices of constant buffers) are copied into
-every stage that reads them. A value crossing a cut is sent once per microbatch; the batch
-leaves (input ids, labels) are given to every stage that reads them. The stage modules share
-the model's parameter tensors, so the model and `state_dict()` stay the source of truth.
+How the model is cut into stage modules is `glmc.parallel.stage_modules`; the report of a
+pipelined run is `glmc.parallel.pipeline_report`. A value crossing a cut is sent once per
+microbatch; the batch leaves (input ids, labels) are given to every stage that reads them. The
+stage modules share the model's parameter tensors, so the model and `state_dict()` stay the
+source of truth.
 """
 from __future__ import annotations
 
@@ -27,194 +24,21 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
-from glmc.errors import ConfigError, InputError
 from glmc.compiler.passmanager import PassContext, PassManager, StageForm, StageUnit
+from glmc.errors import ConfigError, InputError
 from glmc.ir.program import StagedProgram, link
 from glmc.ir.split import split_backward
-from glmc.parallel.plan import ParallelPlan
 from glmc.parallel.executor import run_rank
-from glmc.planning.schedule import (COMPUTE, Action, ActionKind, Timeline, from_torch,
-                                    predicted_peaks, simulate)
+from glmc.parallel.pipeline_report import pipeline_report, summary, write_report
+from glmc.parallel.plan import ParallelPlan
+from glmc.parallel.stage_modules import StageModule, split_module, trace_blocks
+from glmc.planning.schedule import COMPUTE, ActionKind, Timeline, from_torch
 from glmc.trace import scaler
 from glmc.trace.capture import batch_leaves, capture, split_batch
 from glmc.trace.optim import resolve_optimizer
 from glmc.trace.scaler import SCALE
 from glmc.trace.stages import capture_stage
 
-# ---- splitting a module into stage modules -----------------------------------------------------
-
-class _BlockTracer(fx.Tracer):
-    def __init__(self, blocks: set[str]) -> None:
-        super().__init__()
-        self.blocks = blocks
-        self.proxy_buffer_attributes = True  # `self.cos[:s]` with a traced `s`
-
-    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return qualname in self.blocks or (not self.blocks and super().is_leaf_module(m, qualname))
-
-
-BLOCK = "glmc_block"  #: node meta of an exported graph: the block the node computes
-
-
-@dataclass
-class StageModule:
-    """One stage: `module(*[leaf or received value for each arg])` -> sent values or loss."""
-
-    index: int
-    module: fx.GraphModule
-    args: list[int | str]  #: batch leaf index, or the name of a received value
-    send: list[str]
-
-
-def trace_blocks(model: nn.Module, blocks: Sequence[str], loss_fn: Any = None,
-                 example: Any = None) -> fx.GraphModule:
-    """`model`'s forward (then the loss) as an fx graph over `blocks`. torch.fx's symbolic
-    trace, the blocks kept as leaf calls; where that cannot trace the model (transformers'
-    models: decorators, data-dependent Python) or the batch is by keyword, torch.export's
-    graph of model and loss on the `example` microbatch (`export_blocks`)."""
-    fx_error = "a keyword batch"
-    if example is None or not split_batch(example)[1]:
-        try:
-            graph = _BlockTracer(set(blocks)).trace(model)
-        except Exception as e:
-            fx_error = f"{type(e).__name__}: {e}"
-        else:
-            if loss_fn is not None:
-                out = next(n for n in graph.nodes if n.op == "output")
-                last_ph = [n for n in graph.nodes if n.op == "placeholder"][-1]
-                with graph.inserting_after(last_ph):
-                    target = graph.placeholder("target")
-                with graph.inserting_before(out):
-                    loss = graph.call_function(loss_fn, (out.args[0], target))
-                out.args = (loss,)
-            return fx.GraphModule(model, graph)
-    if example is None:
-        raise ConfigError(f"pipeline: the model's forward cannot be traced by torch.fx to split "
-                          f"it into stages ({fx_error})")
-    return export_blocks(model, blocks, loss_fn, example, fx_error)
-
-
-def export_blocks(model: nn.Module, blocks: Sequence[str], loss_fn: Any, example: Any,
-                  fx_error: str = "") -> fx.GraphModule:
-    """Model and loss exported by torch.export (non-strict) on `example`, as one fx graph:
-    batch leaves as placeholders (`split_batch` order), parameters and buffers read from the
-    model itself (get_attr: stage modules share its tensors), every node computed inside a
-    block marked `node.meta[BLOCK]` (from the module stack export records), the loss as the
-    output. Shapes are those of `example` (one microbatch)."""
-    from glmc.passes.partition import owner
-    from glmc.trace.capture import LossModule
-
-    wrapper = LossModule(model, loss_fn)  # holds the model as `model`: paths start "model."
-    args, kwargs = split_batch(example)
-    try:
-        ep = torch.export.export(wrapper, tuple(args), dict(kwargs), strict=False)
-    except Exception as e:
-        first = (str(e).strip().splitlines() or [""])[0]
-        raise ConfigError(f"pipeline: the model's forward cannot be traced to split it into "
-                          f"stages: torch.fx failed ({fx_error}) and torch.export failed "
-                          f"({type(e).__name__}: {first})") from None
-    sig = ep.graph_signature
-    if sig.buffers_to_mutate or sig.user_inputs_to_mutate:
-        raise ConfigError("pipeline: the forward updates buffers or inputs in place (e.g. "
-                          "BatchNorm running statistics: "
-                          f"{sorted(sig.buffers_to_mutate.values())[:3]}); a model traced by "
-                          "torch.export cannot be pipelined with them yet")
-    # the root: the model's own children and tensors (names as in model.state_dict()), plus
-    # the tensor constants export lifted out of the forward
-    root = nn.Module()
-    for name, child in model.named_children():
-        root.add_module(name, child)
-    for name, p in model.named_parameters(recurse=False):
-        root.register_parameter(name, p)
-    for name, b in model.named_buffers(recurse=False):
-        root.register_buffer(name, b)
-    state = {ph: fqn.removeprefix("model.")
-             for ph, fqn in {**sig.inputs_to_parameters, **sig.inputs_to_buffers}.items()}
-    consts = {}
-    for i, (ph, name) in enumerate(sig.inputs_to_lifted_tensor_constants.items()):
-        root.register_buffer(f"_glmc_const{i}", ep.constants[name], persistent=False)
-        consts[ph] = f"_glmc_const{i}"
-    graph, env = fx.Graph(), {}
-    for n in ep.graph.nodes:
-        if n.op == "placeholder":
-            attr = state.get(n.name) or consts.get(n.name)
-            env[n] = graph.get_attr(attr) if attr else graph.placeholder(n.name)
-            env[n].meta = dict(n.meta)
-        elif n.op == "output":
-            graph.output(env[n.args[0][0]])  # LossModule returns (loss,)
-        else:
-            env[n] = graph.node_copy(n, lambda a: env[a])
-            stack = list((n.meta.get("nn_module_stack") or {}).values())
-            block = owner(stack[-1][0].removeprefix("model."), blocks) if stack else None
-            if block is not None:
-                env[n].meta[BLOCK] = block
-    return fx.GraphModule(root, graph)
-
-
-def split_module(gm: fx.GraphModule, stage_blocks: Sequence[Sequence[str]]) -> list[StageModule]:
-    """Cut `gm` (from `trace_blocks`) into one module per stage (see the module docstring)."""
-    where = {b: s for s, bs in enumerate(stage_blocks) for b in bs}
-    stage: dict[fx.Node, int | None] = {}  # None: depends on no block (copied where read)
-    for n in gm.graph.nodes:
-        if n.op == "output":
-            continue
-        deps = [stage[a] for a in n.all_input_nodes if stage[a] is not None]
-        block = n.target if n.op == "call_module" else n.meta.get(BLOCK)
-        if block in where:
-            if deps and max(deps) > where[block]:
-                raise ConfigError(f"pipeline: block {block!r} (stage {where[block]}) reads "
-                                  f"a value of stage {max(deps)}; cut in forward order")
-            stage[n] = where[block]
-        else:
-            stage[n] = max(deps) if deps else None
-    leaves = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    out = next(n for n in gm.graph.nodes if n.op == "output")
-    if stage[out.args[0]] != len(stage_blocks) - 1:
-        raise ConfigError("pipeline: the loss must be computed on the last stage")
-    return [_stage_module(gm, stage, leaves, s, len(stage_blocks), out.args[0])
-            for s in range(len(stage_blocks))]
-
-
-def _stage_module(gm: fx.GraphModule, stage: dict, leaves: list[fx.Node], s: int, n: int,
-                  loss: fx.Node) -> StageModule:
-    own = [x for x in gm.graph.nodes if stage.get(x) == s and x.op != "placeholder"]
-    recv = sorted({a for x in own for a in x.all_input_nodes
-                   if stage[a] is not None and stage[a] != s}, key=list(gm.graph.nodes).index)
-    for a in recv:
-        if stage[a] != s - 1:
-            raise ConfigError(f"pipeline: {a.name!r} goes from stage {stage[a]} to stage {s}; "
-                              "only neighbouring stages exchange values")
-    send = [x for x in own if any(stage.get(u) is not None and stage[u] > s for u in x.users)]
-    g, env = fx.Graph(), {}
-    args: list[int | str] = []
-    needed = _free_closure(own, stage)
-    for i, ph in enumerate(leaves):
-        if ph in needed:
-            env[ph] = g.placeholder(ph.name)
-            args.append(i)
-    for a in recv:
-        env[a] = g.placeholder(a.name)
-        args.append(a.name)
-    for x in gm.graph.nodes:
-        if x.op != "placeholder" and (x in own or x in needed):
-            env[x] = g.node_copy(x, lambda a: env[a])
-    g.output(env[loss] if s == n - 1 else tuple(env[x] for x in send))
-    return StageModule(s, fx.GraphModule(gm, g), args, [x.name for x in send])
-
-
-def _free_closure(own: list[fx.Node], stage: dict) -> set[fx.Node]:
-    """The block-free nodes (and batch leaves) `own` reads, transitively."""
-    seen: set[fx.Node] = set()
-    todo = [a for x in own for a in x.all_input_nodes if stage[a] is None]
-    while todo:
-        a = todo.pop()
-        if a not in seen:
-            seen.add(a)
-            todo += [b for b in a.all_input_nodes if stage[b] is None]
-    return seen
-
-
-# ---- a staged program for a model --------------------------------------------------------------
 
 def stage_optimizer(optimizer: torch.optim.Optimizer, module: nn.Module
                     ) -> torch.optim.Optimizer:
@@ -444,8 +268,6 @@ def _equal_rows(leaves: Sequence[torch.Tensor], parts: int, what: str, fix: str
     chunks = [t.chunk(parts) for t in leaves]
     return [[c[m] for c in chunks] for m in range(parts)]
 
-
-# ---- the trainer -------------------------------------------------------------------------------
 
 @dataclass
 class StepTrace:
@@ -790,8 +612,6 @@ def from_env_world() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-# ---- end to end: plan, build, train ------------------------------------------------------------
-
 def plan_stages(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any,
                 example_inputs: Any, stages: int, microbatches: int, schedule: str,
                 virtual: int = 1, profile: Any = None, link: Any = None,
@@ -908,10 +728,6 @@ def _fused_patterns(pipe: Pipeline) -> str:
     return "/".join("MLP" if n == "mlp" else n for n in names)
 
 
-def _fused_spelling(fusion: Any) -> str:
-    return fusion if isinstance(fusion, str) else "attention/norm/MLP"  # an older report
-
-
 def _rank_budget_bytes(budget: Any) -> int | None:
     """A size budget as bytes per rank (None for no budget, a fraction, min or +size)."""
     from glmc.passes.recompute import Budget
@@ -958,186 +774,3 @@ def train_cli(work: Any, steps: int, plan: ParallelPlan, report_dir: str | None 
             print(f"report: {write_report(data, report_dir)}")
     dist.destroy_process_group()
     return 0
-
-
-# ---- the report --------------------------------------------------------------------------------
-
-def _spans(timeline: Timeline | None) -> list[dict]:
-    if timeline is None:
-        return []
-    return [{"rank": r, "action": str(a), "kind": a.kind.value, "start_s": s, "end_s": e}
-            for a, (r, s, e) in sorted(timeline.spans.items(), key=lambda x: x[1][1:])]
-
-
-def replay(schedule: Any, measured: Timeline) -> Timeline:
-    """`schedule` simulated with each action's *measured* duration (a receive: only its part
-    after its send finished, as the transfer; the rest was waiting, which the simulation
-    derives again): what the schedule model predicts given perfect action times. Near the measured
-    timeline, the schedule model holds and the remaining error is in the predicted action
-    times."""
-    K = ActionKind
-    spans = measured.spans
-
-    def seconds(a: Action) -> float:
-        r, s, e = spans[a]
-        if a.kind in (K.RECV_F, K.RECV_B):
-            send = next((p for p in schedule.dag.predecessors(a)
-                         if p.kind in (K.SEND_F, K.SEND_B)), None)
-            return e - max(s, spans[send][2]) if send in spans else e - s
-        return e - s
-    return simulate(schedule, seconds)
-
-
-def pipeline_report(plan: Any, measured: PipelineMeasurement,
-                    pipeline: Pipeline | None = None) -> dict:
-    """The plan's predictions next to the measurement, as plain data (report.json). With the
-    captured `program`: each rank's peak predicted from its stages' graphs walked through the
-    schedule (`glmc.planning.schedule.predicted_peaks`; else the plan's estimate), and the measured
-    action times replayed through the schedule; with a memory budget, each stage's budget and
-    what the recompute pass did on it."""
-    program = pipeline.program if pipeline is not None else None
-    sched_ranks = measured.timeline.num_ranks
-    stages = []
-    for i, s in enumerate(plan.stages):
-        stages.append({"stage": i, "rank": i % sched_ranks, "blocks": list(s.blocks),
-                       "profile": s.profile, "forward_s": s.forward_s,
-                       "backward_s": s.backward_s, "update_s": s.update_s,
-                       "seconds": s.seconds, "in_flight": s.in_flight,
-                       **_stage_recompute(pipeline, i), "passes": _stage_passes(pipeline, i),
-                       "planned_peak_bytes": s.peak_bytes, "send_bytes": s.send_bytes})
-    peaks = predicted_peaks(program) if program is not None else None
-    ranks = []
-    for r in range(sched_ranks):
-        own = [st for st in stages if st["rank"] == r]
-        ranks.append({"rank": r, "stages": [st["stage"] for st in own],
-                      "planned_peak_bytes": sum(st["planned_peak_bytes"] for st in own),
-                      "predicted_peak_bytes": peaks[r] if peaks is not None else
-                      sum(st["planned_peak_bytes"] for st in own),
-                      "measured_peak_bytes": measured.peak_bytes[r],
-                      "measured_state_bytes": measured.state_bytes[r],
-                      "budget_bytes": pipeline.rank_budget_bytes if pipeline else None})
-    pred = plan.timeline
-    replayed = replay(program.schedule, measured.timeline) if program is not None else None
-    return {"created": time.strftime("%Y-%m-%d %H:%M:%S"), "schedule": plan.schedule,
-            "microbatches": plan.microbatches, "cut": list(plan.cut), "link": plan.link,
-            "imbalance": plan.imbalance, "equal_imbalance": plan.equal_imbalance,
-            "measured_imbalance": measured.imbalance(),
-            "stages": stages, "ranks": ranks,
-            "bubble": {"predicted": plan.bubble, "measured": measured.timeline.bubble(),
-                       "measured_steady": measured.steady_bubble(),
-                       "replayed": replayed.bubble() if replayed is not None else None},
-            "step_seconds": {"predicted": pred.makespan if pred is not None else None,
-                             "measured": measured.timeline.makespan,
-                             "measured_steady": measured.period_s},
-            "memory_source": measured.source,
-            "predicted_timeline": _spans(pred), "measured_timeline": _spans(measured.timeline)}
-
-
-def _stage_passes(pipeline: Pipeline | None, i: int) -> list[dict]:
-    """What glmc's passes did to stage i, in order (report.json: name, graph, time, nodes)."""
-    if pipeline is None:
-        return []
-    return [{"name": r.name, "form": r.form, "changed": r.changed, "skipped": r.skipped,
-             "seconds": round(r.seconds, 6), "nodes_before": r.nodes_before,
-             "nodes_after": r.nodes_after} for r in pipeline.passes if r.stage == i]
-
-
-def _stage_recompute(pipeline: Pipeline | None, i: int) -> dict:
-    """Stage i's budget and the recompute pass's result on it (report.json fields)."""
-    budget = pipeline.budgets[i] if pipeline is not None and pipeline.budgets else None
-    stats = pipeline.recompute[i] if pipeline is not None and pipeline.recompute else None
-    rec = None if stats is None else {
-        "rematerialized": stats.recomputed, "kept": stats.kept, "solver": stats.solver,
-        "extra_seconds": stats.extra_seconds, "budget_bytes": stats.budget_bytes,
-        "baseline_peak": stats.baseline_peak, "predicted_peak": stats.predicted_peak,
-        "rematerialized_values": [list(v) for v in stats.recomputed_values]}
-    return {"budget": budget.describe() if budget is not None else None, "remat": rec}
-
-
-def _against(rank: dict) -> str:
-    """How the measured peak stands against a per-rank size budget ("" without one)."""
-    budget = rank.get("budget_bytes")
-    if not budget:
-        return ""
-    over = rank["measured_peak_bytes"] / budget - 1
-    return (f" (budget {budget / 2**20:.2f} MiB: "
-            + (f"{over:.1%} over)" if over > 0 else f"met, {-over:.1%} below)"))
-
-
-def pass_times(passes: list[dict]) -> str:
-    """"fusion (forward) 12.1 ms, cleanup (joint) 0.8 ms, ..." for a stage's pass records."""
-    return ", ".join(f"{r['name']} ({r['form']}) "
-                     + ("skipped" if r["skipped"] else f"{r['seconds'] * 1e3:.1f} ms")
-                     for r in passes)
-
-
-def summary(data: dict) -> str:
-    """The report in a few lines (what `glmc compile --pp` prints)."""
-    lines = []
-    for st in data["stages"]:
-        rec = st["remat"]
-        budget = "" if st["budget"] is None else \
-            f", budget {st['budget']}: {rec['rematerialized']} values recomputed, " \
-            f"+{rec['extra_seconds'] * 1e3:.2f} ms, joint-graph peak " \
-            f"{rec['predicted_peak'] / 2**20:.2f} MiB"
-        lines.append(f"stage {st['stage']}: {', '.join(st['blocks'])}  predicted "
-                     f"{st['seconds'] * 1e3:.2f} ms/step, planned peak "
-                     f"{st['planned_peak_bytes'] / 2**20:.2f} MiB ({st['in_flight']} "
-                     f"microbatches in flight{budget})")
-        if st.get("passes"):
-            lines.append(f"  passes: {pass_times(st['passes'])}")
-    for r in data["ranks"]:
-        lines.append(f"rank {r['rank']}: peak predicted {r['predicted_peak_bytes'] / 2**20:.2f} "
-                     f"MiB (stage graphs through the schedule; the cut's plan "
-                     f"{r['planned_peak_bytes'] / 2**20:.2f}), measured "
-                     f"{r['measured_peak_bytes'] / 2**20:.2f} MiB{_against(r)}")
-    if data.get("backend"):
-        be = data["backend"]
-        lines.append(f"stages run on {be['name']} in {be.get('precision', 'fp32')}"
-                     + (f", {_fused_spelling(be['fusion'])} fused" if be.get("fusion")
-                        else "") + (
-            f" (each graph compiled once: {be['compile_seconds']:.1f} s on this rank)"
-            if be["name"] != "eager" else " (the captured fx graphs)"))
-        if be.get("loss_scale"):
-            ls = be["loss_scale"]
-            lines.append(f"fp16 loss scale {ls['scale']:g} after {ls['steps']} steps; "
-                         f"{ls['skipped']} skipped because a gradient overflowed on some rank")
-    b, t = data["bubble"], data["step_seconds"]
-    pred_t = f"{t['predicted'] * 1e3:.1f}" if t["predicted"] is not None else "-"
-    if data["link"]:
-        lk = data["link"]
-        lines.append(f"link between stages: {lk['name']}, latency {lk['latency_us']:.1f} us, "
-                     f"{lk['bandwidth_GBps']:.2f} GB/s (prices the predicted transfers)")
-    if b.get("replayed") is not None:
-        lines.append(f"schedule model: the measured action times replayed through the "
-                     f"schedule give a bubble of {b['replayed']:.1%} (measured "
-                     f"{b['measured']:.1%}); the rest of the gap is in predicted action times")
-    lines.append(f"pipeline: {data['schedule']}, {data['microbatches']} microbatches; imbalance "
-                 f"{data['imbalance']:.3f} (equal split {data['equal_imbalance']:.3f}; measured "
-                 f"{data['measured_imbalance'] or 0:.3f}: busiest rank / mean); bubble "
-                 f"predicted {b['predicted']:.1%}, measured {b['measured']:.1%} (one aligned "
-                 f"step), {b['measured_steady']:.1%} back to back; step predicted {pred_t} ms, "
-                 f"measured {t['measured'] * 1e3:.1f} ms ({t['measured_steady'] * 1e3:.1f} ms "
-                 "back to back)")
-    return "\n".join(lines)
-
-
-def write_report(data: dict, report_dir: str) -> str:
-    """report.json, report.html and the two timelines as Chrome/Perfetto traces in
-    `report_dir`; returns the html's path."""
-    import json
-    from pathlib import Path
-
-    from glmc.report.html import render_pipeline_html
-
-    out = Path(report_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(data, indent=1))
-    for key, name in (("measured_timeline", "pipeline-trace.json"),
-                      ("predicted_timeline", "pipeline-predicted.json")):
-        events = [{"name": e["action"], "ph": "X", "pid": 0, "tid": e["rank"],
-                   "ts": e["start_s"] * 1e6, "dur": (e["end_s"] - e["start_s"]) * 1e6,
-                   "cat": e["kind"]} for e in data[key]]
-        (out / name).write_text(json.dumps({"traceEvents": events}))
-    (out / "report.html").write_text(render_pipeline_html(data))
-    return str(out / "report.html")

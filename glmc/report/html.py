@@ -374,7 +374,7 @@ def _stage_budget(s: dict[str, Any]) -> str:
 
 
 def render_pipeline_html(data: dict[str, Any]) -> str:
-    """report.html of a pipelined run (glmc.parallel.pipeline.pipeline_report's dict)."""
+    """report.html of a pipelined run (glmc.parallel.pipeline_report.pipeline_report's dict)."""
     b, t = data["bubble"], data["step_seconds"]
     stages = Table(("stage", "rank", "blocks", "profile", "F", "B", "update", "total",
                     "in flight", "budget: rematerialized", "planned peak", "sends per microbatch"),
