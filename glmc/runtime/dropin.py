@@ -13,19 +13,26 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from glmc.compiler.passmanager import PassContext, PassManager
+from glmc.compiler.passmanager import PassContext, PassManager, StageForm, StageUnit
 from glmc.passes import parse_pipeline
 from glmc.trace.step import joint_to_traingraph
 
 
 def run_glmc_passes(gm: fx.GraphModule, passes: Any, backend: str) -> PassManager:
-    """glmc's pipeline on AOTAutograd's joint graph. The default here is cleanup alone: the
-    passes that re-derive a whole step (fusion, precision) need what a joint graph lacks
-    (`Need.STEP`), and naming them is a PipelineError listing why."""
+    """glmc's pipeline on AOTAutograd's joint graph, before its partition. When every pass of
+    the pipeline rewrites joint graphs (`StageForm.JOINT`: cleanup, recompute — as on a
+    pipeline stage) they run as on a stage (`PassManager.run_stage`); otherwise the pipeline
+    runs on the joint graph as a TrainGraph, where passes that need a whole step (fusion and
+    precision rewrite the forward before it is differentiated; shard, compress, partition) are
+    one PipelineError saying why. The default here is cleanup alone."""
     from glmc.backends import get_backend
-    graph = joint_to_traingraph(gm)
-    manager = PassManager(parse_pipeline(passes if passes is not None else "cleanup"))
-    manager.run(graph, PassContext(get_backend(backend).traits()))
+    pipeline = parse_pipeline(passes if passes is not None else "cleanup")
+    manager = PassManager(pipeline)
+    ctx = PassContext(get_backend(backend).traits())
+    if all(StageForm.JOINT in p.stage_forms() for p in pipeline):
+        manager.run_stage(StageUnit(0, StageForm.JOINT, gm), ctx)
+    else:
+        manager.run(joint_to_traingraph(gm), ctx)
     return manager
 
 
@@ -55,7 +62,16 @@ def glmc_backend(gm: fx.GraphModule, example_inputs: list, **kwargs: Any):
                           "backend (inductor | eager), passes (a pipeline string)")
     target = options.pop("backend", "inductor")
     passes = options.pop("passes", None)
-    parse_pipeline(passes if passes is not None else "cleanup")  # bad pipelines fail here
+    pipeline = parse_pipeline(passes if passes is not None else "cleanup")  # bad ones fail here
+    if target == "inductor" and any(p.name == "recompute" for p in pipeline):
+        from glmc.errors import PipelineError
+        raise PipelineError(
+            "torch.compile(backend='glmc'): recompute has no effect on the Inductor drop-in: "
+            "Inductor's min-cut partitioner chooses what the forward saves after glmc's "
+            "passes (measured: the same saved bytes with and without it). Use "
+            "options={'backend': 'eager'} (the default partition keeps glmc's plan), "
+            "glmc.optimize(..., memory_budget=...) for the whole step, or torch's own "
+            "torch._functorch.config.activation_memory_budget")
     if target == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
