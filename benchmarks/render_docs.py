@@ -30,8 +30,6 @@ GROUPS: list[tuple[str, list[tuple[str, str, str]]]] = [
         ("step-set-transformers", ("Step time against torch.compile, transformers set "
          "(`bench_step.py --set transformers`)"), "backends/inductor.md"),
         ("compile", "Compile time, cold cache (`bench_compile.py`)", "backends/inductor.md"),
-        ("compile_glm_small", "Compile time, GLM small repeat (`bench_compile.py --out ...`)",
-         "backends/inductor.md"),
         ("model_accuracy", "Cost and memory model accuracy (`model_accuracy.py`)",
          "cost-model.md"),
     ]),
@@ -39,6 +37,8 @@ GROUPS: list[tuple[str, list[tuple[str, str, str]]]] = [
         ("fusion", "Fusion (`bench_fusion.py`)", "passes/fusion.md"),
         ("fusion-each", "Fusion, each pattern alone (`bench_fusion.py --each`)",
          "passes/fusion.md"),
+        ("fusion-eager-glm4", ("Fusion on eager, held-out transformers GLM-4, interleaved "
+         "(`bench_fusion_eager.py`)"), "passes/fusion.md"),
         ("precision-numerics", ("Precision: numerics against fp64 "
          "(`bench_precision.py --part numerics`)"), "passes/precision.md"),
         ("precision-memory", "Precision: memory and time (`bench_precision.py --part memory`)",
@@ -51,8 +51,6 @@ GROUPS: list[tuple[str, list[tuple[str, str, str]]]] = [
         ("backends", "ONNX Runtime vs eager vs Inductor (`bench_backends.py`)",
          "backends/ort.md"),
         ("tvm", "TVM, MLP and GLM example (`bench_tvm.py`)", "backends/tvm.md"),
-        ("tvm-glm-small", "TVM, GLM small (`bench_tvm.py --models glm-small ...`)",
-         "backends/tvm.md"),
     ]),
     ("Parallelism", [
         ("parallel-glm-small", "Data parallel against DDP and FSDP2 (`bench_parallel.py`)",
