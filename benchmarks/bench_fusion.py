@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 from bench_step import ROOT, MiB, _clone, _load, run_meta, write_result
-from glmc.backends import get_backend
 
 import glmc
 from glmc.analysis.memory import measure_peak
-from glmc.compiler.passmanager import PassContext
+from glmc.backends import get_backend
+from glmc.compiler.passmanager import PassContext, PassManager
 from glmc.trace.capture import capture
 
 CONTENDERS = {
@@ -43,7 +43,9 @@ def pattern_counts() -> dict:
                        ("hf-glm", lambda: _load("hf_glm.py", 4, 128, 256, 4, 8192))):
         model, x, loss_fn, opt = make()
         g = capture(model, x, loss_fn, opt)
-        out[name] = FusionPass().run(g, PassContext(get_backend("inductor").traits())).stats.counts
+        manager = PassManager([FusionPass()])
+        manager.run(g, PassContext(get_backend("inductor").traits()))
+        out[name] = manager.history[0].stats.counts
         print(f"  {name}: {out[name]}", flush=True)
     return out
 

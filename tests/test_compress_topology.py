@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from glmc.passes.shard import ShardPass
 
 import glmc
 from glmc.analysis.comm import choose_allreduce, get_link
@@ -17,6 +16,7 @@ from glmc.compiler.passmanager import PassContext
 from glmc.errors import ConfigError
 from glmc.ir.graph import GRAD_BUCKET, MeshSpec, TrainGraph
 from glmc.parallel.data import Parallel
+from glmc.passes.shard import ShardPass
 from tests.distributed import result, run_parts, spawn
 from tests.models import CASES, eager_losses
 

@@ -9,11 +9,11 @@ from pathlib import Path
 import networkx as nx
 import pytest
 import torch
-from glmc.passes import parse_pipeline, registry
 
 import glmc
 from glmc.compiler.passmanager import Effect, Need, check_needs
 from glmc.errors import ConfigError, PipelineError
+from glmc.passes import parse_pipeline, registry
 from tests.models import CASES, glmc_losses, twin
 
 ROOT = Path(__file__).resolve().parent.parent

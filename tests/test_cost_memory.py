@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.fx as fx
-from glmc.backends.inductor.model import FusionGroups
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import glmc
@@ -19,6 +18,7 @@ from glmc.analysis.cost import (BUILTIN, DeviceProfile, _interp, estimate_time, 
                                 gpu_profile, host_profile, kind_of, node_time, op_cost)
 from glmc.analysis.memory import measure_peak, simulate, state_bytes
 from glmc.analysis.predict import predict
+from glmc.backends.inductor.model import FusionGroups
 from glmc.errors import ConfigError
 from glmc.ir.target import EAGER, BackendTraits
 from glmc.ir.writeback import lower_writeback

@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from glmc.passes.shard import ShardPass
 from torch import nn
 
 import glmc
@@ -23,6 +22,7 @@ from glmc.errors import CommError, ConfigError, InputError
 from glmc.ir.graph import MeshSpec
 from glmc.ir.plans import Layout
 from glmc.parallel.data import Parallel, load_checkpoint, save_checkpoint
+from glmc.passes.shard import ShardPass
 from glmc.trace.capture import split_batch
 from tests.distributed import result, run_parts, spawn
 from tests.models import CASES, eager_losses

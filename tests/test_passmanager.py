@@ -4,12 +4,12 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from glmc.passes import parse_pipeline
-from glmc.passes.cleanup import CleanupPass
 
 import glmc
 from glmc.compiler.passmanager import Pass, PassContext, PassManager, PassResult, split_pipeline
 from glmc.errors import PassError, PipelineError
+from glmc.passes import parse_pipeline
+from glmc.passes.cleanup import CleanupPass
 from glmc.trace.capture import capture
 from tests.models import CASES
 

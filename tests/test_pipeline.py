@@ -11,16 +11,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from glmc.passes import parse_pipeline
-from glmc.passes.partition import PartitionPass, balanced_cut, plan_partition, step_blocks
 
 import glmc
+from glmc.compiler.inplace import compiled_step
 from glmc.compiler.passmanager import PassContext
 from glmc.errors import ConfigError, InputError, PassError
-from glmc.compiler.inplace import compiled_step
 from glmc.ir.graph import OutputKind
 from glmc.parallel.executor import run_rank
 from glmc.parallel.pipeline import build_program, measured_timeline, microbatch_leaves
+from glmc.passes import parse_pipeline
+from glmc.passes.partition import PartitionPass, balanced_cut, plan_partition, step_blocks
 from glmc.planning.schedule import Action, ActionKind, from_torch, simulate
 from tests.distributed import result, run_parts, spawn
 from tests.models import CASES, RTOL, eager_losses

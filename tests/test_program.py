@@ -13,7 +13,6 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from glmc.passes.cleanup import CleanupPass
 
 import glmc
 from glmc.compiler.inplace import run_step
@@ -23,6 +22,7 @@ from glmc.ir.graph import CommInfo, MeshSpec, OutputKind, Phase, Role, TrainGrap
 from glmc.ir.program import (UNBOUND, SpmdProgram, StagedProgram, all_reduce_gradients, comm_nodes,
                              insert_collective, link)
 from glmc.parallel.executor import run_stage
+from glmc.passes.cleanup import CleanupPass
 from glmc.planning.schedule import Action, ActionKind, gpipe
 from glmc.trace.stages import capture_stage
 from tests.distributed import result, run_parts, spawn

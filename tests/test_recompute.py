@@ -7,12 +7,12 @@ import random
 import numpy as np
 import pytest
 import torch
-from glmc.passes.recompute import Budget
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import glmc
 from glmc.errors import BudgetError, ConfigError
+from glmc.passes.recompute import Budget
 from glmc.planning.remat import (Problem, Unit, closure, creation_times, evaluate, greedy, milp,
                                  plan_cost, stored_bytes, timeline)
 from glmc.trace.capture import split_batch

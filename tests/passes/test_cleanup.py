@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from glmc.passes.cleanup import CleanupPass, CleanupStats
 
 import glmc
 from glmc.compiler.passmanager import PassContext, PassManager
 from glmc.ir.graph import op_name
+from glmc.passes.cleanup import CleanupPass, CleanupStats
 from glmc.trace.capture import capture
 
 

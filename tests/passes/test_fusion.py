@@ -9,13 +9,13 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from glmc.backends import get_backend
-from glmc.passes.fusion import FusionPass
 
 import glmc
+from glmc.backends import get_backend
 from glmc.compiler.passmanager import PassContext
 from glmc.errors import ConfigError, PipelineError
 from glmc.ir.graph import Phase, TrainGraph, op_name
+from glmc.passes.fusion import FusionPass
 from glmc.trace.capture import capture
 from tests.models import CASES, RTOL, assert_state_close, glmc_losses, twin
 

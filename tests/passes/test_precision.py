@@ -8,13 +8,13 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from glmc.passes.precision import PrecisionPass
 
 import glmc
 from glmc.compiler.passmanager import PassContext
 from glmc.errors import ConfigError, PipelineError
 from glmc.ir.graph import OutputKind, Phase, Role, TrainGraph, op_name
 from glmc.ir.kernels import cross_entropy, cross_entropy_reference
+from glmc.passes.precision import PrecisionPass
 from glmc.trace.capture import capture
 from tests.models import CASES, twin
 
