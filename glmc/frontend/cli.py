@@ -278,8 +278,9 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
             skip = True
         elif not a.startswith("--nproc="):
             rest.append(a)
-    if args.plan.for_rank().zero != args.plan.zero:  # data parallel: each rank a ZeRO stage
-        rest += ["--zero", str(args.plan.for_rank().zero)]
+    zero = args.plan.for_rank().zero
+    if zero != args.plan.zero:  # data parallel: each rank runs a ZeRO stage
+        rest += ["--zero", str(zero)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={args.plan.nproc}", "-m", "glmc", *rest]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace")

@@ -311,9 +311,12 @@ class DataParallel:
         micro.verify()
         return micro
 
-    def check_same(self, model: nn.Module, batch: Batch, what: str) -> None:
-        """Every rank trains the same model on the same batch structure: a typed error naming
+    def check_same(self, model: nn.Module, batch: Batch, options: Any) -> None:
+        """Every rank trains the same model on the same batch structure with the same options
+        (a dataclass; `progress` and `dump_dir` may differ between ranks): a typed error naming
         the ranks that differ, before any collective could hang on a mismatch."""
+        what = repr({k: v for k, v in dataclasses.asdict(options).items()
+                     if k not in ("progress", "dump_dir")})
         h = hashlib.sha256()
         for name, p in model.named_parameters():
             h.update(f"{name}{tuple(p.shape)}{p.dtype}".encode())

@@ -612,6 +612,24 @@ def from_env_world() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def plan_trainer(plan: ParallelPlan, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                 loss_fn: Any, example_inputs: Any, *, memory_budget: Any = None,
+                 backend: str = "eager", precision: str | None = None,
+                 fusion: bool = False) -> "PipelineTrainer":
+    """The PipelineTrainer a pipeline plan describes, over the default group's processes (or
+    torchrun's, before the group exists): its stages and replicas (`plan.degrees`), its
+    microbatches (default: one per stage), schedule (interleaved: 2 virtual stages per rank),
+    ZeRO stage and timeout."""
+    world = dist.get_world_size() if dist.is_initialized() else from_env_world()
+    dims = plan.degrees(world)
+    return pipeline_trainer(model, optimizer, loss_fn, example_inputs,
+                            plan.microbatches or dims["pp"], plan.schedule,
+                            2 if plan.schedule == "interleaved" else 1,
+                            timeout_s=plan.timeout_s, dp=dims["dp"],
+                            memory_budget=memory_budget, zero=plan.zero or 0, backend=backend,
+                            precision=precision, fusion=fusion)
+
+
 def plan_stages(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any,
                 example_inputs: Any, stages: int, microbatches: int, schedule: str,
                 virtual: int = 1, profile: Any = None, link: Any = None,
@@ -746,14 +764,9 @@ def train_cli(work: Any, steps: int, plan: ParallelPlan, report_dir: str | None 
     `zero=1` the optimizer state sharded over the replicas; `backend` runs the stages' graphs,
     `precision` (bf16, fp16) sets their dtypes. A FILE without an optimizer trains with the
     default one (`resolve_optimizer`), as one process does."""
-    world = from_env_world()
-    dims = plan.degrees(world)
-    virtual = 2 if plan.schedule == "interleaved" else 1
-    trainer = pipeline_trainer(work.model, work.optimizer, work.loss_fn, work.example_inputs,
-                               plan.microbatches or dims["pp"], plan.schedule, virtual,
-                               timeout_s=plan.timeout_s, dp=dims["dp"],
-                               memory_budget=memory_budget, zero=plan.zero or 0,
-                               backend=backend, precision=precision, fusion=fusion)
+    trainer = plan_trainer(plan, work.model, work.optimizer, work.loss_fn, work.example_inputs,
+                           memory_budget=memory_budget, backend=backend, precision=precision,
+                           fusion=fusion)
     args, kwargs = split_batch(work.example_inputs)
     printer = trainer.last and trainer.replica == 0
     for i in range(steps):

@@ -176,21 +176,17 @@ class ParallelPlan:
     def _value_problems(self) -> list[str]:
         out = []
         for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if v is None or f.type == "bool" or not isinstance(v, (int, float)) or \
-                    isinstance(v, bool):
+            v, kind = getattr(self, f.name), f.metadata["cli"]["type"]
+            if v is None or kind not in (int, float):
                 continue
-            if f.name == "zero":
+            if isinstance(v, bool) or not isinstance(v, int if kind is int else (int, float)):
+                what = "a whole number" if kind is int else "a number"
+                out.append(f"{_flag(f.name)}: must be {what}, got {v!r}")
+            elif f.name == "zero":
                 if v not in (0, 1, 2, 3):
                     out.append(f"--zero: {v} is not a ZeRO stage; use 0, 1, 2 or 3")
             elif v <= 0:
                 out.append(f"{_flag(f.name)}: must be positive, got {v}")
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if f.name in ("nproc", "pp", "microbatches", "accumulate", "nodes", "compress_rank",
-                          "compress_block", "compress_warmup", "zero") and v is not None and \
-                    (not isinstance(v, int) or isinstance(v, bool)):
-                out.append(f"{_flag(f.name)}: must be a whole number, got {v!r}")
         if self.schedule not in SCHEDULES:
             out.append(f"--schedule: unknown schedule {self.schedule!r}; use "
                        f"{', '.join(SCHEDULES)}")

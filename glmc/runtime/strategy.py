@@ -52,7 +52,7 @@ class SingleProcess:
     def largest(self, value: int) -> int:
         return value
 
-    def check_same(self, model: nn.Module, batch: Batch, what: str) -> None:
+    def check_same(self, model: nn.Module, batch: Batch, options: Any) -> None:
         pass
 
     def check_collectives(self, graph: TrainGraph) -> None:
@@ -92,7 +92,7 @@ def pipeline_trainer_for(model: nn.Module, example_inputs: Any, loss_fn: Any,
                          options: dict[str, Any]) -> Any:
     """The PipelineTrainer of a pipeline plan over the processes of the default group, with
     the step options that apply to stages (the plan checks the others)."""
-    from glmc.parallel.pipeline import pipeline_trainer
+    from glmc.parallel.pipeline import plan_trainer
     from glmc.parallel.plan import StepOptions
     supported = {"parallel", "backend", "memory_budget", "precision", "fusion", "passes",
                  "disable", "cuda_graphs"}
@@ -105,14 +105,6 @@ def pipeline_trainer_for(model: nn.Module, example_inputs: Any, loss_fn: Any,
                               passes=options.get("passes"),
                               disable=tuple(options.get("disable") or ()),
                               cuda_graphs=bool(options.get("cuda_graphs"))))
-    import torch.distributed as dist
-
-    from glmc.parallel.data import init_distributed
-    init_distributed("cpu", plan.timeout_s)
-    dims = plan.degrees(dist.get_world_size())
-    return pipeline_trainer(model, optimizer, loss_fn, example_inputs,
-                            plan.microbatches or dims["pp"], plan.schedule,
-                            2 if plan.schedule == "interleaved" else 1, plan.timeout_s,
-                            dims["dp"], options.get("memory_budget"), zero=plan.zero or 0,
-                            backend=backend, precision=options.get("precision"),
-                            fusion=bool(options.get("fusion")))
+    return plan_trainer(plan, model, optimizer, loss_fn, example_inputs,
+                        memory_budget=options.get("memory_budget"), backend=backend,
+                        precision=options.get("precision"), fusion=bool(options.get("fusion")))

@@ -108,9 +108,7 @@ class Trainer:
         self._backend = get_backend(self.options.backend)
         self._traits = self._backend.traits()
         self.strategy = strategy_for(self.options.parallel, self._device)
-        program = {k: v for k, v in dataclasses.asdict(self.options).items()
-                   if k not in ("progress", "dump_dir")}  # may differ between ranks
-        self.strategy.check_same(self.model, self.example, repr(program))
+        self.strategy.check_same(self.model, self.example, self.options)
         # a size or fraction: stage-3 gathers planned with activations; "min" keeps the
         # rule (every bucket gathered again), whose smallest peak the joint plan may miss
         budget = self.options.memory_budget
