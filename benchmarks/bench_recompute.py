@@ -41,6 +41,9 @@ def _checkpoint_blocks(name: str, model: torch.nn.Module) -> None:
     conv stages). Note: recomputing the CNN's BatchNorm in checkpoint updates its running
     statistics twice per step — a known property of torch's checkpointing."""
     cp = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+    if hasattr(model, "gradient_checkpointing_enable"):  # a transformers model: its own switch
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+        return
     if name.startswith("glm"):
         for block in model.blocks:
             block.forward = functools.partial(cp, block.forward)

@@ -83,6 +83,8 @@ WORKLOADS = {
     "hf-glm": lambda: _load("hf_glm.py", 4, 128, 256, 4, 8192),
     # the step-time set (--set transformers): name says style, layers x width, batch x seq
     "glm-2x128-4x256": _hf("glm", 2, 128, 4, 2, 256, 4096, 4, 256),
+    # issue 36's held-out recompute model (3.6M parameters)
+    "glm-2x256-4x256": _hf("glm", 2, 256, 4, 4, 640, 4096, 4, 256),
     "qwen2-tied-4x256-4x512": _hf("qwen2", 4, 256, 4, 2, 704, 16384, 4, 512, tied=True),
     "glm-4x512-4x256": _hf("glm", 4, 512, 8, 4, 1024, 8192, 4, 256),
     "llama-2x384-4x256": _hf("llama", 2, 384, 6, 6, 1024, 32000, 4, 256),

@@ -23,6 +23,13 @@ Guarantees:
   model and the simulation disagree, the pass tightens its target and plans again.
 * A budget below the smallest reachable peak raises `BudgetError` naming that minimum.
 
+Optimizer update (`update=auto|end|early`): the planner solves the step twice — with the update
+at the end (as captured: ATen's fused Adam(W) once per group, every gradient alive until it
+runs) and with each parameter's update right after its gradient is complete, which frees the
+gradient there (`glmc.planning.updates`; bit-identical) — and keeps the placement whose plan
+meets the budget at the lower predicted time (recompute plus the per-parameter calls), or
+under `min` the lower peak. Steps with loss scaling or collectives keep the update at the end.
+
 Solvers (`solver=auto|milp|greedy`, `time_limit=` seconds): see `glmc.planning.remat`. `auto` runs the
 greedy heuristic, then the MILP when the graph has at most `milp_units` candidate values, and
 keeps the cheaper valid plan; the report says which produced it and the MILP's gap.
@@ -49,6 +56,8 @@ from glmc.ir.graph import RANDOM_OPS, REGATHER_S, Phase, TrainGraph, is_collecti
 from glmc.ir.target import BackendTraits, FusionModel
 from glmc.ir.writeback import lower_writeback
 from glmc.planning.remat import Plan, Problem, Unit, evaluate, greedy, milp, plan_cost, stored_bytes
+from glmc.planning.updates import (early_update_blocker, place_updates_early, split_fused_updates,
+                                   split_overhead_s)
 from glmc.trace.step import joint_to_traingraph
 
 BUDGET_TOLERANCE = 0.01  #: measured peak may exceed a memory budget by this fraction
@@ -120,6 +129,11 @@ class RecomputeStats:
     kept_values: list = field(default_factory=list)  #: (name, bytes, source), largest kept
     pareto: list = field(default_factory=list)  #: (budget, peak bytes, extra seconds)
     notes: list = field(default_factory=list)
+    #: where the optimizer update runs: "end" of the step, or "early" (each parameter's right
+    #: after its gradient is complete); and the seconds the early form's extra calls cost
+    update: str = "end"
+    update_seconds: float = 0.0  #: predicted seconds of the chosen form (update, head chunks)
+    head_rows: int = 0  #: rows per chunk given to the fused LM heads (0: their default)
 
     def report_section(self, ctx: Any) -> Any:
         """The report's recompute section (a glmc.compiler.report_parts.ReportSection for the
@@ -136,7 +150,11 @@ class RecomputeStats:
             f"{self.recomputed} of {self.candidates} values recomputed, {self.kept} kept for the "
             f"backward; +{self.extra_flops / 1e9:.3f} GFLOP, +{ms(self.extra_seconds)} "
             f"predicted. Solver: {self.solver} in {self.solve_seconds:.2f} s{gap}; heuristic's "
-            f"plan: +{ms(self.greedy_seconds_extra)}.")]
+            f"plan: +{ms(self.greedy_seconds_extra)}. Optimizer update: "
+            + ("each parameter's right after its gradient is complete, freeing the gradient "
+               f"(+{ms(self.update_seconds)} predicted for the extra calls)."
+               if self.update == "early" else "at the end of the step.")
+            + (f" Fused LM head: {self.head_rows} rows per chunk." if self.head_rows else ""))]
         if self.notes:
             blocks.append(Text("; ".join(str(n) for n in self.notes), "note"))
         for title, values in (("recomputed value", self.recomputed_values),
@@ -165,12 +183,18 @@ class RecomputePass(Pass):
     pareto: bool = True
     margin: int = 0  #: bytes kept free below the budget (set by the trainer's measured retry)
     multiplicity: int = 1  #: microbatches in flight whose saved values are live at once
+    #: where the optimizer update runs: "auto" (the cost model chooses), "end" (after the whole
+    #: backward, as captured) or "early" (each parameter's as soon as its gradient is complete)
+    update: str = "auto"
 
     def __post_init__(self) -> None:
         Budget.parse(self.budget)  # a bad budget fails when the pipeline is parsed
         if self.solver not in ("auto", "milp", "greedy"):
             raise ConfigError(f"recompute: solver must be auto, milp or greedy, not "
                               f"{self.solver!r}")
+        if self.update not in ("auto", "end", "early"):
+            raise ConfigError(f"recompute: update must be auto, end or early, not "
+                              f"{self.update!r}")
 
     def needs(self) -> frozenset[Need]:
         # a joint graph (torch.compile drop-in) is partitioned after the passes: the
@@ -215,30 +239,24 @@ class RecomputePass(Pass):
         budget = Budget.parse(spec)
         backend = ctx.traits
         profile = get_profile(ctx.profile, graph_device(graph))
-        lowered = lower_writeback(graph, backend.early_writeback).graph
+        lowered = lower_writeback(graph, backend.early_writeback, backend.inplace).graph
         problem, units = build_problem(lowered, backend, profile, self.multiplicity)
         baseline_peak = evaluate(problem, ())[0]
         budget_bytes = target = budget.target(baseline_peak, problem.persistent)
         if target is not None and self.margin:
             target -= self.margin
         start = time.perf_counter()
-        plan, heuristic = self._solve(problem, target)
+        placements, (chosen, plan, heuristic) = self._choose_form(
+            graph, backend, profile, problem, units, target)
+        problem, units = chosen.problem, chosen.units
         shortfall = None
         if plan is None or (target is not None and plan.peak > target):
-            floor = self._solve(problem, None)[0]
-            lowest = floor.peak if floor is not None else baseline_peak
-            if self.margin and floor is not None:
-                # a measured retry asked for more than the plan can give: take the lowest
-                # reachable peak and report the shortfall instead of failing a running job
-                plan, shortfall = floor, lowest - target
-            else:
-                raise BudgetError(
-                    f"recompute: budget {spec} ({_mib(target)}) is below the smallest peak "
-                    f"this step can reach with recompute, {_mib(lowest)} (no recompute: "
-                    f"{_mib(baseline_peak)}; weights, optimizer state and batch alone: "
-                    f"{_mib(problem.persistent)}); raise the budget to at least {_mib(lowest)}")
+            chosen, plan, shortfall = self._floor(placements, target, baseline_peak)
+            problem, units = chosen.problem, chosen.units
+        chosen.apply(graph)  # the same transform as the plan's scratch copy
         # check against the full simulation; tighten on disagreement
         notes = list(plan.notes)
+        notes += [c.note for c in placements if c.note]
         if shortfall is not None:
             notes.append(f"the measured retry's target is {_mib(shortfall)} below the lowest "
                          "reachable peak: using the lowest")
@@ -255,7 +273,7 @@ class RecomputePass(Pass):
             predicted = _simulate_with(graph, problem, units, plan.recompute, backend)
         solve_seconds = time.perf_counter() - start
         pareto = self._pareto(problem, baseline_peak) if self.pareto else []
-        changed = bool(plan.recompute)
+        changed = bool(plan.recompute) or chosen.name == "early" or bool(chosen.head_rows)
         prefetch = False
         if changed and budget.kind != "min" and target is not None:
             ahead = _simulate_with(graph, problem, units, plan.recompute, backend, True)
@@ -263,7 +281,7 @@ class RecomputePass(Pass):
             if prefetch:
                 notes.append(f"gathers made again prefetched one ahead: {_mib(ahead)}")
                 predicted = ahead
-        if changed:
+        if plan.recompute:
             rewrite(graph, {units[i] for i in plan.recompute}, backend, prefetch)
         rec = sorted(plan.recompute, key=lambda i: -problem.units[i].size)
         kept = sorted((i for i, u in enumerate(problem.units)
@@ -283,8 +301,122 @@ class RecomputePass(Pass):
                                 problem.units[i].source) for i in rec[:25]],
             kept_values=[(problem.units[i].name, problem.units[i].size,
                           problem.units[i].source) for i in kept[:25]],
-            pareto=pareto, notes=notes)
+            pareto=pareto, notes=notes, update=chosen.name,
+            update_seconds=round(chosen.overhead, 6), head_rows=chosen.head_rows)
         return PassResult(changed, stats)
+
+    def _floor(self, placements: list["_Placement"], target: int, baseline_peak: int
+               ) -> tuple["_Placement", Plan, int]:
+        """Under a measured retry whose target no plan meets: the lowest reachable plan of
+        any form and the shortfall (a running job is not failed); else `BudgetError` naming
+        the lowest reachable peak."""
+        floors = [(c, self._solve(c.problem, None)[0]) for c in placements]
+        floors = [(c, f) for c, f in floors if f is not None]
+        chosen, floor = min(floors, key=lambda cf: cf[1].peak) if floors else \
+            (placements[0], None)
+        lowest = floor.peak if floor is not None else baseline_peak
+        if self.margin and floor is not None:
+            return chosen, floor, lowest - target
+        raise BudgetError(
+            f"recompute: budget {self.budget} ({_mib(target)}) is below the smallest peak "
+            f"this step can reach with recompute, {_mib(lowest)} (no recompute: "
+            f"{_mib(baseline_peak)}; weights, optimizer state and batch alone: "
+            f"{_mib(chosen.problem.persistent)}); raise the budget to at least {_mib(lowest)}")
+
+    def _choose_form(self, graph: TrainGraph, backend: BackendTraits, profile: Any,
+                     problem: Problem, units: list[str], target: int | None
+                     ) -> tuple[list["_Placement"], tuple]:
+        """The forms of the step considered (update placements, then narrower fused-head
+        chunks where the plan misses the budget or aims at `min`) and the chosen
+        (form, plan, heuristic's plan)."""
+        placements = self._placements(graph, backend, profile, problem, units)
+        chosen = self._choose(placements, target)
+        plan = chosen[1]
+        if plan is None or target is None or plan.peak > target:
+            # smaller fused-head chunks hold less while the logits of a chunk exist
+            narrow = self._narrow_heads(graph, backend, profile, chosen[0], plan, target)
+            if narrow:
+                placements += [n for n, _ in narrow]
+                chosen = self._choose_solved(
+                    [chosen, *((n, *solved) for n, solved in narrow)], target)
+        return placements, chosen
+
+    def _placements(self, graph: TrainGraph, backend: BackendTraits, profile: Any,
+                    problem: Problem, units: list[str]) -> list["_Placement"]:
+        """The update placements the planner may choose from: the update at the end of the
+        step (as captured), and — unless `update=end` or the step cannot take it — each
+        parameter's update right after its gradient is complete (`glmc.planning.updates`),
+        planned on a scratch copy."""
+        end = _Placement("end", problem, units, 0.0)
+        blocker = early_update_blocker(graph)
+        if self.update == "end" or (blocker is not None and self.update == "auto"):
+            if blocker is not None and self.update == "auto" and "no optimizer" not in blocker:
+                end.note = f"update kept at the end of the step: {blocker}"
+            return [end]
+        if blocker is not None:
+            raise ConfigError(f"recompute: update=early does not apply to this step: {blocker}; "
+                              "use update=auto or update=end")
+        early = graph.copy()
+        split_fused_updates(early)
+        if not place_updates_early(early):
+            return [end]
+        lowered = lower_writeback(early, backend.early_writeback, backend.inplace).graph
+        e_problem, e_units = build_problem(lowered, backend, profile, self.multiplicity)
+        placed = _Placement("early", e_problem, e_units,
+                            split_overhead_s(early, profile.op_overhead_s))
+        return [placed] if self.update == "early" else [end, placed]
+
+    def _narrow_heads(self, graph: TrainGraph, backend: BackendTraits, profile: Any,
+                      base: "_Placement", plan: Plan | None, target: int | None
+                      ) -> list[tuple["_Placement", tuple[Plan | None, Plan | None]]]:
+        """`base` again with the fused LM heads' chunks halved, down to `MIN_HEAD_ROWS` rows
+        (their cost priced by the cost model: more, smaller matmuls), each solved; stops at
+        the first that fits `target`, or (`min`) once halving no longer lowers the peak."""
+        from glmc.ir.kernels import head_rows
+        heads = _heads(graph.graph)
+        if not heads:
+            return []
+        x, w = heads[0].args[0].meta["val"], heads[0].args[1].meta["val"]
+        rows = head_rows(x.shape[0], w.shape[0])
+        out: list = []
+        base_time = sum(node_time(op_cost(n), profile, profile.op_overhead_s) for n in heads)
+        best = plan.peak if plan is not None else None
+        while rows // 2 >= MIN_HEAD_ROWS:
+            rows //= 2
+            form = graph.copy()
+            narrowed = dataclasses.replace(base, head_rows=rows)
+            narrowed.apply(form)
+            lowered = lower_writeback(form, backend.early_writeback, backend.inplace).graph
+            problem, units = build_problem(lowered, backend, profile, self.multiplicity)
+            extra = sum(node_time(op_cost(n), profile, profile.op_overhead_s)
+                        for n in _heads(form.graph)) - base_time
+            narrowed = dataclasses.replace(narrowed, problem=problem, units=units,
+                                           overhead=base.overhead + max(0.0, extra))
+            solved = self._solve(problem, target)
+            out.append((narrowed, solved))
+            peak = solved[0].peak if solved[0] is not None else None
+            if peak is None or (target is not None and peak <= target) or \
+                    (best is not None and peak >= best):
+                break
+            best = peak
+        return out
+
+    def _choose(self, placements: list["_Placement"], target: int | None
+                ) -> tuple["_Placement", Plan | None, Plan | None]:
+        """The placement whose plan meets the target at the least predicted extra time
+        (recompute + the update's extra calls); under `min`, the lowest peak."""
+        return self._choose_solved([(c, *self._solve(c.problem, target)) for c in placements],
+                                   target)
+
+    @staticmethod
+    def _choose_solved(solved: list[tuple["_Placement", Plan | None, Plan | None]],
+                       target: int | None) -> tuple["_Placement", Plan | None, Plan | None]:
+        fits = [s for s in solved if s[1] is not None and (target is None or s[1].peak <= target)]
+        if not fits:
+            return solved[0]
+        if target is None:
+            return min(fits, key=lambda s: (s[1].peak, s[1].cost + s[0].overhead))
+        return min(fits, key=lambda s: s[1].cost + s[0].overhead)
 
     def _solve(self, problem: Problem, target: int | None) -> tuple[Plan | None, Plan | None]:
         deadline = time.perf_counter() + self.time_limit
@@ -318,6 +450,36 @@ class RecomputePass(Pass):
         low = greedy(problem, None)
         points.append(("min", low.peak, round(low.cost, 6)))
         return points
+
+
+@dataclass
+class _Placement:
+    """One form of the step the planner may pick — where the optimizer update runs and how
+    many rows the fused LM head takes per chunk — with its recompute problem."""
+
+    name: str  #: "end" | "early"
+    problem: Problem
+    units: list[str]
+    overhead: float  #: predicted seconds the form adds (the early form's extra calls)
+    note: str = ""
+    head_rows: int = 0  #: rows per chunk of every fused LM head (0: the kernel's default)
+
+    def apply(self, graph: TrainGraph) -> None:
+        if self.name == "early":
+            split_fused_updates(graph)
+            place_updates_early(graph)
+        if self.head_rows:
+            for n in _heads(graph.graph):
+                n.args = (*n.args[:6], self.head_rows)
+
+
+def _heads(g: fx.Graph) -> list[fx.Node]:
+    return [n for n in g.nodes if n.target is torch.ops.glmc.linear_cross_entropy.default]
+
+
+#: the fewest rows per chunk a memory budget may give a fused LM head: its matmuls' inner size
+#: for grad w (glmc.ir.kernels.HEAD_MIN_ROWS measured 256 on par with unfused, 65 1.8x slower)
+MIN_HEAD_ROWS = 64
 
 
 # ---- graph -> problem -------------------------------------------------------------------------
@@ -534,7 +696,7 @@ def _simulate_with(graph: TrainGraph, problem: Problem, units: list[str],
     scratch = graph.copy()
     if recompute:
         rewrite(scratch, {units[i] for i in recompute}, backend, prefetch)
-    peak = simulate(lower_writeback(scratch, backend.early_writeback).graph, backend).peak_bytes
+    peak = simulate(lower_writeback(scratch, backend.early_writeback, backend.inplace).graph, backend).peak_bytes
     if problem.multiplicity > 1:
         peak += (problem.multiplicity - 1) * stored_bytes(problem, recompute)
     return peak

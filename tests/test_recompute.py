@@ -42,8 +42,9 @@ def test_recompute_keeps_parity_and_meets_budget(case: str, backend: str, budget
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=ATOL)
     assert_state_close(m, m2, opt, opt2)
     stats, rec = _recompute_stats(trainer)
-    if case == "mlp":  # its peak is not set by activations: nothing to gain, nothing done
-        assert stats.recomputed == 0 and stats.predicted_peak == stats.baseline_peak
+    if case == "mlp":  # its peak is set by gradients: updating each parameter as soon as its
+        # gradient is complete lowers it; then recompute has activations to trade again
+        assert stats.update == "early" and stats.predicted_peak < stats.baseline_peak
         return
     assert stats.recomputed > 0 and stats.extra_flops > 0
     assert stats.predicted_peak < stats.baseline_peak
@@ -194,3 +195,71 @@ def test_milp_finds_the_lowest_peak_with_microbatches_in_flight(seed: int, n_f: 
     assert min(evaluate(p, r)[0] for r in plans) == milp(p, None, time_limit=20).peak
     for r in plans:
         assert evaluate(p, r)[0] == max(timeline(one, r) + (mult - 1) * stored_bytes(one, r))
+
+
+def _early_and_end(case: str, budget: str, passes_head: str = "cleanup"):
+    """`case` trained twice from the same weights under `budget`: the planner's update
+    placement forced early, then forced to the end of the step."""
+    out = []
+    (m, x, loss_fn, opt), (m2, _, _, opt2) = twin(CASES[case].make)
+    for update, (model, o) in (("early", (m, opt)), ("end", (m2, opt2))):
+        trainer = glmc.optimize(model, x, loss_fn=loss_fn, optimizer=o, backend="eager",
+                                passes=f"{passes_head},recompute{{budget={budget},"
+                                       f"update={update},solver=greedy,time_limit=120}}")
+        out.append((trainer, glmc_losses(trainer, x, 3), model, o))
+    return x, out
+
+
+def test_early_fused_update_changes_no_bit() -> None:
+    """Each parameter's fused AdamW call placed right after its gradient is complete (issue 36
+    item 2): the group's call split per parameter, each marked to stay in the backward in its
+    in-place form; the same kernel on the same tensors, so losses, parameters and optimizer
+    state equal the end-of-step update's bit for bit."""
+    from glmc.ir.graph import EARLY_UPDATE
+    x, [(early, l1, m1, o1), (end, l2, m2, o2)] = _early_and_end(
+        "glm", "min", "fusion{patterns=optimizer,update=fused},cleanup")
+    assert (_recompute_stats(early)[0].update, _recompute_stats(end)[0].update) == \
+        ("early", "end")
+    marked = [n for n in early.graph.graph.nodes if n.meta.get(EARLY_UPDATE)]
+    assert len(marked) >= len(list(m1.parameters())) - 1
+    assert l1 == l2
+    for (k, a), b in zip(m1.state_dict().items(), m2.state_dict().values()):
+        assert torch.equal(a, b), k
+    for p, q in zip(m1.parameters(), m2.parameters()):
+        for key, v in o1.state[p].items():
+            assert torch.equal(v, o2.state[q][key]), key
+
+
+def test_early_update_frees_gradients() -> None:
+    """On a step whose peak is its gradients (the MLP example), the early placement lowers the
+    predicted peak and the peak measured from the c10 allocator."""
+    from glmc.analysis.memory import measure_peak
+    x, [(early, l1, _, _), (end, l2, _, _)] = _early_and_end("mlp", "min")
+    s1, s2 = _recompute_stats(early)[0], _recompute_stats(end)[0]
+    assert s1.predicted_peak < s2.predicted_peak
+    torch.testing.assert_close(torch.tensor(l1), torch.tensor(l2), rtol=RTOL, atol=ATOL)
+    args = split_batch(x)[0]
+    peaks = [measure_peak(lambda t=t: t.step(*args))[1].peak_bytes for t in (early, end)]
+    assert peaks[0] < peaks[1], peaks
+
+
+def test_planner_chooses_the_update_placement_and_says_why_not() -> None:
+    """`update=auto` (default) takes the early placement where it lowers `min`; with fp16
+    loss scaling it stays at the end (the overflow check reads every gradient), and forcing
+    `update=early` there is a ConfigError naming why."""
+    model, x, loss_fn, opt = CASES["mlp"].make()
+    trainer = glmc.optimize(model, x, loss_fn=loss_fn, optimizer=opt, backend="eager",
+                            passes="cleanup,recompute{budget=min,solver=greedy,time_limit=120}")
+    glmc_losses(trainer, x, 1)
+    assert _recompute_stats(trainer)[0].update == "early"
+    model, x, loss_fn, opt = CASES["mlp"].make()
+    trainer = glmc.optimize(model, x, loss_fn=loss_fn, optimizer=opt, backend="eager",
+                            passes="precision{policy=fp16},cleanup,"
+                                   "recompute{budget=min,solver=greedy,time_limit=120}")
+    glmc_losses(trainer, x, 1)
+    stats = _recompute_stats(trainer)[0]
+    assert stats.update == "end" and any("loss scaling" in str(n) for n in stats.notes)
+    model, x, loss_fn, opt = CASES["mlp"].make()
+    with pytest.raises(ConfigError, match="update=early does not apply.*loss scaling"):
+        glmc.optimize(model, x, loss_fn=loss_fn, optimizer=opt, backend="eager",
+                      passes="precision{policy=fp16},cleanup,recompute{budget=min,update=early}")

@@ -16,7 +16,7 @@ from glmc.backends.base import Backend, StepFn
 
 from glmc.analysis.phases import CallSite, Instrument, KernelCall
 from glmc.errors import BackendError
-from glmc.ir.graph import REMAT, TrainGraph, comm_ops
+from glmc.ir.graph import REMAT, Phase, TrainGraph, comm_ops
 from glmc.ir.target import BackendTraits
 
 
@@ -64,7 +64,7 @@ class InductorBackend(Backend):
         _cross_entropy_backward(gm)
         example = [ph.meta["val"] for ph in gm.graph.nodes if ph.op == "placeholder"]
         # fallback_random: draw dropout masks with ATen's generator, exactly as eager does
-        with torch.no_grad():
+        with torch.no_grad(), _phase_barrier(gm, _has_recompute(graph)):
             compiled = compile_fx(gm, example, config_patches=_patches(graph))
 
         def run(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -237,17 +237,25 @@ def _boxed(compiled: Any, gm: fx.GraphModule) -> Any:
     return None
 
 
+def _has_recompute(graph: TrainGraph) -> bool:
+    return any(TrainGraph.info(n).created_by == "recompute" or n.meta.get(REMAT)
+               for n in graph.compute_nodes())
+
+
 def _patches(graph: TrainGraph) -> dict[str, object]:
     # provenance tracking: the wrapper names the FX nodes of each kernel call (compile-time
     # only; glmc.analysis.phases reads it for the per-phase profile)
     patches: dict[str, object] = {"fallback_random": True,
                                   "trace.provenance_tracking_level": 1}
-    if any(TrainGraph.info(n).created_by == "recompute" or n.meta.get(REMAT)
-           for n in graph.compute_nodes()):
-        # Inductor's locality reordering moves producers next to their consumers; it drags
-        # forward values that feed recomputation into the backward and undoes the plan
-        # (GLM small, budget 0.5: 368 MiB measured with it, 298 MiB without; 310 predicted)
+    if _has_recompute(graph):
+        # Inductor's reorderings move the backward's recomputed copies back into the forward
+        # and undo the plan: locality reordering moves producers next to their consumers
+        # (GLM small, budget 0.5: 368 MiB measured with it, 298 MiB without; 310 predicted);
+        # its peak-memory reordering ranks orders by its own estimate, which does not know the
+        # copies are meant late (held-out GLM 2x256, budget min: in-step 41.6 -> 33.1 MiB
+        # without it; the rest came from horizontal fusion, `_phase_barrier`)
         patches["reorder_for_locality"] = False
+        patches["reorder_for_peak_memory"] = False
     if any(n.target in comm_ops() for n in graph.compute_nodes()):
         # Inductor's scheduler otherwise puts every wait right after its collective (checked
         # in the output code: the gradient buckets' reduce-scatters then block the backward);
@@ -256,6 +264,55 @@ def _patches(graph: TrainGraph) -> dict[str, object]:
         patches["reorder_for_compute_comm_overlap"] = True
         patches["reorder_for_compute_comm_overlap_passes"] = ["sink_waits", "raise_comms"]
     return patches
+
+
+#: the key under which a node's glmc phase reaches Inductor's post-grad graph: AOTAutograd's
+#: retrace copies a node's `custom` metadata to the nodes it becomes (torch.fx.proxy)
+_PHASE_KEY = "glmc_phase"
+
+
+@contextmanager
+def _phase_barrier(gm: fx.GraphModule, on: bool) -> Iterator[None]:
+    """While Inductor compiles `gm` (with `on`): no kernel fuses forward nodes with backward
+    ones. One step graph holds both phases (torch's partitioner would have split them); a
+    recomputed copy reads the same inputs as the forward node it copies, so Inductor's
+    horizontal fusion put both into one forward kernel and kept the copy alive until the
+    backward — recomputation undone (held-out GLM 2x256, budget min: in-step 33.1 -> 25.1
+    MiB measured with the barrier, 25.2 predicted). Each node's phase travels as `custom`
+    metadata; the refusal is an `InductorChoices` handler installed for this compile only."""
+    if not on:
+        yield
+        return
+    from torch._inductor.choices import InductorChoices
+    from torch._inductor.virtualized import V
+
+    for n in gm.graph.nodes:
+        info = n.meta.get("glmc")
+        if n.op == "call_function" and info is not None and info.phase is not None:
+            # a new dict: the node's metadata is shared (shallowly) with the step's graph
+            n.meta = {**n.meta, "custom": {**n.meta.get("custom", {}),
+                                           _PHASE_KEY: info.phase.value}}
+
+    def phases(snode: Any) -> set[str]:
+        out = set()
+        for s in snode.get_nodes():
+            for origin in getattr(getattr(s, "node", None), "origins", ()) or ():
+                phase = origin.meta.get("custom", {}).get(_PHASE_KEY)
+                if phase is not None:
+                    out.add(phase)
+        return out
+
+    crossing = {Phase.FORWARD.value, Phase.BACKWARD.value}
+
+    class PhaseBarrier(InductorChoices):
+        @staticmethod
+        def can_fuse(scheduler: Any, node1: Any, node2: Any, shared_data_score: int) -> bool:
+            if crossing <= phases(node1) | phases(node2):
+                return False
+            return InductorChoices.can_fuse(scheduler, node1, node2, shared_data_score)
+
+    with V.set_choices_handler(PhaseBarrier()):
+        yield
 
 
 def _views_as_reshapes(gm: fx.GraphModule) -> None:

@@ -342,7 +342,8 @@ def _linear_cross_entropy(node: fx.Node) -> OpCost:
     its softmax temporaries (and the product)."""
     x, w = _val(node.args[0]), _val(node.args[1])
     (n, d), v = x.shape, w.shape[0]
-    rows = head_rows(n, v)
+    asked = int(_arg(node, 6, "rows", 0))
+    rows = head_rows(n, v) if asked <= 0 else min(n, asked)
     chunks = -(-n // rows)
     fp32 = _arg(node, 5, "fp32", True)
     dtype = "float32" if fp32 else str(x.dtype).replace("torch.", "")

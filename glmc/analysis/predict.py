@@ -47,8 +47,8 @@ def predict(graph: TrainGraph, traits: BackendTraits = EAGER,
     backend that updates state in place, the functional step itself on one that does not.
     With a `link`, the step's collectives over `ranks` ranks too (glmc.analysis.comm)."""
     prof = get_profile(profile, device=graph_device(graph))
-    lowered = lower_writeback(graph, traits.early_writeback).graph if traits.inplace \
-        else graph.graph
+    lowered = lower_writeback(graph, traits.early_writeback, fused_in_place=True).graph \
+        if traits.inplace else graph.graph
     time = estimate_time(lowered, prof, traits, measured_node_times)
     comm = None
     if link is not None and has_comm(graph):

@@ -154,12 +154,10 @@ def inplace_module(graph: TrainGraph) -> fx.GraphModule:
     place on the state (`glmc.ir.kernels.in_place_fused_updates`)."""
     from torch.fx.graph import _BoxedCodeGen
 
-    from glmc.ir.kernels import in_place_fused_updates
     from glmc.ir.writeback import lower_writeback
     gm = _INPLACE.get(graph.gm)
     if gm is None:
-        gm = lower_writeback(graph)
-        in_place_fused_updates(gm)
+        gm = lower_writeback(graph, fused_in_place=True)
         gm.graph.set_codegen(_BoxedCodeGen())
         gm.recompile()
         _INPLACE[graph.gm] = gm

@@ -109,6 +109,8 @@ def _node_to_json(n: fx.Node, gm: fx.GraphModule, constants: dict) -> dict[str, 
         d["glmc"] = _enc(n.meta["glmc"])
     if n.meta.get(ir.REMAT):
         d["remat"] = True
+    if n.meta.get(ir.EARLY_UPDATE):
+        d["early_update"] = True
     return d
 
 
@@ -135,6 +137,8 @@ def _node_from_json(d: dict, g: fx.Graph, env: dict, root: torch.nn.Module,
         node.meta["glmc"] = info
     if d.get("remat"):
         node.meta[ir.REMAT] = True
+    if d.get("early_update"):
+        node.meta[ir.EARLY_UPDATE] = True
     return node
 
 

@@ -233,6 +233,11 @@ class OutputSpec:
 #: whether or not it is marked; mark copies made on purpose *within* one phase.
 REMAT = "glmc_remat"
 
+#: node.meta key on a fused optimizer call placed inside the backward, right after its
+#: parameter's gradient is complete (`glmc.planning.updates`): its in-place form stays there
+#: instead of moving after every output of the step (`glmc.ir.kernels.in_place_fused_updates`)
+EARLY_UPDATE = "glmc_early_update"
+
 #: node.meta key on a backward value the optimizer update reads as a parameter's gradient: the
 #: parameter names (a tuple). Set by the step builder; a pass that replaces such a node by
 #: another carries it over (`replace_uses`). Sharding finds each gradient by it.

@@ -26,7 +26,7 @@ import operator
 import torch
 from torch import Tensor
 
-from glmc.ir.graph import replace_uses
+from glmc.ir.graph import EARLY_UPDATE, replace_uses
 
 CHUNK_ELEMENTS = 1 << 18  #: fp32 elements per chunk of the loss alone (1 MiB)
 #: fp32 logits per chunk of the fused head (8 MiB): its matmuls need rows to be efficient
@@ -132,15 +132,18 @@ def _head_weight(weight: Tensor, x: Tensor, fp32: bool) -> Tensor:
 
 @torch.library.custom_op("glmc::linear_cross_entropy", mutates_args=())
 def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, ignore_index: int,
-                         reduction: int, fp32: bool) -> tuple[Tensor, Tensor, Tensor]:
+                         reduction: int, fp32: bool, rows: int = 0
+                         ) -> tuple[Tensor, Tensor, Tensor]:
     """`cross_entropy(x @ weight.T, target)` without ever holding the (N, V) logits.
 
     Returns (loss, grad_x, grad_w): the loss is a scalar, so its gradient with respect to x and
     the weight is the upstream gradient times fixed tensors; they are computed here, chunk by
     chunk of rows, while each chunk of logits exists (no second matmul to make the logits again
     in the backward), and the backward only scales them. Costs the three matmuls the unfused
-    step does; holds grad_w (the weight's size, fp32) from here to the backward."""
-    rows = head_rows(x.shape[0], weight.shape[0])
+    step does; holds grad_w (the weight's size, fp32) from here to the backward. `rows`: rows
+    per chunk (0: `head_rows`); a memory budget may ask for fewer (`passes.recompute`), which
+    sums grad_w in another order (within fp32 rounding)."""
+    rows = head_rows(x.shape[0], weight.shape[0]) if rows <= 0 else min(x.shape[0], rows)
     valid = target != ignore_index
     count = valid.sum().to(torch.float32)
     scale = torch.ones((), dtype=torch.float32, device=x.device) if reduction == 2 else 1 / count
@@ -164,12 +167,16 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, ignore_index
             pl = p.to(x.dtype)
             grad_x[s:s + rows] = pl @ w
             grad_w += (pl.t() @ xc).float()
+            del pl
+        # free this chunk's probabilities before the next chunk's logits exist: otherwise
+        # the loop holds three chunks (old probabilities, new logits, new log-probabilities)
+        del logp, p
     return total * scale, grad_x, grad_w.to(weight.dtype)
 
 
 @linear_cross_entropy.register_fake
 def _(x: Tensor, weight: Tensor, target: Tensor, ignore_index: int, reduction: int,
-      fp32: bool) -> tuple[Tensor, Tensor, Tensor]:
+      fp32: bool, rows: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     return x.new_empty((), dtype=torch.float32), torch.empty_like(x), torch.empty_like(weight)
 
 
@@ -179,7 +186,7 @@ def _lce_setup(ctx, inputs, output) -> None:  # noqa: ANN001
 
 def _lce_backward(ctx, grad_loss, grad_gx, grad_gw):  # noqa: ANN001
     gx, gw = ctx.saved_tensors
-    return gx * grad_loss.to(gx.dtype), gw * grad_loss.to(gw.dtype), None, None, None, None
+    return gx * grad_loss.to(gx.dtype), gw * grad_loss.to(gw.dtype), None, None, None, None, None
 
 
 linear_cross_entropy.register_autograd(_lce_backward, setup_context=_lce_setup)
@@ -207,7 +214,8 @@ def cross_entropy_backward_reference(grad: Tensor, logits: Tensor, target: Tenso
 
 
 def linear_cross_entropy_reference(x: Tensor, weight: Tensor, target: Tensor, ignore_index: int,
-                                   reduction: int, fp32: bool) -> tuple[Tensor, Tensor, Tensor]:
+                                   reduction: int, fp32: bool, rows: int = 0
+                                   ) -> tuple[Tensor, Tensor, Tensor]:
     logits = _head_logits(x, _head_weight(weight, x, fp32), fp32)
     loss, lse = cross_entropy_reference(logits, target, ignore_index, reduction)
     one = torch.ones((), dtype=torch.float32, device=x.device)
@@ -468,13 +476,19 @@ def in_place_fused_updates(gm: "torch.fx.GraphModule") -> int:
         # functional op ran, on the parameters' private views, and its readers read those;
         # else after every copy it replaces and every output it must follow (`after`: a
         # collective's wait the scheduler placed late, such as the loss's all-reduce)
-        last = node if moved else max([*dead, *outputs], key=order.__getitem__)
+        early = bool(node.meta.get(EARLY_UPDATE)) and not moved
+        if early:  # inside the backward (glmc.planning.updates): after the outputs before it
+            last = max(dead, key=order.__getitem__)
+            after = [o for o in outputs if order[o] < order[last]]
+        else:
+            last = node if moved else max([*dead, *outputs], key=order.__getitem__)
+            after = [] if moved else outputs
         a, k = node.args, node.kwargs
         with graph.inserting_after(last):
             new = graph.call_function(torch.ops.glmc.fused_adam_.default, (
                 list(a[0]), list(a[1]), list(a[2]), list(a[3]), list(a[4]), list(a[5]),
                 k["lr"], k["beta1"], k["beta2"], k["weight_decay"], k["eps"], k["amsgrad"],
-                k["maximize"], kinds[node.target], [] if moved else outputs))
+                k["maximize"], kinds[node.target], after))
         new.meta = {"val": None, "glmc": node.meta.get("glmc")}
         for item, src in moved.items():  # readers after `node` in order: after the update
             item.replace_all_uses_with(src)

@@ -15,7 +15,8 @@ import torch.fx as fx
 from glmc.ir.graph import OutputKind, Phase, Role, TrainGraph, is_view
 
 
-def lower_writeback(graph: TrainGraph, early: bool = True) -> fx.GraphModule:
+def lower_writeback(graph: TrainGraph, early: bool = True,
+                    fused_in_place: bool = False) -> fx.GraphModule:
     """The step as `f(*inputs) -> (loss,)` that copies every new state value into its input
     (a joint graph without state keeps its outputs).
 
@@ -23,7 +24,10 @@ def lower_writeback(graph: TrainGraph, early: bool = True) -> fx.GraphModule:
     value (through any view of it) — `early=True`, so a new parameter or optimizer-state tensor
     is freed as soon as it is written back instead of living to the end of the step; with
     `early=False` all copies go last. Inductor turns these input mutations into stores inside
-    its kernels; eager runs them as `copy_`. Node metadata is shared with `graph` (shallow).
+    its kernels; eager runs them as `copy_`. With `fused_in_place`, ATen's fused optimizer
+    calls then run in place on the state (`glmc.ir.kernels.in_place_fused_updates`), as both
+    in-place backends run them: the form the cost and memory models should see. Node metadata
+    is shared with `graph` (shallow).
     """
     old = graph.graph
     new = fx.Graph()
@@ -54,7 +58,11 @@ def lower_writeback(graph: TrainGraph, early: bool = True) -> fx.GraphModule:
                                                    created_by="writeback")}
     new.output(tuple(env[v] if isinstance(v, fx.Node) else v for v in kept))
     new.lint()
-    return fx.GraphModule(graph.gm, new)
+    gm = fx.GraphModule(graph.gm, new)
+    if fused_in_place:
+        from glmc.ir.kernels import in_place_fused_updates
+        in_place_fused_updates(gm)
+    return gm
 
 
 STATE_KINDS = (OutputKind.PARAM, OutputKind.BUFFER, OutputKind.STATE)
