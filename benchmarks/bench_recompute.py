@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import statistics
 import sys
 import time
@@ -208,10 +209,15 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     a = ap.parse_args()
     meta = run_meta("bench_recompute.py")
+    # one result file for the benchmark: each model's latest run (with its own date and
+    # machine) replaces that model's entry; the others are kept
+    path = Path(a.out) / "recompute.json"
+    merged = json.loads(path.read_text()) if path.exists() else {"models": {}}
     for name in a.models.split(","):
         result = run(name, a.steps, a.warmup, [float(b) for b in a.budgets.split(",")])
-        write_result(Path(a.out), f"recompute-{name}", {**meta, **result},
-                     markdown(result, meta))
+        merged["models"][name] = {**meta, **result}
+        write_result(Path(a.out), "recompute", merged,
+                     "\n\n".join(markdown(r, r) for r in merged["models"].values()))
 
 
 if __name__ == "__main__":

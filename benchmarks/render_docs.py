@@ -43,9 +43,8 @@ GROUPS: list[tuple[str, list[tuple[str, str, str]]]] = [
          "(`bench_precision.py --part numerics`)"), "passes/precision.md"),
         ("precision-memory", "Precision: memory and time (`bench_precision.py --part memory`)",
          "passes/precision.md"),
-        ("recompute-glm-small", "Recompute, GLM small (`bench_recompute.py`)",
-         "passes/recompute.md"),
-        ("recompute-cnn", "Recompute, CNN (`bench_recompute.py`)", "passes/recompute.md"),
+        ("recompute", "Recompute: GLM small, CNN, held-out transformers GLM "
+         "(`bench_recompute.py`; each model's table has its own date)", "passes/recompute.md"),
     ]),
     ("Backends", [
         ("backends", "ONNX Runtime vs eager vs Inductor (`bench_backends.py`)",

@@ -305,8 +305,14 @@ def _plan_part(rank: int, out: Path) -> dict:
     trainer = glmc.optimize(model, batch, loss_fn=loss_fn, backend="eager",
                             parallel=ParallelPlan(pp=2, microbatches=MICROBATCHES))
     losses = [trainer.step(*batch) for _ in range(STEPS)]
+    # issue 36 item 5: gradient accumulation on a pipeline plan, 2 x (MICROBATCHES / 2)
+    acc_model = CASES["glm"].make()[0]
+    acc = glmc.optimize(acc_model, batch, loss_fn=loss_fn, backend="eager",
+                        parallel=ParallelPlan(pp=2, microbatches=MICROBATCHES // 2,
+                                              accumulate=2))
+    acc_losses = [acc.step(*batch) for _ in range(STEPS)]
     return {"losses": [float(v) for v in losses if v is not None], "ref": ref,
-            "last": trainer.last}
+            "acc": [float(v) for v in acc_losses if v is not None], "last": trainer.last}
 
 
 def _hf_part(rank: int, out: Path, schedule: str = "1f1b") -> dict:
@@ -1112,6 +1118,8 @@ def test_a_pipeline_plan_without_an_optimizer_trains_with_the_default(distribute
     assert [g["last"] for g in got] == [False, True]
     assert got[0]["losses"] == []
     torch.testing.assert_close(got[1]["losses"], got[1]["ref"], rtol=RTOL, atol=0)
+    # --accumulate 2 on a pipeline plan: the same step as one process over the whole batch
+    torch.testing.assert_close(got[1]["acc"], got[1]["ref"], rtol=RTOL, atol=0)
 
 
 def test_stages_run_the_default_pipeline_through_the_pass_manager() -> None:

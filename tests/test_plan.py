@@ -60,7 +60,7 @@ def test_strategy_and_degrees() -> None:
     (ParallelPlan(nproc=6, nodes=4), None, "--nodes 4 does not divide --nproc 6"),
     (ParallelPlan(zero=2, hierarchical="on"), None, "--hierarchical on needs --zero 0 or 1"),
     (ParallelPlan(zero=2, compress="sign"), None, "--compress sign needs --zero 0 or 1"),
-    (ParallelPlan(accumulate=2), None, "--accumulate needs --nproc or --zero"),
+    (ParallelPlan(accumulate=2), None, "--accumulate needs --nproc, --zero or --pp"),
     (ParallelPlan(zero=0, intra_link="carrier-pigeon"), None, "--intra-link: "),
     (ParallelPlan(microbatches=4), None, "--microbatches / --schedule need --pp"),
     (ParallelPlan(nproc=4, pp=2, zero=2), None, "--pp 2 --zero 2: a pipeline stage sums"),

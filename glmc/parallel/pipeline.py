@@ -618,12 +618,14 @@ def plan_trainer(plan: ParallelPlan, model: nn.Module, optimizer: torch.optim.Op
                  fusion: bool = False) -> "PipelineTrainer":
     """The PipelineTrainer a pipeline plan describes, over the default group's processes (or
     torchrun's, before the group exists): its stages and replicas (`plan.degrees`), its
-    microbatches (default: one per stage), schedule (interleaved: 2 virtual stages per rank),
-    ZeRO stage and timeout."""
+    microbatches (default: one per stage; gradient accumulation over `plan.accumulate`
+    micro-batches is that many times the microbatches in one step: the gradients of all of
+    them are summed before the update, as accumulation does), schedule (interleaved: 2
+    virtual stages per rank), ZeRO stage and timeout."""
     world = dist.get_world_size() if dist.is_initialized() else from_env_world()
     dims = plan.degrees(world)
     return pipeline_trainer(model, optimizer, loss_fn, example_inputs,
-                            plan.microbatches or dims["pp"], plan.schedule,
+                            (plan.microbatches or dims["pp"]) * plan.accumulate, plan.schedule,
                             2 if plan.schedule == "interleaved" else 1,
                             timeout_s=plan.timeout_s, dp=dims["dp"],
                             memory_budget=memory_budget, zero=plan.zero or 0, backend=backend,
