@@ -12,6 +12,7 @@ PRECISIONS = ("fp32", "bf16", "fp16", "auto")
 
 def registry() -> dict[str, type[Pass]]:
     # one line per pass; imported lazily so `import glmc` stays light
+    from glmc.passes.accumulate import AccumulatePass
     from glmc.passes.cleanup import CleanupPass
     from glmc.passes.compress import CompressPass
     from glmc.passes.fusion import FusionPass
@@ -21,7 +22,8 @@ def registry() -> dict[str, type[Pass]]:
     from glmc.passes.shard import ShardPass
 
     return {cls.name: cls for cls in (FusionPass, PrecisionPass, CleanupPass, RecomputePass,
-                                      ShardPass, CompressPass, PartitionPass)}
+                                      ShardPass, CompressPass, PartitionPass,
+                                      AccumulatePass)}
 
 
 def default_pipeline(memory_budget: Any = None, precision: str | None = None,

@@ -31,6 +31,7 @@ _OPTIONS = {
                   "profiles": "h100;h100;kunpeng920;kunpeng920"},
     "compress": {"method": "topk", "ratio": 0.05, "rank": 2, "error_feedback": False,
                  "min_numel": 64},
+    "accumulate": {},
 }
 
 

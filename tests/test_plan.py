@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 
 import pytest
+import torch
 
 from glmc.errors import ConfigError
 from glmc.parallel.data import Parallel
@@ -60,7 +61,6 @@ def test_strategy_and_degrees() -> None:
     (ParallelPlan(nproc=6, nodes=4), None, "--nodes 4 does not divide --nproc 6"),
     (ParallelPlan(zero=2, hierarchical="on"), None, "--hierarchical on needs --zero 0 or 1"),
     (ParallelPlan(zero=2, compress="sign"), None, "--compress sign needs --zero 0 or 1"),
-    (ParallelPlan(accumulate=2), None, "--accumulate needs --nproc, --zero or --pp"),
     (ParallelPlan(zero=0, intra_link="carrier-pigeon"), None, "--intra-link: "),
     (ParallelPlan(microbatches=4), None, "--microbatches / --schedule need --pp"),
     (ParallelPlan(nproc=4, pp=2, zero=2), None, "--pp 2 --zero 2: a pipeline stage sums"),
@@ -95,3 +95,32 @@ def test_the_api_takes_a_plan_for_data_parallelism() -> None:
     assert Parallel.of(ParallelPlan()) is None
     with pytest.raises(ConfigError, match="pipeline plan"):
         Parallel.of(ParallelPlan(pp=2))
+
+
+@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.slow),
+                                     pytest.param("ort", marks=pytest.mark.slow)])
+def test_one_process_accumulates_like_the_whole_batch(backend: str) -> None:
+    """`--accumulate 2` on one process (issue 36 item 5): the batch in 2 micro-batches, the
+    first through the micro program (running sums, no update), one update — the losses,
+    parameters and optimizer state of eager PyTorch on the whole batch; the reported loss is
+    the mean over the micro-batches. k may change between steps (1/k is a step input)."""
+    import glmc
+    from glmc.runtime.strategy import Accumulating
+    from glmc.trace.capture import split_batch
+    from tests.models import ATOL, CASES, RTOL, assert_state_close, eager_losses, glmc_losses, twin
+    (m, x, loss_fn, opt), (m2, _, _, opt2) = twin(CASES["glm"].make)
+    want = eager_losses(m2, x, loss_fn, opt2, 3)
+    trainer = glmc.optimize(m, x, loss_fn=loss_fn, optimizer=opt, backend=backend,
+                            parallel=ParallelPlan(accumulate=2))
+    assert isinstance(trainer.strategy, Accumulating)
+    got = glmc_losses(trainer, x, 3)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=ATOL)
+    assert_state_close(m, m2, opt, opt2)
+    names = [p.name for p in trainer.report.compiles[-1].history]
+    assert "accumulate" in names
+    trainer.strategy.accumulate = 4  # 4 one-row micro-batches: a new shape, still one update
+    loss = trainer.step(*split_batch(x)[0])
+    assert torch.isfinite(loss)
+    with pytest.raises(glmc.InputError, match="do not split into accumulate=3"):
+        trainer.strategy.accumulate = 3
+        trainer.step(*split_batch(x)[0])

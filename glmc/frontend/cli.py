@@ -347,7 +347,9 @@ def _compile(args: argparse.Namespace) -> int:
                             fusion=args.fusion, strict=args.strict,
                             disable=tuple(args.disable), profile=args.profile,
                             profile_guided=args.profile_guided, progress=_rank() == 0,
-                            parallel=plan.data_parallel(), cuda_graphs=args.cuda_graphs,
+                            parallel=plan.data_parallel() if plan.strategy == "data" else
+                            (plan if plan.accumulate > 1 else None),
+                            cuda_graphs=args.cuda_graphs,
                             dump_dir=str(Path(args.report_dir) / "graphs") if args.report_dir
                             and _rank() == 0 else None)
     if args.export_onnx:

@@ -193,6 +193,63 @@ def init_distributed(device: str, timeout_s: float) -> None:
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
 
 
+def split_micro_batches(batch: Batch, k: int, whose: str = "the", times: str = "") -> list[Batch]:
+    """`batch` cut into `k` equal micro-batches along dim 0 (0-d tensors and non-tensors go
+    to each whole); an InputError when its rows do not divide by `k`."""
+    if k == 1:
+        return [batch]
+    args, kwargs = batch
+    leaves = [t for t in batch_leaves(batch) if t.dim() > 0]
+    rows = leaves[0].shape[0] if leaves else 0
+    if rows % k:
+        raise InputError(f"parallel: {whose} {rows} rows of the batch {describe(batch)} do not "
+                         f"split into accumulate={k} micro-batches; pass a batch whose size "
+                         f"divides by {times}{k}")
+    n = rows // k
+
+    def cut(t: Any, i: int) -> Any:
+        return t[i * n:(i + 1) * n] if isinstance(t, torch.Tensor) and t.dim() else t
+    return [(tuple(cut(t, i) for t in args), {key: cut(v, i) for key, v in kwargs.items()})
+            for i in range(k)]
+
+
+def reset_sums(sums: dict[str, torch.Tensor], accumulators: dict[str, Any], k: int) -> None:
+    """Zero the running sums (made on first use from their specs) and set `acc:scale` to 1/k."""
+    for target, spec in accumulators.items():
+        t = sums.get(target)
+        if t is None or tuple(t.shape) != tuple(spec.shape):
+            t = sums[target] = torch.zeros(spec.shape, dtype=spec.dtype, device=spec.device)
+        if target == "acc:scale":
+            t.fill_(1.0 / k)
+        else:
+            t.zero_()
+
+
+def carry_sums(sums: dict[str, torch.Tensor], micro: TrainGraph,
+               values: list[torch.Tensor]) -> None:
+    """A micro-batch program's outputs (its running sums) become the next one's inputs."""
+    with torch.no_grad():
+        for spec, value in zip(micro.outputs, values):
+            sums[spec.target].copy_(value)
+
+
+def micro_program(graph: TrainGraph, accumulators: dict[str, Any]) -> TrainGraph:
+    """The step of a micro-batch that is not the last: forward and backward, the gradients
+    (or gradient buckets) and the loss added to their running sums; no collective on
+    gradients, no update (dead code, removed). Outputs the sums, one per accumulator."""
+    micro = graph.copy()
+    sums = {n.meta[ACCUMULATES]: n for n in micro.graph.nodes if ACCUMULATES in n.meta}
+    targets = [t for t in accumulators if t in sums]
+    micro.output_node().args = (tuple(sums[t] for t in targets),)
+    micro.outputs = [OutputSpec(OutputKind.ACCUMULATOR, t) for t in targets]
+    micro.graph.eliminate_dead_code(
+        is_impure_node=lambda n: n.op in ("placeholder", "output")
+        or op_name(n) in RANDOM_OPS)  # every draw stays: the RNG stream is eager's
+    micro.gm.recompile()
+    micro.verify()
+    return micro
+
+
 class DataParallel:
     """One rank's view of a data-parallel trainer (see the module docstring)."""
 
@@ -260,56 +317,19 @@ class DataParallel:
         if k > 1 and not self.options.accumulate > 1:
             raise ConfigError("parallel: accumulate > 1 needs a step compiled for it; pass "
                               "parallel={'accumulate': k} with k > 1 when creating the trainer")
-        if k == 1:
-            return [batch]
-        args, kwargs = batch
-        leaves = [t for t in batch_leaves(batch) if t.dim() > 0]
-        rows = leaves[0].shape[0] if leaves else 0
-        if rows % k:
-            raise InputError(f"parallel: this rank's {rows} rows of the batch "
-                             f"{describe(batch)} do not split into accumulate={k} micro-batches;"
-                             f" pass a global batch whose size divides by ranks x {k}")
-        n = rows // k
-
-        def cut(t: Any, i: int) -> Any:
-            return t[i * n:(i + 1) * n] if isinstance(t, torch.Tensor) and t.dim() else t
-        return [(tuple(cut(t, i) for t in args), {key: cut(v, i) for key, v in kwargs.items()})
-                for i in range(k)]
+        return split_micro_batches(batch, k, "this rank's", "ranks x ")
 
     def start_step(self, graph: TrainGraph) -> None:
         """Zero the running sums and set 1/k for a step of `accumulate` micro-batches."""
-        plan: ShardPlan = graph.meta["sharding"]
-        for target, spec in plan.accumulators.items():
-            t = self.sums.get(target)
-            if t is None or tuple(t.shape) != spec.shape:
-                t = self.sums[target] = torch.zeros(spec.shape, dtype=spec.dtype,
-                                                    device=spec.device)
-            if target == "acc:scale":
-                t.fill_(1.0 / self.accumulate)
-            else:
-                t.zero_()
+        reset_sums(self.sums, graph.meta["sharding"].accumulators, self.accumulate)
 
     def carry(self, graph: TrainGraph, sums: list[torch.Tensor]) -> None:
         """A micro-batch step's running sums become the next one's inputs."""
-        with torch.no_grad():
-            for spec, value in zip(graph.outputs, sums):
-                self.sums[spec.target].copy_(value)
+        carry_sums(self.sums, graph, sums)
 
     def micro_program(self, graph: TrainGraph) -> TrainGraph:
-        """The step of a micro-batch that is not the last: forward and backward, the gradient
-        buckets and the loss added to their running sums; no collective on gradients, no
-        update (dead code, removed). Outputs the sums, one per accumulator."""
-        micro = graph.copy()
-        sums = {n.meta[ACCUMULATES]: n for n in micro.graph.nodes if ACCUMULATES in n.meta}
-        targets = [t for t in graph.meta["sharding"].accumulators if t in sums]
-        micro.output_node().args = (tuple(sums[t] for t in targets),)
-        micro.outputs = [OutputSpec(OutputKind.ACCUMULATOR, t) for t in targets]
-        micro.graph.eliminate_dead_code(
-            is_impure_node=lambda n: n.op in ("placeholder", "output")
-            or op_name(n) in RANDOM_OPS)  # every draw stays: the RNG stream is eager's
-        micro.gm.recompile()
-        micro.verify()
-        return micro
+        """The step of a micro-batch that is not the last (`micro_program`)."""
+        return micro_program(graph, graph.meta["sharding"].accumulators)
 
     def check_same(self, model: nn.Module, batch: Batch, options: Any) -> None:
         """Every rank trains the same model on the same batch structure with the same options

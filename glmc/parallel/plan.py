@@ -70,8 +70,9 @@ class ParallelPlan:
         "with --pp: pipeline schedule (interleaved: 2 virtual stages per rank; default 1f1b)",
         None, str, SCHEDULES))
     accumulate: int = field(default=1, metadata=_cli(
-        "micro-batches per step (gradient accumulation): data parallel, one collective per "
-        "bucket per step; with --pp, K times the microbatches of one step", "K", int))
+        "micro-batches per step (gradient accumulation): one process, running sums and one "
+        "update; data parallel, one collective per bucket per step; with --pp, K times the "
+        "microbatches of one step", "K", int))
     bucket_mb: float | None = field(default=None, metadata=_cli(
         "gradient bucket size in MiB for data parallelism (default 25)", "M", float))
     overlap: bool = field(default=True, metadata=_cli(
@@ -223,10 +224,6 @@ class ParallelPlan:
         if self.compress in ("sign", "topk", "powersgd") and (self.zero or 0) >= 2:
             out.append(f"--compress {self.compress} needs --zero 0 or 1 (stages 2-3 "
                        "reduce-scatter the gradients); use bf16/fp16 there")
-        if self.accumulate != 1 and self.strategy == "single":
-            out.append("--accumulate needs --nproc, --zero or --pp (gradient accumulation is "
-                       "implemented for data-parallel and pipeline steps, not yet for one "
-                       "process)")
         for key in ("intra_link", "inter_link"):
             link = getattr(self, key)
             if link is not None:

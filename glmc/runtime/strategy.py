@@ -16,8 +16,9 @@ import torch
 import torch.nn as nn
 
 from glmc.errors import ConfigError
-from glmc.ir.graph import TrainGraph
-from glmc.parallel.data import DataParallel, Parallel
+from glmc.ir.graph import Role, TrainGraph
+from glmc.parallel.data import (DataParallel, Parallel, carry_sums, micro_program, reset_sums,
+                                split_micro_batches)
 from glmc.trace.capture import Batch
 
 
@@ -72,9 +73,53 @@ class SingleProcess:
         return getters
 
 
+class Accumulating(SingleProcess):
+    """One process, gradient accumulation: the batch in `accumulate` micro-batches, the first
+    k - 1 through the step's micro program (running sums, no update), the last through the
+    whole step (`glmc.passes.accumulate`). `accumulate` may change between steps."""
+
+    def __init__(self, accumulate: int) -> None:
+        if not isinstance(accumulate, int) or accumulate < 1:
+            raise ConfigError(f"accumulate: micro-batches per step must be a whole number >= 1,"
+                              f" got {accumulate!r}")
+        self.accumulate = accumulate
+        self.sums: dict[str, torch.Tensor] = {}
+
+    def passes(self, budgeted: bool) -> list[Any]:
+        from glmc.passes.accumulate import AccumulatePass
+        return [AccumulatePass()]
+
+    def micro_batches(self, batch: Batch) -> list[Batch]:
+        return split_micro_batches(batch, self.accumulate)
+
+    def wants_micro_program(self, graph: TrainGraph) -> bool:
+        return bool(graph.meta.get("accumulators"))
+
+    def micro_program(self, graph: TrainGraph) -> TrainGraph:
+        return micro_program(graph, graph.meta["accumulators"])
+
+    def start_step(self, graph: TrainGraph) -> None:
+        reset_sums(self.sums, graph.meta["accumulators"], self.accumulate)
+
+    def carry(self, graph: TrainGraph, sums: list[torch.Tensor]) -> None:
+        carry_sums(self.sums, graph, sums)
+
+    def getters(self, graph: TrainGraph, getters: list[Callable]) -> list[Callable]:
+        out = list(getters)
+        for i, spec in enumerate(graph.inputs):
+            if spec.role is Role.ACCUMULATOR:
+                out[i] = lambda _, k=spec.target: self.sums[k]
+        return out
+
+
 def strategy_for(parallel: Any, device: str) -> SingleProcess | DataParallel:
     """The strategy of a Trainer's `parallel` option (None, a ZeRO stage, a dict, a
-    `Parallel`, or a data-parallel `ParallelPlan` — its `data_parallel()` options)."""
+    `Parallel`, or a `ParallelPlan`: one process, accumulating when it asks for
+    `accumulate` > 1; data parallel — its `data_parallel()` options)."""
+    from glmc.parallel.plan import ParallelPlan
+    plan = ParallelPlan.parse(parallel) if isinstance(parallel, str) else parallel
+    if isinstance(plan, ParallelPlan) and plan.strategy == "single":
+        return Accumulating(plan.accumulate) if plan.accumulate > 1 else SingleProcess()
     options = Parallel.of(parallel)
     return SingleProcess() if options is None else DataParallel(options, device)
 
