@@ -1,7 +1,8 @@
 """glmc: a compiler for PyTorch training steps."""
 from glmc.compiler.passmanager import Pass, PassContext, PassManager, PassResult
-from glmc.errors import (BudgetError, CaptureError, CommError, ConfigError, GlmcError,
-                         GraphBreakError, InputError, PassError, PipelineError, UnsupportedOpError)
+from glmc.errors import (BudgetError, CaptureError, CheckpointError, CommError, ConfigError,
+                         GlmcError, GraphBreakError, InputError, PassError, PipelineError,
+                         UnsupportedOpError)
 from glmc.export.serialize import load_graph, save_graph
 from glmc.frontend.api import optimize
 from glmc.ir.graph import NodeInfo, Phase, Role, TrainGraph
@@ -23,4 +24,4 @@ def __getattr__(name: str):
 __all__ = ["optimize", "capture", "save_graph", "load_graph", "TrainGraph", "NodeInfo", "Phase", "Role", "Pass",
            "PassContext", "PassManager", "PassResult", "GlmcError", "CaptureError", "GraphBreakError",
            "ConfigError", "InputError", "PassError", "PipelineError", "BudgetError",
-           "UnsupportedOpError", "CommError", "Parallel", "save_checkpoint", "load_checkpoint"]
+           "UnsupportedOpError", "CommError", "CheckpointError", "Parallel", "save_checkpoint", "load_checkpoint"]

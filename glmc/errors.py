@@ -80,3 +80,8 @@ class ConfigError(GlmcError):
 class CommError(GlmcError):
     """A collective of a multi-process step failed or timed out: another rank died, hung or
     diverged. Raised on every rank that notices, naming itself and the timeout."""
+
+
+class CheckpointError(GlmcError):
+    """A checkpoint cannot be written or used (incomplete, corrupt, another model's): names the
+    file and what to do."""

@@ -126,7 +126,7 @@ time.sleep(30)
      ["budget 'banana' is not a fraction (0.5), a size (2GiB, 500MB, 1e9) or 'min'",
       "unknown policy 'fp8'", "backend 'nosuch' is unknown", "unknown device profile 'nosuch'",
       "--disable: unknown pass(es) nosuch", "--export-onnx needs --export-dir"]),
-    ("compile", ["--passes", "nosuchpass"], ["unknown pass 'nosuchpass'; known: cleanup"]),
+    ("compile", ["--passes", "nosuchpass"], ["unknown pass 'nosuchpass'; known: accumulate, cleanup"]),
     ("compile", ["--passes", "cleanup{x=1},recompute"], ["cleanup: unknown option(s) ['x']"]),
     ("compile", ["--passes", "cleanup;fusion"], ["pipeline: expected ','"]),
     ("compile", ["--passes", "recompute{budget=banana}"], ["budget 'banana' is not a fraction"]),

@@ -80,6 +80,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
                         "(partial: not yet run on a GPU)")
     _parallel_args(c)
     c.add_argument("--debug", action="store_true", help="print tracebacks")
+    t = _train_parser(sub, backends, PRECISIONS)
     k = sub.add_parser("check", help="list every op the backend (or the ONNX export) cannot "
                                      "take, with source lines")
     k.add_argument("file", metavar="FILE")
@@ -99,7 +100,30 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     cm = comm_arguments(sub.add_parser(
         "comm", help="predict a gradient all-reduce at cluster scale: flat vs hierarchical"))
     cm.add_argument("--debug", action="store_true")
-    return p, {"compile": c, "check": k, "report": r, "calibrate": cal}
+    return p, {"compile": c, "train": t, "check": k, "report": r, "calibrate": cal}
+
+
+def _train_parser(sub: Any, backends: str, precisions: tuple[str, ...]) -> Any:
+    """`glmc train`: the step options of `glmc compile` (no exports) and its own."""
+    t = sub.add_parser("train", help="train over real data with checkpoints, resume and live "
+                                     "metrics",
+                       description="FILE as for `glmc compile`; data from --data (a token "
+                       "file) or the FILE's `data` iterable.")
+    t.add_argument("file", metavar="FILE")
+    t.add_argument("--backend", default="inductor", metavar="NAME",
+                   help=f"{backends} (default inductor)")
+    _pipeline_args(t, precisions)
+    t.add_argument("--steps", type=_steps, default=100, metavar="N",
+                   help="train until step N (default 100)")
+    t.add_argument("--report-dir", default=None, metavar="DIR",
+                   help="write report.json, report.html and metrics.jsonl here")
+    t.add_argument("--profile", default=None, metavar="NAME", help="cost-model device")
+    t.add_argument("--strict", action="store_true", help="fail on ops the backend cannot take")
+    from glmc.frontend.train import add_arguments
+    add_arguments(t)
+    _parallel_args(t)
+    t.add_argument("--debug", action="store_true", help="print tracebacks")
+    return t
 
 
 def _parallel_args(c: argparse.ArgumentParser) -> None:
@@ -139,7 +163,7 @@ def _steps(text: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser, commands = _parser()
     args = parser.parse_args(argv)
-    if args.command == "compile":
+    if args.command in ("compile", "train"):
         from glmc.parallel.plan import ParallelPlan
         args.plan = ParallelPlan.from_args(args)
     problems = _usage_problems(args)
@@ -149,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         return _launch(args, sys.argv[1:] if argv is None else list(argv))
     try:
         run = {"compile": _compile, "check": _check, "report": _report,
-               "calibrate": _calibrate, "comm": _comm}
+               "calibrate": _calibrate, "comm": _comm, "train": _train}
         return run[args.command](args)
     except GlmcError as e:
         if args.debug:
@@ -175,7 +199,7 @@ def _leave_process_group() -> None:
 
 def _usage_problems(args: argparse.Namespace) -> list[str]:
     """Every usage error of the options, found by glmc's own parsers without loading FILE."""
-    if args.command not in ("compile", "check"):
+    if args.command not in ("compile", "check", "train"):
         return []
     from glmc.analysis.cost import get_profile
     from glmc.backends import get_backend
@@ -207,6 +231,14 @@ def _usage_problems(args: argparse.Namespace) -> list[str]:
     if unknown:
         problems.append(f"--disable: unknown pass(es) {', '.join(unknown)}; known: "
                         f"{', '.join(registry())}")
+    if args.command == "train":
+        from glmc.frontend.train import usage_problems
+        from glmc.parallel.plan import StepOptions
+        problems += usage_problems(args)
+        problems += args.plan.problems(StepOptions(backend=args.backend,
+                                                   precision=args.precision,
+                                                   passes=args.passes,
+                                                   disable=tuple(args.disable)))
     if args.command == "compile":
         if args.profile is not None and args.profile.lower() not in ("host", "cpu"):
             check("--profile: ", lambda: get_profile(args.profile))  # host would calibrate
@@ -323,6 +355,11 @@ def _without_launcher_noise(lines: Any) -> Any:
 
 #: torchrun's own log lines ("E1201 04:53:00.123000 123 .../elastic/...")
 _LAUNCHER_LOG = re.compile(r"^[EWI]\d{4} [\d:.]+ \d+ .*(elastic|torch/distributed/run)")
+
+
+def _train(args: argparse.Namespace) -> int:
+    from glmc.frontend.train import train
+    return train(args)
 
 
 def _compile(args: argparse.Namespace) -> int:

@@ -23,6 +23,9 @@ class Workload:
     example_inputs: Any
     loss_fn: Any = None
     optimizer: Any = None
+    #: `glmc train`: the FILE's `data`, any iterable of batches (e.g. a DataLoader), if it
+    #: defines one
+    data: Any = None
 
 
 def _importable_siblings(file: Path) -> None:
@@ -60,6 +63,7 @@ def load_workload(path: str) -> Workload:
         missing = [n for n in ("model", "example_inputs") if not hasattr(module, n)]
         raise ConfigError(f"{path}: defines neither `workload()` nor {' and '.join(missing)}; "
                           "add `model = ...` and `example_inputs = (...)` at module level")
+    work.data = getattr(module, "data", None)
     if not isinstance(work.model, nn.Module):
         raise ConfigError(f"{path}: `model` must be a torch.nn.Module, got "
                           f"{type(work.model).__name__}")

@@ -1,0 +1,270 @@
+"""`glmc train FILE`: a training run over real data, with checkpoints that survive being killed,
+exact resume, an LR schedule and live metrics. The step is compiled as `glmc compile` compiles
+it (every backend, pass and parallel option).
+
+    glmc train model.py --data train.bin --seq-len 256 --batch-size 8 --steps 300 \\
+        --checkpoint-dir ckpt --checkpoint-every 50 --lr-schedule cosine --warmup 20
+    glmc train model.py ... --resume        # continues from the newest complete checkpoint
+
+Data: a token file (`glmc.runtime.data.TokenFile`: nanoGPT's flat uint16/uint32 ids) cut into
+batches laid out like the FILE's example batch, or the FILE's own `data` (any iterable of
+batches; on resume the batches already trained on are skipped by iterating past them, so it
+must yield the same batches in the same order each run).
+
+Resume is exact: the model, the optimizer, glmc's own state (loss scale), the data position,
+the RNG states and the step come back, so the losses and parameters after a kill and a resume
+equal an uninterrupted run's (tested). SIGTERM (a spot instance's notice) writes a checkpoint
+and exits with status 143.
+"""
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from glmc.errors import CheckpointError, ConfigError
+
+SCHEDULES = ("constant", "cosine", "linear")
+
+
+def add_arguments(t: Any) -> None:
+    """`glmc train`'s own options (the compile options are added beside them)."""
+    t.add_argument("--data", default=None, metavar="FILE",
+                   help="a token file (flat uint16/uint32 ids, nanoGPT's format); without it "
+                        "the FILE's `data` iterable is used")
+    t.add_argument("--token-dtype", default="uint16", choices=("uint16", "uint32"),
+                   help="with --data: the ids' dtype (default uint16)")
+    t.add_argument("--seq-len", type=int, default=None, metavar="S",
+                   help="with --data: tokens per sequence (default: the example batch's)")
+    t.add_argument("--batch-size", type=int, default=None, metavar="B",
+                   help="with --data: the global batch in sequences (default: the example's)")
+    t.add_argument("--seed", type=int, default=0, help="data shuffling seed (default 0)")
+    t.add_argument("--checkpoint-dir", default=None, metavar="D",
+                   help="write checkpoints here (atomic, checked by a manifest)")
+    t.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
+                   help="with --checkpoint-dir: a checkpoint every K steps (and at the end)")
+    t.add_argument("--keep", type=int, default=3, metavar="M",
+                   help="with --checkpoint-dir: keep the newest M checkpoints (default 3)")
+    t.add_argument("--sync-checkpoints", action="store_true",
+                   help="write checkpoints in the training thread (default: in the background)")
+    t.add_argument("--resume", action="store_true",
+                   help="continue from the newest complete checkpoint in --checkpoint-dir")
+    t.add_argument("--lr-schedule", default="constant", choices=SCHEDULES,
+                   help="the learning rate over the run: constant (default), cosine or linear "
+                        "decay to --min-lr-ratio, after --warmup steps of linear warm-up")
+    t.add_argument("--warmup", type=int, default=0, metavar="N", help="warm-up steps")
+    t.add_argument("--min-lr-ratio", type=float, default=0.1, metavar="R",
+                   help="the final learning rate as a fraction of the optimizer's (default 0.1)")
+    t.add_argument("--log-every", type=int, default=1, metavar="N",
+                   help="print the progress line every N steps (default 1)")
+    t.add_argument("--metrics", default=None, metavar="FILE",
+                   help="metrics.jsonl path (default: in --report-dir, else --checkpoint-dir)")
+
+
+def usage_problems(args: Any) -> list[str]:
+    out = []
+    if args.resume and not args.checkpoint_dir:
+        out.append("--resume needs --checkpoint-dir")
+    if args.checkpoint_every and not args.checkpoint_dir:
+        out.append("--checkpoint-every needs --checkpoint-dir")
+    if args.checkpoint_every < 0 or args.keep < 1 or args.warmup < 0 or args.log_every < 1:
+        out.append("--checkpoint-every and --warmup must be >= 0, --keep and --log-every >= 1")
+    if not args.data and (args.seq_len or args.batch_size):
+        out.append("--seq-len / --batch-size need --data")
+    if args.plan.strategy == "pipeline":
+        out.append("glmc train: --pp is not supported yet (glmc compile --pp trains a pipeline)")
+    if args.plan.strategy == "data":
+        out.append("glmc train: --nproc / --zero are not supported yet (one process, with "
+                   "--accumulate; glmc compile --nproc trains data-parallel)")
+    return out
+
+
+def train(args: Any) -> int:
+    from glmc.analysis.predict import graph_device
+    from glmc.frontend.api import optimize
+    from glmc.frontend.workload import load_workload
+    from glmc.runtime.checkpoint import Checkpointer, snapshot
+    from glmc.runtime.metrics import Meter, achievable_flops, lr_factor, step_flops
+
+    work = load_workload(args.file)
+    source, example, tokens = _data(args, work)
+    plan = args.plan
+    trainer = optimize(work.model, example, loss_fn=work.loss_fn, optimizer=work.optimizer,
+                       backend=args.backend, passes=args.passes,
+                       memory_budget=args.memory_budget, precision=args.precision,
+                       fusion=args.fusion, strict=args.strict, disable=tuple(args.disable),
+                       profile=args.profile, progress=True,
+                       parallel=plan if plan.accumulate > 1 else None)
+    model, optimizer = work.model, trainer.optimizer
+    ckpt = Checkpointer(args.checkpoint_dir, args.keep, not args.sync_checkpoints) \
+        if args.checkpoint_dir else None
+    start, base_lr = _resume(args, trainer, source) if args.resume else \
+        (0, [g["lr"] for g in optimizer.param_groups])
+    if start >= args.steps:
+        print(f"glmc: the checkpoint is at step {start}, not before --steps {args.steps}")
+        return 0
+    metrics = Path(args.metrics) if args.metrics else \
+        Path(args.report_dir or args.checkpoint_dir or ".") / "metrics.jsonl"
+    meter = Meter(args.steps, tokens, step_flops(trainer.graph),
+                  achievable_flops(graph_device(trainer.graph)), metrics, args.log_every)
+    stop = _on_sigterm()
+    batches = source.iterate()
+    try:
+        for i in range(start, args.steps):
+            factor = lr_factor(i, args.steps, args.lr_schedule, args.warmup, args.min_lr_ratio)
+            for g, lr in zip(optimizer.param_groups, base_lr):
+                g["lr"] = lr * factor
+            batch = next(batches)
+            t0 = time.perf_counter()
+            loss = _step(trainer, batch)
+            meter.step(i, loss, optimizer.param_groups[0]["lr"], time.perf_counter() - t0)
+            done = i + 1
+            due = ckpt is not None and (done == args.steps or stop.is_set() or (
+                args.checkpoint_every and done % args.checkpoint_every == 0))
+            if due:
+                ckpt.save(done, snapshot(model, optimizer, trainer, source.position(), done,
+                                         {"base_lr": base_lr}))
+            if stop.is_set():
+                if ckpt is not None:
+                    ckpt.wait()
+                print(f"glmc: SIGTERM: checkpoint of step {done} written; exiting",
+                      file=sys.stderr)
+                return 143
+    except BaseException:
+        if ckpt is not None:
+            ckpt.wait()  # a checkpoint in flight completes before the error propagates
+        raise
+    finally:
+        source.close()
+        meter.close()
+    _finish(args, trainer, ckpt)
+    return 0
+
+
+def _resume(args: Any, trainer: Any, source: Any) -> tuple[int, list[float]]:
+    """(the step to continue at, the base learning rates) from the newest complete checkpoint
+    in --checkpoint-dir, restored into the model, optimizer, trainer, RNGs and data source."""
+    from glmc.runtime.checkpoint import latest, load, restore
+    base_lr = [g["lr"] for g in trainer.optimizer.param_groups]
+    found = latest(Path(args.checkpoint_dir), report=lambda m: print(f"glmc: {m}"))
+    if found is None:
+        print(f"glmc: no complete checkpoint in {args.checkpoint_dir}; starting at step 0")
+        return 0, base_lr
+    state = load(found)
+    restore(state, trainer.model, trainer.optimizer, trainer, where=str(found))
+    source.load_state_dict(state["data"])
+    start = int(state["step"])
+    print(f"glmc: resumed from {found} at step {start}")
+    return start, state["extra"].get("base_lr", base_lr)
+
+
+def _finish(args: Any, trainer: Any, ckpt: Any) -> None:
+    if ckpt is not None:
+        ckpt.wait()
+        for e in ckpt.errors:
+            print(f"glmc: {e}", file=sys.stderr)
+        if ckpt.saved:
+            mean = sum(s for _, s in ckpt.saved) / len(ckpt.saved)
+            print(f"checkpoints: {len(ckpt.saved)} written to {args.checkpoint_dir} "
+                  f"({mean:.2f} s each, in the {'background' if ckpt.background else 'step'})")
+    print(trainer.report.summary())
+    if args.report_dir:
+        for path in trainer.write_report(args.report_dir):
+            print(f"report: {path}")
+
+
+def _step(trainer: Any, batch: Any) -> float:
+    if isinstance(batch, dict):
+        return trainer.step(**batch).item()
+    return trainer.step(*batch).item()
+
+
+class _TokenSource:
+    def __init__(self, batches: Any) -> None:
+        from glmc.runtime.data import Prefetch
+        self.batches, self.prefetch = batches, None
+        self._prefetch_cls = Prefetch
+
+    def iterate(self) -> Any:
+        self.prefetch = self._prefetch_cls(self.batches)
+        return iter(self.prefetch)
+
+    def position(self) -> dict[str, Any]:
+        return self.prefetch.consumed_state() if self.prefetch else self.batches.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.batches.load_state_dict(state)
+
+    def close(self) -> None:
+        if self.prefetch is not None:
+            self.prefetch.close()
+
+
+class _IterableSource:
+    """The FILE's `data`: its position is the count of batches handed out; resuming skips
+    that many (the iterable must repeat itself run to run)."""
+
+    def __init__(self, data: Any) -> None:
+        self.data, self.count, self.skip = data, 0, 0
+
+    def iterate(self) -> Any:
+        it = iter(self.data)
+        for _ in range(self.skip):
+            next(it)
+        self.count = self.skip
+        for batch in it:
+            self.count += 1
+            yield batch
+
+    def position(self) -> dict[str, Any]:
+        return {"batches": self.count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "batches" not in state:
+            raise CheckpointError("resume: the checkpoint was written reading a token file; "
+                                  "resume with the same --data")
+        self.skip = int(state["batches"])
+
+    def close(self) -> None:
+        pass
+
+
+def _data(args: Any, work: Any) -> tuple[Any, Any, int | None]:
+    """(source, example batch to compile with, tokens per step or None)."""
+    from glmc.runtime.data import BatchLayout, TokenBatches, TokenFile
+    from glmc.trace.capture import batch_leaves, split_batch
+    if args.data:
+        layout = BatchLayout.of(work.example_inputs)
+        ids = work.example_inputs["input_ids"] if layout.keyword else work.example_inputs[0]
+        seq_len = args.seq_len or int(ids.shape[1])
+        batch_size = args.batch_size or int(ids.shape[0])
+        batches = TokenBatches(TokenFile(args.data, seq_len, args.token_dtype), batch_size,
+                               layout, args.seed)
+        import torch
+        example = layout.make(torch.stack([batches.source.window(i)
+                                           for i in range(batch_size)]))
+        return _TokenSource(batches), example, batches.tokens_per_batch()
+    if work.data is None:
+        raise ConfigError(f"{args.file}: glmc train needs data: pass --data TOKENS.bin, or "
+                          "define `data` (an iterable of batches) in the FILE")
+    first = next(iter(work.data))
+    leaves = batch_leaves(split_batch(first))
+    tokens = int(leaves[0].numel()) if leaves and leaves[0].dtype.is_floating_point is False \
+        else None
+    return _IterableSource(work.data), first, tokens
+
+
+def _on_sigterm() -> Any:
+    """An event set by SIGTERM (the loop checkpoints and exits at the step's end)."""
+    import threading
+    event = threading.Event()
+    try:
+        signal.signal(signal.SIGTERM, lambda *_: event.set())
+    except ValueError:  # not the main thread (a test calling main() from a thread)
+        pass
+    return event
+
+
+__all__ = ["train", "add_arguments", "usage_problems", "SCHEDULES"]

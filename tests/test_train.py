@@ -1,0 +1,195 @@
+"""`glmc train`: token data, checkpoints that survive kills, exact resume, metrics (issue 39)."""
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from glmc.errors import CheckpointError, InputError
+from glmc.runtime.checkpoint import Checkpointer, latest, load, restore, snapshot
+from glmc.runtime.data import BatchLayout, Prefetch, TokenBatches, TokenFile
+from glmc.runtime.metrics import lr_factor
+
+ROOT = Path(__file__).resolve().parent.parent
+LOSS = re.compile(r"^step +(\d+) +loss ([\d.]+)", re.M)
+
+
+def _tokens(path: Path, n: int = 20000, dtype=np.uint16, vocab: int = 256) -> Path:
+    np.random.default_rng(0).integers(0, vocab, size=n).astype(dtype).tofile(path)
+    return path
+
+
+def test_token_file_batches_are_deterministic_and_resumable(tmp_path: Path) -> None:
+    f = TokenFile(_tokens(tmp_path / "t.bin"), seq_len=32)
+    assert len(f) == (20000 - 1) // 32
+    layout = BatchLayout.of((torch.zeros(4, 32, dtype=torch.long),) * 2)  # labels = ids
+    assert not layout.shifted
+    a = TokenBatches(f, 4, layout, seed=3)
+    first = [a.next_batch() for _ in range(5)]
+    state = a.state_dict()
+    after = [a.next_batch() for _ in range(3)]
+    b = TokenBatches(f, 4, layout, seed=3)
+    assert all(torch.equal(x[0], y[0]) for x, y in zip(first, [b.next_batch() for _ in range(5)]))
+    c = TokenBatches(f, 4, layout, seed=3)
+    c.load_state_dict(state)  # a resumed reader reads exactly what the first one read next
+    assert all(torch.equal(x[0], y[0]) for x, y in zip(after, [c.next_batch() for _ in range(3)]))
+    shifted = BatchLayout.of({"input_ids": torch.zeros(2, 4, dtype=torch.long),
+                              "labels": torch.ones(2, 4, dtype=torch.long)})
+    ids_labels = shifted.make(f.window(0)[None])
+    assert torch.equal(ids_labels["labels"][0, :-1], ids_labels["input_ids"][0, 1:])
+    fetched = Prefetch(TokenBatches(f, 4, layout, seed=3))  # a background thread, same order
+    got = [next(fetched) for _ in range(5)]
+    assert fetched.consumed_state() == state
+    fetched.close()
+    assert all(torch.equal(x[0], y[0]) for x, y in zip(first, got))
+    with pytest.raises(InputError, match="different .*seed|data seed"):
+        TokenBatches(f, 4, layout, seed=4).load_state_dict(state)
+
+
+def test_a_token_file_of_the_wrong_size_is_a_typed_error(tmp_path: Path) -> None:
+    bad = tmp_path / "odd.bin"
+    bad.write_bytes(b"\x00" * 7)
+    with pytest.raises(InputError, match="not a multiple of 2"):
+        TokenFile(bad, 4)
+    with pytest.raises(InputError, match="fewer than one sequence"):
+        TokenFile(_tokens(tmp_path / "short.bin", n=8), 32)
+
+
+def _model_and_opt(width: int = 8):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(width, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(3, width)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_checkpoints_are_atomic_checked_and_fall_back(tmp_path: Path) -> None:
+    """A complete checkpoint has a manifest (sizes, SHA-256) written last; `latest` skips, and
+    names, a corrupt one, one without a manifest and a leftover temporary directory; a save
+    that fails (a full disk) leaves the previous checkpoints intact and training goes on."""
+    model, opt = _model_and_opt()
+    ck = Checkpointer(tmp_path, keep=2)
+    for step in (2, 4, 6):
+        ck.save(step, snapshot(model, opt, None, {"epoch": 0, "index": step}, step))
+    ck.wait()
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["step-00000004", "step-00000006"]  # keep=2
+    state = (tmp_path / "step-00000006" / "state.pt")
+    raw = bytearray(state.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    state.write_bytes(bytes(raw))
+    (tmp_path / "step-00000009").mkdir()  # killed before its manifest
+    (tmp_path / ".step-00000010.tmp").mkdir()  # killed mid-write
+    said: list[str] = []
+    found = latest(tmp_path, report=said.append)
+    assert found is not None and found.name == "step-00000004"
+    assert any("step-00000006" in m and "checksum" in m for m in said)
+    assert any("step-00000009" in m and "did not finish" in m for m in said)
+    with pytest.raises(CheckpointError, match="checksum"):
+        load(tmp_path / "step-00000006")
+    other, other_opt = _model_and_opt(width=5)
+    with pytest.raises(CheckpointError, match="another model"):
+        restore(load(found), other, other_opt)
+
+    import glmc.runtime.checkpoint as ckmod
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+    real = ckmod.torch.save
+    ckmod.torch.save = full
+    try:
+        with pytest.warns(UserWarning, match="No space left"):
+            ck.save(8, snapshot(model, opt, None, {}, 8))
+            ck.wait()
+    finally:
+        ckmod.torch.save = real
+    assert ck.errors and "training goes on" in ck.errors[0]
+    assert not list(tmp_path.glob(".step-00000008*"))  # no half-written directory left
+    assert latest(tmp_path, report=said.append).name == "step-00000004"
+
+
+def test_lr_schedule_warms_up_and_decays() -> None:
+    f = [lr_factor(i, 10, "cosine", 2, 0.1) for i in range(10)]
+    assert f[0] == 0.5 and f[1] == 1.0 and f[2] == 1.0
+    assert all(a >= b for a, b in zip(f[2:], f[3:])) and f[-1] > 0.1
+    assert lr_factor(9, 10, "linear", 0, 0.0) == pytest.approx(0.1)
+
+
+def _train(*args: str, **popen) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "glmc", "train", "examples/glm.py",
+                             "--backend", "eager", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **popen)
+
+
+def _losses(text: str) -> dict[int, str]:
+    return {int(i): v for i, v in LOSS.findall(text)}
+
+
+def _until(proc: subprocess.Popen, pattern: str) -> str:
+    """stdout lines up to and including the first that matches `pattern`."""
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if re.match(pattern, line):
+            return "".join(seen)
+    raise AssertionError("".join(seen) + proc.stderr.read())
+
+
+def test_a_killed_run_resumes_exactly(tmp_path: Path) -> None:
+    """12 steps over a token file with a checkpoint every 3 (cosine LR, warm-up): a run killed
+    with SIGKILL after step 7 and resumed with --resume ends with the losses and parameters of
+    an uninterrupted run, bit for bit; a run sent SIGTERM writes a checkpoint and exits 143."""
+    data = _tokens(tmp_path / "t.bin")
+    common = ["--data", str(data), "--steps", "12", "--checkpoint-every", "3",
+              "--lr-schedule", "cosine", "--warmup", "2", "--seed", "5"]
+    whole = _train(*common, "--checkpoint-dir", str(tmp_path / "a"))
+    out, err = whole.communicate(timeout=600)
+    assert whole.returncode == 0, err
+    want = _losses(out)
+    assert sorted(want) == list(range(12))
+    rows = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").open()]
+    assert [r["step"] for r in rows] == list(range(12))
+    assert all(r["tokens_per_s"] > 0 and "mfu" in r for r in rows)
+
+    killed = _train(*common, "--checkpoint-dir", str(tmp_path / "b"))
+    seen = _until(killed, r"step +7 ")
+    killed.send_signal(signal.SIGKILL)
+    killed.wait(timeout=60)
+    resumed = _train(*common, "--checkpoint-dir", str(tmp_path / "b"), "--resume")
+    out, err = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, err
+    start = int(re.search(r"resumed from .* at step (\d+)", out).group(1))
+    assert 3 <= start <= 8
+    got = {**_losses(seen), **_losses(out)}
+    assert got == want  # the printed losses, digit for digit
+    a, b = (load(tmp_path / d / "step-00000012") for d in ("a", "b"))
+    for k, v in a["model"].items():
+        assert torch.equal(v, b["model"][k]), k
+    for k, v in a["optimizer"]["state"].items():
+        for key, t in v.items():
+            assert torch.equal(t, b["optimizer"]["state"][k][key]), (k, key)
+
+    term = _train(*common, "--checkpoint-dir", str(tmp_path / "c"), "--checkpoint-every", "0")
+    _until(term, r"step +1 ")
+    term.send_signal(signal.SIGTERM)
+    out, err = term.communicate(timeout=120)
+    assert term.returncode == 143, err
+    saved = latest(tmp_path / "c")
+    assert saved is not None and int(load(saved)["step"]) >= 2
+
+
+def test_train_usage_errors() -> None:
+    r = subprocess.run([sys.executable, "-m", "glmc", "train", "examples/glm.py", "--resume",
+                        "--seq-len", "8"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2
+    assert "--resume needs --checkpoint-dir" in r.stderr
+    assert "--seq-len / --batch-size need --data" in r.stderr
