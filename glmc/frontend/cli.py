@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     problems = _usage_problems(args)
     if problems:
         commands[args.command].error("\n  ".join(problems))  # exits 2
-    if args.command == "compile" and args.plan.nproc is not None:
+    if args.command in ("compile", "train") and args.plan.nproc is not None:
         return _launch(args, sys.argv[1:] if argv is None else list(argv))
     try:
         run = {"compile": _compile, "check": _check, "report": _report,

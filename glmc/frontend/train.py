@@ -18,6 +18,7 @@ and exits with status 143.
 """
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -75,9 +76,6 @@ def usage_problems(args: Any) -> list[str]:
         out.append("--seq-len / --batch-size need --data")
     if args.plan.strategy == "pipeline":
         out.append("glmc train: --pp is not supported yet (glmc compile --pp trains a pipeline)")
-    if args.plan.strategy == "data":
-        out.append("glmc train: --nproc / --zero are not supported yet (one process, with "
-                   "--accumulate; glmc compile --nproc trains data-parallel)")
     return out
 
 
@@ -85,30 +83,32 @@ def train(args: Any) -> int:
     from glmc.analysis.predict import graph_device
     from glmc.frontend.api import optimize
     from glmc.frontend.workload import load_workload
-    from glmc.runtime.checkpoint import Checkpointer, snapshot
     from glmc.runtime.metrics import Meter, achievable_flops, lr_factor, step_flops
 
     work = load_workload(args.file)
     source, example, tokens = _data(args, work)
     plan = args.plan
+    data = plan.strategy == "data"
+    lead = _rank() == 0
     trainer = optimize(work.model, example, loss_fn=work.loss_fn, optimizer=work.optimizer,
                        backend=args.backend, passes=args.passes,
                        memory_budget=args.memory_budget, precision=args.precision,
                        fusion=args.fusion, strict=args.strict, disable=tuple(args.disable),
-                       profile=args.profile, progress=True,
-                       parallel=plan if plan.accumulate > 1 else None)
-    model, optimizer = work.model, trainer.optimizer
-    ckpt = Checkpointer(args.checkpoint_dir, args.keep, not args.sync_checkpoints) \
-        if args.checkpoint_dir else None
-    start, base_lr = _resume(args, trainer, source) if args.resume else \
+                       profile=args.profile, progress=lead,
+                       parallel=plan.data_parallel() if data else
+                       (plan if plan.accumulate > 1 else None))
+    run = _Run(args, trainer, source, data)
+    optimizer = trainer.optimizer
+    start, base_lr = run.resume() if args.resume else \
         (0, [g["lr"] for g in optimizer.param_groups])
     if start >= args.steps:
-        print(f"glmc: the checkpoint is at step {start}, not before --steps {args.steps}")
+        run.say(f"glmc: the checkpoint is at step {start}, not before --steps {args.steps}")
         return 0
     metrics = Path(args.metrics) if args.metrics else \
         Path(args.report_dir or args.checkpoint_dir or ".") / "metrics.jsonl"
     meter = Meter(args.steps, tokens, step_flops(trainer.graph),
-                  achievable_flops(graph_device(trainer.graph)), metrics, args.log_every)
+                  achievable_flops(graph_device(trainer.graph)), metrics if lead else None,
+                  args.log_every, None if lead else open(os.devnull, "w"))
     stop = _on_sigterm()
     batches = source.iterate()
     try:
@@ -120,44 +120,91 @@ def train(args: Any) -> int:
             t0 = time.perf_counter()
             loss = _step(trainer, batch)
             meter.step(i, loss, optimizer.param_groups[0]["lr"], time.perf_counter() - t0)
-            done = i + 1
-            due = ckpt is not None and (done == args.steps or stop.is_set() or (
-                args.checkpoint_every and done % args.checkpoint_every == 0))
-            if due:
-                ckpt.save(done, snapshot(model, optimizer, trainer, source.position(), done,
-                                         {"base_lr": base_lr}))
-            if stop.is_set():
-                if ckpt is not None:
-                    ckpt.wait()
+            done, stopping = i + 1, run.agreed(stop.is_set())
+            if run.ckpt is not None and (done == args.steps or stopping or (
+                    args.checkpoint_every and done % args.checkpoint_every == 0)):
+                run.save(done, base_lr)
+            if stopping:
+                run.wait()
                 print(f"glmc: SIGTERM: checkpoint of step {done} written; exiting",
                       file=sys.stderr)
                 return 143
     except BaseException:
-        if ckpt is not None:
-            ckpt.wait()  # a checkpoint in flight completes before the error propagates
+        run.wait()  # a checkpoint in flight completes before the error propagates
         raise
     finally:
         source.close()
         meter.close()
-    _finish(args, trainer, ckpt)
+    if lead:
+        _finish(args, trainer, run.ckpt)
     return 0
 
 
-def _resume(args: Any, trainer: Any, source: Any) -> tuple[int, list[float]]:
-    """(the step to continue at, the base learning rates) from the newest complete checkpoint
-    in --checkpoint-dir, restored into the model, optimizer, trainer, RNGs and data source."""
-    from glmc.runtime.checkpoint import latest, load, restore
-    base_lr = [g["lr"] for g in trainer.optimizer.param_groups]
-    found = latest(Path(args.checkpoint_dir), report=lambda m: print(f"glmc: {m}"))
-    if found is None:
-        print(f"glmc: no complete checkpoint in {args.checkpoint_dir}; starting at step 0")
-        return 0, base_lr
-    state = load(found)
-    restore(state, trainer.model, trainer.optimizer, trainer, where=str(found))
-    source.load_state_dict(state["data"])
-    start = int(state["step"])
-    print(f"glmc: resumed from {found} at step {start}")
-    return start, state["extra"].get("base_lr", base_lr)
+class _Run:
+    """What differs between one process and data parallelism: the checkpointer (one file
+    written in the background, or DCP shards written by every rank together), resume, who
+    speaks, and agreeing on a SIGTERM."""
+
+    def __init__(self, args: Any, trainer: Any, source: Any, data: bool) -> None:
+        from glmc.runtime.checkpoint import Checkpointer, ShardedCheckpointer
+        self.args, self.trainer, self.source, self.data = args, trainer, source, data
+        self.ckpt: Any = None
+        if args.checkpoint_dir:
+            self.ckpt = ShardedCheckpointer(args.checkpoint_dir, args.keep) if data else \
+                Checkpointer(args.checkpoint_dir, args.keep, not args.sync_checkpoints)
+
+    def say(self, text: str) -> None:
+        if _rank() == 0:
+            print(text, flush=True)
+
+    def agreed(self, flag: bool) -> bool:
+        """Whether any rank was told to stop (every rank then checkpoints the same step)."""
+        if not self.data:
+            return flag
+        import torch
+        import torch.distributed as dist
+        t = torch.tensor([int(flag)])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    def save(self, step: int, base_lr: list[float]) -> None:
+        from glmc.runtime.checkpoint import snapshot
+        extra = {"base_lr": base_lr}
+        if self.data:
+            self.ckpt.save(step, self.trainer, {"data": self.source.position(), "extra": extra})
+        else:
+            self.ckpt.save(step, snapshot(self.trainer.model, self.trainer.optimizer,
+                                          self.trainer, self.source.position(), step, extra))
+
+    def wait(self) -> None:
+        if self.ckpt is not None:
+            self.ckpt.wait()
+
+    def resume(self) -> tuple[int, list[float]]:
+        """(the step to continue at, the base learning rates) from the newest complete
+        checkpoint in --checkpoint-dir, restored into the model, optimizer, trainer, RNGs and
+        data source."""
+        from glmc.runtime.checkpoint import latest, load, load_sharded, restore
+        base_lr = [g["lr"] for g in self.trainer.optimizer.param_groups]
+        found = latest(Path(self.args.checkpoint_dir), report=lambda m: self.say(f"glmc: {m}"))
+        if found is None:
+            self.say(f"glmc: no complete checkpoint in {self.args.checkpoint_dir}; starting "
+                     "at step 0")
+            return 0, base_lr
+        if self.data:
+            state = load_sharded(found, self.trainer)
+        else:
+            state = load(found)
+            restore(state, self.trainer.model, self.trainer.optimizer, self.trainer,
+                    where=str(found))
+        self.source.load_state_dict(state["data"])
+        start = int(state["step"])
+        self.say(f"glmc: resumed from {found} at step {start}")
+        return start, state["extra"].get("base_lr", base_lr)
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
 
 
 def _finish(args: Any, trainer: Any, ckpt: Any) -> None:

@@ -50,14 +50,7 @@ def snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainer: 
         if isinstance(x, (list, tuple)):
             return type(x)(cpu(v) for v in x)
         return copy.deepcopy(x)
-    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy as np
-        rng["numpy"] = np.random.get_state()
-    except ImportError:  # pragma: no cover - numpy is a torch dependency here
-        pass
+    rng = rng_states()
     return {"format": FORMAT, "step": step, "fingerprint": fingerprint(model),
             "model": cpu(model.state_dict()), "optimizer": cpu(optimizer.state_dict()),
             "glmc": cpu(trainer.state_dict()) if trainer is not None else {},
@@ -73,6 +66,9 @@ def restore(state: dict[str, Any], model: torch.nn.Module, optimizer: torch.opti
             trainer: Any = None, where: str = "checkpoint") -> None:
     """Load a snapshot into live objects (the RNG states too); a snapshot of another model is a
     CheckpointError naming the first difference."""
+    if "fingerprint" not in state:
+        raise CheckpointError(f"{where}: written by a data-parallel run; resume it with the "
+                              "same --nproc / --zero")
     mine, theirs = fingerprint(model), state["fingerprint"]
     if mine != theirs:
         diff = next((f"{a} vs {b}" for a, b in zip(theirs, mine) if a != b),
@@ -84,14 +80,10 @@ def restore(state: dict[str, Any], model: torch.nn.Module, optimizer: torch.opti
     optimizer.load_state_dict(state["optimizer"])
     if trainer is not None and state.get("glmc"):
         trainer.load_state_dict(state["glmc"])
-    rng = state["rng"]
-    torch.set_rng_state(rng["torch"])
-    random.setstate(rng["python"])
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    if "numpy" in rng:
-        import numpy as np
-        np.random.set_state(rng["numpy"])
+    if "rng" not in state:
+        raise CheckpointError(f"{where}: written by a data-parallel run; resume it with the "
+                              "same --nproc / --zero")
+    set_rng_states(state["rng"])
 
 
 def name_of(step: int) -> str:
@@ -217,6 +209,115 @@ class Checkpointer:
             shutil.rmtree(old, ignore_errors=True)
 
 
+class ShardedCheckpointer:
+    """Checkpoints of a data-parallel trainer (ZeRO 0-3), written by every rank together:
+    the sharded model and optimizer state through torch.distributed.checkpoint (each rank its
+    shards, `dcp/`), the rest (`state.pt`: data position, every rank's RNG states, step, glmc
+    state) by rank 0, all into a temporary directory that rank 0 renames into place after the
+    manifest (every file's size and SHA-256) is written. Synchronous and collective: every
+    rank calls `save` at the same step. Resharding to another world size is DCP's."""
+
+    background = False
+
+    def __init__(self, root: str | Path, keep: int = 3) -> None:
+        import torch.distributed as dist
+        if keep < 1:
+            raise CheckpointError(f"checkpoint: --keep must be >= 1, got {keep}")
+        self.root, self.keep, self.rank = Path(root), keep, dist.get_rank()
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+        self.errors: list[str] = []
+        self.saved: list[tuple[int, float]] = []
+
+    def save(self, step: int, trainer: Any, host: dict[str, Any]) -> None:
+        import time
+
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        start = time.perf_counter()
+        final, tmp = self.root / name_of(step), self.root / f".{name_of(step)}.tmp"
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        dp = trainer.parallel
+        dcp.save(dp.sharded_state_dict(trainer.model, trainer.optimizer),
+                 checkpoint_id=str(tmp / "dcp"))
+        rngs: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(rngs, rng_states())
+        dist.barrier()
+        if self.rank == 0:
+            with open(tmp / STATE, "wb") as f:
+                torch.save({**host, "format": FORMAT, "step": step, "rng_ranks": rngs,
+                            "glmc": trainer.state_dict()}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            files = {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+                     for p in sorted(tmp.rglob("*")) if p.is_file()}
+            with open(tmp / MANIFEST, "w") as f:
+                json.dump({"format": FORMAT, "step": step, "files": files}, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_dir(tmp)
+            if final.exists():
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _fsync_dir(self.root)
+            Checkpointer._prune(self)  # the same rule: newest `keep` with a manifest
+            self.saved.append((step, time.perf_counter() - start))
+        dist.barrier()
+
+    def wait(self) -> None:
+        pass
+
+
+def load_sharded(path: Path, trainer: Any) -> dict[str, Any]:
+    """Every rank: restore a `ShardedCheckpointer` checkpoint into a data-parallel trainer (its
+    store, the user's tensors, this rank's RNG states); returns the host state."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    problem = check(path)
+    if problem:
+        raise CheckpointError(f"{path}: {problem}")
+    host = torch.load(path / STATE, map_location="cpu", weights_only=False)
+    if "rng_ranks" not in host:
+        raise CheckpointError(f"{path}: written by one process; resume it without --nproc / "
+                              "--zero (or start this run without --resume)")
+    if len(host["rng_ranks"]) != dist.get_world_size():
+        raise CheckpointError(f"{path}: written by {len(host['rng_ranks'])} ranks, resumed on "
+                              f"{dist.get_world_size()}: resume on the same number of ranks")
+    dp = trainer.parallel
+    state = dp.sharded_state_dict(trainer.model, trainer.optimizer)
+    dcp.load(state, checkpoint_id=str(path / "dcp"))
+    dp.load_sharded(state, trainer.model, trainer.optimizer)
+    if host.get("glmc"):
+        trainer.load_state_dict(host["glmc"])
+    set_rng_states(host["rng_ranks"][dist.get_rank()])
+    return host
+
+
+def rng_states() -> dict[str, Any]:
+    rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+        rng["numpy"] = np.random.get_state()
+    except ImportError:  # pragma: no cover - numpy is a torch dependency here
+        pass
+    return rng
+
+
+def set_rng_states(rng: dict[str, Any]) -> None:
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    if "numpy" in rng:
+        import numpy as np
+        np.random.set_state(rng["numpy"])
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -233,5 +334,5 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-__all__ = ["Checkpointer", "CheckpointError", "snapshot", "restore", "load", "latest", "check",
-           "name_of"]
+__all__ = ["Checkpointer", "ShardedCheckpointer", "CheckpointError", "snapshot", "restore",
+           "load", "load_sharded", "latest", "check", "name_of", "rng_states", "set_rng_states"]
