@@ -251,3 +251,33 @@ def test_a_killed_zero1_run_on_two_processes_resumes_exactly(tmp_path: Path) -> 
     for part in ("model", "optim"):
         for k, v in a[part].items():
             assert torch.equal(v, b[part][k]), (part, k)
+
+
+def test_the_step_cache_skips_capture_and_passes_and_keys_what_matters(tmp_path: Path) -> None:
+    """Warm start (issue 39): the second trainer of the same model, batch shapes, optimizer and
+    options loads the optimized step (no capture, no passes) and trains to the same losses; a
+    changed hyperparameter or batch shape is another key; an unreadable entry is replaced."""
+    import glmc
+    from tests.models import CASES, glmc_losses
+
+    def trainer(**change):
+        model, x, loss_fn, opt = CASES["glm"].make()
+        for g in opt.param_groups:
+            g.update(change)
+        return glmc.optimize(model, x, loss_fn=loss_fn, optimizer=opt, backend="eager",
+                             step_cache=str(tmp_path)), x
+
+    cold, x = trainer()
+    warm, _ = trainer()
+    assert cold.report.compiles[-1].step_cache.startswith("stored ")
+    record = warm.report.compiles[-1]
+    assert record.step_cache == "hit " + cold.report.compiles[-1].step_cache.split()[1]
+    assert record.history == []  # no pass ran
+    assert glmc_losses(cold, x, 3) == glmc_losses(warm, x, 3)
+    other, _ = trainer(weight_decay=0.5)
+    assert other.report.compiles[-1].step_cache.startswith("stored ")
+    assert len([p for p in tmp_path.iterdir() if not p.name.startswith(".")]) == 2
+    for entry in tmp_path.iterdir():
+        (entry / "graph.json").write_text("{not json")
+    again, _ = trainer()
+    assert again.report.compiles[-1].step_cache.startswith("stored ")

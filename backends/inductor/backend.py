@@ -62,9 +62,9 @@ class InductorBackend(Backend):
         _split_alpha(gm)
         _views_as_reshapes(gm)
         _cross_entropy_backward(gm)
-        example = [ph.meta["val"] for ph in gm.graph.nodes if ph.op == "placeholder"]
         # fallback_random: draw dropout masks with ATen's generator, exactly as eager does
-        with torch.no_grad(), _phase_barrier(gm, _has_recompute(graph)):
+        with torch.no_grad(), _phase_barrier(gm, _has_recompute(graph)), \
+                _cacheable(gm) as example:
             compiled = compile_fx(gm, example, config_patches=_patches(graph))
 
         def run(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -235,6 +235,25 @@ def _boxed(compiled: Any, gm: fx.GraphModule) -> Any:
         if getattr(fn, "__qualname__", "").endswith("runtime_wrapper"):
             return fn
     return None
+
+
+@contextmanager
+def _cacheable(gm: fx.GraphModule) -> Iterator[list[torch.Tensor]]:
+    """The example inputs of `gm`'s placeholders, made in a fake mode with a shape
+    environment, inside a tracing context holding that mode: Inductor's FX graph cache needs
+    one to key a graph (without it every compile bypassed the cache: 'No shape env'), so a
+    second process compiling the same step loads the kernels instead of generating them."""
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    vals = [ph.meta["val"] for ph in gm.graph.nodes if ph.op == "placeholder"]
+    with mode:
+        example = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+                   if isinstance(v, torch.Tensor) else v for v in vals]
+    with tracing(TracingContext(mode)):
+        yield example
 
 
 def _has_recompute(graph: TrainGraph) -> bool:

@@ -75,6 +75,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
                         "cuda | h100 | h200 | a100, or a TVM target as JSON, e.g. "
                         '\'{"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mcpu": "tsv110"}\'')
     c.add_argument("--strict", action="store_true", help="fail on ops the backend cannot take")
+    _cache_arg(c)
     c.add_argument("--cuda-graphs", action="store_true",
                    help="CUDA: record the whole step once as a CUDA graph and replay it "
                         "(partial: not yet run on a GPU)")
@@ -119,11 +120,19 @@ def _train_parser(sub: Any, backends: str, precisions: tuple[str, ...]) -> Any:
                    help="write report.json, report.html and metrics.jsonl here")
     t.add_argument("--profile", default=None, metavar="NAME", help="cost-model device")
     t.add_argument("--strict", action="store_true", help="fail on ops the backend cannot take")
+    _cache_arg(t)
     from glmc.frontend.train import add_arguments
     add_arguments(t)
     _parallel_args(t)
     t.add_argument("--debug", action="store_true", help="print tracebacks")
     return t
+
+
+def _cache_arg(c: argparse.ArgumentParser) -> None:
+    c.add_argument("--step-cache", default="default", metavar="DIR",
+                   help="warm start: keep the optimized step in DIR and reuse it when the "
+                        "model, batch shapes, optimizer and options are the same (default "
+                        "~/.cache/glmc/steps, or $GLMC_STEP_CACHE; 'off' disables)")
 
 
 def _parallel_args(c: argparse.ArgumentParser) -> None:
@@ -357,6 +366,10 @@ def _without_launcher_noise(lines: Any) -> Any:
 _LAUNCHER_LOG = re.compile(r"^[EWI]\d{4} [\d:.]+ \d+ .*(elastic|torch/distributed/run)")
 
 
+def _step_cache(args: argparse.Namespace) -> str | None:
+    return None if args.step_cache in ("off", "none", "") else args.step_cache
+
+
 def _train(args: argparse.Namespace) -> int:
     from glmc.frontend.train import train
     return train(args)
@@ -386,7 +399,7 @@ def _compile(args: argparse.Namespace) -> int:
                             profile_guided=args.profile_guided, progress=_rank() == 0,
                             parallel=plan.data_parallel() if plan.strategy == "data" else
                             (plan if plan.accumulate > 1 else None),
-                            cuda_graphs=args.cuda_graphs,
+                            cuda_graphs=args.cuda_graphs, step_cache=_step_cache(args),
                             dump_dir=str(Path(args.report_dir) / "graphs") if args.report_dir
                             and _rank() == 0 else None)
     if args.export_onnx:

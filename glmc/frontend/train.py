@@ -95,6 +95,8 @@ def train(args: Any) -> int:
                        memory_budget=args.memory_budget, precision=args.precision,
                        fusion=args.fusion, strict=args.strict, disable=tuple(args.disable),
                        profile=args.profile, progress=lead,
+                       step_cache=None if args.step_cache in ("off", "none", "") else
+                       args.step_cache,
                        parallel=plan.data_parallel() if data else
                        (plan if plan.accumulate > 1 else None))
     run = _Run(args, trainer, source, data)

@@ -54,6 +54,9 @@ class CompileRecord:
     phases: dict[str, Any] | None = None
     #: the host memory policy in force (glmc.runtime.hostalloc), CPU steps
     host_memory: str | None = None
+    #: the step cache (glmc.runtime.stepcache): "hit KEY" (capture and passes skipped),
+    #: "stored KEY", "not stored: why", or None (off)
+    step_cache: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         steps = self.step_seconds[1:]  # the first call warms caches: never a measurement
@@ -71,7 +74,7 @@ class CompileRecord:
                "measured_step_seconds": min(steps) if steps else None,
                "median_step_seconds": statistics.median(steps) if steps else None,
                "warnings": list(self.warnings), "phases": self.phases,
-               "host_memory": self.host_memory}
+               "host_memory": self.host_memory, "step_cache": self.step_cache}
         out["measured_peak_bytes"], out["measured_state_from"] = measured_peak(out)
         out["errors"] = _errors(out)
         spread = _load_warning(steps)
@@ -210,6 +213,8 @@ def summary(data: dict[str, Any]) -> str:
         lines += phase_lines(c.get("phases"), (c.get("phases") or {}).get("reference"))
         if c.get("host_memory"):
             lines.append(f"  host memory: {c['host_memory']}")
+        if c.get("step_cache"):
+            lines.append(f"  step cache: {c['step_cache']}")
         if c["fallbacks"]:
             lines.append(f"  {len(c['fallbacks'])} op(s) fell back to eager:")
             lines += [f"    {f['op']} at {f['where']}" for f in c["fallbacks"]]

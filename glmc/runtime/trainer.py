@@ -74,6 +74,9 @@ class TrainerOptions:
     dump_dir: str | None = None  #: write the step's Python after capture and after each pass
     #: a step saved by glmc.save_graph to use instead of capturing the example batch's shapes
     graph_path: str | None = None
+    #: warm start: a directory of optimized steps keyed by what they depend on
+    #: (glmc.runtime.stepcache); "default" is ~/.cache/glmc/steps (GLMC_STEP_CACHE); None: off
+    step_cache: str | None = None
     progress: bool = False  #: say on stderr what the compile is doing (capture, passes, backend)
     #: data parallelism over torch.distributed (glmc.parallel.data.Parallel, a ZeRO stage, or a dict)
     parallel: Any = None
@@ -289,8 +292,12 @@ class Trainer:
             print(f"glmc: {text}", file=sys.stderr, flush=True)
 
     def _compile(self, batch: Batch, pipeline: list[Pass] | None = None) -> _Entry:
-        self._say(f"capturing the training step for batch {describe(batch)} ...")
         t0 = time.perf_counter()
+        key = self._cache_key(batch) if pipeline is None else None
+        graph = self._cached_step(key)
+        if graph is not None:
+            return self._compile_graph(batch, graph, [], t0, f"hit {key}")
+        self._say(f"capturing the training step for batch {describe(batch)} ...")
         try:
             with self.strategy.full_parameters(self.model, self.optimizer):
                 graph = self._saved_graph(batch) or capture_step(self.model, batch,
@@ -303,10 +310,63 @@ class Trainer:
             if isinstance(e, GraphBreakError) and not self.options.strict:
                 return self._pieces_entry(batch, e, time.perf_counter() - t0)
             raise
+        return self._compile_graph(batch, graph, pipeline or self._pipeline, t0, key)
+
+    def _cache_key(self, batch: Batch) -> str | None:
+        """The step cache key of `batch`'s step, or None when the cache is off or does not
+        apply (a saved graph, a parallel or accumulating strategy)."""
+        if self.options.step_cache is None or self.options.graph_path is not None or \
+                type(self.strategy) is not SingleProcess:
+            return None
+        from glmc.runtime.stepcache import step_key
+        spelled = ",".join(p.spelling() for p in self._pipeline)
+        return step_key(self.model, batch, self.loss_fn, self.optimizer,
+                        f"{spelled}|{sorted(self.options.disable)}|{self._backend.name}|"
+                        f"{self._device}|{self.options.strict}")
+
+    def _cache_dir(self) -> Path:
+        from glmc.runtime.stepcache import default_dir
+        d = self.options.step_cache
+        return default_dir() if d in (None, "default") else Path(d)
+
+    def _cached_step(self, key: str | None) -> TrainGraph | None:
+        if key is None:
+            return None
+        from glmc.runtime.stepcache import load
+        t0 = time.perf_counter()
+        graph = load(self._cache_dir(), key, self._device)
+        if graph is not None:
+            self._say(f"loaded the optimized step from the step cache ({self._cache_dir() / key})"
+                      f" in {time.perf_counter() - t0:.1f} s")
+        return graph
+
+    def _cached_predictions(self, record: CompileRecord, cached: dict | None,
+                            cache: str | None) -> None:
+        """A cache hit's predictions come from beside the cached step (the cost model is not
+        run again); a stored step gets this compile's predictions beside it."""
+        from glmc.runtime.stepcache import store_extra
+        if cached is not None and self.options.predict:
+            record.predicted = cached.get("predicted")
+            record.predicted_captured = cached.get("predicted_captured")
+            record.node_seconds = dict(cached.get("node_seconds") or {})
+        elif cache is not None and cache.startswith("stored ") and record.predicted:
+            store_extra(self._cache_dir(), cache.split()[1],
+                        {"predicted": record.predicted,
+                         "predicted_captured": record.predicted_captured,
+                         "node_seconds": record.node_seconds})
+
+    def _compile_graph(self, batch: Batch, graph: TrainGraph, pipeline: list[Pass],
+                       t0: float, cache: str | None) -> _Entry:
+        """Passes (none for a cached step), prediction, backend compile of a captured step;
+        `cache`: its step-cache key to store it under after the passes, or "hit KEY"."""
         t1 = time.perf_counter()
         predictions: list[Prediction] = []
         observe: Callable[[TrainGraph], dict[str, Any]] | None = None
-        if self.options.predict:
+        cached = None  # a cached step's predictions, stored beside it
+        if cache is not None and cache.startswith("hit "):
+            from glmc.runtime.stepcache import load_extra
+            cached = load_extra(self._cache_dir(), cache.split()[1])
+        if self.options.predict and cached is None:
             profile = get_profile(self.options.profile, self._device)
             leaves = _leaves(batch)
 
@@ -318,7 +378,6 @@ class Trainer:
                                            self.strategy.link, self.strategy.world))
                 return predictions[-1].brief()
             observe = predict_step
-        pipeline = pipeline or self._pipeline
         manager = PassManager(pipeline, self.options.disable, observe=observe,
                               dump_dir=self.options.dump_dir)
         if any(Need.VALUE_STATS in p.needs() for p in pipeline if p.name not in manager.disabled):
@@ -326,9 +385,14 @@ class Trainer:
             graph.meta["value_stats"] = record_value_stats(
                 graph.gm, [get(leaves) for get in self._getters(graph)])
         nodes_captured = len(graph.graph.nodes)
-        self._say(f"captured {nodes_captured} nodes in {t1 - t0:.1f} s; running passes "
-                  f"{', '.join(p.spelling() for p in pipeline)} ...")
+        if pipeline:
+            self._say(f"captured {nodes_captured} nodes in {t1 - t0:.1f} s; running passes "
+                      f"{', '.join(p.spelling() for p in pipeline)} ...")
         manager.run(graph, PassContext(self._traits, self.options.profile, self.strategy.spec))
+        if cache is not None and not cache.startswith("hit "):
+            from glmc.runtime.stepcache import store
+            why = store(self._cache_dir(), cache, graph)
+            cache = f"stored {cache}" if why is None else f"not stored: {why}"
         self.strategy.check_collectives(graph)
         self.strategy.install(graph, self.model, self.optimizer)
         runnable = self.strategy.bind(graph)
@@ -345,7 +409,9 @@ class Trainer:
             history=list(manager.history), fallbacks=list(compiled.fallbacks),
             predicted_captured=predictions[0].to_dict() if predictions else None,
             predicted=predictions[-1].to_dict() if predictions else None,
-            node_seconds=dict(predictions[-1].time.node_seconds) if predictions else {})
+            node_seconds=dict(predictions[-1].time.node_seconds) if predictions else {},
+            step_cache=cache)
+        self._cached_predictions(record, cached, cache)
         if self.options.retain_memory and self._device == "cpu":
             from glmc.runtime.hostalloc import retain_freed_memory
             record.host_memory = retain_freed_memory()
@@ -360,7 +426,7 @@ class Trainer:
             params = dict(self.model.named_parameters(remove_duplicate=False))
             owners = {i: params[s.target] for i, s in enumerate(graph.inputs)
                       if s.role is Role.PARAMETER}
-        return _Entry(graph, compiled, getters, record, list(pipeline),
+        return _Entry(graph, compiled, getters, record, list(pipeline or self._pipeline),
                       writeback=writeback_pairs(graph), owners=owners, micro=micro,
                       micro_graph=micro_graph, graphed=graphed)
 
