@@ -23,6 +23,11 @@ def threads_per_process(processes: int = 1) -> int:
 def pytest_configure(config: object) -> None:
     if workers() > 1:
         torch.set_num_threads(threads_per_process())
+    # `glmc train` keeps optimized steps in a step cache (warm start): the tests' own, empty
+    # at each run, not the user's ~/.cache/glmc/steps (subprocesses inherit the variable)
+    if "GLMC_STEP_CACHE" not in os.environ:
+        import tempfile
+        os.environ["GLMC_STEP_CACHE"] = tempfile.mkdtemp(prefix="glmc-test-steps-")
 
 
 #: the files that take longest (a CI run's durations), handed to the workers first so that no

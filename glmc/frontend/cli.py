@@ -75,7 +75,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
                         "cuda | h100 | h200 | a100, or a TVM target as JSON, e.g. "
                         '\'{"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mcpu": "tsv110"}\'')
     c.add_argument("--strict", action="store_true", help="fail on ops the backend cannot take")
-    _cache_arg(c)
+    _cache_arg(c, "off")
     c.add_argument("--cuda-graphs", action="store_true",
                    help="CUDA: record the whole step once as a CUDA graph and replay it "
                         "(partial: not yet run on a GPU)")
@@ -120,7 +120,7 @@ def _train_parser(sub: Any, backends: str, precisions: tuple[str, ...]) -> Any:
                    help="write report.json, report.html and metrics.jsonl here")
     t.add_argument("--profile", default=None, metavar="NAME", help="cost-model device")
     t.add_argument("--strict", action="store_true", help="fail on ops the backend cannot take")
-    _cache_arg(t)
+    _cache_arg(t, "default")
     from glmc.frontend.train import add_arguments
     add_arguments(t)
     _parallel_args(t)
@@ -128,11 +128,12 @@ def _train_parser(sub: Any, backends: str, precisions: tuple[str, ...]) -> Any:
     return t
 
 
-def _cache_arg(c: argparse.ArgumentParser) -> None:
-    c.add_argument("--step-cache", default="default", metavar="DIR",
+def _cache_arg(c: argparse.ArgumentParser, default: str) -> None:
+    c.add_argument("--step-cache", default=default, metavar="DIR",
                    help="warm start: keep the optimized step in DIR and reuse it when the "
-                        "model, batch shapes, optimizer and options are the same (default "
-                        "~/.cache/glmc/steps, or $GLMC_STEP_CACHE; 'off' disables)")
+                        "model, batch shapes, optimizer and options are the same ('default': "
+                        "~/.cache/glmc/steps, or $GLMC_STEP_CACHE; 'off' disables; default "
+                        f"{default}); a reused step's report lists no passes")
 
 
 def _parallel_args(c: argparse.ArgumentParser) -> None:
