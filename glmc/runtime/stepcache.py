@@ -147,13 +147,12 @@ def _user_files() -> set[str]:
 
 def _glmc_files() -> list[str]:
     """Every source file of glmc (`glmc`, `glmc.passes`, `glmc.backends`), loaded or not."""
-    import glmc
-    import glmc.backends
-    import glmc.passes
+    roots = {str(Path(__file__).resolve().parents[1])}  # glmc/ (no upward import)
+    for name in ("glmc.passes", "glmc.backends"):  # installed from passes/ and backends/
+        roots |= set(getattr(sys.modules.get(name), "__path__", None) or ())
     out: set[str] = set()
-    for pkg in (glmc, glmc.passes, glmc.backends):
-        for root in pkg.__path__:
-            out |= {os.path.realpath(p) for p in Path(root).rglob("*.py")}
+    for root in roots:
+        out |= {os.path.realpath(p) for p in Path(root).rglob("*.py")}
     return sorted(out)
 
 
