@@ -14,6 +14,7 @@ def registry() -> dict[str, type[Pass]]:
     # one line per pass; imported lazily so `import glmc` stays light
     from glmc.passes.accumulate import AccumulatePass
     from glmc.passes.cleanup import CleanupPass
+    from glmc.passes.clip import ClipPass
     from glmc.passes.compress import CompressPass
     from glmc.passes.fusion import FusionPass
     from glmc.passes.partition import PartitionPass
@@ -23,7 +24,7 @@ def registry() -> dict[str, type[Pass]]:
 
     return {cls.name: cls for cls in (FusionPass, PrecisionPass, CleanupPass, RecomputePass,
                                       ShardPass, CompressPass, PartitionPass,
-                                      AccumulatePass)}
+                                      AccumulatePass, ClipPass)}
 
 
 def default_pipeline(memory_budget: Any = None, precision: str | None = None,

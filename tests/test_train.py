@@ -281,3 +281,37 @@ def test_the_step_cache_skips_capture_and_passes_and_keys_what_matters(tmp_path:
         (entry / "graph.json").write_text("{not json")
     again, _ = trainer()
     assert again.report.compiles[-1].step_cache.startswith("stored ")
+
+
+def test_gradient_clipping_inside_the_step_matches_torch() -> None:
+    """`clip_grad_norm=` (the clip pass): the losses, parameters and optimizer state of eager
+    PyTorch with `torch.nn.utils.clip_grad_norm_` before every `optimizer.step()`, with the
+    clip active (the first step's gradient norm is well above max_norm); composed with
+    accumulation, the norm is the whole step's."""
+    import glmc
+    from glmc.parallel.plan import ParallelPlan
+    from glmc.trace.capture import LossModule, split_batch
+    from tests.models import ATOL, CASES, RTOL, assert_state_close, glmc_losses, twin
+
+    for accumulate in (1, 2):
+        (m, x, loss_fn, opt), (m2, _, _, opt2) = twin(CASES["glm"].make)
+        trainer = glmc.optimize(m, x, loss_fn=loss_fn, optimizer=opt, backend="eager",
+                                clip_grad_norm=0.05,
+                                parallel=ParallelPlan(accumulate=accumulate))
+        assert "clip" in [p.name for p in trainer.report.compiles[-1].history]
+        got = glmc_losses(trainer, x, 3)
+        wrapper = LossModule(m2, loss_fn)
+        args, kwargs = split_batch(x)
+        want, norms = [], []
+        for i in range(3):
+            torch.manual_seed(i)
+            opt2.zero_grad(set_to_none=True)
+            loss = wrapper(*args, **kwargs)
+            loss = loss[0] if isinstance(loss, tuple) else loss
+            loss.backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(m2.parameters(), 0.05)))
+            opt2.step()
+            want.append(loss.item())
+        assert norms[0] > 0.1  # clipping changed the step
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=ATOL)
+        assert_state_close(m, m2, opt, opt2)

@@ -76,6 +76,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
                         '\'{"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mcpu": "tsv110"}\'')
     c.add_argument("--strict", action="store_true", help="fail on ops the backend cannot take")
     _cache_arg(c, "off")
+    _clip_arg(c)
     c.add_argument("--cuda-graphs", action="store_true",
                    help="CUDA: record the whole step once as a CUDA graph and replay it "
                         "(partial: not yet run on a GPU)")
@@ -121,11 +122,18 @@ def _train_parser(sub: Any, backends: str, precisions: tuple[str, ...]) -> Any:
     t.add_argument("--profile", default=None, metavar="NAME", help="cost-model device")
     t.add_argument("--strict", action="store_true", help="fail on ops the backend cannot take")
     _cache_arg(t, "default")
+    _clip_arg(t)
     from glmc.frontend.train import add_arguments
     add_arguments(t)
     _parallel_args(t)
     t.add_argument("--debug", action="store_true", help="print tracebacks")
     return t
+
+
+def _clip_arg(c: argparse.ArgumentParser) -> None:
+    c.add_argument("--clip-grad-norm", type=float, default=None, metavar="X",
+                   help="clip the gradients to global 2-norm X inside the step (as "
+                        "torch.nn.utils.clip_grad_norm_; one process)")
 
 
 def _cache_arg(c: argparse.ArgumentParser, default: str) -> None:
@@ -401,6 +409,7 @@ def _compile(args: argparse.Namespace) -> int:
                             parallel=plan.data_parallel() if plan.strategy == "data" else
                             (plan if plan.accumulate > 1 else None),
                             cuda_graphs=args.cuda_graphs, step_cache=_step_cache(args),
+                            clip_grad_norm=args.clip_grad_norm,
                             dump_dir=str(Path(args.report_dir) / "graphs") if args.report_dir
                             and _rank() == 0 else None)
     if args.export_onnx:

@@ -96,7 +96,7 @@ def train(args: Any) -> int:
                        fusion=args.fusion, strict=args.strict, disable=tuple(args.disable),
                        profile=args.profile, progress=lead,
                        step_cache=None if args.step_cache in ("off", "none", "") else
-                       args.step_cache,
+                       args.step_cache, clip_grad_norm=args.clip_grad_norm,
                        parallel=plan.data_parallel() if data else
                        (plan if plan.accumulate > 1 else None))
     run = _Run(args, trainer, source, data)

@@ -77,6 +77,8 @@ class TrainerOptions:
     #: warm start: a directory of optimized steps keyed by what they depend on
     #: (glmc.runtime.stepcache); "default" is ~/.cache/glmc/steps (GLMC_STEP_CACHE); None: off
     step_cache: str | None = None
+    #: gradient clipping by global 2-norm inside the step (glmc.passes.clip); None: off
+    clip_grad_norm: float | None = None
     progress: bool = False  #: say on stderr what the compile is doing (capture, passes, backend)
     #: data parallelism over torch.distributed (glmc.parallel.data.Parallel, a ZeRO stage, or a dict)
     parallel: Any = None
@@ -118,6 +120,9 @@ class Trainer:
         budgeted = budget is not None and str(budget).strip().lower() != "min"
         for p in self.strategy.passes(budgeted):
             self._pipeline = with_pass(self._pipeline, p)
+        if self.options.clip_grad_norm is not None:  # after accumulation's running sums
+            from glmc.passes.clip import ClipPass
+            self._pipeline = with_pass(self._pipeline, ClipPass(self.options.clip_grad_norm))
         self._entry(self._micro_batches(self._local(self.example))[-1])
 
     # -- public ---------------------------------------------------------------------------------

@@ -1,0 +1,86 @@
+"""`clip{max_norm=1.0}`: gradient clipping by global norm, inside the compiled step.
+
+    glmc.optimize(model, batch, optimizer=opt, clip_grad_norm=1.0)
+    glmc train FILE ... --clip-grad-norm 1.0
+
+The same ops, in the same order, as `torch.nn.utils.clip_grad_norm_(params, max_norm)` on CPU
+(its per-tensor path): the 2-norm of each gradient the update reads, the 2-norm of their stack,
+`max_norm / (total + 1e-6)` clamped to at most 1, every gradient multiplied by it before the
+update reads it. Runs after gradient accumulation's running sums (the norm of the step's
+gradient, not a micro-batch's). Not yet with fp16 loss scaling (the gradients are still scaled
+there: the update unscales them) or on data-parallel steps (the norm of sharded or bucketed
+gradients needs its own collective): typed errors.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from glmc.compiler.passmanager import Effect, Need, Pass, PassContext, PassResult
+from glmc.errors import ConfigError
+from glmc.ir.graph import Phase, Role, TrainGraph, is_comm
+from glmc.ir.program import NodeBuilder, update_gradients
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class ClipStats:
+    max_norm: float
+    gradients: int  #: gradients clipped together (one global norm)
+
+
+@dataclass(frozen=True)
+class ClipPass(Pass):
+    """Scale every gradient the update reads so that their global 2-norm is <= max_norm."""
+
+    name = "clip"
+    max_norm: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not float(self.max_norm) > 0:
+            raise ConfigError(f"clip: max_norm must be > 0, got {self.max_norm}")
+
+    def needs(self) -> frozenset[Need]:
+        return frozenset({Need.STEP})
+
+    def effects(self) -> frozenset[Effect]:
+        return frozenset()
+
+    def run(self, graph: TrainGraph, ctx: PassContext) -> PassResult:
+        if graph.meta.get("loss_scaling") is not None:
+            raise ConfigError("clip: fp16 loss scaling is not supported yet (the gradients are "
+                              "scaled until the update unscales them); use bf16 or fp32")
+        if any(is_comm(n) for n in graph.compute_nodes()):
+            raise ConfigError("clip: data-parallel steps are not supported yet (the global "
+                              "norm of bucketed or sharded gradients needs a collective)")
+        grads = update_gradients(graph)
+        if not grads:
+            raise ConfigError("clip: the step has no optimizer update whose gradients to clip")
+        emit = NodeBuilder(graph, self.name)
+        g = graph.graph
+        last = grads[-1]  # update_gradients is in graph order
+        bwd, grad = Phase.BACKWARD, Role.GRADIENT
+        readers = {n: [u for u in n.users if u.op == "call_function"
+                       and TrainGraph.info(u).phase is Phase.OPTIMIZER] for n in grads}
+        with g.inserting_before(last.next):
+            norms = [emit(aten.linalg_vector_norm.default, (n, 2.0), bwd, grad, like=n)
+                     for n in grads]
+            total = emit(aten.linalg_vector_norm.default,
+                         (emit(aten.stack.default, (norms,), bwd, grad, like=last), 2.0),
+                         bwd, grad, like=last)
+            coef = emit(aten.mul.Tensor, (emit(aten.reciprocal.default, (
+                emit(aten.add.Tensor, (total, 1e-6), bwd, grad, like=last),), bwd, grad,
+                like=last), float(self.max_norm)), bwd, grad, like=last)
+            coef = emit(aten.clamp.default, (coef, None, 1.0), bwd, grad, like=last)
+            for n in grads:
+                clipped = emit(aten.mul.Tensor, (n, coef), bwd, grad, like=n)
+                for r in readers[n]:
+                    r.replace_input_with(n, clipped)
+        g.lint()
+        graph.gm.recompile()
+        return PassResult(True, ClipStats(float(self.max_norm), len(grads)))
+
+
+__all__ = ["ClipPass", "ClipStats"]
