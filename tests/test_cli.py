@@ -18,17 +18,23 @@ def glmc(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
                           text=True, timeout=600)
 
 
-def test_compile_glm_eager_matches_eager_losses(tmp_path: Path) -> None:
+def _glm_eager_run(steps: int, *extra: str) -> subprocess.CompletedProcess:
+    """`glmc compile examples/glm.py --backend eager` for `steps` steps (and `extra`): exits 0
+    and prints the losses of eager PyTorch on the example batch."""
     from glmc.frontend.workload import load_workload
     from tests.models import eager_losses
 
-    r = glmc("compile", "examples/glm.py", "--backend", "eager", "--steps", "3",
-             "--report-dir", str(tmp_path), "--export-dir", str(tmp_path / "export"))
+    r = glmc("compile", "examples/glm.py", "--backend", "eager", "--steps", str(steps), *extra)
     assert r.returncode == 0, r.stderr
     got = [float(v) for v in re.findall(r"step +\d+ +loss ([\d.]+)", r.stdout)]
     w = load_workload(str(ROOT / "examples/glm.py"))
-    want = eager_losses(w.model, w.example_inputs, None, w.optimizer, 3)
+    want = eager_losses(w.model, w.example_inputs, None, w.optimizer, steps)
     assert got == pytest.approx(want, rel=1e-4, abs=1e-5)
+    return r
+
+
+def test_compile_glm_eager_matches_eager_losses(tmp_path: Path) -> None:
+    r = _glm_eager_run(3, "--report-dir", str(tmp_path), "--export-dir", str(tmp_path / "export"))
     assert "cleanup" in r.stdout
     report = json.loads((tmp_path / "report.json").read_text())
     # the default pipeline
@@ -43,16 +49,7 @@ def test_compile_glm_eager_matches_eager_losses(tmp_path: Path) -> None:
 def test_compile_accumulate_on_one_process_matches_the_whole_batch() -> None:
     """`--accumulate 2` without --nproc (issue 36 item 5): one process, two micro-batches per
     step, the losses of eager PyTorch on the whole batch."""
-    from glmc.frontend.workload import load_workload
-    from tests.models import eager_losses
-
-    r = glmc("compile", "examples/glm.py", "--backend", "eager", "--steps", "2",
-             "--accumulate", "2")
-    assert r.returncode == 0, r.stderr
-    got = [float(v) for v in re.findall(r"step +\d+ +loss ([\d.]+)", r.stdout)]
-    w = load_workload(str(ROOT / "examples/glm.py"))
-    want = eager_losses(w.model, w.example_inputs, None, w.optimizer, 2)
-    assert got == pytest.approx(want, rel=1e-4, abs=1e-5)
+    r = _glm_eager_run(2, "--accumulate", "2")
     assert "accumulate" in r.stdout
 
 

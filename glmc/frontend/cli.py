@@ -38,10 +38,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     c = sub.add_parser("compile", help="capture, optimize, compile and run N training steps",
                        description="FILE defines `model` and `example_inputs` (optionally "
                        "`loss_fn`, `optimizer`) or `workload()` returning them.")
-    c.add_argument("file", metavar="FILE")
-    c.add_argument("--backend", default="inductor", metavar="NAME",
-                   help=f"{backends} (default inductor)")
-    _pipeline_args(c, PRECISIONS)
+    _step_args(c, backends, PRECISIONS)
     c.add_argument("--steps", type=_steps, default=10, metavar="N",
                    help="training steps to run (default 10)")
     c.add_argument("--report-dir", default=None, metavar="DIR",
@@ -85,13 +82,10 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     t = _train_parser(sub, backends, PRECISIONS)
     k = sub.add_parser("check", help="list every op the backend (or the ONNX export) cannot "
                                      "take, with source lines")
-    k.add_argument("file", metavar="FILE")
-    k.add_argument("--backend", default="inductor", metavar="NAME",
-                   help=f"{backends} (default inductor)")
+    _step_args(k, backends, PRECISIONS)
     k.add_argument("--export", choices=["onnx"], default=None,
-                   help="also optimize the step (with the pipeline options below) and list "
-                        "the ops the ONNX exporter cannot take")
-    _pipeline_args(k, PRECISIONS)
+                   help="also optimize the step (with the pipeline options) and list the ops "
+                        "the ONNX exporter cannot take")
     k.add_argument("--debug", action="store_true")
     r = sub.add_parser("report", help="print a saved report's summary and re-render report.html")
     r.add_argument("dir", metavar="DIR")
@@ -105,16 +99,21 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     return p, {"compile": c, "train": t, "check": k, "report": r, "calibrate": cal}
 
 
+def _step_args(c: argparse.ArgumentParser, backends: str, precisions: tuple[str, ...]) -> None:
+    """FILE, the backend and the pass pipeline: what every command that compiles a step takes."""
+    c.add_argument("file", metavar="FILE")
+    c.add_argument("--backend", default="inductor", metavar="NAME",
+                   help=f"{backends} (default inductor)")
+    _pipeline_args(c, precisions)
+
+
 def _train_parser(sub: Any, backends: str, precisions: tuple[str, ...]) -> Any:
     """`glmc train`: the step options of `glmc compile` (no exports) and its own."""
     t = sub.add_parser("train", help="train over real data with checkpoints, resume and live "
                                      "metrics",
                        description="FILE as for `glmc compile`; data from --data (a token "
                        "file) or the FILE's `data` iterable.")
-    t.add_argument("file", metavar="FILE")
-    t.add_argument("--backend", default="inductor", metavar="NAME",
-                   help=f"{backends} (default inductor)")
-    _pipeline_args(t, precisions)
+    _step_args(t, backends, precisions)
     t.add_argument("--steps", type=_steps, default=100, metavar="N",
                    help="train until step N (default 100)")
     t.add_argument("--report-dir", default=None, metavar="DIR",

@@ -232,12 +232,11 @@ def _step(trainer: Any, batch: Any) -> float:
 
 class _TokenSource:
     def __init__(self, batches: Any) -> None:
-        from glmc.runtime.data import Prefetch
         self.batches, self.prefetch = batches, None
-        self._prefetch_cls = Prefetch
 
     def iterate(self) -> Any:
-        self.prefetch = self._prefetch_cls(self.batches)
+        from glmc.runtime.data import Prefetch
+        self.prefetch = Prefetch(self.batches)
         return iter(self.prefetch)
 
     def position(self) -> dict[str, Any]:
@@ -300,8 +299,8 @@ def _data(args: Any, work: Any) -> tuple[Any, Any, int | None]:
                           "define `data` (an iterable of batches) in the FILE")
     first = next(iter(work.data))
     leaves = batch_leaves(split_batch(first))
-    tokens = int(leaves[0].numel()) if leaves and leaves[0].dtype.is_floating_point is False \
-        else None
+    # token ids: the first integer leaf's elements (no count for float inputs: images)
+    tokens = next((int(t.numel()) for t in leaves if not t.dtype.is_floating_point), None)
     return _IterableSource(work.data), first, tokens
 
 

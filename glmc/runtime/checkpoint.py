@@ -167,7 +167,7 @@ class Checkpointer:
         start = time.perf_counter()
         try:
             self._write(step, state)
-            self._prune()
+            _prune(self.root, self.keep)
             self.saved.append((step, time.perf_counter() - start))
         except OSError as e:  # a full disk, a vanished directory: the run goes on
             msg = (f"checkpoint of step {step} failed ({e}); training goes on, the previous "
@@ -201,12 +201,6 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
 
-    def _prune(self) -> None:
-        done = sorted((p for p in self.root.iterdir()  # complete: the manifest is written last
-                       if p.is_dir() and p.name.startswith("step-") and (p / MANIFEST).is_file()),
-                      key=lambda p: p.name)
-        for old in done[:-self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
 
 
 class ShardedCheckpointer:
@@ -263,7 +257,7 @@ class ShardedCheckpointer:
                 shutil.rmtree(final)
             os.rename(tmp, final)
             _fsync_dir(self.root)
-            Checkpointer._prune(self)  # the same rule: newest `keep` with a manifest
+            _prune(self.root, self.keep)
             self.saved.append((step, time.perf_counter() - start))
         dist.barrier()
 
@@ -316,6 +310,15 @@ def set_rng_states(rng: dict[str, Any]) -> None:
     if "numpy" in rng:
         import numpy as np
         np.random.set_state(rng["numpy"])
+
+
+def _prune(root: Path, keep: int) -> None:
+    """Keep the newest `keep` complete checkpoints (the manifest is written last)."""
+    done = sorted((p for p in root.iterdir()
+                   if p.is_dir() and p.name.startswith("step-") and (p / MANIFEST).is_file()),
+                  key=lambda p: p.name)
+    for old in done[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _sha256(path: Path) -> str:

@@ -48,16 +48,16 @@ def step_key(model: nn.Module, batch: Any, loss_fn: Any, optimizer: torch.optim.
     put(__version__, torch.__version__, sys.version_info[:3], options, describe(batch))
     if "transformers" in sys.modules:
         put(getattr(sys.modules["transformers"], "__version__", ""))
-    files: set[str] = set()  # realpaths
     for m in model.modules():
         put(type(m).__module__, type(m).__qualname__, m.training)
-        files.add(os.path.realpath(_source_file(type(m))) if _source_file(type(m)) else "")
+    sources: list[Any] = list({type(m) for m in model.modules()})
     if loss_fn is not None:
         put(getattr(loss_fn, "__module__", ""), getattr(loss_fn, "__qualname__", repr(loss_fn)))
-        files.add(os.path.realpath(_source_file(loss_fn)) if _source_file(loss_fn) else "")
+        sources.append(loss_fn)
+    files = {os.path.realpath(f) for f in map(_source_file, sources) if f}
     own = _glmc_files()
     files |= _user_files()
-    for f in sorted(files - {""} - set(own)):
+    for f in sorted(files - set(own)):
         put(f, _file_hash(f))
     put(_tree_hash(own))  # glmc's whole source (a checkout's edits change the key)
     for name, t in [*model.named_parameters(remove_duplicate=False),
