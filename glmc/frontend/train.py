@@ -42,6 +42,18 @@ def add_arguments(t: Any) -> None:
     t.add_argument("--batch-size", type=int, default=None, metavar="B",
                    help="with --data: the global batch in sequences (default: the example's)")
     t.add_argument("--seed", type=int, default=0, help="data shuffling seed (default 0)")
+    t.add_argument("--eos-id", type=int, default=None, metavar="ID",
+                   help="with --data: train on documents (the runs of ids up to each "
+                        "end-of-text ID, --seq-len the longest) padded to shape buckets, "
+                        "instead of fixed windows")
+    t.add_argument("--buckets", default="4", metavar="K|L1,L2,..",
+                   help="with --eos-id: K bucket lengths placed to minimise padding "
+                        "(default 4), or the lengths themselves; 1 pads all to --seq-len")
+    t.add_argument("--token-budget", type=int, default=None, metavar="T",
+                   help="with --eos-id: tokens per batch; a batch of bucket L holds T // L "
+                        "sequences (default: --batch-size x --seq-len)")
+    t.add_argument("--pad-id", type=int, default=0, metavar="ID",
+                   help="with --eos-id: the input id of padding (labels get -100; default 0)")
     t.add_argument("--checkpoint-dir", default=None, metavar="D",
                    help="write checkpoints here (atomic, checked by a manifest)")
     t.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
@@ -72,8 +84,10 @@ def usage_problems(args: Any) -> list[str]:
         out.append("--checkpoint-every needs --checkpoint-dir")
     if args.checkpoint_every < 0 or args.keep < 1 or args.warmup < 0 or args.log_every < 1:
         out.append("--checkpoint-every and --warmup must be >= 0, --keep and --log-every >= 1")
-    if not args.data and (args.seq_len or args.batch_size):
-        out.append("--seq-len / --batch-size need --data")
+    if not args.data and (args.seq_len or args.batch_size or args.eos_id is not None):
+        out.append("--seq-len / --batch-size / --eos-id need --data")
+    if args.eos_id is None and args.token_budget:
+        out.append("--token-budget needs --eos-id (documents in shape buckets)")
     if args.plan.strategy == "pipeline":
         out.append("glmc train: --pp is not supported yet (glmc compile --pp trains a pipeline)")
     return out
@@ -98,7 +112,8 @@ def train(args: Any) -> int:
                        step_cache=None if args.step_cache in ("off", "none", "") else
                        args.step_cache, clip_grad_norm=args.clip_grad_norm,
                        parallel=plan.data_parallel() if data else
-                       (plan if plan.accumulate > 1 else None))
+                       (plan if plan.accumulate > 1 else None),
+                       max_cache=max(8, len(source.buckets()) + 1))
     run = _Run(args, trainer, source, data)
     optimizer = trainer.optimizer
     start, base_lr = run.resume() if args.resume else \
@@ -121,7 +136,9 @@ def train(args: Any) -> int:
             batch = next(batches)
             t0 = time.perf_counter()
             loss = _step(trainer, batch)
-            meter.step(i, loss, optimizer.param_groups[0]["lr"], time.perf_counter() - t0)
+            meter.step(i, loss, optimizer.param_groups[0]["lr"], time.perf_counter() - t0,
+                       tokens=source.tokens(batch),
+                       flops=_flops(trainer, batch) if source.buckets() else None)
             done, stopping = i + 1, run.agreed(stop.is_set())
             if run.ckpt is not None and (done == args.steps or stopping or (
                     args.checkpoint_every and done % args.checkpoint_every == 0)):
@@ -138,7 +155,7 @@ def train(args: Any) -> int:
         source.close()
         meter.close()
     if lead:
-        _finish(args, trainer, run.ckpt)
+        _finish(args, trainer, run.ckpt, source)
     return 0
 
 
@@ -209,7 +226,7 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def _finish(args: Any, trainer: Any, ckpt: Any) -> None:
+def _finish(args: Any, trainer: Any, ckpt: Any, source: Any) -> None:
     if ckpt is not None:
         ckpt.wait()
         for e in ckpt.errors:
@@ -218,10 +235,24 @@ def _finish(args: Any, trainer: Any, ckpt: Any) -> None:
             mean = sum(s for _, s in ckpt.saved) / len(ckpt.saved)
             print(f"checkpoints: {len(ckpt.saved)} written to {args.checkpoint_dir} "
                   f"({mean:.2f} s each, in the {'background' if ckpt.background else 'step'})")
+    if source.buckets():
+        print(f"compiled steps: {len(trainer.report.compiles)} for buckets {source.buckets()}")
     print(trainer.report.summary())
     if args.report_dir:
         for path in trainer.write_report(args.report_dir):
             print(f"report: {path}")
+
+
+def _flops(trainer: Any, batch: Any) -> float | None:
+    """The model FLOPs of the step compiled for this batch's shapes (counted once per shape,
+    kept on the trainer's compiled entry)."""
+    from glmc.runtime.metrics import step_flops
+    entry = trainer.entry_for(**batch) if isinstance(batch, dict) else trainer.entry_for(*batch)
+    if entry is None or entry.graph is None:
+        return None
+    if entry.model_flops is None:
+        entry.model_flops = step_flops(entry.graph)
+    return entry.model_flops
 
 
 def _step(trainer: Any, batch: Any) -> float:
@@ -231,8 +262,18 @@ def _step(trainer: Any, batch: Any) -> float:
 
 
 class _TokenSource:
+    """Batches cut from a token file: fixed windows (TokenBatches) or documents in shape
+    buckets (glmc.runtime.buckets.BucketBatches)."""
+
     def __init__(self, batches: Any) -> None:
         self.batches, self.prefetch = batches, None
+
+    def tokens(self, batch: Any) -> int | None:
+        from glmc.runtime.buckets import real_tokens
+        return real_tokens(batch) if self.buckets() else None
+
+    def buckets(self) -> list[int]:
+        return list(getattr(self.batches, "buckets", []))
 
     def iterate(self) -> Any:
         from glmc.runtime.data import Prefetch
@@ -269,6 +310,12 @@ class _IterableSource:
     def position(self) -> dict[str, Any]:
         return {"batches": self.count}
 
+    def tokens(self, batch: Any) -> None:
+        return None  # the first batch's count (Meter's default) stands for every batch
+
+    def buckets(self) -> list[int]:
+        return []
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "batches" not in state:
             raise CheckpointError("resume: the checkpoint was written reading a token file; "
@@ -288,6 +335,8 @@ def _data(args: Any, work: Any) -> tuple[Any, Any, int | None]:
         ids = work.example_inputs["input_ids"] if layout.keyword else work.example_inputs[0]
         seq_len = args.seq_len or int(ids.shape[1])
         batch_size = args.batch_size or int(ids.shape[0])
+        if args.eos_id is not None:
+            return _bucket_source(args, work, layout, seq_len, batch_size)
         batches = TokenBatches(TokenFile(args.data, seq_len, args.token_dtype), batch_size,
                                layout, args.seed)
         import torch
@@ -302,6 +351,24 @@ def _data(args: Any, work: Any) -> tuple[Any, Any, int | None]:
     # token ids: the first integer leaf's elements (no count for float inputs: images)
     tokens = next((int(t.numel()) for t in leaves if not t.dtype.is_floating_point), None)
     return _IterableSource(work.data), first, tokens
+
+
+def _bucket_source(args: Any, work: Any, layout: Any, seq_len: int, batch_size: int
+                   ) -> tuple[Any, Any, None]:
+    """Documents of --data in shape buckets: (source, the first batch as the example, None)."""
+    from glmc.runtime.buckets import BucketBatches, TokenDocs, parse_buckets
+    docs = TokenDocs(args.data, seq_len, args.eos_id, args.token_dtype, min_len=2)
+    buckets = parse_buckets(args.buckets, docs.lengths, seq_len)
+    multiple = int(os.environ.get("WORLD_SIZE", "1")) * max(1, args.plan.accumulate)
+    mask = isinstance(work.example_inputs, dict) and "attention_mask" in work.example_inputs
+    batches = BucketBatches(docs, buckets, args.token_budget or batch_size * seq_len, layout,
+                            args.seed, multiple, args.pad_id, mask)
+    if _rank() == 0:
+        s = docs.summary()
+        print(f"glmc: {s['sequences']:,} sequences (mean {s['mean_len']:.0f}, longest "
+              f"{s['max_len']} tokens) in buckets {buckets} of {batches.rows} rows", flush=True)
+    example = batches.make([docs.window(int(i)) for i in batches.plan(0)[0]])
+    return _TokenSource(batches), example, None
 
 
 def _on_sigterm() -> Any:

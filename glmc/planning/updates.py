@@ -22,7 +22,6 @@ the same in eager PyTorch). This module gives the planner that second placement:
 from __future__ import annotations
 
 import operator
-from typing import Any
 
 import torch
 import torch.fx as fx

@@ -71,16 +71,22 @@ class Meter:
         self.start = time.perf_counter()
 
     def step(self, i: int, loss: float, lr: float | None, seconds: float,
-             extra: dict[str, Any] | None = None) -> dict[str, Any]:
+             extra: dict[str, Any] | None = None, tokens: int | None = None,
+             flops: float | None = None) -> dict[str, Any]:
+        """Record step i; `tokens` and `flops`: this step's (unpadded tokens; its compiled
+        graph's FLOPs) when batches vary."""
         self.times.append(seconds)
         recent = sorted(self.times[-20:])[len(self.times[-20:]) // 2]  # median of the last 20
         row: dict[str, Any] = {"step": i, "loss": loss, "lr": lr, "step_s": round(seconds, 6),
                                "peak_rss_mib": round(peak_rss_bytes() / (1 << 20), 1),
                                "time": round(time.time(), 3)}
-        if self.tokens:
-            row["tokens_per_s"] = round(self.tokens / seconds, 1)
-        if self.flops and self.peak:
-            row["mfu"] = round(self.flops / seconds / self.peak, 5)
+        tokens = tokens or self.tokens
+        if tokens:
+            row["tokens"] = tokens
+            row["tokens_per_s"] = round(tokens / seconds, 1)
+        flops = flops or self.flops
+        if flops and self.peak:
+            row["mfu"] = round(flops / seconds / self.peak, 5)
         row["eta_s"] = round(recent * max(0, self.total - i - 1), 1)
         row.update(extra or {})
         if self.file is not None:

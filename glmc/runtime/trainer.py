@@ -55,6 +55,7 @@ class _Entry:
     graphed: GraphedStep | None = None  #: the step as one CUDA graph (glmc.runtime.cudagraph)
     calls: int = 0
     retried: bool = False  #: compiled again because a pass asked after measurement
+    model_flops: float | None = None  #: the step's matmul FLOPs, counted on first use (metrics)
 
 
 @dataclass
