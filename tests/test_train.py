@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -116,6 +117,34 @@ def test_checkpoints_are_atomic_checked_and_fall_back(tmp_path: Path) -> None:
     assert latest(tmp_path, report=said.append).name == "step-00000004"
 
 
+def test_incremental_checkpoints_restore_exactly_and_keep_their_base(tmp_path: Path) -> None:
+    """An incremental checkpoint is the exact XOR difference from the last full one: loading it
+    gives the snapshot bit for bit (a tensor of another shape than the base's included), it is complete only while
+    its full checkpoint is intact, and pruning keeps the full checkpoint kept deltas need."""
+    from glmc.runtime import incremental
+    model, opt = _model_and_opt(width=64)
+    ck = Checkpointer(tmp_path, keep=2, background=False)
+    ck.save(1, snapshot(model, opt, None, {"index": 1}, 1), incremental=True)  # no base: full
+    assert ck.saved[-1].kind == "full"
+    for step in (2, 3):
+        model(torch.randn(3, 64)).sum().backward()
+        opt.step()
+        want = snapshot(model, opt, None, {"index": step}, step, {"t": torch.arange(step)})
+        ck.save(step, want, incremental=True)
+        assert ck.saved[-1].kind == "incremental"
+    got = load(latest(tmp_path))
+    assert got["step"] == 3 and got["data"] == {"index": 3}
+    for (path, a), (_, b) in zip(incremental._tensors(want), incremental._tensors(got)):
+        assert a.dtype == b.dtype and torch.equal(a, b), path
+    assert sorted(p.name for p in tmp_path.iterdir()) == [  # keep=2, and the base of both
+        "step-00000001", "step-00000002", "step-00000003"]
+    base = tmp_path / "step-00000001" / "state.pt"
+    base.write_bytes(base.read_bytes()[:-10])
+    said: list[str] = []
+    assert latest(tmp_path, report=said.append) is None
+    assert any("its full checkpoint step-00000001" in m for m in said)
+
+
 def test_lr_schedule_warms_up_and_decays() -> None:
     f = [lr_factor(i, 10, "cosine", 2, 0.1) for i in range(10)]
     assert f[0] == 0.5 and f[1] == 1.0 and f[2] == 1.0
@@ -150,7 +179,8 @@ def test_a_killed_run_resumes_exactly(tmp_path: Path) -> None:
     data = _tokens(tmp_path / "t.bin")
     common = ["--data", str(data), "--steps", "12", "--checkpoint-every", "3",
               "--lr-schedule", "cosine", "--warmup", "2", "--seed", "5"]
-    whole = _train(*common, "--checkpoint-dir", str(tmp_path / "a"))
+    whole = _train(*common, "--checkpoint-dir", str(tmp_path / "a"), "--report-dir",
+                   str(tmp_path / "rep"), "--metrics", str(tmp_path / "a" / "metrics.jsonl"))
     out, err = whole.communicate(timeout=600)
     assert whole.returncode == 0, err
     want = _losses(out)
@@ -158,6 +188,9 @@ def test_a_killed_run_resumes_exactly(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").open()]
     assert [r["step"] for r in rows] == list(range(12))
     assert all(r["tokens_per_s"] > 0 and "mfu" in r for r in rows)
+    report = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert [r["step"] for r in report["training"]] == list(range(12))  # the report's curves
+    assert "Training run" in (tmp_path / "rep" / "report.html").read_text()
 
     killed = _train(*common, "--checkpoint-dir", str(tmp_path / "b"))
     seen = _until(killed, r"step +4 ")  # 7 steps still to go: the kill lands first
@@ -186,13 +219,52 @@ def test_a_killed_run_resumes_exactly(tmp_path: Path) -> None:
     assert saved is not None and int(load(saved)["step"]) >= 2
 
 
+def test_a_run_resumes_exactly_from_an_incremental_checkpoint(tmp_path: Path) -> None:
+    """`--incremental-every`: with the final full checkpoint gone, --resume continues from the
+    newest incremental one (applied to its full checkpoint) to the same losses and parameters."""
+    data = _tokens(tmp_path / "t.bin")
+    common = ["--data", str(data), "--steps", "8", "--checkpoint-every", "4",
+              "--incremental-every", "3", "--sync-checkpoints",
+              "--checkpoint-dir", str(tmp_path / "a")]
+    whole = _train(*common)
+    out, err = whole.communicate(timeout=600)
+    assert whole.returncode == 0, err
+    assert re.search(r"checkpoints: 1 incremental", out), out
+    want, final = _losses(out), load(tmp_path / "a" / "step-00000008")
+    assert json.loads((tmp_path / "a" / "step-00000006" / "manifest.json").read_text())[
+        "base"] == "step-00000004"
+    import shutil
+    shutil.rmtree(tmp_path / "a" / "step-00000008")
+    again = _train(*common, "--resume")
+    out, err = again.communicate(timeout=600)
+    assert again.returncode == 0 and "at step 6" in out, err
+    assert _losses(out) == {6: want[6], 7: want[7]}
+    got = load(tmp_path / "a" / "step-00000008")
+    for k, v in final["model"].items():
+        assert torch.equal(v, got["model"][k]), k
+
+
+def test_tensorboard_events_are_written(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from glmc.runtime.metrics import Meter
+    meter = Meter(3, tokens_per_step=64, tensorboard=str(tmp_path), out=open(os.devnull, "w"))
+    for i in range(3):
+        meter.step(i, 2.0 - i * 0.5, 1e-3, 0.01)
+    meter.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [e.value for e in events.Scalars("train/loss")] == [2.0, 1.5, 1.0]
+    assert len(events.Scalars("train/tokens_per_s")) == 3
+
+
 def test_train_usage_errors() -> None:
     r = subprocess.run([sys.executable, "-m", "glmc", "train", "examples/glm.py", "--resume",
                         "--seq-len", "8"], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2
     assert "--resume needs --checkpoint-dir" in r.stderr
-    assert "--seq-len / --batch-size need --data" in r.stderr
+    assert "--seq-len / --batch-size / --eos-id need --data" in r.stderr
 
 
 def _kill_tree(pid: int) -> None:

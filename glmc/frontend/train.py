@@ -58,6 +58,9 @@ def add_arguments(t: Any) -> None:
                    help="write checkpoints here (atomic, checked by a manifest)")
     t.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
                    help="with --checkpoint-dir: a checkpoint every K steps (and at the end)")
+    t.add_argument("--incremental-every", type=int, default=0, metavar="J",
+                   help="with --checkpoint-dir: between full checkpoints, one every J steps "
+                        "written as its exact difference from the last full one (one process)")
     t.add_argument("--keep", type=int, default=3, metavar="M",
                    help="with --checkpoint-dir: keep the newest M checkpoints (default 3)")
     t.add_argument("--sync-checkpoints", action="store_true",
@@ -72,6 +75,9 @@ def add_arguments(t: Any) -> None:
                    help="the final learning rate as a fraction of the optimizer's (default 0.1)")
     t.add_argument("--log-every", type=int, default=1, metavar="N",
                    help="print the progress line every N steps (default 1)")
+    t.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help="also write the metrics as TensorBoard events into DIR (needs the "
+                        "tensorboard package)")
     t.add_argument("--metrics", default=None, metavar="FILE",
                    help="metrics.jsonl path (default: in --report-dir, else --checkpoint-dir)")
 
@@ -82,7 +88,12 @@ def usage_problems(args: Any) -> list[str]:
         out.append("--resume needs --checkpoint-dir")
     if args.checkpoint_every and not args.checkpoint_dir:
         out.append("--checkpoint-every needs --checkpoint-dir")
-    if args.checkpoint_every < 0 or args.keep < 1 or args.warmup < 0 or args.log_every < 1:
+    if args.incremental_every and not args.checkpoint_dir:
+        out.append("--incremental-every needs --checkpoint-dir")
+    if args.incremental_every and args.plan.strategy == "data":
+        out.append("--incremental-every: data-parallel checkpoints (DCP) are full only; "
+                   "drop it with --nproc / --zero")
+    if args.checkpoint_every < 0 or args.incremental_every < 0 or args.keep < 1 or args.warmup < 0 or args.log_every < 1:
         out.append("--checkpoint-every and --warmup must be >= 0, --keep and --log-every >= 1")
     if not args.data and (args.seq_len or args.batch_size or args.eos_id is not None):
         out.append("--seq-len / --batch-size / --eos-id need --data")
@@ -125,7 +136,8 @@ def train(args: Any) -> int:
         Path(args.report_dir or args.checkpoint_dir or ".") / "metrics.jsonl"
     meter = Meter(args.steps, tokens, step_flops(trainer.graph),
                   achievable_flops(graph_device(trainer.graph)), metrics if lead else None,
-                  args.log_every, None if lead else open(os.devnull, "w"))
+                  args.log_every, None if lead else open(os.devnull, "w"),
+                  args.tensorboard if lead else None)
     stop = _on_sigterm()
     batches = source.iterate()
     try:
@@ -140,9 +152,11 @@ def train(args: Any) -> int:
                        tokens=source.tokens(batch),
                        flops=_flops(trainer, batch) if source.buckets() else None)
             done, stopping = i + 1, run.agreed(stop.is_set())
-            if run.ckpt is not None and (done == args.steps or stopping or (
-                    args.checkpoint_every and done % args.checkpoint_every == 0)):
-                run.save(done, base_lr)
+            full = done == args.steps or stopping or (
+                args.checkpoint_every and done % args.checkpoint_every == 0)
+            delta = args.incremental_every and done % args.incremental_every == 0
+            if run.ckpt is not None and (full or delta):
+                run.save(done, base_lr, incremental=not full)
             if stopping:
                 run.wait()
                 print(f"glmc: SIGTERM: checkpoint of step {done} written; exiting",
@@ -154,6 +168,7 @@ def train(args: Any) -> int:
     finally:
         source.close()
         meter.close()
+        trainer.report.training = meter.curve()
     if lead:
         _finish(args, trainer, run.ckpt, source)
     return 0
@@ -186,14 +201,15 @@ class _Run:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
 
-    def save(self, step: int, base_lr: list[float]) -> None:
+    def save(self, step: int, base_lr: list[float], incremental: bool = False) -> None:
         from glmc.runtime.checkpoint import snapshot
         extra = {"base_lr": base_lr}
         if self.data:
             self.ckpt.save(step, self.trainer, {"data": self.source.position(), "extra": extra})
         else:
             self.ckpt.save(step, snapshot(self.trainer.model, self.trainer.optimizer,
-                                          self.trainer, self.source.position(), step, extra))
+                                          self.trainer, self.source.position(), step, extra),
+                           incremental)
 
     def wait(self) -> None:
         if self.ckpt is not None:
@@ -216,6 +232,8 @@ class _Run:
             state = load(found)
             restore(state, self.trainer.model, self.trainer.optimizer, self.trainer,
                     where=str(found))
+            if self.ckpt is not None:  # incremental checkpoints go on against it
+                self.ckpt.rebase(found, state)
         self.source.load_state_dict(state["data"])
         start = int(state["step"])
         self.say(f"glmc: resumed from {found} at step {start}")
@@ -231,10 +249,13 @@ def _finish(args: Any, trainer: Any, ckpt: Any, source: Any) -> None:
         ckpt.wait()
         for e in ckpt.errors:
             print(f"glmc: {e}", file=sys.stderr)
-        if ckpt.saved:
-            mean = sum(s for _, s in ckpt.saved) / len(ckpt.saved)
-            print(f"checkpoints: {len(ckpt.saved)} written to {args.checkpoint_dir} "
-                  f"({mean:.2f} s each, in the {'background' if ckpt.background else 'step'})")
+        for kind in ("full", "incremental"):
+            done = [s for s in ckpt.saved if s.kind == kind]
+            if done:
+                print(f"checkpoints: {len(done)} {kind} written to {args.checkpoint_dir} "
+                      f"({sum(s.bytes for s in done) / len(done) / 2**20:.1f} MiB, "
+                      f"{sum(s.seconds for s in done) / len(done):.2f} s each, in the "
+                      f"{'background' if ckpt.background else 'step'})")
     if source.buckets():
         print(f"compiled steps: {len(trainer.report.compiles)} for buckets {source.buckets()}")
     print(trainer.report.summary())

@@ -117,6 +117,30 @@ def _line_plot(p: LinePlot) -> str:
     return _svg(fig)
 
 
+def _training_section(rows: list[dict[str, Any]]) -> str:
+    """The loss and throughput curves of a `glmc train` run."""
+    steps = [r["step"] for r in rows]
+    fig = _figure(9, 3.2)
+    loss_ax, speed_ax = fig.subplots(1, 2)
+    loss_ax.plot(steps, [r["loss"] for r in rows], lw=1)
+    loss_ax.set_xlabel("step")
+    loss_ax.set_ylabel("loss")
+    loss_ax.set_title("Training loss")
+    if any("tokens_per_s" in r for r in rows):
+        speed_ax.plot([r["step"] for r in rows if "tokens_per_s" in r],
+                      [r["tokens_per_s"] for r in rows if "tokens_per_s" in r], lw=1)
+        speed_ax.set_ylabel("tokens/s")
+    else:
+        speed_ax.plot(steps, [r["step_s"] * 1e3 for r in rows], lw=1)
+        speed_ax.set_ylabel("step (ms)")
+    speed_ax.set_xlabel("step")
+    speed_ax.set_title("Throughput")
+    fig.tight_layout()
+    last = rows[-1]
+    return (f"<h2>Training run</h2><p>{len(rows)} points, last step {last['step']}: loss "
+            f"{last['loss']:.4f}. Every step is in metrics.jsonl.</p>" + _svg(fig))
+
+
 # ---- pass sections ----------------------------------------------------------------------------
 
 
@@ -309,6 +333,8 @@ def render_html(data: dict[str, Any]) -> str:
             f"{_esc(data.get('machine', ''))} &middot; torch {_esc(data.get('torch', ''))}</p>"]
     if not data["compiles"]:
         body.append("<p>No compiles recorded.</p>")
+    if data.get("training"):
+        body.append(_training_section(data["training"]))
     body += [_compile_section(i, c) for i, c in enumerate(data["compiles"])]
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>glmc report</title>"
             f"<style>{_CSS}</style></head><body>{''.join(body)}</body></html>")

@@ -150,6 +150,8 @@ def _rel(predicted: float, measured: float | None) -> float | None:
 @dataclass
 class Report:
     compiles: list[CompileRecord] = field(default_factory=list)
+    #: a `glmc train` run's curve: rows of step, loss, lr, step_s, tokens_per_s, mfu
+    training: list[dict[str, Any]] | None = None
 
     @property
     def history(self) -> list[PassRecord]:
@@ -161,7 +163,8 @@ class Report:
                 "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, "
                            f"{platform.processor() or platform.platform()}",
                 "torch": torch.__version__,
-                "compiles": [c.to_dict() for c in self.compiles]}
+                "compiles": [c.to_dict() for c in self.compiles],
+                **({"training": self.training} if self.training else {})}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, default=str)

@@ -26,6 +26,7 @@ import random
 import shutil
 import threading
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +35,19 @@ import torch
 from glmc.errors import CheckpointError
 
 STATE = "state.pt"
+DELTA = "delta.pt"  #: an incremental checkpoint's file (glmc.runtime.incremental)
 MANIFEST = "manifest.json"
 FORMAT = 1
+
+
+@dataclass
+class Saved:
+    """One completed save: its step, wall seconds, kind ("full" or "incremental") and bytes."""
+
+    step: int
+    seconds: float
+    kind: str
+    bytes: int
 
 
 def snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainer: Any,
@@ -91,11 +103,21 @@ def name_of(step: int) -> str:
 
 
 def load(path: Path) -> dict[str, Any]:
-    """The snapshot in checkpoint directory `path`, verified against its manifest."""
+    """The snapshot in checkpoint directory `path`, verified against its manifest (an
+    incremental one: applied to its full checkpoint, verified too)."""
     problem = check(path)
     if problem:
         raise CheckpointError(f"{path}: {problem}")
-    return torch.load(path / STATE, map_location="cpu", weights_only=False)
+    base = _manifest(path).get("base")
+    if base is None:
+        return torch.load(path / STATE, map_location="cpu", weights_only=False)
+    from glmc.runtime import incremental
+    delta = torch.load(path / DELTA, map_location="cpu", weights_only=False)
+    return incremental.decode(delta, load(path.parent / base))
+
+
+def _manifest(path: Path) -> dict[str, Any]:
+    return json.loads((path / MANIFEST).read_text())
 
 
 def check(path: Path) -> str | None:
@@ -115,6 +137,14 @@ def check(path: Path) -> str | None:
             return f"{name} has {f.stat().st_size:,} bytes, the manifest says {want['bytes']:,}"
         if _sha256(f) != want["sha256"]:
             return f"{name} does not match its checksum (corrupt)"
+    base = json.loads(manifest.read_text()).get("base")
+    if base is not None:  # an incremental checkpoint is as complete as its full one
+        problem = check(path.parent / base)
+        if problem is None and _sha256(path.parent / base / STATE) != \
+                json.loads(manifest.read_text()).get("base_sha256"):
+            problem = f"{STATE} is not the one this delta was written against"
+        if problem is not None:
+            return f"its full checkpoint {base}: {problem}"
     return None
 
 
@@ -143,53 +173,69 @@ class Checkpointer:
         self.root, self.keep, self.background = Path(root), keep, background
         self.root.mkdir(parents=True, exist_ok=True)
         self._thread: threading.Thread | None = None
+        #: (name, state, SHA-256 of its file) of the last full checkpoint this run wrote: what
+        #: incremental ones are written against (none after a resume: the next save is full)
+        self._base: tuple[str, dict[str, Any], str] | None = None
         self.errors: list[str] = []  #: failed saves, reported and kept for the run's summary
-        self.saved: list[tuple[int, float]] = []  #: (step, seconds) of each completed save
+        self.saved: list[Saved] = []  #: each completed save
 
-    def save(self, step: int, state: dict[str, Any]) -> None:
+    def save(self, step: int, state: dict[str, Any], incremental: bool = False) -> None:
         """Write `state` (a `snapshot`) as the checkpoint of `step`; waits for the previous
-        background write first."""
+        background write first. `incremental`: as its difference from the last full checkpoint
+        of this run (glmc.runtime.incremental), full when there is none yet."""
         self.wait()
+        base = self._base if incremental else None
         if self.background:
-            self._thread = threading.Thread(target=self._write_reporting, args=(step, state),
+            self._thread = threading.Thread(target=self._write_reporting, args=(step, state, base),
                                             daemon=True, name="glmc-checkpoint")
             self._thread.start()
         else:
-            self._write_reporting(step, state)
+            self._write_reporting(step, state, base)
 
     def wait(self) -> None:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
 
-    def _write_reporting(self, step: int, state: dict[str, Any]) -> None:
+    def rebase(self, path: Path, state: dict[str, Any]) -> None:
+        """Write incremental checkpoints against full checkpoint `path` (whose loaded snapshot
+        is `state`), e.g. the one a run resumed from; an incremental `path` is ignored."""
+        manifest = json.loads((Path(path) / MANIFEST).read_text())
+        if "base" not in manifest:
+            self._base = (Path(path).name, state, manifest["files"][STATE]["sha256"])
+
+    def _write_reporting(self, step: int, state: dict[str, Any], base: Any) -> None:
         import time
         start = time.perf_counter()
         try:
-            self._write(step, state)
+            size = self._write(step, state, base)
             _prune(self.root, self.keep)
-            self.saved.append((step, time.perf_counter() - start))
+            self.saved.append(Saved(step, time.perf_counter() - start,
+                                    "incremental" if base else "full", size))
         except OSError as e:  # a full disk, a vanished directory: the run goes on
             msg = (f"checkpoint of step {step} failed ({e}); training goes on, the previous "
                    "checkpoints are intact")
             self.errors.append(msg)
             warnings.warn(msg, stacklevel=1)
 
-    def _write(self, step: int, state: dict[str, Any]) -> None:
+    def _write(self, step: int, state: dict[str, Any], base: Any = None) -> int:
+        """Write `state`, whole or (`base`: (name, state, SHA-256) of a full checkpoint) as
+        its difference from that checkpoint; returns the bytes written."""
+        from glmc.runtime import incremental
         final = self.root / name_of(step)
         tmp = self.root / f".{name_of(step)}.tmp"
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
+        name, head = (DELTA, {"base": base[0], "base_sha256": base[2]}) if base else (STATE, {})
         try:
-            with open(tmp / STATE, "wb") as f:
-                torch.save(state, f)
+            with open(tmp / name, "wb") as f:
+                torch.save(incremental.encode(state, base[1]) if base else state, f)
                 f.flush()
                 os.fsync(f.fileno())
-            files = {STATE: {"bytes": (tmp / STATE).stat().st_size,
-                             "sha256": _sha256(tmp / STATE)}}
+            files = {name: {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}}
             with open(tmp / MANIFEST, "w") as f:
-                json.dump({"format": FORMAT, "step": step, "files": files}, f, indent=1)
+                json.dump({"format": FORMAT, "step": step, **head, "files": files}, f, indent=1)
                 f.flush()
                 os.fsync(f.fileno())
             _fsync_dir(tmp)
@@ -200,6 +246,9 @@ class Checkpointer:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        if not base:
+            self._base = (final.name, state, files[STATE]["sha256"])
+        return int(files[name]["bytes"])
 
 
 
@@ -221,7 +270,7 @@ class ShardedCheckpointer:
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
         self.errors: list[str] = []
-        self.saved: list[tuple[int, float]] = []
+        self.saved: list[Saved] = []
 
     def save(self, step: int, trainer: Any, host: dict[str, Any]) -> None:
         import time
@@ -258,7 +307,8 @@ class ShardedCheckpointer:
             os.rename(tmp, final)
             _fsync_dir(self.root)
             _prune(self.root, self.keep)
-            self.saved.append((step, time.perf_counter() - start))
+            self.saved.append(Saved(step, time.perf_counter() - start, "full",
+                                    sum(f["bytes"] for f in files.values())))
         dist.barrier()
 
     def wait(self) -> None:
@@ -317,8 +367,15 @@ def _prune(root: Path, keep: int) -> None:
     done = sorted((p for p in root.iterdir()
                    if p.is_dir() and p.name.startswith("step-") and (p / MANIFEST).is_file()),
                   key=lambda p: p.name)
+    needed = set()
+    for p in done[-keep:]:  # the full checkpoints that kept incremental ones are written against
+        try:
+            needed.add(json.loads((p / MANIFEST).read_text()).get("base"))
+        except (OSError, ValueError):
+            pass
     for old in done[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        if old.name not in needed:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def _sha256(path: Path) -> str:
@@ -337,5 +394,5 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-__all__ = ["Checkpointer", "ShardedCheckpointer", "CheckpointError", "snapshot", "restore",
+__all__ = ["Saved", "Checkpointer", "ShardedCheckpointer", "CheckpointError", "snapshot", "restore",
            "load", "load_sharded", "latest", "check", "name_of", "rng_states", "set_rng_states"]

@@ -55,11 +55,14 @@ def achievable_flops(device: str, dtype: str = "float32") -> float | None:
 
 
 class Meter:
-    """Per-step metrics: prints a line every `every` steps, appends every step to `jsonl`."""
+    """Per-step metrics: prints a line every `every` steps, appends every step to `jsonl` and
+    (with `tensorboard`, a directory) to a TensorBoard event file; keeps the curve (`curve()`)
+    for the report."""
 
     def __init__(self, total_steps: int, tokens_per_step: int | None = None,
                  flops_per_step: float | None = None, peak_flops: float | None = None,
-                 jsonl: Path | None = None, every: int = 1, out: TextIO | None = None) -> None:
+                 jsonl: Path | None = None, every: int = 1, out: TextIO | None = None,
+                 tensorboard: str | None = None) -> None:
         self.total, self.tokens, self.every = total_steps, tokens_per_step, max(1, every)
         self.flops, self.peak = flops_per_step, peak_flops
         self.out = out or sys.stdout
@@ -68,7 +71,9 @@ class Meter:
             jsonl.parent.mkdir(parents=True, exist_ok=True)
             self.file = open(jsonl, "a")
         self.times: list[float] = []
+        self.rows: list[dict[str, Any]] = []
         self.start = time.perf_counter()
+        self.board = _board(tensorboard) if tensorboard else None
 
     def step(self, i: int, loss: float, lr: float | None, seconds: float,
              extra: dict[str, Any] | None = None, tokens: int | None = None,
@@ -92,6 +97,12 @@ class Meter:
         if self.file is not None:
             self.file.write(json.dumps(row) + "\n")
             self.file.flush()
+        self.rows.append({k: row[k] for k in ("step", "loss", "lr", "step_s", "tokens_per_s",
+                                               "mfu") if k in row})
+        if self.board is not None:
+            for k in ("loss", "lr", "tokens_per_s", "mfu", "step_s", "peak_rss_mib"):
+                if row.get(k) is not None:
+                    self.board.add_scalar(f"train/{k}", row[k], i)
         if (i + 1) % self.every == 0 or i + 1 == self.total:
             print(self.line(row), file=self.out, flush=True)
         return row
@@ -112,10 +123,29 @@ class Meter:
         parts.append(f"ETA {int(eta // 3600)}:{int(eta % 3600 // 60):02d}:{int(eta % 60):02d}")
         return "  ".join(parts)
 
+    def curve(self, points: int = 2000) -> list[dict[str, Any]]:
+        """The run's rows, every k-th so that at most `points` remain (for the report)."""
+        k = max(1, -(-len(self.rows) // points))
+        return self.rows[::k]
+
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
             self.file = None
+        if self.board is not None:
+            self.board.close()
+            self.board = None
+
+
+def _board(directory: str) -> Any:
+    """A TensorBoard SummaryWriter into `directory` (needs the `tensorboard` package)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        from glmc.errors import ConfigError
+        raise ConfigError("--tensorboard needs the tensorboard package: pip install tensorboard "
+                          "(or drop --tensorboard; metrics.jsonl has every step)") from None
+    return SummaryWriter(directory)
 
 
 def lr_factor(step: int, total: int, schedule: str, warmup: int, min_ratio: float) -> float:
