@@ -145,6 +145,38 @@ def test_incremental_checkpoints_restore_exactly_and_keep_their_base(tmp_path: P
     assert any("its full checkpoint step-00000001" in m for m in said)
 
 
+_SAVER = r"""
+import sys, time, torch
+from glmc.runtime.checkpoint import Checkpointer
+ck = Checkpointer(sys.argv[1], keep=3)
+ck.save(1, {"step": 1, "w": torch.zeros(4)})
+ck.wait()
+ck.save(2, {"step": 2, "w": torch.randn(96, 1 << 20)})  # 384 MiB: killed while it is written
+ck.wait()
+time.sleep(60)
+"""
+
+
+def test_a_process_killed_mid_save_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
+    """SIGKILL while a checkpoint is being written (its temporary directory exists): the
+    previous checkpoint is the newest complete one and loads; the next save clears the rest."""
+    import time
+    proc = subprocess.Popen([sys.executable, "-c", _SAVER, str(tmp_path)], cwd=ROOT)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / ".step-00000002.tmp" / "state.pt").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the save never started"
+        time.sleep(0.001)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert not (tmp_path / "step-00000002").exists()  # killed before the rename
+    found = latest(tmp_path)
+    assert found is not None and found.name == "step-00000001"
+    assert load(found)["step"] == 1
+    ck = Checkpointer(tmp_path, keep=3, background=False)
+    ck.save(2, {"step": 2})
+    assert not list(tmp_path.glob(".step-*")) and load(latest(tmp_path))["step"] == 2
+
+
 def test_lr_schedule_warms_up_and_decays() -> None:
     f = [lr_factor(i, 10, "cosine", 2, 0.1) for i in range(10)]
     assert f[0] == 0.5 and f[1] == 1.0 and f[2] == 1.0
@@ -296,18 +328,21 @@ def _dcp_tensors(path: Path, out: Path) -> dict:
     return torch.load(out, weights_only=False)
 
 
-def test_a_killed_zero1_run_on_two_processes_resumes_exactly(tmp_path: Path) -> None:
-    """The same on 2 processes with ZeRO-1 (sharded optimizer state through DCP, every rank's
-    RNG states, the data position): the whole torchrun job killed with SIGKILL after step 9 and
-    resumed prints the losses of an uninterrupted run and ends with the same sharded state."""
+@pytest.mark.parametrize("plan", [("--zero", "1"), ("--pp", "2")], ids=["zero1", "pipeline"])
+def test_a_killed_two_process_run_resumes_exactly(tmp_path: Path, plan: tuple) -> None:
+    """The same on 2 processes, data parallel with ZeRO-1 (sharded optimizer state through DCP)
+    and a 2-stage pipeline (each rank its stage's state through DCP), every rank's RNG states
+    and the data position: the whole torchrun job killed with SIGKILL after step 9 and resumed
+    prints the losses of an uninterrupted run and ends with the same saved state."""
     data = _tokens(tmp_path / "t.bin")
     common = ["--data", str(data), "--steps", "40", "--checkpoint-every", "4", "--nproc", "2",
-              "--zero", "1", "--seed", "1"]
+              *plan, "--seed", "1"]
     whole = _train(*common, "--checkpoint-dir", str(tmp_path / "a"))
     out, err = whole.communicate(timeout=600)
     assert whole.returncode == 0, err
     want = _losses(out)
     assert sorted(want) == list(range(40))
+    assert "checkpoints: 10 full" in out
     killed = _train(*common, "--checkpoint-dir", str(tmp_path / "b"))
     seen = _until(killed, r"step +9 ")  # 30 steps (~0.5 s) still to go: the kill lands first
     _kill_tree(killed.pid)  # the launcher, torchrun and both ranks

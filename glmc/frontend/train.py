@@ -99,58 +99,47 @@ def usage_problems(args: Any) -> list[str]:
         out.append("--seq-len / --batch-size / --eos-id need --data")
     if args.eos_id is None and args.token_budget:
         out.append("--token-budget needs --eos-id (documents in shape buckets)")
-    if args.plan.strategy == "pipeline":
-        out.append("glmc train: --pp is not supported yet (glmc compile --pp trains a pipeline)")
+    if args.plan.strategy == "pipeline" and args.eos_id is not None:
+        out.append("--eos-id with --pp: a pipeline is compiled for one micro-batch shape; "
+                   "train it on fixed windows (drop --eos-id)")
+    if args.plan.strategy == "pipeline" and args.checkpoint_dir and args.plan.zero:
+        out.append("--checkpoint-dir with --pp and --zero 1: checkpoints of pipelines with "
+                   "sharded optimizer state are not supported yet; use --zero 0")
     return out
 
 
 def train(args: Any) -> int:
-    from glmc.analysis.predict import graph_device
-    from glmc.frontend.api import optimize
     from glmc.frontend.workload import load_workload
-    from glmc.runtime.metrics import Meter, achievable_flops, lr_factor, step_flops
+    from glmc.runtime.metrics import Meter, lr_factor
 
     work = load_workload(args.file)
     source, example, tokens = _data(args, work)
-    plan = args.plan
-    data = plan.strategy == "data"
-    lead = _rank() == 0
-    trainer = optimize(work.model, example, loss_fn=work.loss_fn, optimizer=work.optimizer,
-                       backend=args.backend, passes=args.passes,
-                       memory_budget=args.memory_budget, precision=args.precision,
-                       fusion=args.fusion, strict=args.strict, disable=tuple(args.disable),
-                       profile=args.profile, progress=lead,
-                       step_cache=None if args.step_cache in ("off", "none", "") else
-                       args.step_cache, clip_grad_norm=args.clip_grad_norm,
-                       parallel=plan.data_parallel() if data else
-                       (plan if plan.accumulate > 1 else None),
-                       max_cache=max(8, len(source.buckets()) + 1))
-    run = _Run(args, trainer, source, data)
-    optimizer = trainer.optimizer
-    start, base_lr = run.resume() if args.resume else \
-        (0, [g["lr"] for g in optimizer.param_groups])
+    run = _Run(args, _trainer(args, work, example, source), source)
+    start, base_lr = run.resume() if args.resume else (0, run.learning_rates())
     if start >= args.steps:
         run.say(f"glmc: the checkpoint is at step {start}, not before --steps {args.steps}")
         return 0
     metrics = Path(args.metrics) if args.metrics else \
         Path(args.report_dir or args.checkpoint_dir or ".") / "metrics.jsonl"
-    meter = Meter(args.steps, tokens, step_flops(trainer.graph),
-                  achievable_flops(graph_device(trainer.graph)), metrics if lead else None,
-                  args.log_every, None if lead else open(os.devnull, "w"),
-                  args.tensorboard if lead else None)
+    flops, peak = run.model_flops()
+    meter = Meter(args.steps, tokens, flops, peak, metrics if run.lead else None,
+                  args.log_every, None if run.lead else open(os.devnull, "w"),
+                  args.tensorboard if run.lead else None)
     stop = _on_sigterm()
     batches = source.iterate()
     try:
         for i in range(start, args.steps):
             factor = lr_factor(i, args.steps, args.lr_schedule, args.warmup, args.min_lr_ratio)
-            for g, lr in zip(optimizer.param_groups, base_lr):
+            groups = run.param_groups()
+            for g, lr in zip(groups, base_lr):
                 g["lr"] = lr * factor
             batch = next(batches)
             t0 = time.perf_counter()
-            loss = _step(trainer, batch)
-            meter.step(i, loss, optimizer.param_groups[0]["lr"], time.perf_counter() - t0,
-                       tokens=source.tokens(batch),
-                       flops=_flops(trainer, batch) if source.buckets() else None)
+            loss = run.step(batch)
+            if run.lead:
+                meter.step(i, loss, groups[0]["lr"], time.perf_counter() - t0,
+                           tokens=source.tokens(batch),
+                           flops=_flops(run.trainer, batch) if source.buckets() else None)
             done, stopping = i + 1, run.agreed(stop.is_set())
             full = done == args.steps or stopping or (
                 args.checkpoint_every and done % args.checkpoint_every == 0)
@@ -168,32 +157,83 @@ def train(args: Any) -> int:
     finally:
         source.close()
         meter.close()
-        trainer.report.training = meter.curve()
-    if lead:
-        _finish(args, trainer, run.ckpt, source)
+    if run.lead:
+        _finish(args, run, meter, source)
+    run.close()
     return 0
 
 
-class _Run:
-    """What differs between one process and data parallelism: the checkpointer (one file
-    written in the background, or DCP shards written by every rank together), resume, who
-    speaks, and agreeing on a SIGTERM."""
+def _trainer(args: Any, work: Any, example: Any, source: Any) -> Any:
+    """The compiled step, as `glmc compile` compiles it: a Trainer (one process, data
+    parallel, accumulation) or a PipelineTrainer (--pp)."""
+    plan = args.plan
+    if plan.strategy == "pipeline":
+        from glmc.parallel.pipeline import plan_trainer
+        return plan_trainer(plan, work.model, work.optimizer, work.loss_fn, example,
+                            memory_budget=args.memory_budget, backend=args.backend,
+                            precision=args.precision, fusion=bool(args.fusion))
+    from glmc.frontend.api import optimize
+    data = plan.strategy == "data"
+    return optimize(work.model, example, loss_fn=work.loss_fn, optimizer=work.optimizer,
+                    backend=args.backend, passes=args.passes,
+                    memory_budget=args.memory_budget, precision=args.precision,
+                    fusion=args.fusion, strict=args.strict, disable=tuple(args.disable),
+                    profile=args.profile, progress=_rank() == 0,
+                    step_cache=None if args.step_cache in ("off", "none", "") else
+                    args.step_cache, clip_grad_norm=args.clip_grad_norm,
+                    parallel=plan.data_parallel() if data else
+                    (plan if plan.accumulate > 1 else None),
+                    max_cache=max(8, len(source.buckets()) + 1))
 
-    def __init__(self, args: Any, trainer: Any, source: Any, data: bool) -> None:
+
+class _Run:
+    """What differs between one process, data parallelism and a pipeline: the checkpointer
+    (one file written in the background, or DCP shards written by every rank together),
+    resume, the optimizers an LR schedule sets, who speaks (rank 0; a pipeline's first
+    replica's last stage, which has the loss), and agreeing on a SIGTERM."""
+
+    def __init__(self, args: Any, trainer: Any, source: Any) -> None:
         from glmc.runtime.checkpoint import Checkpointer, ShardedCheckpointer
-        self.args, self.trainer, self.source, self.data = args, trainer, source, data
+        self.args, self.trainer, self.source = args, trainer, source
+        self.kind = args.plan.strategy  # "single", "data" or "pipeline"
+        self.lead = (trainer.last and trainer.replica == 0) if self.kind == "pipeline" else \
+            _rank() == 0
         self.ckpt: Any = None
         if args.checkpoint_dir:
-            self.ckpt = ShardedCheckpointer(args.checkpoint_dir, args.keep) if data else \
-                Checkpointer(args.checkpoint_dir, args.keep, not args.sync_checkpoints)
+            self.ckpt = Checkpointer(args.checkpoint_dir, args.keep, not args.sync_checkpoints) \
+                if self.kind == "single" else ShardedCheckpointer(args.checkpoint_dir, args.keep)
 
     def say(self, text: str) -> None:
-        if _rank() == 0:
+        if self.lead:
             print(text, flush=True)
+
+    def param_groups(self) -> list[dict[str, Any]]:
+        opts = self.trainer.optimizers if self.kind == "pipeline" else [self.trainer.optimizer]
+        return [g for o in opts for g in o.param_groups]
+
+    def learning_rates(self) -> list[float]:
+        return [g["lr"] for g in self.param_groups()]
+
+    def step(self, batch: Any) -> float | None:
+        if isinstance(batch, dict):
+            loss = self.trainer.step(**batch)
+        else:
+            loss = self.trainer.step(*batch)
+        return None if loss is None else loss.item()
+
+    def model_flops(self) -> tuple[float | None, float | None]:
+        """(model FLOPs per step, the device's achievable rate): MFU's parts; a pipeline's
+        stages hold no whole-step graph, so its MFU is left out."""
+        if self.kind == "pipeline":
+            return None, None
+        from glmc.analysis.predict import graph_device
+        from glmc.runtime.metrics import achievable_flops, step_flops
+        graph = self.trainer.graph
+        return step_flops(graph), achievable_flops(graph_device(graph))
 
     def agreed(self, flag: bool) -> bool:
         """Whether any rank was told to stop (every rank then checkpoints the same step)."""
-        if not self.data:
+        if self.kind == "single":
             return flag
         import torch
         import torch.distributed as dist
@@ -201,15 +241,24 @@ class _Run:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
 
+    def _sharded(self) -> dict[str, Any]:
+        if self.kind == "pipeline":
+            return self.trainer.sharded_state_dict()
+        dp = self.trainer.parallel
+        return {**dp.sharded_state_dict(self.trainer.model, self.trainer.optimizer),
+                "layout": "data parallel"}
+
     def save(self, step: int, base_lr: list[float], incremental: bool = False) -> None:
         from glmc.runtime.checkpoint import snapshot
         extra = {"base_lr": base_lr}
-        if self.data:
-            self.ckpt.save(step, self.trainer, {"data": self.source.position(), "extra": extra})
-        else:
+        if self.kind == "single":
             self.ckpt.save(step, snapshot(self.trainer.model, self.trainer.optimizer,
                                           self.trainer, self.source.position(), step, extra),
                            incremental)
+        else:
+            self.ckpt.save(step, self._sharded(), {"data": self.source.position(),
+                                                   "extra": extra,
+                                                   "glmc": self.trainer.state_dict()})
 
     def wait(self) -> None:
         if self.ckpt is not None:
@@ -220,31 +269,45 @@ class _Run:
         checkpoint in --checkpoint-dir, restored into the model, optimizer, trainer, RNGs and
         data source."""
         from glmc.runtime.checkpoint import latest, load, load_sharded, restore
-        base_lr = [g["lr"] for g in self.trainer.optimizer.param_groups]
+        base_lr = self.learning_rates()
         found = latest(Path(self.args.checkpoint_dir), report=lambda m: self.say(f"glmc: {m}"))
         if found is None:
             self.say(f"glmc: no complete checkpoint in {self.args.checkpoint_dir}; starting "
                      "at step 0")
             return 0, base_lr
-        if self.data:
-            state = load_sharded(found, self.trainer)
-        else:
+        if self.kind == "single":
             state = load(found)
             restore(state, self.trainer.model, self.trainer.optimizer, self.trainer,
                     where=str(found))
             if self.ckpt is not None:  # incremental checkpoints go on against it
                 self.ckpt.rebase(found, state)
+        else:
+            sharded = self._sharded()
+            state = load_sharded(found, sharded)
+            if self.kind == "data":
+                self.trainer.parallel.load_sharded(sharded, self.trainer.model,
+                                                   self.trainer.optimizer)
+            if state.get("glmc"):
+                self.trainer.load_state_dict(state["glmc"])
         self.source.load_state_dict(state["data"])
         start = int(state["step"])
         self.say(f"glmc: resumed from {found} at step {start}")
-        return start, state["extra"].get("base_lr", base_lr)
+        # a pipeline rank's groups are its stages': the FILE's rates, not the saved list
+        return start, base_lr if self.kind == "pipeline" else \
+            state["extra"].get("base_lr", base_lr)
+
+    def close(self) -> None:
+        if self.kind == "pipeline":
+            import torch.distributed as dist
+            dist.destroy_process_group()
 
 
 def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def _finish(args: Any, trainer: Any, ckpt: Any, source: Any) -> None:
+def _finish(args: Any, run: _Run, meter: Any, source: Any) -> None:
+    ckpt = run.ckpt
     if ckpt is not None:
         ckpt.wait()
         for e in ckpt.errors:
@@ -256,6 +319,10 @@ def _finish(args: Any, trainer: Any, ckpt: Any, source: Any) -> None:
                       f"({sum(s.bytes for s in done) / len(done) / 2**20:.1f} MiB, "
                       f"{sum(s.seconds for s in done) / len(done):.2f} s each, in the "
                       f"{'background' if ckpt.background else 'step'})")
+    if run.kind == "pipeline":
+        return  # `glmc compile --pp --report-dir` reports a pipeline's plan and timeline
+    trainer = run.trainer
+    trainer.report.training = meter.curve()
     if source.buckets():
         print(f"compiled steps: {len(trainer.report.compiles)} for buckets {source.buckets()}")
     print(trainer.report.summary())
@@ -274,12 +341,6 @@ def _flops(trainer: Any, batch: Any) -> float | None:
     if entry.model_flops is None:
         entry.model_flops = step_flops(entry.graph)
     return entry.model_flops
-
-
-def _step(trainer: Any, batch: Any) -> float:
-    if isinstance(batch, dict):
-        return trainer.step(**batch).item()
-    return trainer.step(*batch).item()
 
 
 class _TokenSource:

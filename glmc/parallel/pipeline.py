@@ -549,6 +549,40 @@ class PipelineTrainer:
             loss /= self.dp
         return loss
 
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers of this rank's stages (what an LR schedule sets)."""
+        return [self.pipeline.optimizers[s] for s in self.local]
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's stages' parameters, buffers and optimizer state as DCP saves and loads
+        them in place: {"model": {"S/name": t}, "optim": {"S/key:name": t}, "layout": ...}
+        (S the stage; replicas hold the same keys, DCP writes one copy)."""
+        from glmc.trace.optim import ensure_state
+        if self.zero:
+            raise ConfigError("pipeline: checkpoints of ZeRO-1 pipelines (optimizer state "
+                              "sharded over replicas) are not supported yet; use --zero 0")
+        model: dict[str, Any] = {}
+        optim: dict[str, Any] = {}
+        for s in self.local:
+            module, opt = self.pipeline.stages[s].module, self.pipeline.optimizers[s]
+            ensure_state(opt)
+            names = {id(p): n for n, p in module.named_parameters()}
+            model.update({f"{s}/{k}": v for k, v in module.state_dict().items()})
+            optim.update({f"{s}/{k}:{names[id(p)]}": v for p, st in opt.state.items()
+                          if id(p) in names for k, v in st.items()
+                          if isinstance(v, torch.Tensor)})
+        sched = self.pipeline.program.schedule
+        return {"model": model, "optim": optim,
+                "layout": f"pipeline {sched.num_stages} stages x {self.dp} replicas"}
+
+    def state_dict(self) -> dict[str, Any]:
+        """glmc's own state: the fp16 loss scale and the count of skipped updates."""
+        return {"scaler": self.scaler, "skipped": self.skipped}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scaler, self.skipped = state.get("scaler"), int(state.get("skipped", 0))
+
     def state_tensors(self) -> list[torch.Tensor]:
         """This rank's persistent state: its stages' parameters and optimizer state."""
         out: list[torch.Tensor] = []

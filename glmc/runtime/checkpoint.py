@@ -253,9 +253,9 @@ class Checkpointer:
 
 
 class ShardedCheckpointer:
-    """Checkpoints of a data-parallel trainer (ZeRO 0-3), written by every rank together:
-    the sharded model and optimizer state through torch.distributed.checkpoint (each rank its
-    shards, `dcp/`), the rest (`state.pt`: data position, every rank's RNG states, step, glmc
+    """Checkpoints of a multi-process trainer (data parallel with ZeRO 0-3, or a pipeline),
+    written by every rank together: the sharded model and optimizer state through
+    torch.distributed.checkpoint (each rank its shards or stages, `dcp/`), the rest (`state.pt`: data position, every rank's RNG states, step, glmc
     state) by rank 0, all into a temporary directory that rank 0 renames into place after the
     manifest (every file's size and SHA-256) is written. Synchronous and collective: every
     rank calls `save` at the same step. Resharding to another world size is DCP's."""
@@ -272,7 +272,10 @@ class ShardedCheckpointer:
         self.errors: list[str] = []
         self.saved: list[Saved] = []
 
-    def save(self, step: int, trainer: Any, host: dict[str, Any]) -> None:
+    def save(self, step: int, sharded: dict[str, Any], host: dict[str, Any]) -> None:
+        """Every rank: write `sharded` (this rank's part of the distributed state, as DCP
+        takes it; its "layout" entry, a string naming the plan, goes to the host state and is
+        checked on load) and rank 0's `host` state as the checkpoint of `step`."""
         import time
 
         import torch.distributed as dist
@@ -283,16 +286,15 @@ class ShardedCheckpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         dist.barrier()
-        dp = trainer.parallel
-        dcp.save(dp.sharded_state_dict(trainer.model, trainer.optimizer),
+        dcp.save({k: v for k, v in sharded.items() if k != "layout"},
                  checkpoint_id=str(tmp / "dcp"))
+        host = {**host, "layout": sharded.get("layout")}
         rngs: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(rngs, rng_states())
         dist.barrier()
         if self.rank == 0:
             with open(tmp / STATE, "wb") as f:
-                torch.save({**host, "format": FORMAT, "step": step, "rng_ranks": rngs,
-                            "glmc": trainer.state_dict()}, f)
+                torch.save({**host, "format": FORMAT, "step": step, "rng_ranks": rngs}, f)
                 f.flush()
                 os.fsync(f.fileno())
             files = {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
@@ -307,17 +309,19 @@ class ShardedCheckpointer:
             os.rename(tmp, final)
             _fsync_dir(self.root)
             _prune(self.root, self.keep)
-            self.saved.append(Saved(step, time.perf_counter() - start, "full",
-                                    sum(f["bytes"] for f in files.values())))
-        dist.barrier()
+        dist.barrier()  # every rank records the save (the one that prints may not be rank 0)
+        files = json.loads((final / MANIFEST).read_text())["files"]
+        self.saved.append(Saved(step, time.perf_counter() - start, "full",
+                                sum(f["bytes"] for f in files.values())))
 
     def wait(self) -> None:
         pass
 
 
-def load_sharded(path: Path, trainer: Any) -> dict[str, Any]:
-    """Every rank: restore a `ShardedCheckpointer` checkpoint into a data-parallel trainer (its
-    store, the user's tensors, this rank's RNG states); returns the host state."""
+def load_sharded(path: Path, sharded: dict[str, Any]) -> dict[str, Any]:
+    """Every rank: load a `ShardedCheckpointer` checkpoint into `sharded` (this rank's state
+    dict, shaped as it was saved; DCP loads in place and reshards) and this rank's RNG states;
+    returns the host state."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     problem = check(path)
@@ -326,16 +330,14 @@ def load_sharded(path: Path, trainer: Any) -> dict[str, Any]:
     host = torch.load(path / STATE, map_location="cpu", weights_only=False)
     if "rng_ranks" not in host:
         raise CheckpointError(f"{path}: written by one process; resume it without --nproc / "
-                              "--zero (or start this run without --resume)")
+                              "--zero / --pp (or start this run without --resume)")
     if len(host["rng_ranks"]) != dist.get_world_size():
         raise CheckpointError(f"{path}: written by {len(host['rng_ranks'])} ranks, resumed on "
                               f"{dist.get_world_size()}: resume on the same number of ranks")
-    dp = trainer.parallel
-    state = dp.sharded_state_dict(trainer.model, trainer.optimizer)
-    dcp.load(state, checkpoint_id=str(path / "dcp"))
-    dp.load_sharded(state, trainer.model, trainer.optimizer)
-    if host.get("glmc"):
-        trainer.load_state_dict(host["glmc"])
+    if host.get("layout") != sharded.get("layout"):
+        raise CheckpointError(f"{path}: written by a {host.get('layout')} run, resumed as "
+                              f"{sharded.get('layout')}: resume with the plan that wrote it")
+    dcp.load({k: v for k, v in sharded.items() if k != "layout"}, checkpoint_id=str(path / "dcp"))
     set_rng_states(host["rng_ranks"][dist.get_rank()])
     return host
 
