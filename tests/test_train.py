@@ -290,6 +290,43 @@ def test_tensorboard_events_are_written(tmp_path: Path) -> None:
     assert len(events.Scalars("train/tokens_per_s")) == 3
 
 
+_FAILING_DATA = """
+import sys
+sys.path.insert(0, {examples!r})
+import torch
+import glm
+
+model, example_inputs, _, optimizer = glm.workload("tiny")
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    for i in range(100):
+        if i == 5:
+            raise ValueError("corrupt shard 3")
+        ids = torch.randint(0, 256, (4, 32), generator=g)
+        yield ids, ids.clone()
+
+
+data = _data()
+"""
+
+
+def test_a_failing_data_source_is_checkpointed_first(tmp_path: Path) -> None:
+    """The FILE's `data` (a generator: its first batch is the example and is trained on) raises
+    at its sixth batch: the five steps trained are checkpointed, then a typed error names the
+    source's exception."""
+    (tmp_path / "model.py").write_text(_FAILING_DATA.format(examples=str(ROOT / "examples")))
+    r = subprocess.run([sys.executable, "-m", "glmc", "train", str(tmp_path / "model.py"),
+                        "--backend", "eager", "--steps", "8", "--checkpoint-dir",
+                        str(tmp_path / "ck")], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 1
+    assert sorted(_losses(r.stdout)) == list(range(5))
+    assert "glmc: error: data: the data source raised ValueError: corrupt shard 3" in r.stderr
+    assert load(latest(tmp_path / "ck"))["step"] == 5
+
+
 def test_train_usage_errors() -> None:
     r = subprocess.run([sys.executable, "-m", "glmc", "train", "examples/glm.py", "--resume",
                         "--seq-len", "8"], cwd=ROOT, capture_output=True, text=True,
@@ -358,6 +395,59 @@ def test_a_killed_two_process_run_resumes_exactly(tmp_path: Path, plan: tuple) -
     for part in ("model", "optim"):
         for k, v in a[part].items():
             assert torch.equal(v, b[part][k]), (part, k)
+
+
+def _rank_pid(root: int, rank: int) -> int | None:
+    """The pid of the process below `root` that torchrun started as `rank`."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError):
+            continue
+    for pid in parents:
+        p, chain = pid, set()
+        while p in parents and p not in chain:
+            chain.add(p)
+            p = parents[p]
+        if root not in chain or pid == root:
+            continue
+        try:
+            env = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and b"LOCAL_RANK=%d" % rank in env:
+            return pid
+    return None
+
+
+def test_a_killed_rank_is_restarted_by_torchrun_and_resumes(tmp_path: Path) -> None:
+    """`--max-restarts 1`: one rank of a 2-process run killed with SIGKILL after step 9;
+    torchrun restarts both, they resume from the newest checkpoint by themselves, and the
+    losses (the last printed for each step) equal an uninterrupted run's."""
+    import time
+    data = _tokens(tmp_path / "t.bin")
+    common = ["--data", str(data), "--steps", "30", "--checkpoint-every", "4", "--nproc", "2",
+              "--seed", "2"]
+    whole = _train(*common, "--checkpoint-dir", str(tmp_path / "a"))
+    out, err = whole.communicate(timeout=600)
+    assert whole.returncode == 0, err
+    want = _losses(out)
+    job = _train(*common, "--checkpoint-dir", str(tmp_path / "b"), "--max-restarts", "1")
+    seen = _until(job, r"step +9 ")
+    pid = None
+    for _ in range(100):
+        pid = pid or _rank_pid(job.pid, 1)
+        if pid:
+            break
+        time.sleep(0.05)
+    assert pid is not None, "rank 1's process not found"
+    import os
+    os.kill(pid, signal.SIGKILL)
+    out, err = job.communicate(timeout=600)
+    assert job.returncode == 0, err
+    assert "restart 1 of 1" in out and re.search(r"resumed from .* at step \d+", out), out
+    assert {**_losses(seen), **_losses(out)} == want
 
 
 def test_the_step_cache_skips_capture_and_passes_and_keys_what_matters(tmp_path: Path) -> None:

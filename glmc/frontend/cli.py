@@ -320,18 +320,20 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
     import subprocess
 
     rest, skip = [], False
-    for a in argv:
+    for a in argv:  # the launcher's own options stay here
         if skip:
             skip = False
-        elif a == "--nproc":
+        elif a in ("--nproc", "--max-restarts"):
             skip = True
-        elif not a.startswith("--nproc="):
+        elif not a.startswith(("--nproc=", "--max-restarts=")):
             rest.append(a)
     zero = args.plan.for_rank().zero
     if zero != args.plan.zero:  # data parallel: each rank runs a ZeRO stage
         rest += ["--zero", str(zero)]
+    restarts = getattr(args, "max_restarts", 0)  # glmc train --max-restarts
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={args.plan.nproc}", "-m", "glmc", *rest]
+           f"--nproc_per_node={args.plan.nproc}", f"--max-restarts={restarts}", "-m", "glmc",
+           *rest]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace")
     assert proc.stderr is not None
     for chunk in _without_launcher_noise(proc.stderr):

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from glmc.errors import CheckpointError, ConfigError
+from glmc.errors import CheckpointError, ConfigError, GlmcError, InputError
 
 SCHEDULES = ("constant", "cosine", "linear")
 
@@ -67,6 +67,9 @@ def add_arguments(t: Any) -> None:
                    help="write checkpoints in the training thread (default: in the background)")
     t.add_argument("--resume", action="store_true",
                    help="continue from the newest complete checkpoint in --checkpoint-dir")
+    t.add_argument("--max-restarts", type=int, default=0, metavar="R",
+                   help="with --nproc: torchrun restarts the job up to R times when a rank "
+                        "fails; the restarted ranks resume from the newest checkpoint")
     t.add_argument("--lr-schedule", default="constant", choices=SCHEDULES,
                    help="the learning rate over the run: constant (default), cosine or linear "
                         "decay to --min-lr-ratio, after --warmup steps of linear warm-up")
@@ -93,6 +96,9 @@ def usage_problems(args: Any) -> list[str]:
     if args.incremental_every and args.plan.strategy == "data":
         out.append("--incremental-every: data-parallel checkpoints (DCP) are full only; "
                    "drop it with --nproc / --zero")
+    if args.max_restarts and not (args.plan.nproc and args.checkpoint_dir):
+        out.append("--max-restarts needs --nproc and --checkpoint-dir (restarted ranks "
+                   "resume from the newest checkpoint)")
     if args.checkpoint_every < 0 or args.incremental_every < 0 or args.keep < 1 or args.warmup < 0 or args.log_every < 1:
         out.append("--checkpoint-every and --warmup must be >= 0, --keep and --log-every >= 1")
     if not args.data and (args.seq_len or args.batch_size or args.eos_id is not None):
@@ -115,7 +121,12 @@ def train(args: Any) -> int:
     work = load_workload(args.file)
     source, example, tokens = _data(args, work)
     run = _Run(args, _trainer(args, work, example, source), source)
-    start, base_lr = run.resume() if args.resume else (0, run.learning_rates())
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # torchrun's restarts
+    if restarted and args.checkpoint_dir:
+        run.say(f"glmc: restart {restarted} of "
+                f"{os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')} (a rank failed)")
+    start, base_lr = run.resume() if args.resume or (restarted and args.checkpoint_dir) else \
+        (0, run.learning_rates())
     if start >= args.steps:
         run.say(f"glmc: the checkpoint is at step {start}, not before --steps {args.steps}")
         return 0
@@ -133,7 +144,7 @@ def train(args: Any) -> int:
             groups = run.param_groups()
             for g, lr in zip(groups, base_lr):
                 g["lr"] = lr * factor
-            batch = next(batches)
+            batch = _next_batch(batches, run, i, base_lr)
             t0 = time.perf_counter()
             loss = run.step(batch)
             if run.lead:
@@ -161,6 +172,28 @@ def train(args: Any) -> int:
         _finish(args, run, meter, source)
     run.close()
     return 0
+
+
+def _next_batch(batches: Any, run: "_Run", step: int, base_lr: list[float]) -> Any:
+    """The next batch; when the data source raises, the steps trained so far are
+    checkpointed first (the error then propagates, with the checkpoint named)."""
+    try:
+        return next(batches)
+    except StopIteration:
+        error: BaseException = ConfigError(
+            f"data: the FILE's `data` ran out after {step} batches; give it more (or "
+            "cycle it) or lower --steps")
+    except GlmcError as e:
+        error = e
+    except Exception as e:  # noqa: BLE001 - any error of the user's iterator
+        error = InputError(f"data: the data source raised {type(e).__name__}: {e}")
+        error.__cause__ = e
+    if run.ckpt is not None and step > 0 and not run.saved(step):
+        run.save(step, base_lr)
+        run.wait()
+        run.say(f"glmc: the data source failed at step {step}; checkpoint of step {step} "
+                "written, resume with --resume once the data is fixed")
+    raise error
 
 
 def _trainer(args: Any, work: Any, example: Any, source: Any) -> Any:
@@ -263,6 +296,11 @@ class _Run:
     def wait(self) -> None:
         if self.ckpt is not None:
             self.ckpt.wait()
+
+    def saved(self, step: int) -> bool:
+        """Whether this run already checkpointed `step`."""
+        self.wait()
+        return any(s.step == step for s in self.ckpt.saved)
 
     def resume(self) -> tuple[int, list[float]]:
         """(the step to continue at, the base learning rates) from the newest complete
@@ -428,11 +466,15 @@ def _data(args: Any, work: Any) -> tuple[Any, Any, int | None]:
     if work.data is None:
         raise ConfigError(f"{args.file}: glmc train needs data: pass --data TOKENS.bin, or "
                           "define `data` (an iterable of batches) in the FILE")
-    first = next(iter(work.data))
+    data = work.data
+    first = next(iter(data))
+    if iter(data) is data:  # a one-shot iterator (a generator): the first batch goes back in
+        import itertools
+        data = itertools.chain([first], data)
     leaves = batch_leaves(split_batch(first))
     # token ids: the first integer leaf's elements (no count for float inputs: images)
     tokens = next((int(t.numel()) for t in leaves if not t.dtype.is_floating_point), None)
-    return _IterableSource(work.data), first, tokens
+    return _IterableSource(data), first, tokens
 
 
 def _bucket_source(args: Any, work: Any, layout: Any, seq_len: int, batch_size: int

@@ -190,6 +190,17 @@ def init_distributed(device: str, timeout_s: float) -> None:
     backend = "nccl" if device == "cuda" else "gloo"
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart:  # torchrun --max-restarts: the agent's store still holds the failed attempt's
+        # keys (torch 2.13: gloo's restarted ranks read dead peers' addresses and fail to
+        # connect), so this attempt's keys get a prefix of their own
+        store = dist.PrefixStore(f"glmc/attempt_{restart}", dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+            int(os.environ["WORLD_SIZE"]), False, timeout=timedelta(seconds=timeout_s)))
+        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]),
+                                timeout=timedelta(seconds=timeout_s))
+        return
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
 
 
