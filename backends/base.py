@@ -86,16 +86,19 @@ class Backend(abc.ABC):
         """What the last compile runs differently from eager (for the report)."""
         return []
 
-    def compile(self, graph: TrainGraph, strict: bool = False,
-                inplace: bool = False) -> CompiledStep:
+    def compile(self, graph: TrainGraph, strict: bool = False, inplace: bool = False,
+                fallbacks: list[Offense] | None = None) -> CompiledStep:
         """The step as a callable: functional (`inputs -> outputs`), or with `inplace` the
-        write-back form (state inputs updated in place, returns [loss])."""
+        write-back form (state inputs updated in place, returns [loss]). `fallbacks`: the ops
+        this backend runs as fallbacks, when already known (a warm start's cached step)."""
         traits = self.traits()
         if inplace and not traits.inplace:
             raise ConfigError(f"backend '{self.name}': cannot update state in place; compile "
                               "the functional step and write the outputs back")
         self.check(graph)
-        fallbacks = self.unsupported(graph) if self.per_op_fallback or strict else []
+        known = fallbacks is not None and not strict  # notes included
+        if not known:
+            fallbacks = self.unsupported(graph) if self.per_op_fallback or strict else []
         if strict and fallbacks:
             raise self._unsupported_error(fallbacks, None)
         start = time.perf_counter()
@@ -114,7 +117,8 @@ class Backend(abc.ABC):
             raise BackendError(f"backend '{self.name}': compiling the step failed: "
                                f"{type(e).__name__}: {text}; try backend='eager' or report "
                                "it with the step (glmc.save_graph)") from e
-        return CompiledStep(fn, self.name, inplace, fallbacks + self.notes(),
+        return CompiledStep(fn, self.name, inplace,
+                            list(fallbacks) if known else fallbacks + self.notes(),
                             time.perf_counter() - start, getattr(fn, "instrument", None),
                             adopt=not inplace and getattr(fn, "adopt", False),
                             boxed=getattr(fn, "boxed", None))
@@ -129,6 +133,11 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def _compile(self, gm: fx.GraphModule, graph: TrainGraph) -> StepFn:
         """Compile `gm` (the functional step, or its write-back form) into `inputs -> outputs`."""
+
+
+#: TrainGraph.meta key: a directory (the step cache entry of this step) where a backend may keep
+#: its compiled step for the next process to load instead of compiling (warm start)
+ARTIFACT_DIR = "artifact_dir"
 
 
 def step_device(graph: TrainGraph) -> torch.device:

@@ -480,6 +480,32 @@ def test_the_step_cache_skips_capture_and_passes_and_keys_what_matters(tmp_path:
     assert again.report.compiles[-1].step_cache.startswith("stored ")
 
 
+def test_a_warm_inductor_step_loads_the_compiled_artifact(tmp_path: Path) -> None:
+    """Warm start with Inductor: the first trainer keeps Inductor's compiled step (and which
+    vector ISAs it found usable) in the step cache entry; the second loads it instead of
+    compiling and trains to the same losses, bit for bit (the same kernels)."""
+    import glmc
+    from tests.models import CASES, glmc_losses
+
+    def trainer():
+        model, x, loss_fn, opt = CASES["mlp"].make()
+        return glmc.optimize(model, x, loss_fn=loss_fn, optimizer=opt, backend="inductor",
+                             step_cache=str(tmp_path)), x
+
+    cold, x = trainer()
+    key = cold.report.compiles[-1].step_cache.split()[1]
+    artifacts = list((tmp_path / key).glob("inductor-*.bin"))
+    assert len(artifacts) == 1
+    assert (tmp_path / key / artifacts[0].name.replace(".bin", ".isa.json")).is_file()
+    want = glmc_losses(cold, x, 3)
+    warm, _ = trainer()
+    assert warm.report.compiles[-1].step_cache == f"hit {key}"
+    assert glmc_losses(warm, x, 3) == want
+    artifacts[0].write_bytes(b"not an artifact")  # unreadable: compiled again, same losses
+    again, _ = trainer()
+    assert glmc_losses(again, x, 3) == want
+
+
 def test_gradient_clipping_inside_the_step_matches_torch() -> None:
     """`clip_grad_norm=` (the clip pass): the losses, parameters and optimizer state of eager
     PyTorch with `torch.nn.utils.clip_grad_norm_` before every `optimizer.step()`, with the

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
-from glmc.backends.base import Backend, StepFn
+from glmc.backends.base import ARTIFACT_DIR, Backend, StepFn
 
 from glmc.analysis.phases import CallSite, Instrument, KernelCall
 from glmc.errors import BackendError
@@ -62,16 +62,22 @@ class InductorBackend(Backend):
         _split_alpha(gm)
         _views_as_reshapes(gm)
         _cross_entropy_backward(gm)
-        # fallback_random: draw dropout masks with ATen's generator, exactly as eager does
-        with torch.no_grad(), _phase_barrier(gm, _has_recompute(graph)), \
-                _cacheable(gm) as example:
-            compiled = compile_fx(gm, example, config_patches=_patches(graph))
+        artifact = _artifact_path(graph)
+        loaded = _load_artifact(artifact)
+        if loaded is not None:
+            compiled = loaded
+        else:
+            # fallback_random: draw dropout masks with ATen's generator, exactly as eager does
+            with torch.no_grad(), _phase_barrier(gm, _has_recompute(graph)), \
+                    _cacheable(gm) as example:
+                compiled = compile_fx(gm, example, config_patches=_patches(graph)) \
+                    if artifact is None else _compile_artifact(gm, example, graph, artifact)
 
         def run(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
             with torch.no_grad():
                 return list(compiled(*inputs))
         run.instrument = InductorInstrument(compiled, gm)
-        inner = _boxed(compiled, gm)
+        inner = _boxed(getattr(compiled, "_compiled_fn", compiled), gm)
         if inner is not None:
             def boxed(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
                 with torch.no_grad():
@@ -219,6 +225,82 @@ def _call_sites(source: str, mapping: Any) -> list[CallSite]:
         nodes = [pre for p in posts for pre in to_pre.get(p, [p])]
         sites.append(CallSite(name.removeprefix("torch.ops."), nodes))
     return sites
+
+
+def _artifact_path(graph: TrainGraph) -> Any:
+    """Where the compiled step of `graph` is kept between processes (the step cache entry
+    the trainer names in `graph.meta[ARTIFACT_DIR]`), or None: one file per CPU vector ISA
+    (the kernels are built for it) and write-back form."""
+    directory = graph.meta.get(ARTIFACT_DIR)
+    if directory is None:
+        return None
+    from pathlib import Path
+
+    from glmc.backends.base import step_device
+    device = step_device(graph)
+    where = "cuda" if device.type == "cuda" else torch.backends.cpu.get_cpu_capability().lower()
+    return Path(directory) / f"inductor-{where}.bin"
+
+
+def _load_artifact(path: Any) -> Any:
+    """The compiled step saved at `path` (Inductor's CompiledArtifact), or None when there is
+    none or it does not load (another torch wrote it: compiled again and replaced)."""
+    if path is None or not path.is_file():
+        return None
+    from torch._inductor import CompiledArtifact, config
+    # Inductor checks each vector ISA the CPU reports by building and loading a probe library
+    # in a subprocess (~1.3 s, every process); the process that wrote the artifact found them
+    # all usable, so when this CPU reports the same ones the check is skipped
+    trusted = _isa_candidates() == _read_json(path.with_suffix(".isa.json")).get("valid")
+    try:
+        with config.patch({"cpp.vec_isa_ok": True} if trusted else {}):
+            return CompiledArtifact.load(path=str(path), format="binary")
+    except Exception:  # a stale or partial artifact: compile as if it were not there
+        return None
+
+
+def _isa_candidates() -> list[str] | None:
+    """The vector ISAs Inductor would check on this x86 CPU (those its flags report), or
+    None elsewhere."""
+    import platform
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    from torch._inductor import cpu_vec_isa as v
+    flags = v.x86_isa_checker()
+    return [str(i) for i in v.supported_vec_isa_list
+            if all(f in flags for f in str(i).split())]
+
+
+def _read_json(path: Any) -> dict[str, Any]:
+    import json
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _compile_artifact(gm: fx.GraphModule, example: list[Any], graph: TrainGraph,
+                      path: Any) -> Any:
+    """Compile with `standalone_compile` (what `compile_fx` does, and savable) and keep the
+    artifact at `path` (written beside, then renamed: a concurrent reader sees all or none)."""
+    import os
+
+    from torch._inductor import standalone_compile
+    compiled = standalone_compile(gm, example, dynamic_shapes="from_tracing_context",
+                                  options={"config_patches": _patches(graph)})
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        compiled.save(path=str(tmp), format="binary")
+        if _isa_candidates() is not None:  # which of the CPU's ISAs Inductor found usable
+            import json
+
+            from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+            path.with_suffix(".isa.json").write_text(json.dumps(
+                {"valid": [str(i) for i in valid_vec_isa_list()]}))
+        os.replace(tmp, path)
+    except OSError:  # a read-only cache: the step still runs, the next process compiles
+        tmp.unlink(missing_ok=True)
+    return compiled
 
 
 def _boxed(compiled: Any, gm: fx.GraphModule) -> Any:

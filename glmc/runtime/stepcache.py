@@ -132,6 +132,7 @@ def _user_files() -> set[str]:
     import sysconfig
     roots = {os.path.realpath(p) for p in {sys.prefix, sys.base_prefix, sysconfig.get_paths()[
         "stdlib"], sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}}
+    roots |= _generated_code_dirs()
     out = set()
     for mod in list(sys.modules.values()):
         f = getattr(mod, "__file__", None)
@@ -143,6 +144,19 @@ def _user_files() -> set[str]:
         if os.path.isfile(real):
             out.add(real)
     return out
+
+
+def _generated_code_dirs() -> set[str]:
+    """Where compilers write the Python they generate and import (Inductor's cache): not the
+    user's code, and loaded only after a first compile (it would change the key in-process)."""
+    import getpass
+    import tempfile
+    out = {os.environ.get("TORCHINDUCTOR_CACHE_DIR") or
+           os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")}
+    utils = sys.modules.get("torch._inductor.runtime.cache_dir_utils")
+    if utils is not None:
+        out.add(utils.cache_dir())
+    return {os.path.realpath(p) for p in out if p}
 
 
 def _glmc_files() -> list[str]:

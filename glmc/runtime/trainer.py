@@ -22,8 +22,9 @@ from glmc.analysis.cost import get_profile, measure_node_times
 from glmc.analysis.memory import MeasurementUnavailable, measure_peak
 from glmc.analysis.predict import Prediction, predict
 from glmc.backends import CompiledStep, get_backend
+from glmc.backends.base import ARTIFACT_DIR
 from glmc.compiler.passmanager import Need, Pass, PassContext, PassManager, PassRecord
-from glmc.errors import CaptureError, ConfigError, GraphBreakError, InputError
+from glmc.errors import CaptureError, ConfigError, GraphBreakError, InputError, Offense
 from glmc.ir.graph import Role, TrainGraph
 from glmc.ir.writeback import copy_back, writeback_pairs
 from glmc.parallel.data import DataParallel
@@ -359,7 +360,9 @@ class Trainer:
             store_extra(self._cache_dir(), cache.split()[1],
                         {"predicted": record.predicted,
                          "predicted_captured": record.predicted_captured,
-                         "node_seconds": record.node_seconds})
+                         "node_seconds": record.node_seconds,
+                         "fallbacks": [{"op": f.reason, "where": f.location}
+                                       for f in record.fallbacks]})
 
     def _compile_graph(self, batch: Batch, graph: TrainGraph, pipeline: list[Pass],
                        t0: float, cache: str | None) -> _Entry:
@@ -402,11 +405,16 @@ class Trainer:
         self.strategy.check_collectives(graph)
         self.strategy.install(graph, self.model, self.optimizer)
         runnable = self.strategy.bind(graph)
+        if cache is not None and cache.startswith(("hit ", "stored ")):  # the backend keeps
+            runnable.meta[ARTIFACT_DIR] = str(self._cache_dir() / cache.split()[1])  # its own
         getters = self._getters(graph)
         t2 = time.perf_counter()
         self._say(f"passes done in {t2 - t1:.1f} s; compiling with {self._backend.name} ...")
+        known = None  # a cached step's fallbacks: no per-op check on a warm start
+        if cached is not None and cached.get("fallbacks") is not None:
+            known = [Offense(f["op"], f["where"]) for f in cached["fallbacks"]]
         compiled = self._backend.compile(runnable, strict=self.options.strict,
-                                         inplace=self._traits.inplace)
+                                         inplace=self._traits.inplace, fallbacks=known)
         self._say(f"{self._backend.name} compile done in {compiled.compile_seconds:.1f} s")
         record = CompileRecord(
             batch=describe(batch), backend=self._backend.name, capture_seconds=t1 - t0,
