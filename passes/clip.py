@@ -7,9 +7,11 @@ The same ops, in the same order, as `torch.nn.utils.clip_grad_norm_(params, max_
 (its per-tensor path): the 2-norm of each gradient the update reads, the 2-norm of their stack,
 `max_norm / (total + 1e-6)` clamped to at most 1, every gradient multiplied by it before the
 update reads it. Runs after gradient accumulation's running sums (the norm of the step's
-gradient, not a micro-batch's). Not yet with fp16 loss scaling (the gradients are still scaled
-there: the update unscales them) or on data-parallel steps (the norm of sharded or bucketed
-gradients needs its own collective): typed errors.
+gradient, not a micro-batch's). Data parallel (after the shard pass): with ZeRO-0 every rank's
+update reads the whole averaged gradients, so every rank computes the same norm; with ZeRO 1-3
+it reads its own rows (zero-padded), so the squared local norm is all-reduced (sum) over the
+data-parallel ranks first — every rank scales by the same coefficient. Not yet with fp16 loss
+scaling (the gradients are still scaled there: the update unscales them): a typed error.
 """
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ import torch
 from glmc.compiler.passmanager import Effect, Need, Pass, PassContext, PassResult
 from glmc.errors import ConfigError
 from glmc.ir.graph import Phase, Role, TrainGraph, is_comm
-from glmc.ir.program import NodeBuilder, update_gradients
+from glmc.ir.program import (NodeBuilder, insert_collective, restore_topological_order,
+                              update_gradients)
 
 aten = torch.ops.aten
 
@@ -52,9 +55,10 @@ class ClipPass(Pass):
         if graph.meta.get("loss_scaling") is not None:
             raise ConfigError("clip: fp16 loss scaling is not supported yet (the gradients are "
                               "scaled until the update unscales them); use bf16 or fp32")
-        if any(is_comm(n) for n in graph.compute_nodes()):
-            raise ConfigError("clip: data-parallel steps are not supported yet (the global "
-                              "norm of bucketed or sharded gradients needs a collective)")
+        plan = graph.meta.get("sharding")  # glmc.ir.plans.ShardPlan of the shard pass
+        if plan is None and any(is_comm(n) for n in graph.compute_nodes()):
+            raise ConfigError("clip: the step communicates but has no data-parallel shard "
+                              "plan; clip runs after the shard pass")
         grads = update_gradients(graph)
         if not grads:
             raise ConfigError("clip: the step has no optimizer update whose gradients to clip")
@@ -70,6 +74,11 @@ class ClipPass(Pass):
             total = emit(aten.linalg_vector_norm.default,
                          (emit(aten.stack.default, (norms,), bwd, grad, like=last), 2.0),
                          bwd, grad, like=last)
+            if plan is not None and plan.stage >= 1:  # each rank holds its rows: sum squares
+                squared = emit(aten.mul.Tensor, (total, total), bwd, grad, like=last)
+                total = emit(aten.sqrt.default, (squared,), bwd, grad, like=last)
+                insert_collective(graph, squared, "all_reduce", plan.mesh, plan.dim, "sum",
+                                  [total])
             coef = emit(aten.mul.Tensor, (emit(aten.reciprocal.default, (
                 emit(aten.add.Tensor, (total, 1e-6), bwd, grad, like=last),), bwd, grad,
                 like=last), float(self.max_norm)), bwd, grad, like=last)
@@ -78,6 +87,7 @@ class ClipPass(Pass):
                 clipped = emit(aten.mul.Tensor, (n, coef), bwd, grad, like=n)
                 for r in readers[n]:
                     r.replace_input_with(n, clipped)
+        restore_topological_order(graph)  # data parallel: early buckets' updates wait for it
         g.lint()
         graph.gm.recompile()
         return PassResult(True, ClipStats(float(self.max_norm), len(grads)))

@@ -50,8 +50,10 @@ CASES = {
 }
 
 
-def eager_losses(model, example_inputs, loss_fn, optimizer, steps: int, seed: int = 0):
-    """Plain PyTorch training: the reference every backend and pass must match."""
+def eager_losses(model, example_inputs, loss_fn, optimizer, steps: int, seed: int = 0,
+                 clip: float | None = None):
+    """Plain PyTorch training: the reference every backend and pass must match (`clip`:
+    `clip_grad_norm_` to that norm before each update)."""
     wrapper = LossModule(model, loss_fn)
     args, kwargs = split_batch(example_inputs)
     losses = []
@@ -60,6 +62,8 @@ def eager_losses(model, example_inputs, loss_fn, optimizer, steps: int, seed: in
         optimizer.zero_grad(set_to_none=True)
         (loss,) = wrapper(*args, **dict(kwargs))
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
         losses.append(loss.item())
     return losses

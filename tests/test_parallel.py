@@ -63,13 +63,13 @@ def _gathers(graph: Any) -> dict[str, int]:
 
 def _stage_part(stage: int, precision: str | None = None, fusion: bool = False,
                 memory_budget: str | None = None, backend: str = "eager",
-                measure: bool = True):
+                measure: bool = True, clip: float | None = None):
     def part(rank: int, out: Path) -> dict:
         (model, batch, loss_fn, opt), (ref_model, ref_opt) = _case()
-        ref = eager_losses(ref_model, batch, loss_fn, ref_opt, STEPS)
+        ref = eager_losses(ref_model, batch, loss_fn, ref_opt, STEPS, clip=clip)
         trainer = glmc.optimize(model, batch, loss_fn=loss_fn, optimizer=opt, backend=backend,
                                 precision=precision, fusion=fusion, predict=False,
-                                measure=measure,
+                                measure=measure, clip_grad_norm=clip,
                                 memory_budget=memory_budget,
                                 parallel={"zero": stage, "bucket_mb": BUCKET_MB})
         args, kwargs = split_batch(batch)
@@ -224,6 +224,8 @@ def _worker(rank: int, port: int, out: str) -> None:
               ("checkpoint", _checkpoint_part),
               ("accumulate", _accumulate_part), ("compress", _compress_part),
               ("channels_last", _channels_last_part),
+              # max_norm well below the gradients' norm: the clip changes every step
+              ("stage0_clip", _stage_part(0, clip=0.05)), ("stage2_clip", _stage_part(2, clip=0.05)),
               ("errors", _errors_part)]
     run_parts(rank, port, 2, out, parts)
 
@@ -241,6 +243,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_every_zero_stage_trains_like_one_process_on_the_global_batch(runs: Path,
                                                                       stage: int) -> None:
     _check_like_one_process(runs, f"stage{stage}")
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_gradient_clipping_on_data_parallel_steps_matches_torch(runs: Path, stage: int) -> None:
+    """`clip_grad_norm=` on 2 ranks: ZeRO-0 (every rank reads the whole averaged gradients)
+    and ZeRO-2 (each its rows: the squared local norms all-reduced) train like eager PyTorch
+    with `clip_grad_norm_` on the global batch."""
+    _check_like_one_process(runs, f"stage{stage}_clip")
 
 
 def test_channels_last_parameters_and_gradients_shard_like_one_process(runs: Path) -> None:

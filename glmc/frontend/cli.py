@@ -132,7 +132,7 @@ def _train_parser(sub: Any, backends: str, precisions: tuple[str, ...]) -> Any:
 def _clip_arg(c: argparse.ArgumentParser) -> None:
     c.add_argument("--clip-grad-norm", type=float, default=None, metavar="X",
                    help="clip the gradients to global 2-norm X inside the step (as "
-                        "torch.nn.utils.clip_grad_norm_; one process)")
+                        "torch.nn.utils.clip_grad_norm_; one process or data parallel)")
 
 
 def _cache_arg(c: argparse.ArgumentParser, default: str) -> None:
@@ -248,6 +248,10 @@ def _usage_problems(args: argparse.Namespace) -> list[str]:
     if unknown:
         problems.append(f"--disable: unknown pass(es) {', '.join(unknown)}; known: "
                         f"{', '.join(registry())}")
+    if getattr(args, "clip_grad_norm", None) is not None and \
+            args.plan.strategy == "pipeline":
+        problems.append("--clip-grad-norm with --pp: pipelines do not clip yet (one process "
+                        "and data parallel do)")
     if args.command == "train":
         from glmc.frontend.train import usage_problems
         from glmc.parallel.plan import StepOptions

@@ -208,6 +208,25 @@ class NodeBuilder:
         return ph
 
 
+def restore_topological_order(graph: TrainGraph) -> None:
+    """Move nodes that now read a value defined after them (a rewrite pointed an early reader
+    at a late value) to after it, keeping every other node where it was: the stable
+    topological order (lexicographic by the current position)."""
+    import networkx as nx
+    nodes = list(graph.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    dag = nx.DiGraph()
+    dag.add_nodes_from(nodes)
+    dag.add_edges_from((a, n) for n in nodes for a in n.all_input_nodes)
+    order = list(nx.lexicographical_topological_sort(dag, key=index.__getitem__))
+    if order == nodes:
+        return
+    cursor = order[0]
+    for n in order[1:]:
+        cursor.append(n)
+        cursor = n
+
+
 def update_gradients(graph: TrainGraph) -> list[fx.Node]:
     """The backward values the optimizer update reads (the gradients), in graph order."""
     def reads_in_update(n: fx.Node) -> bool:

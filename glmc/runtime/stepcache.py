@@ -153,9 +153,6 @@ def _generated_code_dirs() -> set[str]:
     import tempfile
     out = {os.environ.get("TORCHINDUCTOR_CACHE_DIR") or
            os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")}
-    utils = sys.modules.get("torch._inductor.runtime.cache_dir_utils")
-    if utils is not None:
-        out.add(utils.cache_dir())
     return {os.path.realpath(p) for p in out if p}
 
 
