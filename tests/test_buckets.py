@@ -82,6 +82,30 @@ def test_bucket_batches_hold_the_token_budget_and_resume(tmp_path: Path) -> None
         BucketBatches(docs, [32, 64], 256, layout, seed=2).load_state_dict(a.state_dict())
 
 
+def test_each_rank_reads_its_own_rows(tmp_path: Path) -> None:
+    """Data parallel: each rank's batch is its block of the global batch's rows (what the
+    trainer would cut from it), padded to the global batch's bucket; windows likewise."""
+    from glmc.runtime.data import TokenBatches, TokenFile
+    synthetic_corpus(tmp_path / "c.bin", 600, 64, 20, 256, eos=0)
+    docs = TokenDocs(tmp_path / "c.bin", 64, 0, min_len=2)
+    layout = BatchLayout(keyword=False, shifted=True)
+    make = lambda r, w: BucketBatches(docs, [16, 32, 64], 256, layout, seed=1,  # noqa: E731
+                                      multiple=2, rank=r, world=w)
+    whole, parts = make(0, 1), [make(0, 2), make(1, 2)]
+    for _ in range(12):
+        ids, labels = whole.next_batch()
+        (a, la), (b, lb) = (p.next_batch() for p in parts)
+        assert torch.equal(torch.cat([a, b]), ids) and torch.equal(torch.cat([la, lb]), labels)
+    f = TokenFile(tmp_path / "c.bin", 16)
+    whole, parts = TokenBatches(f, 4, layout, 3), [TokenBatches(f, 4, layout, 3, r, 2)
+                                                   for r in (0, 1)]
+    for _ in range(5):
+        ids, _ = whole.next_batch()
+        assert torch.equal(torch.cat([p.next_batch()[0] for p in parts]), ids)
+    with pytest.raises(InputError, match="does not divide by 2"):
+        TokenBatches(f, 3, layout, 0, 0, 2)
+
+
 def test_padding_to_a_bucket_leaves_loss_and_gradients_unchanged() -> None:
     """Right padding with ignored labels: the GLM example's loss and gradients on a padded
     batch equal those on the same sequences unpadded (causal attention never looks right)."""

@@ -147,9 +147,9 @@ def train(args: Any) -> int:
             batch = _next_batch(batches, run, i, base_lr)
             t0 = time.perf_counter()
             loss = run.step(batch)
+            tokens = run.tokens(source.tokens(batch))
             if run.lead:
-                meter.step(i, loss, groups[0]["lr"], time.perf_counter() - t0,
-                           tokens=source.tokens(batch),
+                meter.step(i, loss, groups[0]["lr"], time.perf_counter() - t0, tokens=tokens,
                            flops=_flops(run.trainer, batch) if source.buckets() else None)
             done, stopping = i + 1, run.agreed(stop.is_set())
             full = done == args.steps or stopping or (
@@ -216,7 +216,8 @@ def _trainer(args: Any, work: Any, example: Any, source: Any) -> Any:
                     args.step_cache, clip_grad_norm=args.clip_grad_norm,
                     parallel=plan.data_parallel() if data else
                     (plan if plan.accumulate > 1 else None),
-                    max_cache=max(8, len(source.buckets()) + 1))
+                    max_cache=max(8, len(source.buckets()) + 1),
+                    local_batches=data and bool(args.data))
 
 
 class _Run:
@@ -243,6 +244,17 @@ class _Run:
     def param_groups(self) -> list[dict[str, Any]]:
         opts = self.trainer.optimizers if self.kind == "pipeline" else [self.trainer.optimizer]
         return [g for o in opts for g in o.param_groups]
+
+    def tokens(self, mine: int | None) -> int | None:
+        """This step's tokens over every rank when each counts its own (data parallel with
+        buckets: each rank reads its rows), else `mine`."""
+        if mine is None or self.kind != "data":
+            return mine
+        import torch
+        import torch.distributed as dist
+        t = torch.tensor([mine])
+        dist.all_reduce(t)
+        return int(t.item())
 
     def learning_rates(self) -> list[float]:
         return [g["lr"] for g in self.param_groups()]
@@ -457,11 +469,14 @@ def _data(args: Any, work: Any) -> tuple[Any, Any, int | None]:
         batch_size = args.batch_size or int(ids.shape[0])
         if args.eos_id is not None:
             return _bucket_source(args, work, layout, seq_len, batch_size)
+        rank, world = _data_rank(args)
         batches = TokenBatches(TokenFile(args.data, seq_len, args.token_dtype), batch_size,
-                               layout, args.seed)
+                               layout, args.seed, rank, world)
         import torch
-        example = layout.make(torch.stack([batches.source.window(i)
-                                           for i in range(batch_size)]))
+
+        from glmc.runtime.data import local_rows
+        example = layout.make(torch.stack([batches.source.window(i) for i in
+                                           local_rows(range(batch_size), rank, world)]))
         return _TokenSource(batches), example, batches.tokens_per_batch()
     if work.data is None:
         raise ConfigError(f"{args.file}: glmc train needs data: pass --data TOKENS.bin, or "
@@ -486,13 +501,22 @@ def _bucket_source(args: Any, work: Any, layout: Any, seq_len: int, batch_size: 
     multiple = int(os.environ.get("WORLD_SIZE", "1")) * max(1, args.plan.accumulate)
     mask = isinstance(work.example_inputs, dict) and "attention_mask" in work.example_inputs
     batches = BucketBatches(docs, buckets, args.token_budget or batch_size * seq_len, layout,
-                            args.seed, multiple, args.pad_id, mask)
+                            args.seed, multiple, args.pad_id, mask, *_data_rank(args))
     if _rank() == 0:
         s = docs.summary()
         print(f"glmc: {s['sequences']:,} sequences (mean {s['mean_len']:.0f}, longest "
               f"{s['max_len']} tokens) in buckets {buckets} of {batches.rows} rows", flush=True)
-    example = batches.make([docs.window(int(i)) for i in batches.plan(0)[0]])
+    example = batches.batch(batches.plan(0)[0])
     return _TokenSource(batches), example, None
+
+
+def _data_rank(args: Any) -> tuple[int, int]:
+    """(rank, ranks) whose rows this process reads: its own with data parallelism (the
+    trainer is told: `local_batches`), the whole batch otherwise (a pipeline's replicas and
+    stages cut what they need from it)."""
+    if args.plan.strategy != "data":
+        return 0, 1
+    return _rank(), int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def _on_sigterm() -> Any:

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from glmc.errors import InputError
-from glmc.runtime.data import BatchLayout
+from glmc.runtime.data import BatchLayout, local_rows
 
 IGNORE_INDEX = -100
 
@@ -141,9 +141,10 @@ class BucketBatches:
 
     def __init__(self, docs: TokenDocs, buckets: list[int], token_budget: int,
                  layout: BatchLayout, seed: int = 0, multiple: int = 1, pad_id: int = 0,
-                 mask: bool = False) -> None:
+                 mask: bool = False, rank: int = 0, world: int = 1) -> None:
         self.docs, self.buckets, self.layout = docs, list(buckets), layout
         self.seed, self.pad_id, self.mask = seed, pad_id, mask
+        self.rank, self.world = rank, world  #: each batch: this rank's rows (multiple of world)
         self.bucket_of = np.searchsorted(np.asarray(self.buckets), docs.lengths)
         self.rows = [max(1, token_budget // length) // multiple * multiple
                      for length in self.buckets]
@@ -182,7 +183,16 @@ class BucketBatches:
             plan = self.plan(self.epoch)
         picks = plan[self.index]
         self.index += 1
-        return self.make([self.docs.window(int(i)) for i in picks])
+        return self.batch(picks)
+
+    def batch(self, picks: np.ndarray) -> Any:
+        """The batch of these sequences (this rank's rows of it), padded to its bucket."""
+        # the bucket is the whole batch's (every rank compiles the same shapes)
+        longest = int(self.docs.lengths[picks].max())
+        length = self.buckets[int(np.searchsorted(np.asarray(self.buckets), longest))]
+        return pad_batch([self.docs.window(int(i)) for i in
+                          local_rows(picks, self.rank, self.world)], [length], self.layout,
+                         self.pad_id, self.mask)
 
     def make(self, windows: list[torch.Tensor]) -> Any:
         """A batch of these windows padded to their bucket."""

@@ -93,17 +93,29 @@ class BatchLayout:
         return {"input_ids": ids, "labels": labels} if self.keyword else (ids, labels)
 
 
+def local_rows(picks: Any, rank: int, world: int) -> Any:
+    """Rank `rank`'s block of a global batch's rows: what the data-parallel trainer would cut
+    from the whole batch, read without reading the rest."""
+    n = len(picks) // world
+    return picks[rank * n:(rank + 1) * n]
+
+
 class TokenBatches:
     """Batches of `batch_size` windows of a TokenFile, forever, epoch after epoch, each
     epoch in the order drawn from (seed, epoch). The position is (epoch, index): index is the
-    next batch of the epoch; an epoch's remainder (fewer windows than a batch) is skipped."""
+    next batch of the epoch; an epoch's remainder (fewer windows than a batch) is skipped.
+    With `world` > 1 each batch is only rank `rank`'s rows of the global batch."""
 
     def __init__(self, source: TokenFile, batch_size: int, layout: BatchLayout | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, rank: int = 0, world: int = 1) -> None:
         if batch_size < 1 or batch_size > len(source):
             raise InputError(f"data: --batch-size {batch_size} must be between 1 and the "
                              f"{len(source)} sequences of {source.path}")
+        if batch_size % world:
+            raise InputError(f"data: --batch-size {batch_size} does not divide by {world} "
+                             "data-parallel ranks")
         self.source, self.batch_size, self.seed = source, batch_size, seed
+        self.rank, self.world = rank, world  #: this rank reads rows [r B/W, (r+1) B/W)
         self.layout = layout or BatchLayout(False, True)
         self.epoch, self.index = 0, 0
         self._order: tuple[int, torch.Tensor] | None = None
@@ -123,6 +135,7 @@ class TokenBatches:
             self.epoch, self.index = self.epoch + 1, 0
         picks = self.order(self.epoch)[self.index * self.batch_size:
                                        (self.index + 1) * self.batch_size]
+        picks = local_rows(picks, self.rank, self.world)
         self.index += 1
         return self.layout.make(torch.stack([self.source.window(int(i)) for i in picks]))
 
@@ -200,4 +213,4 @@ def _map(batch: Any, fn: Any) -> Any:
     return tuple(fn(t) for t in batch)
 
 
-__all__ = ["TokenFile", "TokenBatches", "BatchLayout", "Prefetch", "DTYPES"]
+__all__ = ["TokenFile", "TokenBatches", "BatchLayout", "Prefetch", "DTYPES", "local_rows"]

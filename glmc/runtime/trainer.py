@@ -76,6 +76,9 @@ class TrainerOptions:
     dump_dir: str | None = None  #: write the step's Python after capture and after each pass
     #: a step saved by glmc.save_graph to use instead of capturing the example batch's shapes
     graph_path: str | None = None
+    #: data parallel: every batch given to `step` (and the example) holds only this rank's
+    #: rows already (a data source that reads just them); the loss is still the global batch's
+    local_batches: bool = False
     #: warm start: a directory of optimized steps keyed by what they depend on
     #: (glmc.runtime.stepcache); "default" is ~/.cache/glmc/steps (GLMC_STEP_CACHE); None: off
     step_cache: str | None = None
@@ -225,8 +228,9 @@ class Trainer:
         return [str(p) for p in self.report.write(directory)]
 
     def _local(self, batch: Batch) -> Batch:
-        """This rank's slice of the global batch (the batch itself on one process)."""
-        return self.strategy.local(batch)
+        """This rank's slice of the global batch (the batch itself on one process, or when
+        the data source reads only this rank's rows: `local_batches`)."""
+        return batch if self.options.local_batches else self.strategy.local(batch)
 
     def _micro_batches(self, batch: Batch) -> list[Batch]:
         return self.strategy.micro_batches(batch)
