@@ -8,9 +8,10 @@ The same ops, in the same order, as `torch.nn.utils.clip_grad_norm_(params, max_
 `max_norm / (total + 1e-6)` clamped to at most 1, every gradient multiplied by it before the
 update reads it. Runs after gradient accumulation's running sums (the norm of the step's
 gradient, not a micro-batch's). Data parallel (after the shard pass): with ZeRO-0 every rank's
-update reads the whole averaged gradients, so every rank computes the same norm; with ZeRO 1-3
-it reads its own rows (zero-padded), so the squared local norm is all-reduced (sum) over the
-data-parallel ranks first — every rank scales by the same coefficient. Not yet with fp16 loss
+update reads the whole averaged gradients (ZeRO-1: all-reduced whole, then sliced), so every rank computes the same
+norm; with ZeRO 2-3 it reads its own rows (zero-padded, reduce-scattered), so the squared
+local norm is all-reduced (sum) over the data-parallel ranks first — every rank scales by the
+same coefficient. Not yet with fp16 loss
 scaling (the gradients are still scaled there: the update unscales them): a typed error.
 """
 from __future__ import annotations
@@ -74,7 +75,9 @@ class ClipPass(Pass):
             total = emit(aten.linalg_vector_norm.default,
                          (emit(aten.stack.default, (norms,), bwd, grad, like=last), 2.0),
                          bwd, grad, like=last)
-            if plan is not None and plan.stage >= 1:  # each rank holds its rows: sum squares
+            if plan is not None and plan.stage >= 2:  # each rank holds its rows: sum squares
+                # (stage 1 all-reduces whole gradients: the update reads them whole, then
+                # slices its rows, so every rank already has the global norm)
                 squared = emit(aten.mul.Tensor, (total, total), bwd, grad, like=last)
                 total = emit(aten.sqrt.default, (squared,), bwd, grad, like=last)
                 insert_collective(graph, squared, "all_reduce", plan.mesh, plan.dim, "sum",

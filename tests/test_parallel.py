@@ -225,7 +225,8 @@ def _worker(rank: int, port: int, out: str) -> None:
               ("accumulate", _accumulate_part), ("compress", _compress_part),
               ("channels_last", _channels_last_part),
               # max_norm well below the gradients' norm: the clip changes every step
-              ("stage0_clip", _stage_part(0, clip=0.05)), ("stage2_clip", _stage_part(2, clip=0.05)),
+              ("stage0_clip", _stage_part(0, clip=0.05)), ("stage1_clip", _stage_part(1, clip=0.05)),
+              ("stage2_clip", _stage_part(2, clip=0.05)),
               ("errors", _errors_part)]
     run_parts(rank, port, 2, out, parts)
 
@@ -245,11 +246,11 @@ def test_every_zero_stage_trains_like_one_process_on_the_global_batch(runs: Path
     _check_like_one_process(runs, f"stage{stage}")
 
 
-@pytest.mark.parametrize("stage", [0, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2])
 def test_gradient_clipping_on_data_parallel_steps_matches_torch(runs: Path, stage: int) -> None:
-    """`clip_grad_norm=` on 2 ranks: ZeRO-0 (every rank reads the whole averaged gradients)
-    and ZeRO-2 (each its rows: the squared local norms all-reduced) train like eager PyTorch
-    with `clip_grad_norm_` on the global batch."""
+    """`clip_grad_norm=` on 2 ranks: ZeRO-0 and ZeRO-1 (every rank reads the whole averaged
+    gradients) and ZeRO-2 (each its rows: the squared local norms all-reduced) train like
+    eager PyTorch with `clip_grad_norm_` on the global batch."""
     _check_like_one_process(runs, f"stage{stage}_clip")
 
 

@@ -274,6 +274,19 @@ def test_a_run_resumes_exactly_from_an_incremental_checkpoint(tmp_path: Path) ->
     got = load(tmp_path / "a" / "step-00000008")
     for k, v in final["model"].items():
         assert torch.equal(v, got["model"][k]), k
+    # resumed from a full checkpoint: the next delta is written against it, and decodes to
+    # the state an uninterrupted run saved (the base must not alias the live optimizer state)
+    from glmc.runtime import incremental
+    shutil.copytree(tmp_path / "a" / "step-00000004", tmp_path / "b" / "step-00000004")
+    again = _train(*common[:-1], str(tmp_path / "b"), "--resume")
+    out, err = again.communicate(timeout=600)
+    assert again.returncode == 0 and "at step 4" in out, err
+    assert _losses(out) == {i: want[i] for i in range(4, 8)}
+    a6, b6 = load(tmp_path / "a" / "step-00000006"), load(tmp_path / "b" / "step-00000006")
+    assert json.loads((tmp_path / "b" / "step-00000006" / "manifest.json").read_text())[
+        "base"] == "step-00000004"
+    for (path, x), (_, y) in zip(incremental._tensors(a6), incremental._tensors(b6)):
+        assert torch.equal(x, y), path
 
 
 def test_tensorboard_events_are_written(tmp_path: Path) -> None:

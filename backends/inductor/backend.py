@@ -251,7 +251,9 @@ def _load_artifact(path: Any) -> Any:
     # Inductor checks each vector ISA the CPU reports by building and loading a probe library
     # in a subprocess (~1.3 s, every process); the process that wrote the artifact found them
     # all usable, so when this CPU reports the same ones the check is skipped
-    trusted = _isa_candidates() == _read_json(path.with_suffix(".isa.json")).get("valid")
+    candidates = _isa_candidates()
+    trusted = candidates is not None and \
+        candidates == _read_json(path.with_suffix(".isa.json")).get("valid")
     try:
         with config.patch({"cpp.vec_isa_ok": True} if trusted else {}):
             return CompiledArtifact.load(path=str(path), format="binary")

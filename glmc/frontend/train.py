@@ -93,9 +93,9 @@ def usage_problems(args: Any) -> list[str]:
         out.append("--checkpoint-every needs --checkpoint-dir")
     if args.incremental_every and not args.checkpoint_dir:
         out.append("--incremental-every needs --checkpoint-dir")
-    if args.incremental_every and args.plan.strategy == "data":
-        out.append("--incremental-every: data-parallel checkpoints (DCP) are full only; "
-                   "drop it with --nproc / --zero")
+    if args.incremental_every and args.plan.strategy != "single":
+        out.append("--incremental-every: multi-process checkpoints (DCP) are full only; "
+                   "drop it with --nproc / --zero / --pp")
     if args.max_restarts and not (args.plan.nproc and args.checkpoint_dir):
         out.append("--max-restarts needs --nproc and --checkpoint-dir (restarted ranks "
                    "resume from the newest checkpoint)")

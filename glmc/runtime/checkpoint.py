@@ -200,9 +200,12 @@ class Checkpointer:
     def rebase(self, path: Path, state: dict[str, Any]) -> None:
         """Write incremental checkpoints against full checkpoint `path` (whose loaded snapshot
         is `state`), e.g. the one a run resumed from; an incremental `path` is ignored."""
+        from glmc.runtime import incremental
         manifest = json.loads((Path(path) / MANIFEST).read_text())
-        if "base" not in manifest:
-            self._base = (Path(path).name, state, manifest["files"][STATE]["sha256"])
+        if "base" not in manifest:  # a copy: restoring lets the live optimizer state alias
+            # the loaded tensors (load_state_dict keeps them), and training changes those
+            self._base = (Path(path).name, incremental.clone_tensors(state),
+                          manifest["files"][STATE]["sha256"])
 
     def _write_reporting(self, step: int, state: dict[str, Any], base: Any) -> None:
         import time
@@ -212,9 +215,10 @@ class Checkpointer:
             _prune(self.root, self.keep)
             self.saved.append(Saved(step, time.perf_counter() - start,
                                     "incremental" if base else "full", size))
-        except OSError as e:  # a full disk, a vanished directory: the run goes on
-            msg = (f"checkpoint of step {step} failed ({e}); training goes on, the previous "
-                   "checkpoints are intact")
+        except Exception as e:  # a full disk, a vanished directory, a tensor the delta
+            # encoding cannot take: reported, the run goes on
+            msg = (f"checkpoint of step {step} failed ({type(e).__name__}: {e}); training "
+                   "goes on, the previous checkpoints are intact")
             self.errors.append(msg)
             warnings.warn(msg, stacklevel=1)
 
@@ -310,7 +314,10 @@ class ShardedCheckpointer:
             _fsync_dir(self.root)
             _prune(self.root, self.keep)
         dist.barrier()  # every rank records the save (the one that prints may not be rank 0)
-        files = json.loads((final / MANIFEST).read_text())["files"]
+        try:
+            files = json.loads((final / MANIFEST).read_text())["files"]
+        except OSError:  # pruned at once: a newer-named checkpoint of an earlier run is kept
+            files = {}
         self.saved.append(Saved(step, time.perf_counter() - start, "full",
                                 sum(f["bytes"] for f in files.values())))
 

@@ -85,6 +85,11 @@ def decode(delta: Any, base: Any) -> Any:
     return _map(delta, (), unpack, kind=Packed)
 
 
+def clone_tensors(state: Any) -> Any:
+    """`state` with every tensor cloned (a base that later in-place updates cannot change)."""
+    return _map(state, (), lambda path, t: t.detach().clone())
+
+
 def packed_bytes(delta: Any) -> int:
     """Compressed bytes of a delta's tensors."""
     return sum(p.data.numel() for _, p in _tensors(delta, kind=Packed))
@@ -140,4 +145,4 @@ def _map(x: Any, path: tuple, fn: Any, kind: type = torch.Tensor) -> Any:
     return x
 
 
-__all__ = ["encode", "decode", "packed_bytes", "Packed"]
+__all__ = ["encode", "decode", "packed_bytes", "clone_tensors", "Packed"]
