@@ -188,15 +188,10 @@ class BucketBatches:
     def batch(self, picks: np.ndarray) -> Any:
         """The batch of these sequences (this rank's rows of it), padded to its bucket."""
         # the bucket is the whole batch's (every rank compiles the same shapes)
-        longest = int(self.docs.lengths[picks].max())
-        length = self.buckets[int(np.searchsorted(np.asarray(self.buckets), longest))]
+        length = self.buckets[int(self.bucket_of[picks].max())]
         return pad_batch([self.docs.window(int(i)) for i in
                           local_rows(picks, self.rank, self.world)], [length], self.layout,
                          self.pad_id, self.mask)
-
-    def make(self, windows: list[torch.Tensor]) -> Any:
-        """A batch of these windows padded to their bucket."""
-        return pad_batch(windows, self.buckets, self.layout, self.pad_id, self.mask)
 
     def __iter__(self) -> Iterator[Any]:
         while True:

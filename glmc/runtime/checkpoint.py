@@ -105,7 +105,7 @@ def name_of(step: int) -> str:
 def load(path: Path) -> dict[str, Any]:
     """The snapshot in checkpoint directory `path`, verified against its manifest (an
     incremental one: applied to its full checkpoint, verified too)."""
-    problem = check(path)
+    problem = check(path)  # an incremental checkpoint's full one is checked with it
     if problem:
         raise CheckpointError(f"{path}: {problem}")
     base = _manifest(path).get("base")
@@ -113,7 +113,8 @@ def load(path: Path) -> dict[str, Any]:
         return torch.load(path / STATE, map_location="cpu", weights_only=False)
     from glmc.runtime import incremental
     delta = torch.load(path / DELTA, map_location="cpu", weights_only=False)
-    return incremental.decode(delta, load(path.parent / base))
+    full = torch.load(path.parent / base / STATE, map_location="cpu", weights_only=False)
+    return incremental.decode(delta, full)
 
 
 def _manifest(path: Path) -> dict[str, Any]:
@@ -126,7 +127,8 @@ def check(path: Path) -> str | None:
     if not manifest.is_file():
         return f"no {MANIFEST}: the save did not finish"
     try:
-        entries = json.loads(manifest.read_text())["files"]
+        written = json.loads(manifest.read_text())
+        entries = written["files"]
     except (ValueError, KeyError) as e:
         return f"{MANIFEST} is unreadable ({e})"
     for name, want in entries.items():
@@ -137,11 +139,11 @@ def check(path: Path) -> str | None:
             return f"{name} has {f.stat().st_size:,} bytes, the manifest says {want['bytes']:,}"
         if _sha256(f) != want["sha256"]:
             return f"{name} does not match its checksum (corrupt)"
-    base = json.loads(manifest.read_text()).get("base")
+    base = written.get("base")
     if base is not None:  # an incremental checkpoint is as complete as its full one
-        problem = check(path.parent / base)
-        if problem is None and _sha256(path.parent / base / STATE) != \
-                json.loads(manifest.read_text()).get("base_sha256"):
+        problem = check(path.parent / base)  # its state.pt against its own manifest's hash
+        if problem is None and _manifest(path.parent / base)["files"][STATE]["sha256"] != \
+                written.get("base_sha256"):
             problem = f"{STATE} is not the one this delta was written against"
         if problem is not None:
             return f"its full checkpoint {base}: {problem}"
