@@ -21,10 +21,11 @@ def registry() -> dict[str, type[Pass]]:
     from glmc.passes.precision import PrecisionPass
     from glmc.passes.recompute import RecomputePass
     from glmc.passes.shard import ShardPass
+    from glmc.passes.tensor_parallel import TensorParallelPass
 
     return {cls.name: cls for cls in (FusionPass, PrecisionPass, CleanupPass, RecomputePass,
                                       ShardPass, CompressPass, PartitionPass,
-                                      AccumulatePass, ClipPass)}
+                                      AccumulatePass, ClipPass, TensorParallelPass)}
 
 
 def default_pipeline(memory_budget: Any = None, precision: str | None = None,

@@ -33,6 +33,7 @@ _OPTIONS = {
                  "min_numel": 64},
     "accumulate": {},
     "clip": {"max_norm": 0.5},
+    "tensor_parallel": {"size": 4, "plan": "blocks.*.mlp.down.weight:replicate"},
 }
 
 

@@ -410,6 +410,9 @@ gated.register_autograd(_gated_backward, setup_context=_gated_setup)
 #: glmc ops whose plain-ATen form a fusing backend (Inductor) should compile instead: the
 #: memory saving is in what their autograd saves, which is fixed before the backend runs
 ELEMENTWISE = ("rms_norm", "rms_norm_backward", "gated", "gated_backward")
+#: glmc ops computed element by element (each output element from the inputs' elements at its
+#: index): a sharded program runs them on each rank's block as they are
+POINTWISE = ("gated", "gated_backward")
 
 
 # Defined through torch.library.Library rather than `custom_op`: this op runs every step inside

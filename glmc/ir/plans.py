@@ -98,3 +98,39 @@ class ShardPlan:
     @property
     def ranks(self) -> int:
         return self.mesh.size(self.dim)
+
+
+TP = "tp"  #: the mesh dim tensor parallelism runs over
+
+
+@dataclass(frozen=True)
+class Tile:
+    """How a tensor-parallel parameter (and its optimizer state) is stored: `kind` "column"
+    (dim 0, output features) or "row" (dim 1, input features), sharded in equal blocks over
+    the ranks of "tp". `groups` > 1: the tensor is `groups` equal parts along `dim` (a fused
+    gate/up weight), each sharded on its own, so rank r holds block r of every part."""
+
+    kind: str
+    dim: int
+    groups: int = 1
+
+    def local(self, full: torch.Tensor, rank: int, ranks: int) -> torch.Tensor:
+        """Rank `rank`'s block of `full` (a copy)."""
+        parts = torch.chunk(full, self.groups, self.dim)
+        return torch.cat([torch.chunk(p, ranks, self.dim)[rank] for p in parts],
+                         self.dim).clone()
+
+    def full(self, shards: list[torch.Tensor]) -> torch.Tensor:
+        """The whole tensor from every rank's block, in rank order."""
+        pieces = [torch.chunk(s, self.groups, self.dim) for s in shards]
+        return torch.cat([pieces[r][g] for g in range(self.groups)
+                          for r in range(len(shards))], self.dim)
+
+
+@dataclass(frozen=True)
+class TpPlan:
+    """What the tensor_parallel pass decided: ranks of "tp" and the tile of every sharded
+    parameter and optimizer state (by input target); the rest is replicated."""
+
+    size: int
+    tiles: dict[str, Tile] = field(default_factory=dict)

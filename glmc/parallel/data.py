@@ -67,6 +67,10 @@ class Parallel:
     hierarchical: str = "auto"
     intra_link: str = "nvlink4"  #: link profile inside a node (glmc.analysis.comm.get_link)
     inter_link: str = "infiniband-ndr"  #: link profile between nodes
+    #: tensor parallel over this many ranks (every process; glmc.parallel.tensor), 1: none
+    tp: int = 1
+    #: pins of the tensor_parallel pass: "glob:column|row|replicate;..."
+    tp_plan: str = ""
 
     @staticmethod
     def of(value: Any) -> "Parallel | None":
@@ -96,6 +100,8 @@ class Parallel:
             raise ConfigError(f"parallel: unknown option(s) {sorted(unknown)}; known: "
                               f"{', '.join(sorted(known))}")
         p = Parallel(**value)
+        if not isinstance(p.tp, int) or isinstance(p.tp, bool) or p.tp < 1:
+            raise ConfigError(f"parallel: tp must be a whole number >= 1, got {p.tp!r}")
         if p.zero not in (0, 1, 2, 3):
             raise ConfigError(f"parallel: zero must be 0, 1, 2 or 3, got {p.zero}")
         if not isinstance(p.accumulate, int) or p.accumulate < 1:

@@ -64,6 +64,13 @@ class ParallelPlan:
         "pipeline parallel over S stages, one process each (with --nproc S; --nproc k*S: k "
         "data-parallel replicas of the pipeline); the partition pass chooses the cut by "
         "predicted cost", "S", int))
+    tp: int | None = field(default=None, metadata=_cli(
+        "tensor parallel over T processes (with --nproc T): attention heads and the MLP's "
+        "hidden dim sharded Megatron-style, found from the step's graph (the tensor_parallel "
+        "pass); not yet beside data or pipeline parallelism", "T", int))
+    tp_plan: str | None = field(default=None, metadata=_cli(
+        "with --tp: pin weights by name, GLOB:column|row|replicate;... (fnmatch globs)",
+        "PINS", str))
     microbatches: int | None = field(default=None, metadata=_cli(
         "with --pp: microbatches per step (must divide the batch; default S)", "M", int))
     schedule: str = field(default="1f1b", metadata=_cli(
@@ -112,7 +119,7 @@ class ParallelPlan:
         "single"."""
         if self.pp is not None:
             return "pipeline"
-        if self.zero is not None or (self.nproc or 1) > 1:
+        if self.zero is not None or (self.nproc or 1) > 1 or self.tp is not None:
             return "data"
         return "single"
 
@@ -123,6 +130,11 @@ class ParallelPlan:
         if world % pp:
             raise ConfigError(f"plan: {world} processes do not divide into {pp} pipeline "
                               f"stages; use a multiple of {pp}")
+        if self.tp is not None:
+            if world != self.tp:
+                raise ConfigError(f"plan: --tp {self.tp} runs on {self.tp} processes, not "
+                                  f"{world} (data parallelism beside it is not supported yet)")
+            return {"pp": 1, "dp": 1, "tp": self.tp}
         return {"pp": pp, "dp": world // pp}
 
     def for_rank(self) -> "ParallelPlan":
@@ -149,7 +161,8 @@ class ParallelPlan:
             return None
         out: dict[str, Any] = {"zero": self.zero or 0, "accumulate": self.accumulate,
                                "overlap": self.overlap, "timeout_s": self.timeout_s}
-        for key in ("bucket_mb", "nodes", "hierarchical", "intra_link", "inter_link"):
+        for key in ("bucket_mb", "nodes", "hierarchical", "intra_link", "inter_link", "tp",
+                    "tp_plan"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         if self.compress is not None:
@@ -167,7 +180,7 @@ class ParallelPlan:
     def problems(self, step: StepOptions | None = None) -> list[str]:
         """Every rule the plan breaks, alone and with the step's other options, as messages
         that name the option (spelled as its command-line flag) and say how to fix it."""
-        out = self._value_problems() + self._data_problems()
+        out = self._value_problems() + self._data_problems() + self._tensor_problems()
         out += self._pipeline_problems(step or StepOptions())
         if step is not None and step.export and self.strategy != "single":
             out.append("--export-dir / --export-ort-training: exporting a data-parallel or "
@@ -232,6 +245,26 @@ class ParallelPlan:
                     get_link(link)
                 except ConfigError as e:
                     out.append(f"{_flag(key)}: {e}")
+        return out
+
+    def _tensor_problems(self) -> list[str]:
+        if self.tp is None:
+            return ["--tp-plan needs --tp"] if self.tp_plan is not None else []
+        out = []
+        if isinstance(self.tp, int) and self.tp < 2:
+            out.append(f"--tp: must be 2 or more processes, got {self.tp}")
+        if self.nproc is not None and self.nproc != self.tp:
+            out.append(f"--tp {self.tp} with --nproc {self.nproc}: tensor parallelism runs "
+                       "over every process (data parallelism beside it is not supported "
+                       f"yet); use --nproc {self.tp}")
+        others = [flag for flag, v in (("--pp", self.pp), ("--zero", self.zero or None),
+                                       ("--compress", self.compress),
+                                       ("--accumulate", self.accumulate
+                                        if self.accumulate != 1 else None),
+                                       ("--nodes", self.nodes)) if v is not None]
+        if others:
+            out.append(f"--tp with {', '.join(others)}: not supported yet (tensor "
+                       "parallelism alone, every rank the whole batch)")
         return out
 
     def _pipeline_problems(self, step: StepOptions) -> list[str]:

@@ -121,6 +121,9 @@ def strategy_for(parallel: Any, device: str) -> SingleProcess | DataParallel:
     if isinstance(plan, ParallelPlan) and plan.strategy == "single":
         return Accumulating(plan.accumulate) if plan.accumulate > 1 else SingleProcess()
     options = Parallel.of(parallel)
+    if options is not None and options.tp > 1:
+        from glmc.parallel.tensor import TensorParallel
+        return TensorParallel(options, device)
     return SingleProcess() if options is None else DataParallel(options, device)
 
 

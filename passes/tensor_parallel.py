@@ -1,0 +1,590 @@
+"""`tensor_parallel`: Megatron-style tensor parallelism derived from the step's ATen graph.
+
+Runs on the whole step (forward, backward, optimizer update) over a 1-D mesh dim "tp" of N
+ranks, every rank holding the whole batch. Two steps:
+
+1. **Seeds.** Each linear layer's weight (a 2-D parameter read as `t(w)` by `mm`/`addmm`) is
+   placed by a walk over the forward: the linears that read one value (q, k and v; gate and
+   up) form a group; from their outputs the walk follows every op whose other operands do not
+   come from outside the group (rotary embeddings, attention, activations, the gate's
+   product) and stops at a feature reduction (`mean`, `var`, a norm) or a value from outside
+   (the residual add). Every linear the walk reaches is *row* parallel (weight `Shard(1)`,
+   its output a partial sum) and the group *column* parallel (weight and bias `Shard(0)`,
+   output sharded on features): attention heads and the MLP's hidden dim are sharded, with
+   one all-reduce after each block in the forward and one in the backward. A column weight
+   whose output is split in k equal parts along the features (a fused `gate_up`) is stored
+   interleaved: rank r holds rows r of each part, so each part is sharded like its own
+   linear. Everything else (embeddings, norms, the LM head) is replicated. `plan=` pins
+   weights by name (`glob:column|row|replicate;...`, fnmatch globs on parameter names).
+2. **Propagation.** The step is interpreted with DTensors over the mesh (the parameters and
+   their optimizer state with their seeds, every other input `Replicate()`) and traced into a
+   local program with torch's functional collectives: DTensor's per-op sharding strategies
+   give every value a placement and insert the redistribution where placements change. A
+   partial sum is reduced where it is made (one all-reduce per value, never one per reader).
+   The collectives are rebound to the mesh dim `tp` (`glmc.ir.program.UNBOUND`), so the
+   program is an SPMD program like the shard pass's, and every node keeps the metadata of
+   the node it came from.
+
+Equal to one process up to the order of the all-reduced sums. Not yet: sequence parallelism,
+a vocab-parallel LM head and loss, the cost model choosing between placements, random ops
+(dropout) on sharded values, a data-parallel dim beside `tp`.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fnmatch
+import math
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.fx as fx
+
+from glmc.compiler.passmanager import Effect, Need, Pass, PassContext, PassResult
+from glmc.errors import ConfigError, PassError
+from glmc.ir.kernels import POINTWISE
+from glmc.ir.graph import (CommInfo, MeshSpec, NodeInfo, Phase, Role, TensorSpec, TrainGraph,
+                           comm_ops, op_name)
+from glmc.ir.plans import TP, Tile, TpPlan
+from glmc.ir.program import UNBOUND, SpmdProgram
+
+aten = torch.ops.aten
+
+KINDS = ("column", "row", "replicate")
+#: ops that reduce over features: a seed's walk stops there (norms)
+_STOP = {"mean", "var", "var_mean", "native_layer_norm", "native_layer_norm_backward",
+         "_fused_rms_norm", "rsqrt", "nll_loss_forward", "_log_softmax"}
+_LINEAR = {"mm", "addmm"}
+_SPLIT = {"split", "split_with_sizes", "chunk", "unbind"}
+
+
+@dataclass(frozen=True)
+class TensorParallelStats:
+    size: int
+    column: int  #: weights sharded on their output features
+    row: int  #: weights sharded on their input features
+    replicated: int  #: parameters kept whole on every rank
+    collectives: dict[str, int]  #: kind -> count in the step
+    volume: dict[str, int]  #: kind -> bytes each rank sends into it per step
+    placements: dict[str, str]  #: the largest parameters -> their placement
+    #: ops without a DTensor rule run on whole operands (gathered where sharded) -> count
+    whole_ops: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TensorParallelPass(Pass):
+    """Tensor parallelism over mesh dim "tp" (see the module docstring)."""
+
+    name = "tensor_parallel"
+    size: int = 2
+    #: pins by parameter name: "glob:column|row|replicate;..." (default: derived from the graph)
+    plan: str = ""
+
+    def needs(self) -> frozenset[Need]:
+        return frozenset({Need.STEP})
+
+    def effects(self) -> frozenset[Effect]:
+        return frozenset({Effect.INSERTS_COMM})
+
+    def pins(self) -> list[tuple[str, str]]:
+        out = []
+        for item in filter(None, (s.strip() for s in self.plan.split(";"))):
+            glob, _, kind = item.rpartition(":")
+            if not glob or kind not in KINDS:
+                raise ConfigError(f"tensor_parallel: plan item {item!r} must be "
+                                  f"'glob:{'|'.join(KINDS)}'")
+            out.append((glob, kind))
+        return out
+
+    def run(self, graph: TrainGraph, ctx: PassContext) -> PassResult:
+        if not isinstance(self.size, int) or self.size < 2:
+            raise ConfigError(f"tensor_parallel: size must be a whole number >= 2, got "
+                              f"{self.size!r}")
+        mesh = ctx.mesh if ctx.mesh is not None else MeshSpec((self.size,), (TP,))
+        if TP not in mesh.dim_names or mesh.size(TP) != self.size:
+            raise ConfigError(f"tensor_parallel: the step runs on mesh {mesh.dim_names}="
+                              f"{mesh.shape}; size={self.size} needs a mesh dim 'tp' of "
+                              f"{self.size} ranks")
+        if mesh.ndim != 1:
+            raise ConfigError("tensor_parallel: a data-parallel or pipeline dim beside 'tp' is "
+                              "not supported yet; run tensor parallel over all the processes")
+        if "sharding" in graph.meta or TP_META in graph.meta:
+            raise PassError("tensor_parallel: the step is already sharded")
+        rng = [n.name for n in graph.compute_nodes() if TrainGraph.info(n).rng is not None]
+        if rng:
+            raise ConfigError(f"tensor_parallel: the step draws random numbers ({rng[0]}: "
+                              "dropout?); random ops on sharded values are not supported yet "
+                              "— set dropout to 0 for tensor-parallel training")
+        tiles = seed_tiles(graph, self.size, self.pins())
+        traced, whole = _propagate(graph, mesh, tiles)
+        plan = TpPlan(self.size, {t: tile for t, tile in _state_tiles(graph, tiles).items()})
+        _adopt(graph, traced, mesh, plan)
+        graph.meta[TP_META] = plan
+        SpmdProgram(graph, mesh).verify()
+        stats = _stats(graph, plan, self.size)
+        return PassResult(True, dataclasses.replace(stats, whole_ops={
+            op: whole.count(op) for op in sorted(set(whole))}))
+
+
+TP_META = "tensor_parallel"
+FROM = "glmc_tp_from"  #: a traced node's metadata: that of the step node it was traced for
+
+
+# ---- seeds ------------------------------------------------------------------------------------
+
+def _linears(graph: TrainGraph) -> dict[fx.Node, str]:
+    """Forward `mm`/`addmm` nodes whose right operand is `t(w)` of a 2-D parameter -> its
+    name."""
+    out = {}
+    for ph in graph.placeholders():
+        info = TrainGraph.info(ph)
+        if info.role is not Role.PARAMETER or info.spec is None or len(info.spec.shape) != 2:
+            continue
+        for t in ph.users:
+            if op_name(t) != "t" or TrainGraph.info(t).phase is not Phase.FORWARD:
+                continue
+            for mm in t.users:
+                if op_name(mm) in _LINEAR and mm.args[-1] is t:
+                    out[mm] = info.target
+    return out
+
+
+def _source(n: fx.Node) -> fx.Node:
+    """The value a linear reads, through views and copies."""
+    while op_name(n) in ("view", "_unsafe_view", "reshape", "clone", "_to_copy", "alias"):
+        n = n.args[0]
+    return n
+
+
+def _group_walk(graph: TrainGraph, starts: list[fx.Node], linears: dict[fx.Node, str],
+                stream: set[fx.Node]) -> tuple[set[str], int]:
+    """The linears reached from `starts` through forward ops fed only from inside (see the
+    module docstring; one pass in program order), and how many equal parts the starts'
+    outputs are first split into."""
+    inside: set[fx.Node] = set(starts)
+    views = set(starts) | {u for s in starts for u in s.users
+                           if op_name(u) in ("view", "_unsafe_view", "reshape")}
+    reached: set[str] = set()
+    parts = 1
+    for u in graph.compute_nodes():
+        if u in inside or TrainGraph.info(u).phase is not Phase.FORWARD:
+            continue
+        ins = u.all_input_nodes
+        if not any(a in inside for a in ins):
+            continue
+        name = op_name(u)
+        if u in linears:
+            if u.args[-2] in inside:
+                reached.add(linears[u])
+            continue
+        if name in _STOP or name in _LINEAR or \
+                any(a not in inside and a in stream for a in ins):
+            continue
+        if name in _SPLIT and parts == 1 and u.args[0] in views:
+            parts = _equal_parts(u)
+        if name in ("view", "_unsafe_view", "reshape") and u.args[0] in starts:
+            views.add(u)
+        inside.add(u)
+    return reached, parts
+
+
+def _stream(graph: TrainGraph) -> set[fx.Node]:
+    """The nodes that depend on the batch (the step's data flow; not parameters, buffers or
+    constants made in the step)."""
+    out: set[fx.Node] = set()
+    for n in graph.graph.nodes:
+        if n.op == "placeholder":
+            if TrainGraph.info(n).role is Role.INPUT:
+                out.add(n)
+        elif any(a in out for a in n.all_input_nodes):
+            out.add(n)
+    return out
+
+
+def _equal_parts(split: fx.Node) -> int:
+    sizes = split.args[1]
+    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    val = split.args[0].meta.get("val")
+    if val is None or dim not in (-1, val.dim() - 1):
+        return 1
+    if isinstance(sizes, int):
+        return val.shape[-1] // sizes if val.shape[-1] % sizes == 0 else 1
+    return len(sizes) if len(set(sizes)) == 1 else 1
+
+
+def seed_tiles(graph: TrainGraph, size: int, pins: list[tuple[str, str]]) -> dict[str, Tile]:
+    """Parameter name -> its tile: column/row linears found by the walk, then the pins."""
+    linears = _linears(graph)
+    stream = _stream(graph)
+    groups: dict[fx.Node, list[fx.Node]] = {}
+    for mm in linears:
+        groups.setdefault(_source(mm.args[-2]), []).append(mm)
+    tiles: dict[str, Tile] = {}
+    for members in groups.values():
+        outs = [_output(mm) for mm in members]
+        reached, parts = _group_walk(graph, outs, linears, stream)
+        if not reached:
+            continue
+        for mm in members:
+            tiles[linears[mm]] = Tile("column", 0, parts if len(members) == 1 else 1)
+        for name in reached:
+            tiles.setdefault(name, Tile("row", 1, 1))
+    shapes = {TrainGraph.info(ph).target: TrainGraph.info(ph).spec.shape
+              for ph in graph.placeholders()
+              if TrainGraph.info(ph).role is Role.PARAMETER and TrainGraph.info(ph).spec}
+    for glob, kind in pins:
+        hit = [n for n in shapes if fnmatch.fnmatchcase(n, glob)]
+        if not hit:
+            raise ConfigError(f"tensor_parallel: plan pin {glob!r} matches no parameter; "
+                              f"parameters are e.g. {sorted(shapes)[:4]}")
+        for n in hit:
+            if kind == "replicate":
+                tiles.pop(n, None)
+            elif len(shapes[n]) != 2:
+                raise ConfigError(f"tensor_parallel: {n} has shape {shapes[n]}; only 2-D "
+                                  "weights are column or row parallel")
+            else:
+                tiles[n] = Tile(kind, 0 if kind == "column" else 1, 1)
+    for name, tile in list(tiles.items()):  # a column linear's bias follows its weight
+        bias = name.rsplit(".", 1)[0] + ".bias"
+        if tile.kind == "column" and name.endswith(".weight") and bias in shapes:
+            tiles[bias] = Tile("column", 0, tile.groups)
+    for name, tile in tiles.items():
+        extent = shapes[name][tile.dim]
+        if extent % (size * tile.groups):
+            raise ConfigError(f"tensor_parallel: {name} {tuple(shapes[name])} is {tile.kind} "
+                              f"parallel on dim {tile.dim} ({extent}), which does not divide "
+                              f"by {size} ranks{' x %d parts' % tile.groups if tile.groups > 1 else ''}"
+                              f"; pin it with plan='{name}:replicate' or choose another size")
+    return tiles
+
+
+def _output(mm: fx.Node) -> fx.Node:
+    """A linear's output through the view back to the batch's shape."""
+    users = list(mm.users)
+    if len(users) == 1 and op_name(users[0]) in ("view", "_unsafe_view", "reshape"):
+        return users[0]
+    return mm
+
+
+def _state_tiles(graph: TrainGraph, tiles: dict[str, Tile]) -> dict[str, Tile]:
+    """The parameters' tiles and their optimizer states' (same shape, same tile)."""
+    out = dict(tiles)
+    for spec in graph.inputs:
+        if spec.role is Role.OPTIMIZER_STATE:
+            name = spec.target.partition(":")[2]
+            if name in tiles and _shape_of(graph, spec.target) == _shape_of(graph, name):
+                out[spec.target] = tiles[name]
+    return out
+
+
+def _shape_of(graph: TrainGraph, target: str) -> tuple[int, ...] | None:
+    for ph in graph.placeholders():
+        info = TrainGraph.info(ph)
+        if info.target == target and info.spec is not None:
+            return info.spec.shape
+    return None
+
+
+# ---- propagation ------------------------------------------------------------------------------
+
+def _placement(tile: Tile | None) -> Any:
+    from torch.distributed.tensor import Replicate, Shard
+    return Replicate() if tile is None else Shard(tile.dim)
+
+
+@contextlib.contextmanager
+def _device_mesh(mesh: MeshSpec) -> Iterator[Any]:
+    """A DeviceMesh to trace on: the running processes' when torch.distributed is up (every
+    rank compiles the step together), else a fake process group of `mesh`'s size, taken down
+    afterwards (tracing issues no real communication)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    made = False
+    if not dist.is_initialized():
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        dist.init_process_group("fake", store=FakeStore(), rank=0,
+                                world_size=math.prod(mesh.shape))
+        made = True
+    elif dist.get_world_size() != math.prod(mesh.shape):
+        raise ConfigError(f"tensor_parallel: {dist.get_world_size()} processes run, the mesh "
+                          f"{mesh.dim_names}={mesh.shape} needs {math.prod(mesh.shape)}")
+    try:
+        yield init_device_mesh(mesh.device_type, mesh.shape, mesh_dim_names=mesh.dim_names)
+    finally:
+        if made:
+            dist.destroy_process_group()
+
+
+def _propagate(graph: TrainGraph, mesh: MeshSpec, tiles: dict[str, Tile]
+               ) -> tuple[fx.GraphModule, list[str]]:
+    """The local program of `graph` with `tiles` (see the module docstring)."""
+    import torch.fx.traceback as fx_traceback
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    state = _state_tiles(graph, tiles)
+    phs = graph.placeholders()
+    with _device_mesh(mesh) as dm:
+        places = [[_placement(state.get(TrainGraph.info(p).target))] for p in phs]
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        with fake:
+            local = [_local_empty(p.meta["val"], pl[0], mesh.size(TP)) for p, pl in
+                     zip(phs, places)]
+        run = _Local(graph.gm, dm, places, state, graph)
+        try:
+            with fx_traceback.preserve_node_meta():
+                traced = make_fx(run, tracing_mode="fake", _allow_non_fake_inputs=True)(*local)
+        except ConfigError:
+            raise
+        except Exception as e:  # DTensor has no rule for an op, or a shape does not divide
+            where = run.current.name if run.current is not None else "?"
+            raise PassError(f"tensor_parallel: sharding propagation failed at '{where}' "
+                            f"({op_name(run.current) if run.current is not None else '?'}): "
+                            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}; pin "
+                            "the weights around it with plan='name:replicate'") from e
+    return traced, run.whole
+
+
+def _local_empty(val: Any, placement: Any, n: int) -> Any:
+    if not isinstance(val, torch.Tensor):
+        return val
+    shape = list(val.shape)
+    if hasattr(placement, "dim") and shape:
+        shape[placement.dim] //= n
+    return torch.empty(shape, dtype=val.dtype, device=val.device)
+
+
+class _Local:
+    """The step run on DTensors, returning local tensors (what make_fx traces)."""
+
+    def __init__(self, gm: fx.GraphModule, dm: Any, places: list, state: dict[str, Tile],
+                 graph: TrainGraph) -> None:
+        self.gm, self.dm, self.places, self.state, self.graph = gm, dm, places, state, graph
+        self.current: fx.Node | None = None
+        self.whole: list[str] = []  #: ops run on whole (replicated) operands, in order
+
+    def __call__(self, *local: Any) -> list[Any]:
+        from torch.distributed.tensor import DTensor, Replicate
+        from torch.distributed.tensor.placement_types import Partial
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+        dm, owner = self.dm, self
+
+        def lift(r: Any, keep: bool = False) -> Any:
+            if isinstance(r, DTensor):
+                if not keep and any(isinstance(p, Partial) for p in r.placements):
+                    return r.redistribute(dm, [Replicate()])  # reduced where it is made
+                return r
+            if isinstance(r, torch.Tensor):  # a constant made in the step (a mask)
+                return DTensor.from_local(r, dm, [Replicate()], run_check=False)
+            if isinstance(r, (tuple, list)):
+                return type(r)(lift(x, keep) for x in r)
+            return r
+
+        class Interp(fx.Interpreter):
+            def run_node(self, n: fx.Node) -> Any:
+                owner.current = n
+                traced = get_proxy_mode().tracer.graph
+                last = traced._root.prev
+                out = _local_split(n, self, dm)
+                if out is None:
+                    # partial sums that only add up (the gradient of a value several column
+                    # linears read) are reduced once, after the sum
+                    try:
+                        out = super().run_node(n)
+                    except NotImplementedError:  # no DTensor rule: a glmc fused op
+                        out = _replicated(n, self, dm)
+                        owner.whole.append(op_name(n))
+                    out = lift(out, _sums_only(n))
+                made = last.next
+                while made is not traced._root:  # the nodes traced for `n` carry its metadata
+                    if "glmc" in n.meta:
+                        made.meta[FROM] = n.meta["glmc"]
+                    made = made.next
+                return out
+
+        dts = [DTensor.from_local(t, dm, pl, run_check=False)
+               if isinstance(t, torch.Tensor) else t for t, pl in zip(local, self.places)]
+        outs = Interp(self.gm).run(*dts)
+        owner.current = None
+        return [o.to_local() if isinstance(o, DTensor) else o for o in outs]
+
+
+def _replicated(n: fx.Node, interp: fx.Interpreter, dm: Any) -> Any:
+    """`n` run on every rank's whole operands (gathered where sharded, reduced where partial):
+    the result is replicated. For ops without a DTensor sharding rule (glmc's fused kernels:
+    an RMSNorm's input is already whole; a fused attention's heads are gathered)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    def whole(a: Any) -> Any:
+        if isinstance(a, DTensor):
+            return a.redistribute(dm, [Replicate()]).to_local()
+        return a
+
+    args, kwargs = interp.fetch_args_kwargs_from_env(n)
+    blocks = [a for a in fx.node.map_aggregate((args, kwargs), lambda a: a)[0]
+              if isinstance(a, DTensor)]
+    if op_name(n) in POINTWISE and blocks and \
+            len({(a.placements, a.shape) for a in blocks}) == 1:
+        local = fx.node.map_aggregate(args, lambda a: a.to_local()
+                                      if isinstance(a, DTensor) else a)
+        out = n.target(*local, **kwargs)  # each rank's block, placed as its operands
+        return fx.node.map_aggregate(out, lambda r: DTensor.from_local(
+            r, dm, blocks[0].placements, run_check=False) if isinstance(r, torch.Tensor) else r)
+    out = n.target(*fx.node.map_aggregate(args, whole), **fx.node.map_aggregate(kwargs, whole))
+    return fx.node.map_aggregate(out, lambda r: DTensor.from_local(r, dm, [Replicate()],
+                                                                   run_check=False)
+                                 if isinstance(r, torch.Tensor) else r)
+
+
+_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+
+
+def _sums_only(n: fx.Node) -> bool:
+    """Whether every use of `n` (through views) is an `add`: a partial sum may stay partial."""
+    return bool(n.users) and all(u.target is aten.add.Tensor or
+                                 (u.target in _VIEWS and _sums_only(u)) for u in n.users)
+
+
+def _local_split(n: fx.Node, interp: fx.Interpreter, dm: Any) -> Any:
+    """A split or cat along a sharded dim into/from equal parts (an interleaved fused
+    weight's output and its gradient) done shard by shard; None for any other node."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if n.op != "call_function" or op_name(n) not in ("split", "split_with_sizes", "cat"):
+        return None
+    args = interp.map_nodes_to_values(n.args, n)
+    if op_name(n) == "cat":
+        parts, dim = args[0], (args[1] if len(args) > 1 else 0)
+        if not parts or not all(isinstance(p, DTensor) for p in parts):
+            return None
+        dim = dim % parts[0].dim()
+        if len({p.shape[dim] for p in parts}) != 1 or \
+                not all(p.placements == (Shard(dim),) for p in parts):
+            return None
+        local = torch.cat([p.to_local() for p in parts], dim)
+        return DTensor.from_local(local, dm, [Shard(dim)], run_check=False)
+    x, sizes = args[0], args[1]
+    dim = (args[2] if len(args) > 2 else 0) % x.dim() if isinstance(x, DTensor) else 0
+    if not isinstance(x, DTensor) or x.placements != (Shard(dim),):
+        return None
+    total = x.shape[dim]
+    count = total // sizes if isinstance(sizes, int) else len(sizes)
+    if (isinstance(sizes, int) and total % sizes) or \
+            (not isinstance(sizes, int) and len(set(sizes)) != 1):
+        return None
+    pieces = torch.chunk(x.to_local(), count, dim)
+    return [DTensor.from_local(p, dm, [Shard(dim)], run_check=False) for p in pieces]
+
+
+# ---- the traced program becomes the step ------------------------------------------------------
+
+def _adopt(graph: TrainGraph, traced: fx.GraphModule, mesh: MeshSpec, plan: TpPlan) -> None:
+    """`graph` becomes `traced`: same signature, each node with the metadata of the node it was
+    traced from (spec from its value, placements on inputs), collectives rebound to 'tp'."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    old = {TrainGraph.info(p).target: p for p in graph.placeholders()}
+    comm = comm_ops()
+    size = mesh.size(TP)
+    new_phs = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    for ph, spec in zip(new_phs, graph.inputs):
+        info = TrainGraph.info(old[spec.target])
+        tile = plan.tiles.get(spec.target)
+        local = TensorSpec.of(ph.meta.get("val"))
+        placements = (Shard(tile.dim) if tile else Replicate(),)
+        ph.meta["glmc"] = info.replace(
+            spec=dataclasses.replace(local, placements=placements) if local else None,
+            created_by="tensor_parallel" if tile else info.created_by)
+    for n in traced.graph.nodes:
+        if n.op != "call_function":
+            continue
+        base: NodeInfo | None = n.meta.pop(FROM, None)
+        if base is None:
+            base = _nearest(n)
+        spec = TensorSpec.of(n.meta.get("val"))
+        kind = comm.get(n.target)
+        info = base.replace(spec=spec, created_by=base.created_by, rng=None)
+        if kind is not None:
+            reduce_op = n.args[1] if kind in ("all_reduce", "reduce_scatter_tensor") else None
+            info = info.replace(comm=CommInfo(kind, TP, reduce_op, size),
+                                created_by="tensor_parallel")
+            if kind != "wait_tensor":
+                n.args = (*n.args[:-1], UNBOUND + TP)
+        n.meta["glmc"] = info
+    for n in traced.graph.nodes:  # placements of collective results for the verifier
+        info = n.meta.get("glmc")
+        if n.op == "call_function" and info is not None and info.comm is not None \
+                and info.spec is not None:
+            n.meta["glmc"] = info.replace(spec=dataclasses.replace(
+                info.spec, placements=_after(info.comm.collective, n)))
+        elif n.op == "call_function" and info is not None and info.spec is not None:
+            n.meta["glmc"] = info.replace(spec=dataclasses.replace(info.spec, placements=None))
+    for n in traced.graph.nodes:  # collective inputs carry the placement the collective reads
+        info = n.meta.get("glmc")
+        if n.op == "call_function" and info is not None and info.comm is not None and \
+                info.comm.collective != "wait_tensor":
+            src = n.args[0]
+            sinfo = src.meta.get("glmc")
+            if sinfo is not None and sinfo.spec is not None and src.op != "placeholder":
+                src.meta["glmc"] = sinfo.replace(spec=dataclasses.replace(
+                    sinfo.spec, placements=_before(info.comm)))
+    traced.recompile()
+    graph.gm = traced
+
+
+def _after(kind: str, n: fx.Node) -> tuple:
+    from torch.distributed.tensor import Replicate, Shard
+    return (Shard(0),) if kind == "reduce_scatter_tensor" else (Replicate(),)
+
+
+def _before(comm: CommInfo) -> tuple:
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import Partial
+    return (Shard(0),) if comm.collective == "all_gather_into_tensor" else \
+        (Partial(comm.reduce_op),)
+
+
+def _nearest(n: fx.Node) -> NodeInfo:
+    """Metadata for a traced node that carries none: its nearest annotated input's."""
+    stack = list(n.all_input_nodes)
+    seen: set[fx.Node] = set()
+    while stack:
+        a = stack.pop(0)
+        if a in seen:
+            continue
+        seen.add(a)
+        info = a.meta.get("glmc")
+        if info is not None:
+            phase = Phase.FORWARD if info.phase is Phase.INPUT else info.phase
+            return NodeInfo(phase, Role.ACTIVATION if info.phase is Phase.INPUT else info.role,
+                            created_by="tensor_parallel")
+        stack.extend(a.all_input_nodes)
+    return NodeInfo(Phase.FORWARD, Role.ACTIVATION, created_by="tensor_parallel")
+
+
+def _stats(graph: TrainGraph, plan: TpPlan, size: int) -> TensorParallelStats:
+    counts: dict[str, int] = {}
+    volume: dict[str, int] = {}
+    for n in graph.compute_nodes():
+        comm = TrainGraph.info(n).comm
+        if comm is None or comm.collective == "wait_tensor":
+            continue
+        counts[comm.collective] = counts.get(comm.collective, 0) + 1
+        spec = TrainGraph.info(n.args[0]).spec
+        volume[comm.collective] = volume.get(comm.collective, 0) + (spec.nbytes if spec else 0)
+    params = [(TrainGraph.info(p).target, TrainGraph.info(p).spec) for p in graph.placeholders()
+              if TrainGraph.info(p).role is Role.PARAMETER]
+    largest = sorted(params, key=lambda t: -(t[1].nbytes * (size if t[0] in plan.tiles else 1)))
+    shown = {name: (f"{plan.tiles[name].kind} Shard({plan.tiles[name].dim})"
+                    + (f" x{plan.tiles[name].groups} parts" if plan.tiles[name].groups > 1
+                       else "")) if name in plan.tiles else "Replicate"
+             for name, _ in largest[:8]}
+    kinds = [t.kind for name, t in plan.tiles.items() if ":" not in name and
+             not name.endswith(".bias")]
+    return TensorParallelStats(size, kinds.count("column"), kinds.count("row"),
+                               len(params) - sum(1 for n in plan.tiles if ":" not in n),
+                               counts, volume, shown)

@@ -1,0 +1,139 @@
+"""Tensor parallelism (passes/tensor_parallel.py, glmc/parallel/tensor.py): the Megatron
+layout found from the step's graph, DTensor propagation into a local program with
+all-reduces, and two gloo processes training the GLM example (fused gate/up weight, grouped
+query attention, rotary embeddings) to one process's losses and parameters."""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+import glmc
+from glmc.compiler.passmanager import PassContext
+from glmc.errors import ConfigError
+from glmc.ir.graph import Role, TrainGraph
+from glmc.ir.plans import Tile
+from glmc.ir.program import comm_nodes
+from glmc.parallel.plan import ParallelPlan
+from glmc.passes.tensor_parallel import TensorParallelPass, seed_tiles
+from glmc.trace.capture import capture, split_batch
+from tests.distributed import result, run_parts, spawn
+from tests.models import CASES, eager_losses
+
+STEPS = 3
+
+
+def _glm_graph() -> TrainGraph:
+    model, batch, loss_fn, opt = CASES["glm"].make()
+    return capture(model, batch, loss_fn, opt)
+
+
+def test_the_megatron_layout_is_found_from_the_graph() -> None:
+    """q/k/v and the fused gate/up are column parallel (gate/up as 2 interleaved parts, q/k/v
+    biases with their weights), o and down row parallel; embeddings, norms and the LM head
+    replicated. The step then has one all-reduce per attention and per MLP in the forward and
+    one each in the backward: 4 per block."""
+    graph = _glm_graph()
+    tiles = seed_tiles(graph, 2, [])
+    for b in (0, 1):
+        p = f"blocks.{b}."
+        for n in ("wq", "wk", "wv"):
+            assert tiles[f"{p}attn.{n}.weight"] == Tile("column", 0, 1)
+            assert tiles[f"{p}attn.{n}.bias"] == Tile("column", 0, 1)
+        assert tiles[f"{p}attn.wo.weight"] == Tile("row", 1, 1)
+        assert tiles[f"{p}mlp.gate_up.weight"] == Tile("column", 0, 2)
+        assert tiles[f"{p}mlp.down.weight"] == Tile("row", 1, 1)
+    assert not {"embed.weight", "head.weight", "norm.weight"} & set(tiles)
+    res = TensorParallelPass(size=2).run(graph, PassContext())
+    assert res.stats.collectives == {"all_reduce": 8}
+    phases = [TrainGraph.info(n).phase.value for n in comm_nodes(graph)
+              if "all_reduce" in str(n.target)]
+    assert phases.count("forward") == 4 and phases.count("backward") == 4
+    local = {TrainGraph.info(p).target: TrainGraph.info(p).spec.shape
+             for p in graph.placeholders()}
+    assert local["blocks.0.mlp.gate_up.weight"] == (172, 64)  # (2 x 172) / 2 ranks
+    assert local["exp_avg:blocks.0.attn.wo.weight"] == (64, 32)
+    assert local["head.weight"] == (256, 64)
+
+
+def test_pins_override_and_bad_pins_are_typed_errors() -> None:
+    graph = _glm_graph()
+    tiles = seed_tiles(graph, 2, [("blocks.*.mlp.*", "replicate"), ("head.weight", "column")])
+    assert "blocks.0.mlp.gate_up.weight" not in tiles and "blocks.1.mlp.down.weight" not in tiles
+    assert tiles["head.weight"] == Tile("column", 0, 1)
+    with pytest.raises(ConfigError, match="matches no parameter"):
+        seed_tiles(graph, 2, [("nope.*", "row")])
+    with pytest.raises(ConfigError, match="glob:column"):
+        TensorParallelPass(plan="blocks.0.attn.wq.weight:diagonal").pins()
+    with pytest.raises(ConfigError, match="does not divide"):
+        seed_tiles(graph, 3, [])  # 4 heads x 16 do not split over 3 ranks
+    with pytest.raises(ConfigError, match="--tp 2 with --nproc 4"):
+        ParallelPlan(tp=2, nproc=4).validate()
+    with pytest.raises(ConfigError, match="--zero"):
+        ParallelPlan(tp=2, zero=1).validate()
+
+
+def test_tile_blocks_round_trip() -> None:
+    w = torch.arange(24.0).reshape(4, 6)
+    for tile in (Tile("column", 0, 1), Tile("row", 1, 1), Tile("column", 0, 2)):
+        shards = [tile.local(w, r, 2) for r in range(2)]
+        assert torch.equal(tile.full(shards), w)
+    gate_up = Tile("column", 0, 2).local(w, 1, 2)  # rows 1 of gate (0-1) and 3 of up (2-3)
+    assert torch.equal(gate_up, w[[1, 3]])
+
+
+def _tp_part(backend: str, fusion: bool | None):
+    def part(rank: int, out: Path) -> dict:
+        model, batch, loss_fn, opt = CASES["glm"].make()
+        ref_model = copy.deepcopy(model)
+        ref_opt = type(opt)(ref_model.parameters(), **{
+            k: opt.param_groups[0][k] for k in ("lr", "betas", "eps", "weight_decay")})
+        ref = eager_losses(ref_model, batch, loss_fn, ref_opt, STEPS)
+        trainer = glmc.optimize(model, batch, loss_fn=loss_fn, optimizer=opt, backend=backend,
+                                fusion=fusion, predict=False, parallel={"tp": 2})
+        args, kwargs = split_batch(batch)
+        losses = [trainer.step(*args, **kwargs).item() for _ in range(STEPS)]
+        local = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        params, state = trainer.parallel.full_state(model, opt)
+        names = {id(p): n for n, p in ref_model.named_parameters()}
+        return {"losses": losses, "ref": ref, "params": params, "local": local,
+                "ref_params": {n: p.detach() for n, p in ref_model.named_parameters()},
+                "state": state, "ref_state": {f"{k}:{names[id(p)]}": v
+                                              for p, st in ref_opt.state.items()
+                                              for k, v in st.items()},
+                "roles": sorted({TrainGraph.info(p).role.value
+                                 for p in trainer.graph.placeholders()
+                                 if TrainGraph.info(p).role is Role.PARAMETER})}
+    return part
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    run_parts(rank, port, 2, out, [("eager", _tp_part("eager", False)),
+                                   ("default", _tp_part("eager", None))])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tp")
+    spawn(_worker, str(out))
+    return out
+
+
+@pytest.mark.parametrize("part", ["eager", "default"])  # default: glmc's default passes too
+def test_two_ranks_train_like_one_process(runs: Path, part: str) -> None:
+    """tp=2 on 2 gloo processes, each the whole batch: the losses, parameters and AdamW state
+    of eager PyTorch on one process (to fp32 all-reduce order), the ranks holding half of
+    each sharded weight."""
+    for rank in (0, 1):
+        r = result(runs, part, rank)
+        torch.testing.assert_close(r["losses"], r["ref"], rtol=1e-5, atol=0)
+        for name, ref in r["ref_params"].items():
+            torch.testing.assert_close(r["params"][name], ref, rtol=1e-4, atol=1e-6, msg=name)
+        for key, ref in r["ref_state"].items():
+            torch.testing.assert_close(r["state"][key].to(ref.dtype), ref, rtol=1e-4,
+                                       atol=1e-7, msg=key)
+        assert r["local"]["blocks.0.attn.wo.weight"] == (64, 32)
+        assert r["local"]["blocks.1.mlp.gate_up.weight"] == (172, 64)
+        assert r["local"]["embed.weight"] == (256, 64)
