@@ -68,7 +68,7 @@ class TensorParallelStats:
     collectives: dict[str, int]  #: kind -> count in the step
     volume: dict[str, int]  #: kind -> bytes each rank sends into it per step
     placements: dict[str, str]  #: the largest parameters -> their placement
-    #: ops without a DTensor rule run on whole operands (gathered where sharded) -> count
+    #: ops without a DTensor rule run on gathered operands (sharded ones) -> count
     whole_ops: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
@@ -390,14 +390,17 @@ class _Local:
                 traced = get_proxy_mode().tracer.graph
                 last = traced._root.prev
                 out = _local_split(n, self, dm)
+                if out is None and n.target in _FOREACH:
+                    out = _foreach(n, self, dm)
                 if out is None:
                     # partial sums that only add up (the gradient of a value several column
                     # linears read) are reduced once, after the sum
                     try:
+                        if n.target in _HEADWISE or op_name(n) in POINTWISE:
+                            raise NotImplementedError  # by blocks (DTensor would decompose)
                         out = super().run_node(n)
                     except NotImplementedError:  # no DTensor rule: a glmc fused op
-                        out = _replicated(n, self, dm)
-                        owner.whole.append(op_name(n))
+                        out = _replicated(n, self, dm, owner)
                     out = lift(out, _sums_only(n))
                 made = last.next
                 while made is not traced._root:  # the nodes traced for `n` carry its metadata
@@ -413,31 +416,73 @@ class _Local:
         return [o.to_local() if isinstance(o, DTensor) else o for o in outs]
 
 
-def _replicated(n: fx.Node, interp: fx.Interpreter, dm: Any) -> Any:
-    """`n` run on every rank's whole operands (gathered where sharded, reduced where partial):
-    the result is replicated. For ops without a DTensor sharding rule (glmc's fused kernels:
-    an RMSNorm's input is already whole; a fused attention's heads are gathered)."""
-    from torch.distributed.tensor import DTensor, Replicate
+#: attention ops computed head by head (inputs and outputs [batch, heads, ...]): with every
+#: operand sharded on the heads (Megatron's attention) each rank runs its own heads
+_HEADWISE = {aten._scaled_dot_product_flash_attention_for_cpu.default,
+             aten._scaled_dot_product_flash_attention_for_cpu_backward.default}
 
-    def whole(a: Any) -> Any:
-        if isinstance(a, DTensor):
-            return a.redistribute(dm, [Replicate()]).to_local()
-        return a
+
+def _replicated(n: fx.Node, interp: fx.Interpreter, dm: Any, owner: "_Local") -> Any:
+    """`n`, an op without a DTensor sharding rule: on each rank's blocks where that is the
+    same computation (a pointwise glmc kernel on equally placed operands; attention on
+    operands sharded by heads), else on whole operands (gathered where sharded, reduced where
+    partial; recorded in `owner.whole`), the result replicated."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     args, kwargs = interp.fetch_args_kwargs_from_env(n)
-    blocks = [a for a in fx.node.map_aggregate((args, kwargs), lambda a: a)[0]
-              if isinstance(a, DTensor)]
+    blocks = [a for a in (*args, *kwargs.values()) if isinstance(a, DTensor)]
+    place = None
     if op_name(n) in POINTWISE and blocks and \
             len({(a.placements, a.shape) for a in blocks}) == 1:
-        local = fx.node.map_aggregate(args, lambda a: a.to_local()
-                                      if isinstance(a, DTensor) else a)
-        out = n.target(*local, **kwargs)  # each rank's block, placed as its operands
+        place = blocks[0].placements
+    elif n.target in _HEADWISE and any(a.placements == (Shard(1),) for a in blocks) and \
+            all(a.placements == (Shard(1),) or (a.placements == (Replicate(),) and
+                                                (a.dim() < 2 or a.shape[1] == 1))
+                for a in blocks):  # a mask broadcast over the heads stays whole
+        place = (Shard(1),)
+    if place is not None:  # each rank's block, placed as its operands
+        def block(a: Any) -> Any:
+            return a.to_local() if isinstance(a, DTensor) else a
+        out = n.target(*fx.node.map_aggregate(args, block),
+                       **fx.node.map_aggregate(kwargs, block))
         return fx.node.map_aggregate(out, lambda r: DTensor.from_local(
-            r, dm, blocks[0].placements, run_check=False) if isinstance(r, torch.Tensor) else r)
+            r, dm, place, run_check=False) if isinstance(r, torch.Tensor) else r)
+    if any(a.placements != (Replicate(),) for a in blocks):
+        owner.whole.append(op_name(n))
+
+    def whole(a: Any) -> Any:
+        return a.redistribute(dm, [Replicate()]).to_local() if isinstance(a, DTensor) else a
+
     out = n.target(*fx.node.map_aggregate(args, whole), **fx.node.map_aggregate(kwargs, whole))
     return fx.node.map_aggregate(out, lambda r: DTensor.from_local(r, dm, [Replicate()],
                                                                    run_check=False)
                                  if isinstance(r, torch.Tensor) else r)
+
+
+#: optimizer ops over lists of tensors, element by element within each index
+_FOREACH = {aten._fused_adam.default, aten._fused_adamw.default, aten._fused_adam.tensor_lr,
+            aten._fused_adamw.tensor_lr}
+
+
+def _foreach(n: fx.Node, interp: fx.Interpreter, dm: Any) -> Any:
+    """A fused optimizer update run on each rank's blocks: the i-th tensor of every list is
+    placed like the i-th parameter (a gradient sliced to a sharded parameter's block)."""
+    from torch.distributed.tensor import DTensor
+
+    args, kwargs = interp.fetch_args_kwargs_from_env(n)
+    params = args[0]
+    places = [p.placements for p in params]
+
+    def local(a: Any) -> Any:
+        if isinstance(a, (list, tuple)) and len(a) == len(params) and \
+                all(isinstance(t, DTensor) for t in a):
+            return [t.redistribute(dm, pl).to_local() if t.shape == p.shape else t.to_local()
+                    for t, p, pl in zip(a, params, places)]  # step counters stay whole
+        return a.to_local() if isinstance(a, DTensor) else a
+
+    out = n.target(*[local(a) for a in args], **{k: local(v) for k, v in kwargs.items()})
+    return tuple([DTensor.from_local(t, dm, pl, run_check=False) for t, pl in zip(lst, places)]
+                 for lst in out)
 
 
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
@@ -459,6 +504,11 @@ def _local_split(n: fx.Node, interp: fx.Interpreter, dm: Any) -> Any:
     args = interp.map_nodes_to_values(n.args, n)
     if op_name(n) == "cat":
         parts, dim = args[0], (args[1] if len(args) > 1 else 0)
+        # torch.cat skips 1-D empty tensors (a KV cache's initial value); DTensor cannot
+        # place one beside a sharded part
+        kept = [p for p in parts if not (p.dim() == 1 and p.numel() == 0)]
+        if len(kept) == 1 and len(parts) > 1 and isinstance(kept[0], DTensor):
+            return kept[0]
         if not parts or not all(isinstance(p, DTensor) for p in parts):
             return None
         dim = dim % parts[0].dim()
