@@ -63,6 +63,8 @@ GROUPS: list[tuple[str, list[tuple[str, str, str]]]] = [
          "three seeds (`bench_compression.py --only ...`)"), "compression.md"),
         ("pipeline", ("Pipeline parallelism against torch.distributed.pipelining "
          "(`bench_pipeline.py`, tables collected by hand)"), "pipeline-parallel.md"),
+        ("tensor-parallel-llama-2x384-4x256", ("Tensor parallelism against torch's "
+         "parallelize_module plan (`bench_tensor_parallel.py`)"), "passes/tensor_parallel.md"),
     ]),
     ("Model zoo", [
         ("zoo", "Model zoo, one process (`zoo_table.py`)", "capabilities.md"),

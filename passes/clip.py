@@ -56,6 +56,10 @@ class ClipPass(Pass):
         if graph.meta.get("loss_scaling") is not None:
             raise ConfigError("clip: fp16 loss scaling is not supported yet (the gradients are "
                               "scaled until the update unscales them); use bf16 or fp32")
+        if "tensor_parallel" in graph.meta:  # a norm over blocks and whole tensors
+            raise ConfigError("clip: clipping a tensor-parallel step is not supported yet (the "
+                              "norm must sum each sharded gradient's blocks over the ranks); "
+                              "drop clip_grad_norm or tp")
         plan = graph.meta.get("sharding")  # glmc.ir.plans.ShardPlan of the shard pass
         if plan is None and any(is_comm(n) for n in graph.compute_nodes()):
             raise ConfigError("clip: the step communicates but has no data-parallel shard "

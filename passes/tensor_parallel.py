@@ -401,6 +401,11 @@ class _Local:
                         out = super().run_node(n)
                     except NotImplementedError:  # no DTensor rule: a glmc fused op
                         out = _replicated(n, self, dm, owner)
+                    except RuntimeError as e:  # DTensor's global strides can differ from
+                        if n.target not in _VIEWS or "view" not in str(e):  # the capture's
+                            raise
+                        args, kwargs = self.fetch_args_kwargs_from_env(n)
+                        out = aten.reshape.default(*args, **kwargs)  # copies if it must
                     out = lift(out, _sums_only(n))
                 made = last.next
                 while made is not traced._root:  # the nodes traced for `n` carry its metadata

@@ -183,3 +183,20 @@ def test_transformers_glm_trains_like_one_process(runs: Path) -> None:
         assert r["collectives"] == {"all_reduce": 8} and r["whole_ops"] == {}
         assert r["local"]["model.layers.0.self_attn.o_proj.weight"][1] * 2 == \
             r["ref_params"]["model.layers.0.self_attn.o_proj.weight"].shape[1]
+
+
+def _inductor_worker(rank: int, port: int, out: str) -> None:
+    run_parts(rank, port, 2, out, [("inductor", _tp_part("inductor", None))])
+
+
+@pytest.mark.slow  # an Inductor compile on each of 2 processes
+def test_inductor_compiles_the_tensor_parallel_step_like_one_process(tmp_path: Path) -> None:
+    """The local program with its all-reduces compiled by Inductor (default passes): the
+    losses and parameters of eager PyTorch on one process."""
+    spawn(_inductor_worker, str(tmp_path))
+    for rank in (0, 1):
+        r = result(tmp_path, "inductor", rank)
+        torch.testing.assert_close(r["losses"], r["ref"], rtol=1e-5, atol=0)
+        for name, ref in r["ref_params"].items():
+            torch.testing.assert_close(r["params"][name], ref, rtol=1e-4, atol=1e-6, msg=name)
+        assert r["collectives"] == {"all_reduce": 8}

@@ -1,0 +1,195 @@
+"""Tensor parallelism side by side on N processes (gloo on CPU): glmc's `tensor_parallel` pass
+(the Megatron layout found from the step's graph) against torch's hand-written plan
+(`parallelize_module` with ColwiseParallel q/k/v/gate/up and RowwiseParallel o/down on every
+decoder layer), with glmc data parallel (ZeRO-0) on the same global batch for reference.
+
+Every rank builds the same model from the same weights (AdamW). Tensor-parallel ranks each run
+the whole batch; data-parallel ranks half of it each. After warm-up, each round runs one step
+of every contender in turn (interleaved); per contender: the median step time of the slowest
+rank, the per-rank peak (bytes live before the step — distinct storages, local blocks of
+sharded tensors — plus the peak the c10 allocator reaches during one profiled, untimed step),
+and the loss after the last step.
+
+    python benchmarks/bench_tensor_parallel.py                       # llama 2x384, 2 processes
+    python benchmarks/bench_tensor_parallel.py --model glm-tiny --steps 5
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))
+
+from bench_parallel import _adamw, _slice  # noqa: E402
+from bench_step import WORKLOADS, cpu_name, run_distributed, run_meta, write_result  # noqa: E402
+
+import glmc  # noqa: E402
+from glmc.analysis.memory import measure_peak  # noqa: E402
+from glmc.trace.capture import LossModule, split_batch  # noqa: E402
+
+MiB = 1024 * 1024
+CONTENDERS = ("torch-tp", "glmc-tp", "glmc-tp-inductor", "glmc-dp")
+COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROWWISE = ("o_proj", "down_proj")
+
+
+def _torch_tp(model: torch.nn.Module) -> torch.nn.Module:
+    """torch's hand-written Megatron plan on every decoder layer (transformers' names)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    for layer in max(layers, key=len):
+        plan = {}
+        for name, _ in layer.named_modules():
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf in COLWISE:
+                plan[name] = ColwiseParallel()
+            elif leaf in ROWWISE:
+                plan[name] = RowwiseParallel()
+        parallelize_module(layer, mesh, plan)
+    return model
+
+
+class Contender:
+    def __init__(self, name: str, model, opt, batch, loss_fn) -> None:
+        self.name, self.trainer = name, None
+        self.model = copy.deepcopy(model)
+        self.opt = _adamw(self.model, opt)
+        if name.startswith("glmc-"):
+            parallel = {"zero": 0} if name == "glmc-dp" else {"tp": dist.get_world_size()}
+            self.trainer = glmc.optimize(
+                self.model, batch, loss_fn=loss_fn, optimizer=self.opt, predict=False,
+                backend="inductor" if name.endswith("inductor") else "eager",
+                parallel=parallel)
+            args, kwargs = split_batch(batch)
+            self.fn = lambda: self.trainer.step(*args, **kwargs)
+            self.leaves = [*args, *kwargs.values()]
+            return
+        _torch_tp(self.model)
+        self.opt = _adamw(self.model, opt)
+        loss_module = LossModule(self.model, loss_fn)
+        args, kwargs = split_batch(batch)
+        self.leaves = [*args, *kwargs.values()]
+
+        def step():
+            self.opt.zero_grad(set_to_none=True)
+            (loss,) = loss_module(*args, **kwargs)
+            loss.backward()
+            self.opt.step()
+            return loss.detach()
+        self.fn = step
+
+    def state_bytes(self) -> int:
+        """Distinct storages live between steps (local blocks of sharded tensors)."""
+        from torch.distributed.tensor import DTensor
+
+        def local(t):
+            return t.to_local() if isinstance(t, DTensor) else t
+        tensors = [*self.model.parameters(), *self.model.buffers(), *self.leaves]
+        tensors += [p.grad for p in self.model.parameters() if p.grad is not None]
+        for st in self.opt.state.values():
+            tensors += [v for v in st.values() if isinstance(v, torch.Tensor)]
+        seen = {}
+        for t in tensors:
+            s = local(t).untyped_storage()
+            seen[s.data_ptr()] = s.nbytes()
+        return sum(seen.values())
+
+
+def rank_main(a: argparse.Namespace) -> None:
+    from datetime import timedelta
+    dist.init_process_group("gloo", timeout=timedelta(seconds=900))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, batch, loss_fn, opt = WORKLOADS[a.model]()
+    subjects, losses = {}, {n: [] for n in CONTENDERS}
+    for n in CONTENDERS:
+        torch.manual_seed(0)
+        subjects[n] = Contender(n, model, opt, batch, loss_fn)
+    for _ in range(a.warmup):
+        for n in CONTENDERS:
+            losses[n].append(subjects[n].fn().item())
+    peaks = {}
+    for n in CONTENDERS:
+        before = subjects[n].state_bytes()
+        dist.barrier()
+        loss, m = measure_peak(subjects[n].fn)
+        losses[n].append(loss.item())
+        peaks[n] = before + m.peak_bytes
+    times = {n: [] for n in CONTENDERS}
+    for _ in range(a.steps):
+        for n in CONTENDERS:
+            dist.barrier()
+            t0 = time.perf_counter()
+            losses[n].append(subjects[n].fn().item())
+            times[n].append(time.perf_counter() - t0)
+    mine = {n: {"median_s": statistics.median(times[n]), "peak": peaks[n],
+                "loss": losses[n][-1], "first_loss": losses[n][0]} for n in CONTENDERS}
+    for n in CONTENDERS:
+        tr = subjects[n].trainer
+        if tr is not None and n != "glmc-dp":
+            (stats,) = [h.stats for h in tr.report.compiles[-1].history
+                        if h.name == "tensor_parallel"]
+            mine[n]["collectives"] = stats.collectives
+    every = [None] * world
+    dist.all_gather_object(every, mine)
+    if rank == 0:
+        report(a, every, world, sum(p.numel() for p in model.parameters()))
+    dist.destroy_process_group()
+
+
+def report(a, every: list[dict], world: int, params: int) -> None:
+    meta = run_meta("bench_tensor_parallel.py")
+    cpu = cpu_name()
+    base_step = max(r["torch-tp"]["median_s"] for r in every)
+    base_peak = max(r["torch-tp"]["peak"] for r in every)
+    rows = []
+    for n in CONTENDERS:
+        step = max(r[n]["median_s"] for r in every)
+        peak = max(r[n]["peak"] for r in every)
+        rows.append({"contender": n, "step_ms": round(step * 1e3, 1),
+                     "step_ratio": round(step / base_step, 3),
+                     "peak_mib_per_rank": round(peak / MiB, 1),
+                     "peak_ratio": round(peak / base_peak, 3),
+                     "first_loss": round(every[0][n]["first_loss"], 5),
+                     "loss": round(every[0][n]["loss"], 5),
+                     "collectives": every[0][n].get("collectives")})
+    data = {"meta": meta, "cpu": cpu, "model": a.model, "params": params, "ranks": world,
+            "steps": a.steps, "warmup": a.warmup, "rows": rows}
+    lines = [f"**{a.model}** ({params / 1e6:.2f}M params, AdamW), {world} processes on gloo, "
+             f"1 thread each; median of {a.steps} interleaved steps after {a.warmup} warm-up, "
+             f"slowest rank; {meta['date']}, {cpu}, torch {meta['torch']}; "
+             f"`{meta['command']}`", "",
+             "| contender | step (ms) | ratio to torch-tp | peak per rank (MiB) | ratio to "
+             "torch-tp | first loss | last loss | collectives per step |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['contender']} | {r['step_ms']} | {r['step_ratio']} | "
+                     f"{r['peak_mib_per_rank']} | {r['peak_ratio']} | {r['first_loss']} | "
+                     f"{r['loss']} | {r['collectives'] or ''} |")
+    write_result(Path(a.out), f"tensor-parallel-{a.model}", data, "\n".join(lines))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama-2x384-4x256", choices=sorted(WORKLOADS))
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    a = ap.parse_args()
+    run_distributed(__file__, a.nproc, rank_main, a)
+
+
+if __name__ == "__main__":
+    main()
