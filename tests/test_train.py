@@ -391,10 +391,12 @@ def _dcp_tensors(path: Path, out: Path) -> dict:
     return torch.load(out, weights_only=False)
 
 
-@pytest.mark.parametrize("plan", [("--zero", "1"), ("--pp", "2")], ids=["zero1", "pipeline"])
+@pytest.mark.parametrize("plan", [("--zero", "1"), ("--pp", "2"), ("--tp", "2")],
+                         ids=["zero1", "pipeline", "tensor"])
 def test_a_killed_two_process_run_resumes_exactly(tmp_path: Path, plan: tuple) -> None:
-    """The same on 2 processes, data parallel with ZeRO-1 (sharded optimizer state through DCP)
-    and a 2-stage pipeline (each rank its stage's state through DCP), every rank's RNG states
+    """The same on 2 processes, data parallel with ZeRO-1 (sharded optimizer state through DCP),
+    a 2-stage pipeline (each rank its stage's state through DCP) and tensor parallelism (each
+    rank's blocks gathered into whole tensors), every rank's RNG states
     and the data position: the whole torchrun job killed with SIGKILL after step 9 and resumed
     prints the losses of an uninterrupted run and ends with the same saved state."""
     data = _tokens(tmp_path / "t.bin")

@@ -248,7 +248,7 @@ class _Run:
     def tokens(self, mine: int | None) -> int | None:
         """This step's tokens over every rank when each counts its own (data parallel with
         buckets: each rank reads its rows), else `mine`."""
-        if mine is None or self.kind != "data":
+        if mine is None or self.kind != "data" or self.args.plan.tp is not None:
             return mine
         import torch
         import torch.distributed as dist
@@ -514,7 +514,7 @@ def _data_rank(args: Any) -> tuple[int, int]:
     """(rank, ranks) whose rows this process reads: its own with data parallelism (the
     trainer is told: `local_batches`), the whole batch otherwise (a pipeline's replicas and
     stages cut what they need from it)."""
-    if args.plan.strategy != "data":
+    if args.plan.strategy != "data" or args.plan.tp is not None:  # tp: every rank all rows
         return 0, 1
     return _rank(), int(os.environ.get("WORLD_SIZE", "1"))
 
