@@ -29,12 +29,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 
-from bench_parallel import _adamw, _slice  # noqa: E402
-from bench_step import WORKLOADS, cpu_name, run_distributed, run_meta, write_result  # noqa: E402
+from bench_parallel import _adamw
+from bench_step import WORKLOADS, cpu_name, run_distributed, run_meta, write_result
 
-import glmc  # noqa: E402
-from glmc.analysis.memory import measure_peak  # noqa: E402
-from glmc.trace.capture import LossModule, split_batch  # noqa: E402
+import glmc
+from glmc.analysis.memory import measure_peak
+from glmc.trace.capture import LossModule, split_batch
 
 MiB = 1024 * 1024
 CONTENDERS = ("torch-tp", "glmc-tp", "glmc-tp-inductor", "glmc-dp")
@@ -45,8 +45,11 @@ ROWWISE = ("o_proj", "down_proj")
 def _torch_tp(model: torch.nn.Module) -> torch.nn.Module:
     """torch's hand-written Megatron plan on every decoder layer (transformers' names)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
     layers = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
     for layer in max(layers, key=len):

@@ -35,17 +35,27 @@ import contextlib
 import dataclasses
 import fnmatch
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
-import torch.fx as fx
+from torch import fx
 
 from glmc.compiler.passmanager import Effect, Need, Pass, PassContext, PassResult
 from glmc.errors import ConfigError, PassError
+from glmc.ir.graph import (
+    CommInfo,
+    MeshSpec,
+    NodeInfo,
+    Phase,
+    Role,
+    TensorSpec,
+    TrainGraph,
+    comm_ops,
+    op_name,
+)
 from glmc.ir.kernels import POINTWISE
-from glmc.ir.graph import (CommInfo, MeshSpec, NodeInfo, Phase, Role, TensorSpec, TrainGraph,
-                           comm_ops, op_name)
 from glmc.ir.plans import TP, Tile, TpPlan
 from glmc.ir.program import UNBOUND, SpmdProgram
 
@@ -56,7 +66,7 @@ KINDS = ("column", "row", "replicate")
 _STOP = {"mean", "var", "var_mean", "native_layer_norm", "native_layer_norm_backward",
          "_fused_rms_norm", "rsqrt", "nll_loss_forward", "_log_softmax"}
 _LINEAR = {"mm", "addmm"}
-_SPLIT = {"split", "split_with_sizes", "chunk", "unbind"}
+_SPLIT = {"split", "split_with_sizes"}
 
 
 @dataclass(frozen=True)
@@ -101,7 +111,11 @@ class TensorParallelPass(Pass):
         if not isinstance(self.size, int) or self.size < 2:
             raise ConfigError(f"tensor_parallel: size must be a whole number >= 2, got "
                               f"{self.size!r}")
-        mesh = ctx.mesh if ctx.mesh is not None else MeshSpec((self.size,), (TP,))
+        mesh = ctx.mesh
+        if mesh is None:
+            raise ConfigError("tensor_parallel: the step is not compiled for a tensor-parallel "
+                              "mesh; run it through glmc.optimize(..., parallel={'tp': N}) or "
+                              "glmc compile FILE --nproc N --tp N")
         if TP not in mesh.dim_names or mesh.size(TP) != self.size:
             raise ConfigError(f"tensor_parallel: the step runs on mesh {mesh.dim_names}="
                               f"{mesh.shape}; size={self.size} needs a mesh dim 'tp' of "
@@ -158,35 +172,27 @@ def _source(n: fx.Node) -> fx.Node:
 
 
 def _group_walk(graph: TrainGraph, starts: list[fx.Node], linears: dict[fx.Node, str],
-                stream: set[fx.Node]) -> tuple[set[str], int]:
+                stream: set[fx.Node]) -> set[str]:
     """The linears reached from `starts` through forward ops fed only from inside (see the
-    module docstring; one pass in program order), and how many equal parts the starts'
-    outputs are first split into."""
+    module docstring; one pass in program order)."""
     inside: set[fx.Node] = set(starts)
-    views = set(starts) | {u for s in starts for u in s.users
-                           if op_name(u) in ("view", "_unsafe_view", "reshape")}
     reached: set[str] = set()
-    parts = 1
     for u in graph.compute_nodes():
         if u in inside or TrainGraph.info(u).phase is not Phase.FORWARD:
             continue
         ins = u.all_input_nodes
         if not any(a in inside for a in ins):
             continue
-        name = op_name(u)
         if u in linears:
             if u.args[-2] in inside:
                 reached.add(linears[u])
             continue
+        name = op_name(u)
         if name in _STOP or name in _LINEAR or \
                 any(a not in inside and a in stream for a in ins):
             continue
-        if name in _SPLIT and parts == 1 and u.args[0] in views:
-            parts = _equal_parts(u)
-        if name in ("view", "_unsafe_view", "reshape") and u.args[0] in starts:
-            views.add(u)
         inside.add(u)
-    return reached, parts
+    return reached
 
 
 def _stream(graph: TrainGraph) -> set[fx.Node]:
@@ -202,15 +208,61 @@ def _stream(graph: TrainGraph) -> set[fx.Node]:
     return out
 
 
-def _equal_parts(split: fx.Node) -> int:
-    sizes = split.args[1]
-    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
-    val = split.args[0].meta.get("val")
-    if val is None or dim not in (-1, val.dim() - 1):
-        return 1
-    if isinstance(sizes, int):
-        return val.shape[-1] // sizes if val.shape[-1] % sizes == 0 else 1
-    return len(sizes) if len(set(sizes)) == 1 else 1
+def _split_of(mm: fx.Node) -> tuple[fx.Node | None, int]:
+    """The split of a linear's output into equal parts along its features (a fused gate/up),
+    and the number of parts; (None, 1) when its output is not split so."""
+    features = mm.meta["val"].shape[-1]
+    for v in [mm, *(u for u in mm.users if op_name(u) in ("view", "_unsafe_view", "reshape")
+                    and u.meta["val"].shape[-1] == features)]:
+        for u in v.users:
+            if op_name(u) not in _SPLIT or u.args[0] is not v:
+                continue
+            sizes = u.args[1]
+            dim = u.args[2] if len(u.args) > 2 else u.kwargs.get("dim", 0)
+            if dim not in (-1, v.meta["val"].dim() - 1):
+                continue
+            if isinstance(sizes, int) and features % sizes == 0 and features > sizes:
+                return u, features // sizes
+            if isinstance(sizes, (list, tuple)) and len(sizes) > 1 and len(set(sizes)) == 1:
+                return u, len(sizes)
+    return None, 1
+
+
+def _roots(n: fx.Node) -> fx.Node:
+    """The value `n` is a view or transpose of (a parameter for `t(w)`)."""
+    while op_name(n) in ("view", "_unsafe_view", "reshape", "t", "permute", "transpose",
+                         "clone", "alias", "_to_copy", "expand"):
+        n = n.args[0]
+    return n
+
+
+def interleaved_ops(graph: TrainGraph, tiles: dict[str, Tile]) -> dict[fx.Node, int]:
+    """The splits (forward) and concatenations (their gradients) to run shard by shard: those
+    of the outputs of linears whose weight is stored in `groups` > 1 interleaved parts. Any
+    other equal split of a sharded value keeps DTensor's meaning."""
+    weights = {ph: tiles[TrainGraph.info(ph).target].groups for ph in graph.placeholders()
+               if TrainGraph.info(ph).target in tiles and
+               tiles[TrainGraph.info(ph).target].groups > 1}
+    out: dict[fx.Node, int] = {}
+    for mm in _linears(graph):
+        w = _roots(mm.args[-1])
+        if w in weights:
+            split, parts = _split_of(mm)
+            if split is not None and parts == weights[w]:
+                out[split] = parts
+    for n in graph.compute_nodes():  # a cat read (through views) by a matmul with the weight
+        if op_name(n) != "cat" or len(n.args[0]) < 2:
+            continue
+        readers = [n]
+        for r in list(readers):
+            readers += [u for u in r.users if op_name(u) in ("view", "_unsafe_view", "reshape")]
+        for r in readers:
+            for u in r.users:
+                if op_name(u) in _LINEAR and any(_roots(a) in weights and
+                                                 weights[_roots(a)] == len(n.args[0])
+                                                 for a in u.args if isinstance(a, fx.Node)):
+                    out[n] = len(n.args[0])
+    return out
 
 
 def seed_tiles(graph: TrainGraph, size: int, pins: list[tuple[str, str]]) -> dict[str, Tile]:
@@ -223,11 +275,11 @@ def seed_tiles(graph: TrainGraph, size: int, pins: list[tuple[str, str]]) -> dic
     tiles: dict[str, Tile] = {}
     for members in groups.values():
         outs = [_output(mm) for mm in members]
-        reached, parts = _group_walk(graph, outs, linears, stream)
+        reached = _group_walk(graph, outs, linears, stream)
         if not reached:
             continue
         for mm in members:
-            tiles[linears[mm]] = Tile("column", 0, parts if len(members) == 1 else 1)
+            tiles[linears[mm]] = Tile("column", 0, _split_of(mm)[1])
         for name in reached:
             tiles.setdefault(name, Tile("row", 1, 1))
     shapes = {TrainGraph.info(ph).target: TrainGraph.info(ph).spec.shape
@@ -245,7 +297,9 @@ def seed_tiles(graph: TrainGraph, size: int, pins: list[tuple[str, str]]) -> dic
                 raise ConfigError(f"tensor_parallel: {n} has shape {shapes[n]}; only 2-D "
                                   "weights are column or row parallel")
             else:
-                tiles[n] = Tile(kind, 0 if kind == "column" else 1, 1)
+                parts = max((_split_of(mm)[1] for mm, w in linears.items() if w == n),
+                            default=1)
+                tiles[n] = Tile("column", 0, parts) if kind == "column" else Tile("row", 1)
     for name, tile in list(tiles.items()):  # a column linear's bias follows its weight
         bias = name.rsplit(".", 1)[0] + ".bias"
         if tile.kind == "column" and name.endswith(".weight") and bias in shapes:
@@ -253,9 +307,10 @@ def seed_tiles(graph: TrainGraph, size: int, pins: list[tuple[str, str]]) -> dic
     for name, tile in tiles.items():
         extent = shapes[name][tile.dim]
         if extent % (size * tile.groups):
+            parts = f" x {tile.groups} parts" if tile.groups > 1 else ""
             raise ConfigError(f"tensor_parallel: {name} {tuple(shapes[name])} is {tile.kind} "
                               f"parallel on dim {tile.dim} ({extent}), which does not divide "
-                              f"by {size} ranks{' x %d parts' % tile.groups if tile.groups > 1 else ''}"
+                              f"by {size} ranks{parts}"
                               f"; pin it with plan='{name}:replicate' or choose another size")
     return tiles
 
@@ -365,9 +420,22 @@ class _Local:
         self.gm, self.dm, self.places, self.state, self.graph = gm, dm, places, state, graph
         self.current: fx.Node | None = None
         self.whole: list[str] = []  #: ops run on whole (replicated) operands, in order
+        #: the splits and concatenations of interleaved parts run shard by shard
+        self.allowed = interleaved_ops(graph, state)
+        #: DTensors in an interleaved layout (id -> weak reference): their blocks are not
+        #: DTensor's contiguous blocks, so no redistribution may touch them
+        self.interleaved: dict[int, Any] = {}
+
+    def is_interleaved(self, v: Any) -> bool:
+        ref = self.interleaved.get(id(v))
+        return ref is not None and ref() is v
+
+    def mark(self, v: Any) -> None:
+        import weakref
+        self.interleaved[id(v)] = weakref.ref(v)
 
     def __call__(self, *local: Any) -> list[Any]:
-        from torch.distributed.tensor import DTensor, Replicate
+        from torch.distributed.tensor import DTensor, Replicate, Shard
         from torch.distributed.tensor.placement_types import Partial
         from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
@@ -389,7 +457,11 @@ class _Local:
                 owner.current = n
                 traced = get_proxy_mode().tracer.graph
                 last = traced._root.prev
-                out = _local_split(n, self, dm)
+                ins = [v for v in fx.node.map_aggregate(self.fetch_args_kwargs_from_env(n),
+                                                        lambda v: v)
+                       for v in _leaves(v)] if n.op == "call_function" else []
+                mixed = any(owner.is_interleaved(v) for v in ins)
+                out = _local_split(n, self, dm, owner.allowed)
                 if out is None and n.target in _FOREACH:
                     out = _foreach(n, self, dm)
                 if out is None:
@@ -406,7 +478,21 @@ class _Local:
                             raise
                         args, kwargs = self.fetch_args_kwargs_from_env(n)
                         out = aten.reshape.default(*args, **kwargs)  # copies if it must
+                    if mixed and _communicated(last, traced):
+                        raise PassError(
+                            f"tensor_parallel: '{n.name}' ({op_name(n)}) would redistribute a "
+                            "weight stored in interleaved parts (a fused gate/up) or a value "
+                            "computed from it, which DTensor would read as contiguous blocks; "
+                            "pin that weight with plan='name:replicate'")
                     out = lift(out, _sums_only(n))
+                if n.op == "placeholder" and owner.state.get(
+                        TrainGraph.info(n).target, Tile("", 0)).groups > 1:
+                    owner.mark(out)
+                elif (mixed and n not in owner.allowed) or \
+                        (n in owner.allowed and op_name(n) == "cat"):
+                    for v in _leaves(out):  # still interleaved where still sharded
+                        if any(isinstance(p, Shard) for p in v.placements):
+                            owner.mark(v)
                 made = last.next
                 while made is not traced._root:  # the nodes traced for `n` carry its metadata
                     if "glmc" in n.meta:
@@ -418,7 +504,48 @@ class _Local:
                if isinstance(t, torch.Tensor) else t for t, pl in zip(local, self.places)]
         outs = Interp(self.gm).run(*dts)
         owner.current = None
-        return [o.to_local() if isinstance(o, DTensor) else o for o in outs]
+        return [o.to_local() if isinstance(o, DTensor) else o for o in self.settle(outs)]
+
+    def settle(self, outs: list[Any]) -> list[Any]:
+        """Each new parameter or state placed as the input it replaces (the runtime writes
+        it back into that input's block)."""
+        from torch.distributed.tensor import DTensor
+        where = {spec.target: pl for spec, pl in zip(self.graph.inputs, self.places)}
+        settled = []
+        for spec, o in zip(self.graph.outputs, outs):
+            want = where.get(spec.target) if spec.target else None
+            if isinstance(o, DTensor) and want is not None and tuple(o.placements) != \
+                    tuple(want):
+                if self.is_interleaved(o) or self.state.get(spec.target, Tile("", 0)).groups > 1:
+                    raise PassError(f"tensor_parallel: the step's new {spec.target} is "
+                                    f"{o.placements}, its input {tuple(want)} in interleaved "
+                                    "parts; pin the weight with plan='name:replicate'")
+                o = o.redistribute(self.dm, list(want))
+            settled.append(o)
+        return settled
+
+
+def _leaves(v: Any) -> list[Any]:
+    """The DTensors in a value (a tensor, or nested lists and tuples of them)."""
+    from torch.distributed.tensor import DTensor
+    if isinstance(v, DTensor):
+        return [v]
+    if isinstance(v, (list, tuple)):
+        return [x for item in v for x in _leaves(item)]
+    if isinstance(v, dict):
+        return [x for item in v.values() for x in _leaves(item)]
+    return []
+
+
+def _communicated(last: fx.Node, traced: fx.Graph) -> bool:
+    """Whether a collective was traced after `last`."""
+    comm = comm_ops()
+    n = last.next
+    while n is not traced._root:
+        if n.op == "call_function" and n.target in comm and comm[n.target] != "wait_tensor":
+            return True
+        n = n.next
+    return False
 
 
 #: attention ops computed head by head (inputs and outputs [batch, heads, ...]): with every
@@ -427,7 +554,7 @@ _HEADWISE = {aten._scaled_dot_product_flash_attention_for_cpu.default,
              aten._scaled_dot_product_flash_attention_for_cpu_backward.default}
 
 
-def _replicated(n: fx.Node, interp: fx.Interpreter, dm: Any, owner: "_Local") -> Any:
+def _replicated(n: fx.Node, interp: fx.Interpreter, dm: Any, owner: _Local) -> Any:
     """`n`, an op without a DTensor sharding rule: on each rank's blocks where that is the
     same computation (a pointwise glmc kernel on equally placed operands; attention on
     operands sharded by heads), else on whole operands (gathered where sharded, reduced where
@@ -499,7 +626,8 @@ def _sums_only(n: fx.Node) -> bool:
                                  (u.target in _VIEWS and _sums_only(u)) for u in n.users)
 
 
-def _local_split(n: fx.Node, interp: fx.Interpreter, dm: Any) -> Any:
+def _local_split(n: fx.Node, interp: fx.Interpreter, dm: Any,
+                 allowed: dict[fx.Node, int]) -> Any:
     """A split or cat along a sharded dim into/from equal parts (an interleaved fused
     weight's output and its gradient) done shard by shard; None for any other node."""
     from torch.distributed.tensor import DTensor, Shard
@@ -514,10 +642,13 @@ def _local_split(n: fx.Node, interp: fx.Interpreter, dm: Any) -> Any:
         kept = [p for p in parts if not (p.dim() == 1 and p.numel() == 0)]
         if len(kept) == 1 and len(parts) > 1 and isinstance(kept[0], DTensor):
             return kept[0]
+    if n not in allowed:
+        return None
+    if op_name(n) == "cat":
         if not parts or not all(isinstance(p, DTensor) for p in parts):
             return None
         dim = dim % parts[0].dim()
-        if len({p.shape[dim] for p in parts}) != 1 or \
+        if len({p.shape[dim] for p in parts}) != 1 or len(parts) != allowed[n] or \
                 not all(p.placements == (Shard(dim),) for p in parts):
             return None
         local = torch.cat([p.to_local() for p in parts], dim)
@@ -528,7 +659,7 @@ def _local_split(n: fx.Node, interp: fx.Interpreter, dm: Any) -> Any:
         return None
     total = x.shape[dim]
     count = total // sizes if isinstance(sizes, int) else len(sizes)
-    if (isinstance(sizes, int) and total % sizes) or \
+    if (isinstance(sizes, int) and total % sizes) or count != allowed[n] or \
             (not isinstance(sizes, int) and len(set(sizes)) != 1):
         return None
     pieces = torch.chunk(x.to_local(), count, dim)

@@ -9,20 +9,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from glmc.passes.tensor_parallel import TensorParallelPass, seed_tiles
 
 import glmc
 from glmc.compiler.passmanager import PassContext
 from glmc.errors import ConfigError
-from glmc.ir.graph import Role, TrainGraph
+from glmc.ir.graph import MeshSpec, Role, TrainGraph
 from glmc.ir.plans import Tile
 from glmc.ir.program import comm_nodes
 from glmc.parallel.plan import ParallelPlan
-from glmc.passes.tensor_parallel import TensorParallelPass, seed_tiles
 from glmc.trace.capture import capture, split_batch
 from tests.distributed import result, run_parts, spawn
 from tests.models import BACKEND_CASES, CASES, eager_losses
 
 STEPS = 3
+TP2 = MeshSpec((2,), ("tp",))  #: traced on a fake process group of 2 (no processes)
 
 
 def _glm_graph() -> TrainGraph:
@@ -46,7 +47,7 @@ def test_the_megatron_layout_is_found_from_the_graph() -> None:
         assert tiles[f"{p}mlp.gate_up.weight"] == Tile("column", 0, 2)
         assert tiles[f"{p}mlp.down.weight"] == Tile("row", 1, 1)
     assert not {"embed.weight", "head.weight", "norm.weight"} & set(tiles)
-    res = TensorParallelPass(size=2).run(graph, PassContext())
+    res = TensorParallelPass(size=2).run(graph, PassContext(mesh=TP2))
     assert res.stats.collectives == {"all_reduce": 8}
     phases = [TrainGraph.info(n).phase.value for n in comm_nodes(graph)
               if "all_reduce" in str(n.target)]
@@ -73,6 +74,38 @@ def test_pins_override_and_bad_pins_are_typed_errors() -> None:
         ParallelPlan(tp=2, nproc=4).validate()
     with pytest.raises(ConfigError, match="--zero"):
         ParallelPlan(tp=2, zero=1).validate()
+    with pytest.raises(ConfigError, match="not compiled for a tensor-parallel mesh"):
+        TensorParallelPass(size=2).run(graph, PassContext())
+    # a pinned fused gate/up keeps its interleaved parts
+    tiles = seed_tiles(graph, 2, [("blocks.0.mlp.gate_up.weight", "column")])
+    assert tiles["blocks.0.mlp.gate_up.weight"] == Tile("column", 0, 2)
+
+
+class _Leaky(torch.nn.Module):
+    """A fused linear whose output is split in two (gate, up) and also sliced: the slice
+    crosses the interleaved parts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fused = torch.nn.Linear(8, 16, bias=False)
+        self.out = torch.nn.Linear(8, 8, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fused(x)
+        gate, up = h.chunk(2, dim=-1)
+        return (self.out(gate * up) + h[..., :8]).pow(2).mean()
+
+
+def test_an_interleaved_weight_is_never_read_as_contiguous_blocks() -> None:
+    """Redistributing a value in the interleaved layout would permute it silently: a typed
+    error naming the op instead."""
+    from glmc.errors import PassError
+    model = _Leaky()
+    graph = capture(model, (torch.randn(4, 8),), None,
+                    torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert seed_tiles(graph, 2, [])["fused.weight"] == Tile("column", 0, 2)
+    with pytest.raises(PassError, match="interleaved"):
+        TensorParallelPass(size=2).run(graph, PassContext(mesh=TP2))
 
 
 def test_tile_blocks_round_trip() -> None:
@@ -159,9 +192,10 @@ def test_glmc_compile_tp_trains_like_one_process(tmp_path: Path) -> None:
                               "--steps", "3", "--backend", "eager", *extra],
                              capture_output=True, text=True, timeout=600, cwd=tmp_path)
         assert out.returncode == 0, out.stderr[-3000:]
-        return [float(v) for v in re.findall(r"^step +\d+ +loss ([0-9.]+)", out.stdout, re.M)]
+        assert ("tensor_parallel changed" in out.stdout) == bool(extra), out.stdout[-2000:]
+        return [float(v) for v in re.findall(r"^step +\d+ +loss ([0-9.]+)", out.stdout, re.MULTILINE)]
 
-    one, two = losses(), losses("--nproc", "2", "--tp", "2")
+    one, two = losses(), losses("--nproc", "2", "--tp", "2")  # (the pass's stats line)
     assert len(one) == 3
     torch.testing.assert_close(two, one, rtol=1e-5, atol=0)
 

@@ -391,7 +391,8 @@ def _dcp_tensors(path: Path, out: Path) -> dict:
     return torch.load(out, weights_only=False)
 
 
-@pytest.mark.parametrize("plan", [("--zero", "1"), ("--pp", "2"), ("--tp", "2")],
+@pytest.mark.parametrize("plan", [("--zero", "1"), ("--pp", "2"),
+                                  pytest.param(("--tp", "2"), marks=pytest.mark.slow)],
                          ids=["zero1", "pipeline", "tensor"])
 def test_a_killed_two_process_run_resumes_exactly(tmp_path: Path, plan: tuple) -> None:
     """The same on 2 processes, data parallel with ZeRO-1 (sharded optimizer state through DCP),

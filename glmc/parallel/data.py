@@ -102,6 +102,9 @@ class Parallel:
         p = Parallel(**value)
         if not isinstance(p.tp, int) or isinstance(p.tp, bool) or p.tp < 1:
             raise ConfigError(f"parallel: tp must be a whole number >= 1, got {p.tp!r}")
+        if not isinstance(p.tp_plan, str) or (p.tp_plan and p.tp == 1):
+            raise ConfigError(f"parallel: tp_plan must be a string of pins and needs tp > 1, "
+                              f"got tp_plan={p.tp_plan!r} with tp={p.tp}")
         if p.zero not in (0, 1, 2, 3):
             raise ConfigError(f"parallel: zero must be 0, 1, 2 or 3, got {p.zero}")
         if not isinstance(p.accumulate, int) or p.accumulate < 1:

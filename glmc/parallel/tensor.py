@@ -10,11 +10,12 @@ whole tensors, gathered (`full_parameters`, `full_state`, `sharded_state_dict`).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
+from torch import nn
 
 from glmc.errors import ConfigError
 from glmc.ir.graph import MeshSpec, Role, TrainGraph
@@ -67,6 +68,9 @@ class TensorParallel(DataParallel):
         return batch
 
     def micro_batches(self, batch: Batch) -> list[Batch]:
+        if self.accumulate != 1:
+            raise ConfigError("parallel: gradient accumulation with tensor parallelism is not "
+                              "supported yet; leave trainer.parallel.accumulate at 1")
         return [batch]
 
     # -- the compiled step ----------------------------------------------------------------------
