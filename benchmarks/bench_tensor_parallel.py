@@ -29,7 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 
-from bench_parallel import _adamw
+from bench_parallel import Contender as DataParallelContender  # noqa: E402
+from bench_parallel import _adamw  # noqa: E402
 from bench_step import WORKLOADS, cpu_name, run_distributed, run_meta, write_result
 
 import glmc
@@ -93,21 +94,7 @@ class Contender:
             return loss.detach()
         self.fn = step
 
-    def state_bytes(self) -> int:
-        """Distinct storages live between steps (local blocks of sharded tensors)."""
-        from torch.distributed.tensor import DTensor
-
-        def local(t):
-            return t.to_local() if isinstance(t, DTensor) else t
-        tensors = [*self.model.parameters(), *self.model.buffers(), *self.leaves]
-        tensors += [p.grad for p in self.model.parameters() if p.grad is not None]
-        for st in self.opt.state.values():
-            tensors += [v for v in st.values() if isinstance(v, torch.Tensor)]
-        seen = {}
-        for t in tensors:
-            s = local(t).untyped_storage()
-            seen[s.data_ptr()] = s.nbytes()
-        return sum(seen.values())
+    state_bytes = DataParallelContender.state_bytes  #: the same census as bench_parallel's
 
 
 def rank_main(a: argparse.Namespace) -> None:

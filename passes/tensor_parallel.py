@@ -325,21 +325,15 @@ def _output(mm: fx.Node) -> fx.Node:
 
 def _state_tiles(graph: TrainGraph, tiles: dict[str, Tile]) -> dict[str, Tile]:
     """The parameters' tiles and their optimizer states' (same shape, same tile)."""
+    shapes = {TrainGraph.info(ph).target: TrainGraph.info(ph).spec.shape
+              for ph in graph.placeholders() if TrainGraph.info(ph).spec is not None}
     out = dict(tiles)
     for spec in graph.inputs:
         if spec.role is Role.OPTIMIZER_STATE:
             name = spec.target.partition(":")[2]
-            if name in tiles and _shape_of(graph, spec.target) == _shape_of(graph, name):
+            if name in tiles and shapes.get(spec.target) == shapes.get(name):
                 out[spec.target] = tiles[name]
     return out
-
-
-def _shape_of(graph: TrainGraph, target: str) -> tuple[int, ...] | None:
-    for ph in graph.placeholders():
-        info = TrainGraph.info(ph)
-        if info.target == target and info.spec is not None:
-            return info.spec.shape
-    return None
 
 
 # ---- propagation ------------------------------------------------------------------------------
