@@ -44,19 +44,10 @@ from torch import fx
 
 from glmc.compiler.passmanager import Effect, Need, Pass, PassContext, PassResult
 from glmc.errors import ConfigError, PassError
-from glmc.ir.graph import (
-    CommInfo,
-    MeshSpec,
-    NodeInfo,
-    Phase,
-    Role,
-    TensorSpec,
-    TrainGraph,
-    comm_ops,
-    op_name,
-)
+from glmc.ir.graph import (RANK_ARG, CommInfo, MeshSpec, NodeInfo, Phase, Role, TensorSpec,
+                           TrainGraph, comm_ops, op_name)
 from glmc.ir.kernels import POINTWISE
-from glmc.ir.plans import TP, Tile, TpPlan
+from glmc.ir.plans import DIM, TP, Tile, TpPlan
 from glmc.ir.program import UNBOUND, SpmdProgram
 
 aten = torch.ops.aten
@@ -120,9 +111,10 @@ class TensorParallelPass(Pass):
             raise ConfigError(f"tensor_parallel: the step runs on mesh {mesh.dim_names}="
                               f"{mesh.shape}; size={self.size} needs a mesh dim 'tp' of "
                               f"{self.size} ranks")
-        if mesh.ndim != 1:
-            raise ConfigError("tensor_parallel: a data-parallel or pipeline dim beside 'tp' is "
-                              "not supported yet; run tensor parallel over all the processes")
+        if set(mesh.dim_names) - {TP, DIM} or mesh.flattened:
+            raise ConfigError(f"tensor_parallel: the mesh {mesh.dim_names} has dims beside 'tp' "
+                              "and 'dp'; pipeline stages or several nodes with tensor "
+                              "parallelism are not supported yet")
         if "sharding" in graph.meta or TP_META in graph.meta:
             raise PassError("tensor_parallel: the step is already sharded")
         rng = [n.name for n in graph.compute_nodes() if TrainGraph.info(n).rng is not None]
@@ -361,7 +353,7 @@ def _device_mesh(mesh: MeshSpec) -> Iterator[Any]:
         raise ConfigError(f"tensor_parallel: {dist.get_world_size()} processes run, the mesh "
                           f"{mesh.dim_names}={mesh.shape} needs {math.prod(mesh.shape)}")
     try:
-        yield init_device_mesh(mesh.device_type, mesh.shape, mesh_dim_names=mesh.dim_names)
+        yield init_device_mesh(mesh.device_type, mesh.shape, mesh_dim_names=mesh.dim_names)[TP]
     finally:
         if made:
             dist.destroy_process_group()
@@ -431,7 +423,7 @@ class _Local:
     def __call__(self, *local: Any) -> list[Any]:
         from torch.distributed.tensor import DTensor, Replicate, Shard
         from torch.distributed.tensor.placement_types import Partial
-        from torch.fx.experimental.proxy_tensor import get_proxy_mode
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
 
         dm, owner = self.dm, self
 
@@ -492,6 +484,11 @@ class _Local:
                     if "glmc" in n.meta:
                         made.meta[FROM] = n.meta["glmc"]
                     made = made.next
+                marks = {k: v for k, v in n.meta.items()
+                         if k.startswith("glmc_") and k not in (FROM, RANK_ARG)}
+                if marks and isinstance(out, DTensor):  # e.g. the gradient of a parameter
+                    made = get_proxy_slot(out._local_tensor, get_proxy_mode().tracer).proxy.node
+                    made.meta.update(marks)
                 return out
 
         dts = [DTensor.from_local(t, dm, pl, run_check=False)
@@ -675,7 +672,7 @@ def _adopt(graph: TrainGraph, traced: fx.GraphModule, mesh: MeshSpec, plan: TpPl
         info = TrainGraph.info(old[spec.target])
         tile = plan.tiles.get(spec.target)
         local = TensorSpec.of(ph.meta.get("val"))
-        placements = (Shard(tile.dim) if tile else Replicate(),)
+        placements = _on_tp(mesh, Shard(tile.dim) if tile else Replicate())
         ph.meta["glmc"] = info.replace(
             spec=dataclasses.replace(local, placements=placements) if local else None,
             created_by="tensor_parallel" if tile else info.created_by)
@@ -700,7 +697,7 @@ def _adopt(graph: TrainGraph, traced: fx.GraphModule, mesh: MeshSpec, plan: TpPl
         if n.op == "call_function" and info is not None and info.comm is not None \
                 and info.spec is not None:
             n.meta["glmc"] = info.replace(spec=dataclasses.replace(
-                info.spec, placements=_after(info.comm.collective, n)))
+                info.spec, placements=_after(info.comm.collective, mesh)))
         elif n.op == "call_function" and info is not None and info.spec is not None:
             n.meta["glmc"] = info.replace(spec=dataclasses.replace(info.spec, placements=None))
     for n in traced.graph.nodes:  # collective inputs carry the placement the collective reads
@@ -711,21 +708,27 @@ def _adopt(graph: TrainGraph, traced: fx.GraphModule, mesh: MeshSpec, plan: TpPl
             sinfo = src.meta.get("glmc")
             if sinfo is not None and sinfo.spec is not None and src.op != "placeholder":
                 src.meta["glmc"] = sinfo.replace(spec=dataclasses.replace(
-                    sinfo.spec, placements=_before(info.comm)))
+                    sinfo.spec, placements=_before(info.comm, mesh)))
     traced.recompile()
     graph.gm = traced
 
 
-def _after(kind: str, n: fx.Node) -> tuple:
+def _on_tp(mesh: MeshSpec, placement: Any) -> tuple:
+    """`placement` on the mesh dim "tp", `Replicate()` on the others (a data-parallel dim)."""
+    from torch.distributed.tensor import Replicate
+    return tuple(placement if d == TP else Replicate() for d in mesh.dim_names)
+
+
+def _after(kind: str, mesh: MeshSpec) -> tuple:
     from torch.distributed.tensor import Replicate, Shard
-    return (Shard(0),) if kind == "reduce_scatter_tensor" else (Replicate(),)
+    return _on_tp(mesh, Shard(0) if kind == "reduce_scatter_tensor" else Replicate())
 
 
-def _before(comm: CommInfo) -> tuple:
+def _before(comm: CommInfo, mesh: MeshSpec) -> tuple:
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.placement_types import Partial
-    return (Shard(0),) if comm.collective == "all_gather_into_tensor" else \
-        (Partial(comm.reduce_op),)
+    return _on_tp(mesh, Shard(0) if comm.collective == "all_gather_into_tensor" else
+                  Partial(comm.reduce_op))
 
 
 def _nearest(n: fx.Node) -> NodeInfo:

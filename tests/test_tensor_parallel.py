@@ -70,8 +70,9 @@ def test_pins_override_and_bad_pins_are_typed_errors() -> None:
         TensorParallelPass(plan="blocks.0.attn.wq.weight:diagonal").pins()
     with pytest.raises(ConfigError, match="does not divide"):
         seed_tiles(graph, 3, [])  # 4 heads x 16 do not split over 3 ranks
-    with pytest.raises(ConfigError, match="--tp 2 with --nproc 4"):
-        ParallelPlan(tp=2, nproc=4).validate()
+    with pytest.raises(ConfigError, match="--tp 2 with --nproc 3"):
+        ParallelPlan(tp=2, nproc=3).validate()
+    assert ParallelPlan(tp=2, nproc=4).degrees(4) == {"pp": 1, "dp": 2, "tp": 2}
     with pytest.raises(ConfigError, match="--zero"):
         ParallelPlan(tp=2, zero=1).validate()
     with pytest.raises(ConfigError, match="not compiled for a tensor-parallel mesh"):
@@ -234,3 +235,23 @@ def test_inductor_compiles_the_tensor_parallel_step_like_one_process(tmp_path: P
         for name, ref in r["ref_params"].items():
             torch.testing.assert_close(r["params"][name], ref, rtol=1e-4, atol=1e-6, msg=name)
         assert r["collectives"] == {"all_reduce": 8}
+
+
+def _dp_tp_worker(rank: int, port: int, out: str) -> None:
+    run_parts(rank, port, 4, out, [("dp_tp", _tp_part("eager", None))])
+
+
+@pytest.mark.slow  # 4 processes on the test machine's cores
+def test_two_replicas_of_two_tensor_parallel_ranks_train_like_one_process(tmp_path: Path
+                                                                          ) -> None:
+    """A 2-D mesh, dp=2 x tp=2 on 4 processes: each tensor-parallel pair trains its half of
+    the global batch, the shard pass all-reduces the (local-block) gradients over "dp"; the
+    losses and parameters of one process on the whole batch."""
+    spawn(_dp_tp_worker, str(tmp_path), nprocs=4)
+    for rank in range(4):
+        r = result(tmp_path, "dp_tp", rank)
+        torch.testing.assert_close(r["losses"], r["ref"], rtol=1e-5, atol=0)
+        for name, ref in r["ref_params"].items():
+            torch.testing.assert_close(r["params"][name], ref, rtol=1e-4, atol=1e-6, msg=name)
+        assert r["collectives"] == {"all_reduce": 8}
+        assert r["local"]["blocks.0.attn.wo.weight"] == (64, 32)

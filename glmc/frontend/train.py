@@ -248,13 +248,13 @@ class _Run:
     def tokens(self, mine: int | None) -> int | None:
         """This step's tokens over every rank when each counts its own (data parallel with
         buckets: each rank reads its rows), else `mine`."""
-        if mine is None or self.kind != "data" or self.args.plan.tp is not None:
+        if mine is None or self.kind != "data":
             return mine
         import torch
         import torch.distributed as dist
         t = torch.tensor([mine])
         dist.all_reduce(t)
-        return int(t.item())
+        return int(t.item()) // (self.args.plan.tp or 1)  # a tp group counts its rows once
 
     def learning_rates(self) -> list[float]:
         return [g["lr"] for g in self.param_groups()]
@@ -514,9 +514,11 @@ def _data_rank(args: Any) -> tuple[int, int]:
     """(rank, ranks) whose rows this process reads: its own with data parallelism (the
     trainer is told: `local_batches`), the whole batch otherwise (a pipeline's replicas and
     stages cut what they need from it)."""
-    if args.plan.strategy != "data" or args.plan.tp is not None:  # tp: every rank all rows
+    if args.plan.strategy != "data":
         return 0, 1
-    return _rank(), int(os.environ.get("WORLD_SIZE", "1"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    tp = args.plan.tp or 1  # a tensor-parallel group reads its replica's rows together
+    return _rank() // tp, world // tp
 
 
 def _on_sigterm() -> Any:

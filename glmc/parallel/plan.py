@@ -67,7 +67,7 @@ class ParallelPlan:
     tp: int | None = field(default=None, metadata=_cli(
         "tensor parallel over T processes (with --nproc T): attention heads and the MLP's "
         "hidden dim sharded Megatron-style, found from the step's graph (the tensor_parallel "
-        "pass); not yet beside data or pipeline parallelism", "T", int))
+        "pass); --nproc k*T: k data-parallel replicas (ZeRO-0); not yet with --pp", "T", int))
     tp_plan: str | None = field(default=None, metadata=_cli(
         "with --tp: pin weights by name, GLOB:column|row|replicate;... (fnmatch globs)",
         "PINS", str))
@@ -131,10 +131,10 @@ class ParallelPlan:
             raise ConfigError(f"plan: {world} processes do not divide into {pp} pipeline "
                               f"stages; use a multiple of {pp}")
         if self.tp is not None:
-            if world != self.tp:
-                raise ConfigError(f"plan: --tp {self.tp} runs on {self.tp} processes, not "
-                                  f"{world} (data parallelism beside it is not supported yet)")
-            return {"pp": 1, "dp": 1, "tp": self.tp}
+            if world % self.tp:
+                raise ConfigError(f"plan: {world} processes do not divide into tensor-parallel "
+                                  f"groups of {self.tp}; use a multiple of {self.tp}")
+            return {"pp": 1, "dp": world // self.tp, "tp": self.tp}
         return {"pp": pp, "dp": world // pp}
 
     def for_rank(self) -> "ParallelPlan":
@@ -253,10 +253,11 @@ class ParallelPlan:
         out = []
         if isinstance(self.tp, int) and self.tp < 2:
             out.append(f"--tp: must be 2 or more processes, got {self.tp}")
-        if self.nproc is not None and self.nproc != self.tp:
-            out.append(f"--tp {self.tp} with --nproc {self.nproc}: tensor parallelism runs "
-                       "over every process (data parallelism beside it is not supported "
-                       f"yet); use --nproc {self.tp}")
+        if self.nproc is not None and isinstance(self.tp, int) and self.tp > 0 and \
+                self.nproc % self.tp:
+            out.append(f"--tp {self.tp} with --nproc {self.nproc}: the processes form groups "
+                       f"of {self.tp} (the groups are data-parallel replicas); use a multiple "
+                       f"of {self.tp}")
         others = [flag for flag, v in (("--pp", self.pp), ("--zero", self.zero or None),
                                        ("--compress", self.compress),
                                        ("--accumulate", self.accumulate

@@ -1,5 +1,6 @@
-"""Tensor-parallel training on torch.distributed: the "tp" mesh over every process, each rank
-the whole batch, and the parameters and optimizer state the `tensor_parallel` pass shards.
+"""Tensor-parallel training on torch.distributed: the "tp" mesh (or ("dp", "tp") with
+data-parallel replicas, ZeRO-0), each tensor-parallel group its replica's rows of the batch, and
+the parameters and optimizer state the `tensor_parallel` pass shards.
 
 Every rank runs the same compiled step (an SPMD program) on the same batch; between steps each
 sharded tensor lives here as this rank's block (`glmc.ir.plans.Tile`), and the user's
@@ -17,9 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from glmc.errors import ConfigError
-from glmc.ir.graph import MeshSpec, Role, TrainGraph
-from glmc.ir.plans import TP, Tile, TpPlan
+from glmc.errors import ConfigError, InputError
+from glmc.ir.graph import MeshSpec, TrainGraph
+from glmc.ir.plans import DIM, TP, Tile, TpPlan
 from glmc.parallel.data import DataParallel, Parallel, init_distributed
 from glmc.trace.capture import Batch
 
@@ -37,17 +38,26 @@ class TensorParallel(DataParallel):
         init_distributed(device, options.timeout_s)
         self.options = options
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        if options.tp != self.world:
-            raise ConfigError(f"parallel: tp={options.tp} on {self.world} processes; a "
-                              "data-parallel dim beside tensor parallelism is not supported "
-                              f"yet, run tp={self.world} (all the processes)")
-        if options.zero or options.compress is not None or options.accumulate > 1:
-            raise ConfigError("parallel: ZeRO, gradient compression and accumulation shard or "
-                              "reduce over data-parallel ranks; with tp alone there are none "
-                              "(drop zero/compress/accumulate)")
+        tp = options.tp
+        if self.world % tp:
+            raise ConfigError(f"parallel: tp={tp} does not divide the {self.world} processes; "
+                              f"run a multiple of {tp} (the rest are data-parallel replicas)")
+        if options.zero or options.compress is not None or options.accumulate > 1 or \
+                options.nodes not in (None, 1):
+            raise ConfigError("parallel: with tp, ZeRO stages 1-3, gradient compression, "
+                              "accumulation and several nodes are not supported yet (drop "
+                              "zero/compress/accumulate/nodes)")
+        self.dp = self.world // tp
         self.nodes, self.per_node = 1, self.world
-        self.mesh = self.root = init_device_mesh(device, (self.world,), mesh_dim_names=(TP,))
-        self.spec = MeshSpec.of(self.mesh)
+        if self.dp > 1:  # dp x tp, ranks numbered dp-major: a tp group is consecutive ranks
+            self.root = init_device_mesh(device, (self.dp, tp), mesh_dim_names=(DIM, TP))
+        else:
+            self.root = init_device_mesh(device, (tp,), mesh_dim_names=(TP,))
+        self.mesh = self.root
+        self.spec = MeshSpec.of(self.root)
+        self.tp_rank, self.tp_size = self.root.get_local_rank(TP), tp
+        self.dp_rank = self.root.get_local_rank(DIM) if self.dp > 1 else 0
+        self.tp_group = self.root.get_group(TP)
         self.plan = None
         self.tp: TpPlan | None = None
         self.accumulate = 1
@@ -55,17 +65,35 @@ class TensorParallel(DataParallel):
         self.comm_state: dict[str, torch.Tensor] = {}
         self.link = measure_link(device=device)
         self.store: dict[str, torch.Tensor] = {}  #: this rank's blocks by input target
+        self._owners: dict[str, tuple[Any, str]] = {}
 
     def passes(self, budgeted: bool) -> list[Any]:
+        """The tensor_parallel pass, then (with data-parallel replicas) the shard pass's
+        gradient all-reduce over "dp"."""
         from glmc.passes.tensor_parallel import TensorParallelPass
-        return [TensorParallelPass(size=self.world, plan=self.options.tp_plan)]
+        out: list[Any] = [TensorParallelPass(size=self.tp_size, plan=self.options.tp_plan)]
+        return out + (self.options.passes(self.link, budgeted) if self.dp > 1 else [])
 
     def wants_micro_program(self, graph: TrainGraph) -> bool:
         return False
 
     def local(self, batch: Batch) -> Batch:
-        """Every rank trains on the whole batch."""
-        return batch
+        """The rows of this rank's data-parallel replica (the whole batch with tp alone): the
+        ranks of one tensor-parallel group read the same rows."""
+        if self.dp == 1:
+            return batch
+        args, kwargs = batch
+
+        def cut(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor) or t.dim() == 0:
+                return t
+            if t.shape[0] % self.dp:
+                raise InputError(f"parallel: the global batch has {t.shape[0]} rows, which do "
+                                 f"not divide by {self.dp} data-parallel replicas; pass a "
+                                 f"multiple of {self.dp}")
+            n = t.shape[0] // self.dp
+            return t[self.dp_rank * n:(self.dp_rank + 1) * n]
+        return tuple(cut(t) for t in args), {k: cut(v) for k, v in kwargs.items()}
 
     def micro_batches(self, batch: Batch) -> list[Batch]:
         if self.accumulate != 1:
@@ -79,6 +107,8 @@ class TensorParallel(DataParallel):
                 ) -> None:
         """Keep this rank's block of every sharded tensor and point the user's tensors at it.
         Idempotent for a recompile with the same plan."""
+        if "sharding" in graph.meta:  # the data-parallel replicas' plan (ZeRO-0)
+            super().install(graph, model, optimizer)
         plan: TpPlan = graph.meta["tensor_parallel"]
         if self.tp is not None:
             if plan.tiles != self.tp.tiles:
@@ -88,7 +118,7 @@ class TensorParallel(DataParallel):
         for target, tile in plan.tiles.items():
             container, slot = self._owner(target, model, optimizer)
             full = container[slot] if slot is not None else container.detach()
-            block = tile.local(full.detach(), self.rank, self.world)
+            block = tile.local(full.detach(), self.tp_rank, self.tp_size)
             self.store[target] = block
             if slot is not None:
                 container[slot] = block
@@ -105,18 +135,9 @@ class TensorParallel(DataParallel):
             return optimizer.state[params[name]], key
         return params[target], None
 
-    def getters(self, graph: TrainGraph, getters: list) -> list:
-        out = list(getters)
-        for i, spec in enumerate(graph.inputs):
-            if spec.target in self.store and spec.role in (Role.PARAMETER,
-                                                           Role.OPTIMIZER_STATE):
-                t = self.store[spec.target]
-                out[i] = lambda _, t=t: t
-        return out
-
     def _full(self, target: str, tile: Tile) -> torch.Tensor:
-        shards = [torch.empty_like(self.store[target]) for _ in range(self.world)]
-        dist.all_gather(shards, self.store[target].contiguous())
+        shards = [torch.empty_like(self.store[target]) for _ in range(self.tp_size)]
+        dist.all_gather(shards, self.store[target].contiguous(), group=self.tp_group)
         return tile.full(shards)
 
     @contextlib.contextmanager
@@ -174,7 +195,7 @@ class TensorParallel(DataParallel):
             for part in ("model", "optim"):
                 for target, value in state[part].items():
                     tile = self.tp.tiles.get(target) if self.tp is not None else None
-                    src = tile.local(value, self.rank, self.world) if tile else value
+                    src = tile.local(value, self.tp_rank, self.tp_size) if tile else value
                     if part == "model":
                         if target in params:
                             params[target].data.copy_(src)
