@@ -5,6 +5,7 @@ from glmc.errors import (BudgetError, CaptureError, CheckpointError, CommError, 
                          UnsupportedOpError)
 from glmc.export.serialize import load_graph, save_graph
 from glmc.frontend.api import optimize
+from glmc.frontend.planning import plan
 from glmc.ir.graph import NodeInfo, Phase, Role, TrainGraph
 from glmc.trace.capture import capture
 
@@ -21,7 +22,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'glmc' has no attribute {name!r}")
 
 
-__all__ = ["optimize", "capture", "save_graph", "load_graph", "TrainGraph", "NodeInfo", "Phase", "Role", "Pass",
+__all__ = ["optimize", "plan", "capture", "save_graph", "load_graph", "TrainGraph", "NodeInfo", "Phase", "Role", "Pass",
            "PassContext", "PassManager", "PassResult", "GlmcError", "CaptureError", "GraphBreakError",
            "ConfigError", "InputError", "PassError", "PipelineError", "BudgetError",
            "UnsupportedOpError", "CommError", "CheckpointError", "Parallel", "save_checkpoint", "load_checkpoint"]

@@ -135,6 +135,9 @@ class TensorParallelPass(Pass):
 
 TP_META = "tensor_parallel"
 FROM = "glmc_tp_from"  #: a traced node's metadata: that of the step node it was traced for
+#: where a step node came from (its module, the forward module of a backward node, its source
+#: line): carried to the nodes traced for it, for the partition, the planner and reports
+_SOURCE_META = ("fwd_nn_module_stack", "nn_module_stack", "stack_trace")
 
 
 # ---- seeds ------------------------------------------------------------------------------------
@@ -483,6 +486,9 @@ class _Local:
                 while made is not traced._root:  # the nodes traced for `n` carry its metadata
                     if "glmc" in n.meta:
                         made.meta[FROM] = n.meta["glmc"]
+                    for key in _SOURCE_META:
+                        if key in n.meta:
+                            made.meta.setdefault(key, n.meta[key])
                     made = made.next
                 marks = {k: v for k, v in n.meta.items()
                          if k.startswith("glmc_") and k not in (FROM, RANK_ARG)}

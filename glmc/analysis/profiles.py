@@ -90,6 +90,9 @@ class DeviceProfile:
     #: curve of bytes/s of passes over data just touched, over working-set size (the cache
     #: hierarchy: fast while it fits, memory speed beyond); empty: `bandwidth`
     reuse_bandwidth: Curve = ()
+    #: the datasheet's dense matmul peak FLOP/s per dtype (what MFU is relative to); empty
+    #: for measured profiles, whose best measured matmul rate stands in
+    peak_matmul: dict[str, float] = field(default_factory=dict)
     #: how the figures were obtained; not part of equality (the same figures are the same
     #: profile whether measured now or read from the cache)
     provenance: Provenance | None = field(default=None, compare=False)
@@ -97,6 +100,13 @@ class DeviceProfile:
     def matmul_rate(self, dtype: str, flops: float) -> float:
         curve = self.matmul.get(dtype) or self.matmul["float32"]
         return _interp(curve, flops)
+
+    def peak(self, dtype: str) -> float:
+        """The peak matmul FLOP/s at `dtype`: the datasheet's, else the best rate known."""
+        if dtype in self.peak_matmul:
+            return self.peak_matmul[dtype]
+        curve = self.matmul.get(dtype) or self.matmul["float32"]
+        return max(r for _, r in curve)
 
     def bandwidth_at(self, nbytes: float) -> float:
         return _interp(self.bandwidth, nbytes)
@@ -131,6 +141,7 @@ class DeviceProfile:
             call_overhead_s=d.get("call_overhead_s", 0.0),
             custom_op_overhead_s=d.get("custom_op_overhead_s", 0.0),
             reuse_bandwidth=tuple(tuple(p) for p in d.get("reuse_bandwidth", ())),
+            peak_matmul=dict(d.get("peak_matmul", {})),
             provenance=Provenance.from_dict(prov) if prov else None)
 
 
@@ -185,17 +196,14 @@ def _published(name: str, fp32: float, bf16: float | None, fp16: float | None, b
     """A flat profile from peak figures (torch's default fp32 matmul precision is "highest":
     no TF32, so TF32 peaks are not used). A Python custom op's inner calls each launch a
     kernel (one op's overhead); its own Python dispatch is taken as 3 ops' (CPU measurement)."""
-    mm = {"float32": ((1.0, fp32 * mm_eff),)}
-    if bf16:
-        mm["bfloat16"] = ((1.0, bf16 * mm_eff),)
-    if fp16:
-        mm["float16"] = ((1.0, fp16 * mm_eff),)
+    peaks = {k: v for k, v in (("float32", fp32), ("bfloat16", bf16), ("float16", fp16)) if v}
+    mm = {k: ((1.0, v * mm_eff),) for k, v in peaks.items()}
     detail = f"{source}; model efficiency {mm_eff:.0%} of peak FLOP/s, {bw_eff:.0%} of peak " \
              "bandwidth"
     return DeviceProfile(name, kind, mm, fp32 * mm_eff, ((1.0, bw * bw_eff),), op_overhead,
                          kernel_overhead, detail, call_overhead_s=op_overhead,
                          custom_op_overhead_s=3 * op_overhead,
-                         provenance=Provenance("builtin", detail))
+                         provenance=Provenance("builtin", detail), peak_matmul=peaks)
 
 
 def _generic_cpu() -> DeviceProfile:
@@ -217,6 +225,8 @@ BUILTIN: dict[str, DeviceProfile] = {
                        "NVIDIA H200 datasheet"),
     "a100": _published("NVIDIA A100 SXM4 80GB", 19.5e12, 312e12, 312e12, 2.039e12, "cuda",
                        "NVIDIA A100 datasheet"),
+    "a100-40g": _published("NVIDIA A100 SXM4 40GB", 19.5e12, 312e12, 312e12, 1.555e12, "cuda",
+                           "NVIDIA A100 datasheet (40GB: 1,555 GB/s HBM2)"),
     # Kunpeng 920-7260: 64 TaiShan v110 cores at 2.6 GHz, 2x128-bit NEON FMA pipes (16 fp32
     # FLOP/cycle, 32 fp16 with ARMv8.2-FP16), no BF16 instructions, 8x DDR4-2933 channels.
     "kunpeng920": _published("Huawei Kunpeng 920-7260 (64 cores)", 64 * 2.6e9 * 16, None,

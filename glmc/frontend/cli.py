@@ -96,7 +96,9 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     cm = comm_arguments(sub.add_parser(
         "comm", help="predict a gradient all-reduce at cluster scale: flat vs hierarchical"))
     cm.add_argument("--debug", action="store_true")
-    return p, {"compile": c, "train": t, "check": k, "report": r, "calibrate": cal}
+    from glmc.frontend.planning import add_plan_parser
+    pl = add_plan_parser(sub)
+    return p, {"compile": c, "train": t, "check": k, "report": r, "calibrate": cal, "plan": pl}
 
 
 def _step_args(c: argparse.ArgumentParser, backends: str, precisions: tuple[str, ...]) -> None:
@@ -190,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         return _launch(args, sys.argv[1:] if argv is None else list(argv))
     try:
         run = {"compile": _compile, "check": _check, "report": _report,
-               "calibrate": _calibrate, "comm": _comm, "train": _train}
+               "calibrate": _calibrate, "comm": _comm, "train": _train, "plan": _plan}
         return run[args.command](args)
     except GlmcError as e:
         if args.debug:
@@ -205,6 +207,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         _leave_process_group()
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from glmc.frontend.planning import run_plan
+    return run_plan(args)
 
 
 def _leave_process_group() -> None:

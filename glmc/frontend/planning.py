@@ -1,0 +1,121 @@
+"""`glmc plan FILE --cluster NxG:DEVICE`: rank the parallel plans of FILE's step on a cluster,
+and `glmc.plan(...)`, the same from Python (glmc.parallel.planner, glmc.parallel.search)."""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from glmc.parallel.cluster import DEVICE_KINDS, Cluster
+from glmc.parallel.planner import PRECISIONS, parse_spelling, price_workload
+from glmc.parallel.search import PricedPlan, explain, search
+
+GiB = 1024 ** 3
+
+
+def add_plan_parser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "plan", help="rank every data/tensor/pipeline-parallel plan of FILE's step on a cluster "
+                     "by predicted step time and memory",
+        description="FILE as for `glmc compile`; its model may live on the meta device and its "
+                    "example batch is the global batch. Nothing is run: the step is captured "
+                    "with fake tensors and priced by glmc's cost model.")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--cluster", required=True, metavar="SPEC",
+                   help="NODESxPER_NODE:DEVICE[+...] (devices: " + ", ".join(DEVICE_KINDS) +
+                        "), or local (this machine's --nproc processes)")
+    p.add_argument("--nproc", type=int, default=None, metavar="N",
+                   help="with --cluster local: the processes (default 1)")
+    p.add_argument("--fix", default=None, metavar="SPELLING",
+                   help="price only the plans matching this partial spelling "
+                        "(dp=..,tp=..,pp=..,zero=..,microbatch=..,schedule=..,virtual=..,"
+                        "recompute=..,precision=..)")
+    p.add_argument("--precision", choices=PRECISIONS, default=None,
+                   help="training precision (default: the device's fastest: fp16 on A100, "
+                        "bf16 on H100/H200, fp32 on CPUs)")
+    p.add_argument("--intra-link", default=None, metavar="LINK",
+                   help="link inside a node (as in glmc comm; default per device)")
+    p.add_argument("--inter-link", default=None, metavar="LINK",
+                   help="link between nodes (default per device)")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="price the data-parallel gradient synchronisation after the backward "
+                        "instead of overlapped with it")
+    p.add_argument("--top", type=int, default=10, metavar="K", help="plans to print (10)")
+    p.add_argument("--explain", action="store_true",
+                   help="say why the top plan beats the next ones")
+    p.add_argument("--json", default=None, metavar="FILE", help="write every priced plan here")
+    p.add_argument("--debug", action="store_true")
+    return p
+
+
+def plan(model: Any, example_inputs: Any, cluster: str = "local", loss_fn: Any = None,
+         optimizer: Any = None, fix: str | None = None, precision: str | None = None,
+         nproc: int | None = None, overlap: bool = True, intra_link: Any = None,
+         inter_link: Any = None) -> list[PricedPlan]:
+    """Every plan of the step on `cluster` priced and ranked (those that fit first, by
+    predicted step time). `fix`: a partial spelling the plans must match. Each result's
+    `point.spelling()` names the plan; `to_dict()` has its predicted figures."""
+    return _plan(model, example_inputs, cluster, loss_fn, optimizer, fix, precision, nproc,
+                 overlap, intra_link, inter_link)[0]
+
+
+def _plan(model: Any, example_inputs: Any, cluster: str, loss_fn: Any, optimizer: Any,
+          fix: str | None, precision: str | None, nproc: int | None, overlap: bool,
+          intra_link: Any, inter_link: Any) -> tuple[list[PricedPlan], Any, Cluster]:
+    fixed = parse_spelling(fix) if fix else {}
+    cl = Cluster.parse(cluster, intra_link, inter_link, nproc)
+    device = cl.groups[0].device
+    tps = [t for t in (1, 2, 4, 8, 16) if t <= cl.per_node and cl.devices % t == 0]
+    if "tp" in fixed:
+        tps = [fixed["tp"]]
+    work = price_workload(model, example_inputs, loss_fn, optimizer, device,
+                          precision or fixed.get("precision"), tps)
+    return search(work, cl, fixed, overlap), work, cl
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from glmc.frontend.workload import load_workload
+    started = time.perf_counter()
+    w = load_workload(args.file)
+    plans, work, cl = _plan(w.model, w.example_inputs, args.cluster, w.loss_fn, w.optimizer,
+                           args.fix, args.precision, args.nproc, not args.no_overlap,
+                           args.intra_link, args.inter_link)
+    took = time.perf_counter() - started
+    print(f"glmc plan: {cl.spelling()} ({cl.devices} devices), global batch "
+          f"{work.sequences} x {work.tokens_per_sequence} tokens, {work.precision}; "
+          f"{len(plans)} plans priced in {took:.1f} s (capture and pricing {work.capture_s:.1f} s)")
+    for note in work.notes:
+        print(f"  note: {note}")
+    for t, why in sorted(work.tp_errors.items()):
+        print(f"  tp={t} not priced: {why}")
+    print(format_table(plans[:args.top]))
+    if not plans[0].fits:
+        need = min(p.peak_bytes for p in plans)
+        print(f"glmc: error: no plan fits in {cl.groups[0].device.memory_bytes / GiB:.1f} GiB "
+              f"per device; the smallest needs {need / GiB:.1f} GiB per device")
+        return 1
+    if args.explain:
+        for line in explain(plans):
+            print(f"  vs {line}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "cluster": cl.spelling(), "search_seconds": took,
+            "plans": [p.to_dict() for p in plans]}, indent=1))
+    return 0
+
+
+def format_table(plans: list[PricedPlan]) -> str:
+    head = ("#", "plan", "step", "tokens/s", "TFLOP/s model/hw", "MFU", "peak GiB", "fits",
+            "runtime")
+    rows = [head]
+    for i, p in enumerate(plans, 1):
+        gaps = p.point.runtime_gaps()
+        rows.append((str(i), p.point.spelling(), f"{p.step_s * 1e3:.1f} ms",
+                     f"{p.tokens_per_s:,.0f}",
+                     f"{p.model_tflops:.1f}/{p.hardware_tflops:.1f}", f"{p.mfu:.1%}",
+                     f"{p.peak_bytes / GiB:.2f}", "yes" if p.fits else "NO",
+                     "runs" if not gaps else "not yet: " + "; ".join(gaps)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)

@@ -1,0 +1,171 @@
+"""Cluster descriptions for the planner: which devices, how many per node, and the links.
+
+A cluster is spelled `NODESxPER_NODE:DEVICE`, groups joined by `+` for heterogeneous clusters:
+
+    >>> Cluster.parse("128x8:a100-80g").devices
+    1024
+    >>> [g.device.name for g in Cluster.parse("2x8:h100-80g+2x8:a100-40g").groups]
+    ['h100-80g', 'a100-40g']
+
+Each `DeviceKind` carries a compute profile (`glmc.analysis.profiles`: achievable matmul and
+bandwidth figures, each with its source), the memory a rank may use, and the default links inside
+and between nodes (`glmc.analysis.comm.LINKS`, overridable as in `glmc comm`). `local` is this
+machine: its processes share the calibrated host CPU, and its memory is split between them.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, replace
+from typing import Any
+
+from glmc.analysis.comm import LINKS, LinkProfile, get_link
+from glmc.analysis.cost import get_profile
+from glmc.analysis.profiles import DeviceProfile
+from glmc.errors import ConfigError
+
+GiB = 1024 ** 3
+
+#: links the device kinds use that glmc's comm model does not name yet (per direction, as a
+#: ring uses them)
+_EXTRA_LINKS = {
+    "nvlink3": LinkProfile("nvlink3", 3e-6, 300e9, "NVIDIA A100 SXM4 datasheet: NVLink 3, "
+                           "600 GB/s bidirectional per GPU"),
+    "infiniband-hdr": LinkProfile("infiniband-hdr", 5e-6, 25e9, "NVIDIA ConnectX-6 datasheet: "
+                                  "HDR 200 Gb/s per port, one port per GPU (DGX A100: 8)"),
+    "hccs": LinkProfile("hccs", 2e-6, 30e9, "Huawei Kunpeng 920: Hydra links between sockets "
+                        "(240 Gb/s per direction, product brief)"),
+    "loopback": LinkProfile("loopback", 40e-6, 2e9, "gloo over loopback TCP on one host "
+                            "(glmc's measured order of magnitude; calibrate with glmc comm)",
+                            60e-6),
+}
+
+
+def link(name: str) -> LinkProfile:
+    """A link by name from glmc's comm model or the planner's extra links, or figures."""
+    return _EXTRA_LINKS[name] if name in _EXTRA_LINKS else get_link(name)
+
+
+@dataclass(frozen=True)
+class DeviceKind:
+    """One kind of device: its compute profile, the memory one rank may use, its links."""
+
+    name: str
+    profile: DeviceProfile
+    memory_bytes: int
+    intra: LinkProfile  #: between the devices of one node
+    inter: LinkProfile  #: between nodes (per device)
+    dtype: str  #: the fastest training precision it has ("bf16", "fp16" or "fp32")
+    source: str
+
+    @property
+    def torch_dtype(self) -> str:
+        return {"bf16": "bfloat16", "fp16": "float16"}.get(self.dtype, "float32")
+
+    @property
+    def peak_flops(self) -> float:
+        """The datasheet's dense matmul peak at `dtype` (what MFU is relative to)."""
+        return self.profile.peak(self.torch_dtype)
+
+
+def _kinds() -> dict[str, DeviceKind]:
+    return {
+        "a100-40g": DeviceKind("a100-40g", get_profile("a100-40g"), 40 * GiB, link("nvlink3"),
+                               link("infiniband-hdr"), "fp16", "NVIDIA A100 datasheet"),
+        "a100-80g": DeviceKind("a100-80g", get_profile("a100"), 80 * GiB, link("nvlink3"),
+                               link("infiniband-hdr"), "fp16", "NVIDIA A100 datasheet"),
+        "h100-80g": DeviceKind("h100-80g", get_profile("h100"), 80 * GiB, LINKS["nvlink4"],
+                               LINKS["infiniband-ndr"], "bf16", "NVIDIA H100 datasheet"),
+        "h200": DeviceKind("h200", get_profile("h200"), 141 * 10 ** 9, LINKS["nvlink4"],
+                           LINKS["infiniband-ndr"], "bf16", "NVIDIA H200 datasheet (141 GB)"),
+        "kunpeng920": DeviceKind("kunpeng920", get_profile("kunpeng920"), 256 * GiB,
+                                 link("hccs"), LINKS["roce-200g"], "fp32",
+                                 "Kunpeng 920-7260 product brief; one socket per device, "
+                                 "8 x 32 GB DDR4 per socket assumed"),
+    }
+
+
+DEVICE_KINDS = tuple(_kinds()) + ("host",)
+
+
+def device_kind(name: str, per_node: int = 1) -> DeviceKind:
+    """A device kind by name; `host` is this machine's calibrated CPU shared by `per_node`
+    processes (each gets its share of the memory and of the cores' throughput is what the
+    calibration measured with that many threads)."""
+    kinds = _kinds()
+    if name in kinds:
+        return kinds[name]
+    if name in ("host", "local"):
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return DeviceKind("host", get_profile("host"), int(mem * 0.8) // max(1, per_node),
+                          link("loopback"), link("loopback"), "fp32",
+                          "this machine, calibrated (glmc.analysis.calibration); 80% of its "
+                          "memory split between its processes")
+    raise ConfigError(f"cluster: unknown device profile {name!r}; known: "
+                      f"{', '.join(DEVICE_KINDS)}")
+
+
+@dataclass(frozen=True)
+class NodeGroup:
+    nodes: int
+    per_node: int
+    device: DeviceKind
+
+    @property
+    def devices(self) -> int:
+        return self.nodes * self.per_node
+
+
+_GROUP = re.compile(r"(\d+)x(\d+):([A-Za-z0-9_.-]+)")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Groups of identical nodes. Links: each group's device defaults, or `intra`/`inter`."""
+
+    groups: tuple[NodeGroup, ...]
+
+    @staticmethod
+    def parse(spec: str, intra: Any = None, inter: Any = None, nproc: int | None = None
+              ) -> "Cluster":
+        """`NxG:DEVICE[+NxG:DEVICE...]`, or `local` (one node of `nproc` host processes)."""
+        spec = spec.strip()
+        if spec == "local":
+            n = nproc or 1
+            groups = (NodeGroup(1, n, device_kind("host", n)),)
+        else:
+            groups = []
+            for part in spec.split("+"):
+                m = _GROUP.fullmatch(part.strip())
+                if m is None:
+                    raise ConfigError(f"cluster: cannot read {part!r}; spell a cluster "
+                                      "NODESxPER_NODE:DEVICE (e.g. 128x8:a100-80g), groups "
+                                      "joined by '+', or 'local'")
+                nodes, per_node = int(m[1]), int(m[2])
+                if nodes < 1 or per_node < 1:
+                    raise ConfigError(f"cluster: {part!r} has no devices")
+                groups.append(NodeGroup(nodes, per_node, device_kind(m[3], per_node)))
+            groups = tuple(groups)
+        if intra is not None or inter is not None:
+            groups = tuple(replace(g, device=replace(
+                g.device, intra=link(intra) if intra else g.device.intra,
+                inter=link(inter) if inter else g.device.inter)) for g in groups)
+        if len({g.per_node for g in groups}) > 1:
+            raise ConfigError("cluster: every group must have the same devices per node (a "
+                              "tensor-parallel group stays inside one node)")
+        return Cluster(groups)
+
+    @property
+    def devices(self) -> int:
+        return sum(g.devices for g in self.groups)
+
+    @property
+    def per_node(self) -> int:
+        return self.groups[0].per_node
+
+    @property
+    def heterogeneous(self) -> bool:
+        return len({g.device.name for g in self.groups}) > 1
+
+    def spelling(self) -> str:
+        return "+".join(f"{g.nodes}x{g.per_node}:{g.device.name}" for g in self.groups)

@@ -1,0 +1,418 @@
+"""The planner: price every parallel plan of a step on a cluster and rank them.
+
+    plans = plan_step(model, example_inputs, cluster=Cluster.parse("16x8:a100-80g"))
+    plans[0].spelling()   # 'dp=16,tp=8,pp=1,zero=1,microbatch=1,...'
+
+How a plan is priced (the figures are glmc's own programs, not a formula per model):
+
+1. **Capture, clustered.** The step is captured once on one sequence (the first row of the
+   example batch; the batch's rows are the global batch) with fake tensors, so a model built on
+   the meta device plans without memory. Where the model holds a list of identical layers (same
+   class, same parameter shapes), only two of them are captured and the list's length is
+   restored by repetition: a 96-layer model costs what a 2-layer one does.
+2. **Per tensor-parallel degree.** For each degree `t`, the `tensor_parallel` pass shards a
+   copy of the captured step over a fake mesh of `t` ranks; the cost model prices every node
+   of that local program on the device profile (Inductor's fusion model on GPUs); each layer
+   then has forward/backward/update seconds, the activations its backward reads, the bytes it
+   hands to the next layer and its all-reduces, all per sequence.
+3. **Per plan** (`dp x tp x pp`, ZeRO stage, sequences per micro-batch, schedule, virtual
+   stages, recompute), without capturing again: layers are cut into `pp` stages by
+   `passes.partition.balanced_cut`; a micro-batch of `b` sequences costs `b` times a sequence
+   on its stage plus its tensor-parallel all-reduces (alpha-beta on the link inside a node,
+   not overlapped, as Megatron-LM runs them) and the send to the next stage; the pipeline
+   takes `(m + (pp - 1) / v)` slowest-stage micro-batches (1F1B and GPipe; interleaved with
+   `v` virtual stages; ZB-H1 a third of 1F1B's bubble); the data-parallel gradient
+   synchronisation (all-reduce, or reduce-scatter and all-gather for ZeRO 1-2, plus ZeRO-3's
+   parameter all-gathers per micro-batch) is exposed beyond the last micro-batch's backward;
+   the update follows (sharded over dp under ZeRO >= 1).
+   Memory per device: parameters, gradients and optimizer state by precision and ZeRO stage,
+   plus the activations of the micro-batches the schedule keeps in flight (1F1B: `pp - stage`;
+   GPipe: all `m`; interleaved: `pp` plus the extra virtual chunks) and one layer's working set.
+
+What is modelled, not measured: dropout (the planning capture runs in eval mode), selective
+recompute (not in the search yet), heterogeneous clusters (priced on the slowest device kind).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator
+
+import torch
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from glmc.analysis.cost import dispatch_overhead
+from glmc.analysis.opcost import op_cost
+from glmc.analysis.predict import predict
+from glmc.compiler.passmanager import PassContext
+from glmc.errors import ConfigError, GlmcError
+from glmc.ir.graph import MeshSpec, Phase, Role, TrainGraph, is_comm
+from glmc.parallel.cluster import Cluster, DeviceKind
+from glmc.passes.partition import balanced_cut, owner, step_blocks
+from glmc.passes.tensor_parallel import TensorParallelPass
+from glmc.trace.capture import capture, split_batch
+from glmc.trace.optim import resolve_optimizer
+
+SCHEDULES = ("1f1b", "interleaved", "gpipe", "zbh1")
+RECOMPUTE = ("none", "full")
+PRECISIONS = ("fp32", "bf16", "fp16")
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: bytes per parameter: (parameter, gradient, optimizer state incl. an fp32 master copy)
+_STATE = {"fp32": (4, 4, 8), "bf16": (2, 4, 12), "fp16": (2, 4, 12)}
+#: sequences per micro-batch the search tries
+MICROBATCHES = (1, 2, 4, 8, 16)
+#: what a stage keeps besides its layers' activations while a layer's backward runs: the
+#: layer's own working set (its activations, recomputed or saved, one micro-batch)
+KEYS = ("dp", "tp", "pp", "zero", "microbatch", "schedule", "virtual", "recompute",
+        "precision")
+
+
+# ---- the plan point and its spelling -----------------------------------------------------------
+
+@dataclass(frozen=True)
+class PlanPoint:
+    """One point of the search space, spelled `dp=..,tp=..,pp=..,...` (`KEYS`)."""
+
+    dp: int
+    tp: int
+    pp: int
+    zero: int
+    microbatch: int
+    schedule: str
+    virtual: int
+    recompute: str
+    precision: str
+
+    def spelling(self) -> str:
+        return ",".join(f"{k}={getattr(self, k)}" for k in KEYS)
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def runtime_gaps(self) -> list[str]:
+        """What glmc's runtime cannot run of this plan yet (empty: it runs as spelled)."""
+        gaps = []
+        if self.tp > 1 and self.pp > 1:
+            gaps.append("tensor parallelism inside pipeline stages (3-D)")
+        if self.tp > 1 and self.zero:
+            gaps.append(f"ZeRO-{self.zero} beside tensor parallelism")
+        if self.pp > 1 and self.zero > 1:
+            gaps.append(f"ZeRO-{self.zero} with pipelining")
+        if self.schedule == "interleaved" and self.virtual != 2:
+            gaps.append(f"{self.virtual} virtual stages (the runtime interleaves 2)")
+        return gaps
+
+
+def parse_spelling(text: str) -> dict[str, Any]:
+    """A partial plan: the keys given (the rest are the planner's to choose)."""
+    out: dict[str, Any] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, eq, value = part.partition("=")
+        key = key.strip()
+        if not eq or key not in KEYS:
+            raise ConfigError(f"plan: cannot read {part!r} in {text!r}; spell a plan as "
+                              f"KEY=VALUE,... with keys {', '.join(KEYS)}")
+        value = value.strip()
+        if key in ("schedule", "recompute", "precision"):
+            allowed = {"schedule": SCHEDULES, "recompute": RECOMPUTE,
+                       "precision": PRECISIONS}[key]
+            if value not in allowed:
+                raise ConfigError(f"plan: {key}={value!r}; use one of {', '.join(allowed)}")
+            out[key] = value
+            continue
+        try:
+            out[key] = int(value)
+        except ValueError:
+            raise ConfigError(f"plan: {key}={value!r} must be a whole number") from None
+        if out[key] < (0 if key == "zero" else 1) or (key == "zero" and out[key] > 3):
+            raise ConfigError(f"plan: {key}={value} is out of range"
+                              + (" (ZeRO stages are 0-3)" if key == "zero" else ""))
+    return out
+
+
+# ---- pricing the captured step -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PartCost:
+    """One block of the step (a layer, or what comes before or after the layers) on ONE
+    sequence, as one rank of a tensor-parallel group of `tp` runs it."""
+
+    name: str
+    forward_s: float
+    backward_s: float
+    update_s: float  #: one step's update of this block's parameters (independent of batch)
+    params: int  #: parameters this rank holds (elements)
+    saved_bytes: int  #: forward values the backward reads
+    out_bytes: int  #: what the block hands to the next one
+    tp_bytes: tuple[tuple[str, int], ...]  #: (phase, bytes) of each tensor-parallel all-reduce
+    forward_flops: float  #: of the whole block (all tp ranks together)
+    backward_flops: float
+    overhead_s: float = 0.0  #: kernel launches / op dispatch, forward + backward, per micro-batch
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A captured step, priced per tensor-parallel degree: `parts[t]` are the blocks in
+    order, the repeated layer expanded to the model's layer count."""
+
+    layers: int  #: repeated layers (the pipeline's unit); 0 where none were found
+    layer_list: str  #: the module path of the list of layers, "" where none
+    sequences: int  #: the global batch (the example batch's rows)
+    tokens_per_sequence: int
+    parts: dict[int, tuple[PartCost, ...]]
+    tp_errors: dict[int, str]
+    precision: str
+    device: str
+    capture_s: float
+    notes: tuple[str, ...] = ()
+
+    def model_flops(self) -> float:
+        """Forward + backward FLOPs of one step (no recompute), from the captured graph."""
+        return self.sequences * sum(p.forward_flops + p.backward_flops for p in self.parts[1])
+
+    def layer_forward_flops(self) -> float:
+        return self.sequences * sum(p.forward_flops for p in self.parts[1] if _is_layer(p))
+
+
+def _is_layer(p: PartCost) -> bool:
+    return p.name.startswith("layer")
+
+
+def _layer_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
+    """The longest list of identical layers (same class, same parameter names and shapes)."""
+    best = None
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.ModuleList) or len(mod) < 3:
+            continue
+        kinds = {type(m) for m in mod}
+        shapes = {tuple((n, tuple(p.shape)) for n, p in m.named_parameters()) for m in mod}
+        if len(kinds) == 1 and len(shapes) == 1 and (best is None or len(mod) > len(best[1])):
+            best = (name, mod)
+    return best
+
+
+def _one_sequence(batch: Any, rows: int, fake: FakeTensorMode) -> Any:
+    """The first row of every tensor whose first dim is the batch's, as a fake CPU tensor."""
+    def cut(v: Any) -> Any:
+        if not isinstance(v, torch.Tensor):
+            return v
+        shape = (1, *v.shape[1:]) if v.dim() and v.shape[0] == rows else v.shape
+        return torch.zeros(shape, dtype=v.dtype, device="cpu")
+    if isinstance(batch, dict):
+        return {k: cut(v) for k, v in batch.items()}
+    if isinstance(batch, torch.Tensor):
+        return cut(batch)
+    return type(batch)(cut(v) for v in batch)
+
+
+def _rows(batch: Any) -> tuple[int, int]:
+    """(sequences, tokens per sequence) of the example batch: its first tensor's dims."""
+    args, kwargs = split_batch(batch)
+    first = next((t for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor)
+                  and t.dim()), None)
+    if first is None:
+        raise ConfigError("plan: the example batch has no tensor with a batch dimension")
+    return first.shape[0], (first.shape[1] if first.dim() > 1 else 1)
+
+
+def price_workload(model: nn.Module, example_inputs: Any, loss_fn: Any = None,
+                   optimizer: Any = None, device: DeviceKind | None = None,
+                   precision: str | None = None, tps: Iterable[int] = (1, 2, 4, 8),
+                   keep_layers: int = 2) -> Workload:
+    """Capture the step on one sequence (clustered layers) and price it per tp degree."""
+    if device is None:
+        from glmc.parallel.cluster import device_kind
+        device = device_kind("host")
+    precision = precision or device.dtype
+    started = time.perf_counter()
+    rows, tokens = _rows(example_inputs)
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    work = _fake_copy(model, fake, _DTYPES[precision])
+    found = _layer_list(work)
+    layers, list_name, notes = 0, "", []
+    if found is not None:
+        list_name, full = found
+        layers = len(full)
+        parent_name, _, attr = list_name.rpartition(".")
+        parent = work.get_submodule(parent_name) if parent_name else work
+        setattr(parent, attr, nn.ModuleList(list(full)[:keep_layers]))
+        notes.append(f"{layers} identical layers in {list_name}: {keep_layers} captured, the "
+                     "rest priced as copies")
+    opt = _fresh_optimizer(work, optimizer)
+    with fake:
+        batch = _one_sequence(example_inputs, rows, fake)
+    graph = capture(work, batch, loss_fn, opt)
+    parts, errors = {}, {}
+    for t in sorted(set(tps) | {1}):
+        try:
+            local = _shard(graph, t)
+        except GlmcError as e:
+            errors[t] = str(e)
+            continue
+        priced = _price(local, device, list_name, t)
+        parts[t] = _expand(priced, list_name, layers, keep_layers)
+    return Workload(layers, list_name, rows, tokens, parts, errors, precision, device.name,
+                    time.perf_counter() - started, tuple(notes))
+
+
+def _fake_copy(model: nn.Module, fake: FakeTensorMode, dtype: torch.dtype) -> nn.Module:
+    """A copy of `model` whose parameters and buffers are fake CPU tensors (no memory; a
+    model on the meta device plans as one in memory), floating ones in `dtype`, dropout off
+    (random ops are not priced, and the tensor-parallel pass refuses them)."""
+    memo: dict[int, Any] = {}
+    with fake:
+        for t in [*model.parameters(), *model.buffers()]:
+            kind = dtype if t.is_floating_point() else t.dtype
+            f = torch.empty(t.shape, dtype=kind, device="cpu")
+            memo[id(t)] = nn.Parameter(f, t.requires_grad) if isinstance(t, nn.Parameter) else f
+    work = copy.deepcopy(model, memo)
+    for mod in work.modules():
+        if isinstance(mod, nn.modules.dropout._DropoutNd):
+            mod.p = 0.0
+        for name, value in vars(mod).items():
+            if "dropout" in name.lower() and isinstance(value, float):
+                setattr(mod, name, 0.0)
+    return work.train()
+
+
+def _fresh_optimizer(model: nn.Module, optimizer: Any) -> torch.optim.Optimizer:
+    """The user's optimizer kind and settings over the planning copy's parameters."""
+    if optimizer is None:
+        return resolve_optimizer(model, None)
+    return type(optimizer)(model.parameters(), **optimizer.defaults)
+
+
+def _shard(graph: TrainGraph, t: int) -> TrainGraph:
+    local = graph.copy()
+    if t > 1:
+        res = TensorParallelPass(size=t).run(local, PassContext(mesh=MeshSpec((t,), ("tp",))))
+        if not res.stats.column and not res.stats.row:
+            raise ConfigError(f"tensor_parallel: no weight of this model could be sharded "
+                              f"{t} ways (no column/row-parallel linear found)")
+    return local
+
+
+def _traits(device: DeviceKind) -> Any:
+    """The backend glmc would run on the device: Inductor's fusion on GPUs, eager on CPUs."""
+    from glmc.backends import get_backend
+    return get_backend("inductor" if device.profile.kind == "cuda" else "eager").traits()
+
+
+def _price(graph: TrainGraph, device: DeviceKind, list_name: str, t: int) -> list[PartCost]:
+    """Each block of `graph` (one tp rank's program on one sequence) priced on `device`.
+    Seconds are split into work (scales with the micro-batch) and per-kernel launch or
+    dispatch overhead (paid once per micro-batch)."""
+    blocks = step_blocks(graph)
+    traits = _traits(device)
+    seconds = predict(graph, traits, device.profile).time.node_seconds
+    launch = dispatch_overhead(device.profile, traits)
+    acc = {b: {"f": 0.0, "b": 0.0, "o": 0.0, "saved": 0, "out": 0, "ff": 0.0, "bf": 0.0,
+               "comm": []} for b in blocks}
+    update = 0.0
+    for n in graph.compute_nodes():
+        info = graph.info(n)
+        if info.phase is Phase.OPTIMIZER:
+            update += seconds.get(n.name, 0.0)
+            continue
+        if info.phase not in (Phase.FORWARD, Phase.BACKWARD):
+            continue
+        block = _block_of(graph, n, blocks)
+        a = acc[block]
+        fwd = info.phase is Phase.FORWARD
+        if is_comm(n):
+            if info.spec is not None and "all_reduce" in str(n.target):
+                a["comm"].append((info.phase.value, info.spec.nbytes))
+            continue
+        if n.name in seconds:
+            a["o"] += launch
+            a["f" if fwd else "b"] += max(0.0, seconds[n.name] - launch)
+        a["ff" if fwd else "bf"] += op_cost(n).flops * t  # the whole group's work
+        if fwd and info.spec is not None:
+            users = [graph.info(u) for u in n.users if u.op == "call_function"]
+            if any(u.phase is Phase.BACKWARD for u in users):
+                a["saved"] += info.spec.nbytes
+            if any(u.phase is Phase.FORWARD and owner(u.module, blocks) not in (block, None)
+                   for u in users):
+                a["out"] += info.spec.nbytes
+    params = _params(graph, blocks)
+    total = sum(params.values()) or 1
+    return [PartCost(b, acc[b]["f"], acc[b]["b"], update * params[b] / total, params[b],
+                     acc[b]["saved"], acc[b]["out"], tuple(acc[b]["comm"]), acc[b]["ff"],
+                     acc[b]["bf"], acc[b]["o"]) for b in blocks]
+
+
+def _block_of(graph: TrainGraph, n: Any, blocks: list[str]) -> str:
+    """The block a node works for: its (forward) module's; a node without one (a collective
+    or a sum the tensor-parallel pass added) takes its first input's; glue and the loss go to
+    the last block."""
+    for _ in range(4):
+        info = graph.info(n)
+        module = info.module if info.phase is Phase.FORWARD else _forward_module(n)
+        found = owner(module, blocks)
+        if found is not None:
+            return found
+        inputs = [a for a in n.all_input_nodes if a.op == "call_function"]
+        if not inputs:
+            break
+        n = inputs[0]
+    return blocks[-1]
+
+
+def _forward_module(n: Any) -> str | None:
+    from glmc.trace.step import _module_path
+    return _module_path(n.meta.get("fwd_nn_module_stack"))
+
+
+def _params(graph: TrainGraph, blocks: list[str]) -> dict[str, int]:
+    out = dict.fromkeys(blocks, 0)
+    for spec, ph in zip(graph.inputs, graph.placeholders()):
+        t = graph.info(ph).spec
+        if spec.role is Role.PARAMETER and t is not None:
+            b = owner(spec.target, blocks) or blocks[-1]
+            out[b] += math.prod(t.shape)
+    return out
+
+
+def _expand(parts: list[PartCost], list_name: str, layers: int, kept: int
+            ) -> tuple[PartCost, ...]:
+    """The captured blocks with the kept layers' mean repeated `layers` times; glue before
+    the layers becomes "first", after them "last"."""
+    if not layers:
+        return tuple(dataclasses.replace(p, name=f"layer {i}:{p.name}")
+                     for i, p in enumerate(parts))
+    prefix = list_name + "."
+    kept_parts = [p for p in parts if p.name.startswith(prefix)]
+    first = [p for p in parts[:parts.index(kept_parts[0])]]
+    last = [p for p in parts[parts.index(kept_parts[-1]) + 1:]]
+    mean = _mean(kept_parts)
+    out = [_merge("first", first)] if first else []
+    out += [dataclasses.replace(mean, name=f"layer {i}") for i in range(layers)]
+    out += [_merge("last", last)] if last else []
+    return tuple(out)
+
+
+def _mean(parts: list[PartCost]) -> PartCost:
+    k = len(parts)
+    comm = parts[-1].tp_bytes
+    return PartCost("layer", *(sum(getattr(p, f) for p in parts) / k for f in
+                               ("forward_s", "backward_s", "update_s")),
+                    round(sum(p.params for p in parts) / k),
+                    round(sum(p.saved_bytes for p in parts) / k),
+                    round(sum(p.out_bytes for p in parts) / k), comm,
+                    sum(p.forward_flops for p in parts) / k,
+                    sum(p.backward_flops for p in parts) / k,
+                    sum(p.overhead_s for p in parts) / k)
+
+
+def _merge(name: str, parts: list[PartCost]) -> PartCost:
+    return PartCost(name, sum(p.forward_s for p in parts), sum(p.backward_s for p in parts),
+                    sum(p.update_s for p in parts), sum(p.params for p in parts),
+                    sum(p.saved_bytes for p in parts), parts[-1].out_bytes,
+                    tuple(c for p in parts for c in p.tp_bytes),
+                    sum(p.forward_flops for p in parts), sum(p.backward_flops for p in parts),
+                    sum(p.overhead_s for p in parts))

@@ -1,0 +1,308 @@
+"""Pricing one parallel plan of a priced workload, and the search over all of them.
+
+`evaluate(point, workload, cluster)` predicts a plan's step time (broken down), its per-device
+peak memory (by category), throughput and FLOP/s; `search` enumerates the space (degrees that
+divide the cluster, the layers and the batch; ZeRO stages; sequences per micro-batch;
+schedules; recompute) and ranks the plans that fit by step time. The model of each term is in
+`glmc.parallel.planner`'s docstring.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from glmc.analysis.comm import collective_seconds
+from glmc.errors import ConfigError
+from glmc.parallel.cluster import Cluster, DeviceKind
+from glmc.parallel.planner import (_STATE, MICROBATCHES, PartCost, PlanPoint, Workload,
+                                   _is_layer)
+from glmc.passes.partition import balanced_cut
+
+
+@dataclass(frozen=True)
+class PricedPlan:
+    point: PlanPoint
+    step_s: float
+    breakdown: dict[str, float]  #: seconds: compute, recompute, tp, p2p, bubble, dp, update
+    memory: dict[str, int]  #: bytes on the busiest device, by category
+    fits: bool
+    tokens_per_s: float
+    model_tflops: float  #: per device: forward + backward FLOPs / step time
+    hardware_tflops: float  #: per device, recomputed forward work included
+    mfu: float
+    stage_parts: tuple[int, ...]  #: blocks per stage (first and last glue included)
+    notes: tuple[str, ...] = ()
+
+    @property
+    def peak_bytes(self) -> int:
+        return sum(self.memory.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"spelling": self.point.spelling(), "step_seconds": self.step_s,
+                "tokens_per_second": self.tokens_per_s,
+                "model_tflops_per_device": self.model_tflops,
+                "hardware_tflops_per_device": self.hardware_tflops, "mfu": self.mfu,
+                "peak_bytes_per_device": self.peak_bytes, "fits": self.fits,
+                "breakdown_seconds": dict(self.breakdown), "memory_bytes": dict(self.memory),
+                "stage_blocks": list(self.stage_parts),
+                "runtime_gaps": self.point.runtime_gaps(), "notes": list(self.notes)}
+
+
+# ---- one plan ----------------------------------------------------------------------------------
+
+def evaluate(p: PlanPoint, work: Workload, cluster: Cluster, overlap: bool = True
+             ) -> PricedPlan:
+    """Predict plan `p` of `work` on `cluster` (see glmc.parallel.planner). `overlap`: the
+    data-parallel gradient synchronisation overlaps the last micro-batch's backward (glmc's
+    runtime buckets it); False: it follows the backward (Megatron-LM of 2021)."""
+    _check_point(p, work, cluster)
+    dev = _slowest(cluster)
+    parts = work.parts[p.tp]
+    m = work.sequences // (p.dp * p.microbatch)
+    chunks = _split(parts, p.pp * p.virtual, p.recompute == "full")
+    ranks = [[c for i, c in enumerate(chunks) if i % p.pp == r] for r in range(p.pp)]
+    b = p.microbatch
+    intra, inter = dev.intra, dev.inter
+    dp_link = intra if p.dp * p.tp <= cluster.per_node else inter
+    pp_link = intra if p.dp * p.tp * p.pp <= cluster.per_node else inter
+    per_rank = []
+    for chunk_list in ranks:
+        comp = sum(b * (c.forward_s + c.backward_s) + c.overhead_s
+                   for ch in chunk_list for c in ch)
+        rec = sum(b * c.forward_s + c.overhead_s / 3 for ch in chunk_list for c in ch
+                  if p.recompute == "full" and _is_layer(c))
+        tp = sum(collective_seconds("all_reduce", nbytes * b, p.tp, intra)
+                 for ch in chunk_list for c in ch for phase, nbytes in c.tp_bytes
+                 for _ in range(1 + (p.recompute == "full" and _is_layer(c)
+                                     and phase == "forward")))
+        p2p = 0.0
+        for ch in chunk_list:  # each chunk but the model's last sends its output forward and
+            if ch is not chunks[-1]:  # receives its gradient back, per micro-batch
+                nbytes = ch[-1].out_bytes * b
+                p2p += 2 * (pp_link.latency_s + nbytes / pp_link.bandwidth)
+        per_rank.append((comp, rec, tp, p2p))
+    slow = max(range(p.pp), key=lambda r: sum(per_rank[r]))
+    per_mb = sum(per_rank[slow])
+    extra = {"1f1b": p.pp - 1, "gpipe": p.pp - 1, "zbh1": (p.pp - 1) / 3,
+             "interleaved": (p.pp - 1) / p.virtual}[p.schedule] if p.pp > 1 else 0
+    sync, update = _sync_and_update(p, ranks, dp_link, work, m, per_rank, overlap)
+    comp, rec, tp, p2p = (m * x for x in per_rank[slow])
+    breakdown = {"compute": comp, "recompute": rec, "tp_comm": tp, "p2p": p2p,
+                 "bubble": extra * per_mb, **sync, "update": update}
+    step = sum(breakdown.values())
+    memory = _memory(p, ranks, chunks[-1], work, m)
+    tokens = work.sequences * work.tokens_per_sequence
+    model = work.model_flops()
+    hardware = model + (work.layer_forward_flops() if p.recompute == "full" else 0.0)
+    n = p.devices
+    return PricedPlan(p, step, breakdown, memory, sum(memory.values()) <= dev.memory_bytes,
+                      tokens / step, model / step / n / 1e12, hardware / step / n / 1e12,
+                      model / step / n / dev.peak_flops,
+                      tuple(sum(len(ch) for ch in r) for r in ranks))
+
+
+def _slowest(cluster: Cluster) -> DeviceKind:
+    return min((g.device for g in cluster.groups),
+               key=lambda d: d.profile.peak(d.torch_dtype))
+
+
+def _check_point(p: PlanPoint, work: Workload, cluster: Cluster) -> None:
+    if p.devices != cluster.devices:
+        raise ConfigError(f"plan: dp x tp x pp = {p.dp} x {p.tp} x {p.pp} = {p.devices} "
+                          f"devices, but the cluster {cluster.spelling()} has {cluster.devices}")
+    if p.tp not in work.parts:
+        why = work.tp_errors.get(p.tp, f"tp={p.tp} was not priced")
+        raise ConfigError(f"plan: tp={p.tp} cannot shard this model: {why}")
+    if p.tp > cluster.per_node:
+        raise ConfigError(f"plan: tp={p.tp} spans nodes of {cluster.per_node} devices; a "
+                          "tensor-parallel group stays inside one node")
+    if work.sequences % (p.dp * p.microbatch):
+        raise ConfigError(f"plan: the global batch of {work.sequences} sequences does not "
+                          f"split into dp={p.dp} x microbatch={p.microbatch}")
+    if (p.schedule == "interleaved") != (p.virtual > 1) and p.pp > 1:
+        raise ConfigError("plan: virtual > 1 goes with schedule=interleaved, and only there")
+    blocks = len(work.parts[p.tp])
+    if p.pp * p.virtual > blocks:
+        raise ConfigError(f"plan: pp={p.pp} x virtual={p.virtual} stages need as many blocks; "
+                          f"the model has {blocks}")
+
+
+def _split(parts: tuple[PartCost, ...], chunks: int, recompute: bool
+           ) -> list[list[PartCost]]:
+    """Contiguous chunks: identical layers evenly (the glue before and after rides on the
+    first and last chunk, as Megatron-LM places embedding and head), otherwise cut to balance
+    the predicted time."""
+    layers = [i for i, c in enumerate(parts) if _is_layer(c) and c.name[6:].isdigit()]
+    if layers and len(layers) % chunks == 0:
+        per = len(layers) // chunks
+        bounds = [layers[0] + k * per for k in range(1, chunks)]
+    elif chunks == 1:
+        bounds = []
+    else:
+        times = [[c.forward_s * (2 if recompute else 1) + c.backward_s for c in parts]] * chunks
+        bounds = list(balanced_cut(times, [0.0] * len(parts), chunks))
+    edges = [0, *bounds, len(parts)]
+    return [list(parts[i:j]) for i, j in zip(edges, edges[1:])]
+
+
+def _sync_and_update(p: PlanPoint, ranks: list, link: Any, work: Workload, m: int,
+                     per_rank: list, overlap: bool) -> tuple[dict[str, float], float]:
+    """Exposed data-parallel synchronisation (by collective kind) and the update, on the
+    rank where they take longest."""
+    worst: tuple[float, dict[str, float], float] = (-1.0, {}, 0.0)
+    for r, chunk_list in enumerate(ranks):
+        params = sum(c.params for ch in chunk_list for c in ch)
+        grad_bytes = params * _STATE[work.precision][1]
+        param_bytes = params * _STATE[work.precision][0]
+        kinds: dict[str, float] = {}
+        if p.dp > 1:
+            if p.zero == 0:
+                kinds["all_reduce"] = collective_seconds("all_reduce", grad_bytes, p.dp, link)
+            else:
+                kinds["reduce_scatter"] = collective_seconds("reduce_scatter_tensor",
+                                                             grad_bytes, p.dp, link)
+                gathers = 1 if p.zero < 3 else 2 * m
+                kinds["all_gather"] = gathers * collective_seconds(
+                    "all_gather_into_tensor", param_bytes, p.dp, link)
+        # the last micro-batch's backward (~2/3 of F + B)
+        window = per_rank[r][0] * 2 / 3 if overlap else 0.0
+        total = sum(kinds.values())
+        exposed = max(0.0, total - window)
+        scale = exposed / total if total else 0.0
+        kinds = {f"dp_{k}": v * scale for k, v in kinds.items()}
+        update = sum(c.update_s for ch in chunk_list for c in ch) / (p.dp if p.zero else 1)
+        if exposed + update > worst[0]:
+            worst = (exposed + update, kinds, update)
+    return worst[1], worst[2]
+
+
+def _memory(p: PlanPoint, ranks: list, last: list, work: Workload, m: int
+            ) -> dict[str, int]:
+    """Bytes on the device of the pipeline rank that holds the most. The model's last chunk
+    (head and loss) starts its backward right after its forward: one micro-batch in flight."""
+    pb, gb, ob = _STATE[work.precision]
+    best: dict[str, int] = {}
+    for r, chunk_list in enumerate(ranks):
+        params = sum(c.params for ch in chunk_list for c in ch)
+        flight = _in_flight(p, r, m)
+        held = 0.0
+        for ch in chunk_list:
+            saved = sum(c.out_bytes if p.recompute == "full" and _is_layer(c)
+                        else c.saved_bytes for c in ch)
+            held += (1 if ch is last else flight) * saved
+        work_set = max(c.saved_bytes for ch in chunk_list for c in ch)
+        out = {"parameters": params * pb // (p.dp if p.zero == 3 else 1),
+               "gradients": params * gb // (p.dp if p.zero >= 2 else 1),
+               "optimizer": params * ob // (p.dp if p.zero >= 1 else 1),
+               "activations": int(p.microbatch * held),
+               "working": p.microbatch * work_set}
+        if sum(out.values()) > sum(best.values()):
+            best = out
+    return best
+
+
+def _in_flight(p: PlanPoint, rank: int, m: int) -> float:
+    """Micro-batches whose activations rank `rank` holds at once."""
+    if p.pp == 1:
+        return 1
+    if p.schedule == "gpipe":
+        return m
+    if p.schedule == "interleaved":  # Megatron-LM: pp (1 + (pp - 1) / (pp v)) on rank 0
+        return min(m, p.pp - rank + (p.pp - 1) / p.virtual)
+    return min(m, p.pp - rank)
+
+
+# ---- the search --------------------------------------------------------------------------------
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def points(work: Workload, cluster: Cluster, fixed: dict[str, Any] | None = None
+           ) -> Iterator[PlanPoint]:
+    """Every plan of the space that `fixed` (a partial spelling) allows."""
+    fixed = fixed or {}
+    n = cluster.devices
+    blocks = {t: len(parts) for t, parts in work.parts.items()}
+    for tp in sorted(work.parts):
+        if n % tp or tp > cluster.per_node:
+            continue
+        for pp in _divisors(n // tp):
+            if pp > max(1, work.layers or blocks[tp]):
+                continue
+            dp = n // (tp * pp)
+            if work.sequences % dp:
+                continue
+            for b in MICROBATCHES:
+                if (work.sequences // dp) % b:
+                    continue
+                m = work.sequences // (dp * b)
+                for schedule, virtual in _schedules(pp, m, work.layers or blocks[tp]):
+                    for zero in ((0, 1) if pp > 1 else (0, 1, 2, 3)) if dp > 1 else (0,):
+                        for rec in ("none", "full"):
+                            pt = PlanPoint(dp, tp, pp, zero, b, schedule, virtual, rec,
+                                           work.precision)
+                            if all(getattr(pt, k) == v for k, v in fixed.items()):
+                                yield pt
+
+
+def _schedules(pp: int, m: int, layers: int) -> list[tuple[str, int]]:
+    if pp == 1:
+        return [("1f1b", 1)]
+    out = [("1f1b", 1), ("zbh1", 1)]
+    for v in range(2, 9):
+        if layers % (pp * v) == 0 and m % pp == 0:
+            out.append(("interleaved", v))
+    return out
+
+
+def search(work: Workload, cluster: Cluster, fixed: dict[str, Any] | None = None,
+           overlap: bool = True) -> list[PricedPlan]:
+    """Every allowed plan priced, those that fit first, each group by step time."""
+    fixed = dict(fixed or {})
+    if "precision" in fixed and fixed["precision"] != work.precision:
+        raise ConfigError(f"plan: the workload was priced at {work.precision}; price it at "
+                          f"{fixed['precision']} (precision=...) to plan that")
+    priced = [evaluate(pt, work, cluster, overlap)
+              for pt in _fixed_points(work, cluster, fixed)]
+    if not priced:
+        raise ConfigError(f"plan: no plan of {cluster.devices} devices matches "
+                          f"{_spell(fixed) or 'the search space'} for a global batch of "
+                          f"{work.sequences} sequences and tp in {sorted(work.parts)}")
+    return sorted(priced, key=lambda r: (not r.fits, r.step_s, r.peak_bytes))
+
+
+def _fixed_points(work: Workload, cluster: Cluster, fixed: dict[str, Any]
+                  ) -> list[PlanPoint]:
+    """`points`, plus the exact plan `fixed` spells where it is outside the search space
+    (ZeRO-2/3 with pipelining, GPipe, more virtual stages): --fix prices any of them."""
+    found = list(points(work, cluster, fixed))
+    if not found and set(fixed) >= {"dp", "tp", "pp", "microbatch"}:
+        defaults = {"zero": 0, "schedule": "1f1b", "virtual": 1, "recompute": "none",
+                    "precision": work.precision}
+        pt = PlanPoint(**{**defaults, **fixed})
+        evaluate(pt, work, cluster)  # raises a typed error where the plan is impossible
+        found = [pt]
+    return found
+
+
+def _spell(fixed: dict[str, Any]) -> str:
+    return ",".join(f"{k}={v}" for k, v in fixed.items())
+
+
+def explain(plans: list[PricedPlan], top: int = 3) -> list[str]:
+    """Why the first plan beats the next ones: the terms where they differ most."""
+    if not plans:
+        return []
+    best = plans[0]
+    lines = []
+    for other in plans[1:top + 1]:
+        diffs = {k: other.breakdown.get(k, 0.0) - best.breakdown.get(k, 0.0)
+                 for k in set(best.breakdown) | set(other.breakdown)}
+        worst = sorted(diffs.items(), key=lambda kv: -abs(kv[1]))[:2]
+        terms = ", ".join(f"{k} {v * 1e3:+.1f} ms" for k, v in worst)
+        lines.append(f"{other.point.spelling()}: {other.step_s / best.step_s:.3f}x the step "
+                     f"time ({terms})" + ("" if other.fits else "; does not fit"))
+    return lines
