@@ -250,9 +250,42 @@ def measure_link(group: Any = None, device: str = "cpu", reps: int = 5) -> LinkP
     figures = torch.tensor([latency, bandwidth], dtype=torch.float64)
     dist.broadcast(figures, src=dist.get_global_rank(group, 0) if group is not None else 0,
                    group=group)
-    return LinkProfile(f"measured-{dist.get_backend(group)}", float(figures[0]),
+    link = LinkProfile(f"measured-{dist.get_backend(group)}", float(figures[0]),
                        float(figures[1]), f"timed all_reduce of {small} B and {large} B, median "
                        f"of {reps}, on {n} ranks ({dist.get_backend(group)})")
+    if group is None and dist.get_rank() == 0:
+        _save_link(link, dist.get_backend(), n)
+    return link
+
+
+def _link_path(backend: str, ranks: int) -> Any:
+    from glmc.analysis.calibration import cache_dir, machine_info
+    cpu = re.sub(r"[^A-Za-z0-9]+", "-", str(machine_info()["cpu"]))[:40]
+    return cache_dir() / f"link-{backend}-{ranks}-{cpu}.json"
+
+
+def _save_link(link: LinkProfile, backend: str, ranks: int) -> None:
+    """Keep this host's measured link for the planner (`glmc plan --cluster local`)."""
+    import json
+    try:
+        path = _link_path(backend, ranks)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"name": link.name, "latency_s": link.latency_s,
+                                    "bandwidth": link.bandwidth, "source": link.source,
+                                    "call_s": link.call_s, "date": time.strftime("%Y-%m-%d")}))
+    except OSError:
+        pass  # a read-only cache costs the planner its measured link, nothing else
+
+
+def cached_link(backend: str, ranks: int) -> LinkProfile | None:
+    """The link the last run of `ranks` local processes measured on this host, if any."""
+    import json
+    try:
+        d = json.loads(_link_path(backend, ranks).read_text())
+        return LinkProfile(d["name"], d["latency_s"], d["bandwidth"],
+                           f"{d['source']}; cached {d['date']}", d.get("call_s", 0.0))
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def measure_waits(run: Any) -> tuple[Any, float]:

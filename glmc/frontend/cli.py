@@ -150,6 +150,11 @@ def _parallel_args(c: argparse.ArgumentParser) -> None:
     parallel plan, generated from it (glmc.parallel.plan.ParallelPlan)."""
     from glmc.parallel.plan import ParallelPlan
     ParallelPlan.add_arguments(c)
+    c.add_argument("--plan", dest="plan_spelling", default=None, metavar="SPELLING",
+                   help="run a plan `glmc plan` printed (dp=..,tp=..,pp=..,zero=..,"
+                        "microbatch=..,schedule=..,virtual=..,recompute=..,precision=..) "
+                        "instead of the flags above, or auto: the top plan for this machine's "
+                        "--nproc processes (glmc plan --cluster local)")
 
 
 def _pipeline_args(c: argparse.ArgumentParser, precisions: tuple[str, ...]) -> None:
@@ -182,6 +187,12 @@ def _steps(text: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser, commands = _parser()
     args = parser.parse_args(argv)
+    if getattr(args, "plan_spelling", None):
+        from glmc.frontend.planning import apply_plan
+        try:
+            argv = apply_plan(args, sys.argv[1:] if argv is None else list(argv))
+        except GlmcError as e:
+            commands[args.command].error(f"--plan: {e}")  # exits 2
     if args.command in ("compile", "train"):
         from glmc.parallel.plan import ParallelPlan
         args.plan = ParallelPlan.from_args(args)

@@ -119,3 +119,91 @@ def format_table(plans: list[PricedPlan]) -> str:
                      "runs" if not gaps else "not yet: " + "; ".join(gaps)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+# ---- running a plan: glmc compile FILE --plan SPELLING|auto ------------------------------------
+
+_PLAN_FLAGS = ("tp", "pp", "zero", "microbatches", "schedule", "accumulate")
+
+
+def apply_plan(args: argparse.Namespace, argv: list[str]) -> list[str]:
+    """Set the flags `--plan` stands for on `args` (the launcher and every rank do this) and
+    return `argv` with `--plan auto` replaced by the spelling it chose, so ranks do not search
+    again. Typed errors: a spelling that does not parse, that does not match --nproc, or that
+    the runtime cannot run yet."""
+    import os
+    from glmc.errors import ConfigError
+    from glmc.frontend.workload import load_workload
+    from glmc.parallel.planner import PlanPoint, _rows
+
+    launched = "WORLD_SIZE" in os.environ
+    world = int(os.environ["WORLD_SIZE"]) if launched else (args.nproc or 1)
+    given = [f"--{f}" for f in _PLAN_FLAGS if getattr(args, f, None) is not None]
+    if given and not launched:
+        raise ConfigError(f"give either --plan or {', '.join(given)}, not both")
+    w = load_workload(args.file)
+    rows, _ = _rows(w.example_inputs)
+    spelling = args.plan_spelling
+    if spelling == "auto":
+        point = _auto(w, world, rows)
+        argv = [point.spelling() if a == "auto" and i and argv[i - 1] == "--plan" else a
+                for i, a in enumerate(argv)]
+        argv = [f"--plan={point.spelling()}" if a == "--plan=auto" else a for a in argv]
+    else:
+        fixed = parse_spelling(spelling)
+        tp, pp = fixed.get("tp", 1), fixed.get("pp", 1)
+        dp = fixed.get("dp", max(1, world // (tp * pp)))
+        schedule = fixed.get("schedule", "1f1b")
+        point = PlanPoint(dp, tp, pp, fixed.get("zero", 0), fixed.get("microbatch", rows // dp),
+                          schedule, fixed.get("virtual", 2 if schedule == "interleaved" else 1),
+                          fixed.get("recompute", "none"), fixed.get("precision", "fp32"))
+        if point.devices != world:
+            raise ConfigError(f"the plan {point.spelling()} runs on dp x tp x pp = "
+                              f"{point.devices} processes, but --nproc is {world}")
+    _set_flags(args, point, rows, launched)
+    return argv
+
+
+def _auto(w: Any, world: int, rows: int) -> Any:
+    """The top plan for `world` local processes that fits and that the runtime can run."""
+    from glmc.errors import ConfigError
+    plans = plan(w.model, w.example_inputs, "local", w.loss_fn, w.optimizer, nproc=world)
+    for rank, p in enumerate(plans, 1):
+        accumulates = rows // (p.point.dp * p.point.microbatch) > 1
+        if p.fits and not p.point.runtime_gaps() and not (p.point.tp > 1 and accumulates):
+            print(f"glmc: --plan auto: plan {rank} of {len(plans)} for {world} local "
+                  f"process(es): {p.point.spelling()} (predicted {p.step_s * 1e3:.1f} ms, "
+                  f"{p.peak_bytes / GiB:.2f} GiB per process)", flush=True)
+            return p.point
+    raise ConfigError(f"no plan for {world} local processes fits and runs; see glmc plan FILE "
+                      "--cluster local")
+
+
+def _set_flags(args: argparse.Namespace, point: Any, rows: int, launched: bool) -> None:
+    from glmc.errors import ConfigError
+    gaps = point.runtime_gaps()
+    if rows % (point.dp * point.microbatch):
+        raise ConfigError(f"the global batch of {rows} sequences does not split into "
+                          f"dp={point.dp} x microbatch={point.microbatch}")
+    m = rows // (point.dp * point.microbatch)
+    if point.tp > 1 and m > 1:
+        gaps.append("gradient accumulation beside tensor parallelism")
+    if gaps:
+        raise ConfigError(f"glmc cannot run {point.spelling()} yet: {'; '.join(gaps)} "
+                          "(glmc plan prices it; pick a plan marked 'runs')")
+    if not launched and point.devices > 1:
+        args.nproc = point.devices
+    args.tp = point.tp if point.tp > 1 else None
+    args.pp = point.pp if point.pp > 1 else None
+    args.zero = point.zero if point.devices > 1 else None
+    if point.pp > 1:
+        args.microbatches, args.schedule = m, point.schedule
+    elif m > 1:
+        args.accumulate = m
+    if point.recompute == "full" and getattr(args, "memory_budget", None) is None:
+        args.memory_budget = "min"
+    if point.precision != "fp32":
+        if args.precision not in (None, point.precision):
+            raise ConfigError(f"the plan trains in {point.precision} but --precision is "
+                              f"{args.precision}")
+        args.precision = point.precision

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any
 
-from glmc.analysis.comm import LINKS, LinkProfile, get_link
+from glmc.analysis.comm import LINKS, LinkProfile, cached_link, get_link
 from glmc.analysis.cost import get_profile
 from glmc.analysis.profiles import DeviceProfile
 from glmc.errors import ConfigError
@@ -96,13 +96,31 @@ def device_kind(name: str, per_node: int = 1) -> DeviceKind:
     if name in kinds:
         return kinds[name]
     if name in ("host", "local"):
-        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return DeviceKind("host", get_profile("host"), int(mem * 0.8) // max(1, per_node),
-                          link("loopback"), link("loopback"), "fp32",
-                          "this machine, calibrated (glmc.analysis.calibration); 80% of its "
-                          "memory split between its processes")
+        return _host(per_node)
     raise ConfigError(f"cluster: unknown device profile {name!r}; known: "
                       f"{', '.join(DEVICE_KINDS)}")
+
+
+def _host(per_node: int) -> DeviceKind:
+    """This machine running `per_node` processes: each with the host profile calibrated at
+    one thread when there are several (torchrun sets OMP_NUM_THREADS=1), its share of 80% of
+    the memory, and the gloo link the last run of that many processes measured (else a
+    loopback guess)."""
+    import torch
+    threads = torch.get_num_threads()
+    if per_node > 1:
+        torch.set_num_threads(1)
+    try:
+        profile = get_profile("host")
+    finally:
+        torch.set_num_threads(threads)
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    measured = cached_link("gloo", per_node) if per_node > 1 else None
+    lk = measured or link("loopback")
+    return DeviceKind("host", profile, int(mem * 0.8) // max(1, per_node), lk, lk, "fp32",
+                      "this machine, calibrated (glmc.analysis.calibration); link "
+                      + (measured.source if measured else "not measured yet (a guess: run "
+                         "glmc compile --nproc N once to measure it)"))
 
 
 @dataclass(frozen=True)

@@ -38,8 +38,8 @@ import copy
 import dataclasses
 import math
 import time
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Iterable
 
 import torch
 import torch.nn as nn
@@ -51,8 +51,8 @@ from glmc.analysis.predict import predict
 from glmc.compiler.passmanager import PassContext
 from glmc.errors import ConfigError, GlmcError
 from glmc.ir.graph import MeshSpec, Phase, Role, TrainGraph, is_comm
-from glmc.parallel.cluster import Cluster, DeviceKind
-from glmc.passes.partition import balanced_cut, owner, step_blocks
+from glmc.parallel.cluster import DeviceKind
+from glmc.passes.partition import owner, step_blocks
 from glmc.passes.tensor_parallel import TensorParallelPass
 from glmc.trace.capture import capture, split_batch
 from glmc.trace.optim import resolve_optimizer
@@ -232,7 +232,8 @@ def price_workload(model: nn.Module, example_inputs: Any, loss_fn: Any = None,
     started = time.perf_counter()
     rows, tokens = _rows(example_inputs)
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    work = _fake_copy(model, fake, _DTYPES[precision])
+    memo: dict[int, Any] = {}
+    work = _fake_copy(model, fake, _DTYPES[precision], memo)
     found = _layer_list(work)
     layers, list_name, notes = 0, "", []
     if found is not None:
@@ -243,7 +244,7 @@ def price_workload(model: nn.Module, example_inputs: Any, loss_fn: Any = None,
         setattr(parent, attr, nn.ModuleList(list(full)[:keep_layers]))
         notes.append(f"{layers} identical layers in {list_name}: {keep_layers} captured, the "
                      "rest priced as copies")
-    opt = _fresh_optimizer(work, optimizer)
+    opt = _fresh_optimizer(work, optimizer, memo)
     with fake:
         batch = _one_sequence(example_inputs, rows, fake)
     graph = capture(work, batch, loss_fn, opt)
@@ -260,11 +261,12 @@ def price_workload(model: nn.Module, example_inputs: Any, loss_fn: Any = None,
                     time.perf_counter() - started, tuple(notes))
 
 
-def _fake_copy(model: nn.Module, fake: FakeTensorMode, dtype: torch.dtype) -> nn.Module:
+def _fake_copy(model: nn.Module, fake: FakeTensorMode, dtype: torch.dtype,
+               memo: dict[int, Any]) -> nn.Module:
     """A copy of `model` whose parameters and buffers are fake CPU tensors (no memory; a
     model on the meta device plans as one in memory), floating ones in `dtype`, dropout off
-    (random ops are not priced, and the tensor-parallel pass refuses them)."""
-    memo: dict[int, Any] = {}
+    (random ops are not priced, and the tensor-parallel pass refuses them). `memo` maps
+    each original tensor to its fake (for the optimizer's copy)."""
     with fake:
         for t in [*model.parameters(), *model.buffers()]:
             kind = dtype if t.is_floating_point() else t.dtype
@@ -280,11 +282,21 @@ def _fake_copy(model: nn.Module, fake: FakeTensorMode, dtype: torch.dtype) -> nn
     return work.train()
 
 
-def _fresh_optimizer(model: nn.Module, optimizer: Any) -> torch.optim.Optimizer:
-    """The user's optimizer kind and settings over the planning copy's parameters."""
+def _fresh_optimizer(model: nn.Module, optimizer: Any, memo: dict[int, Any]
+                     ) -> torch.optim.Optimizer:
+    """The user's optimizer (kind, groups, settings) over the planning copy's parameters:
+    a copy through the same memo, holding only the parameters the copy kept."""
     if optimizer is None:
         return resolve_optimizer(model, None)
-    return type(optimizer)(model.parameters(), **optimizer.defaults)
+    live = {id(p) for p in model.parameters()}
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        opt = copy.deepcopy(optimizer, memo)
+    opt.param_groups = [g for g in opt.param_groups
+                        if g.update(params=[p for p in g["params"] if id(p) in live]) or
+                        g["params"]]
+    for p in [p for p in opt.state if id(p) not in live]:
+        del opt.state[p]
+    return opt
 
 
 def _shard(graph: TrainGraph, t: int) -> TrainGraph:

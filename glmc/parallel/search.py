@@ -8,12 +8,11 @@ schedules; recompute) and ranks the plans that fit by step time. The model of ea
 """
 from __future__ import annotations
 
-import dataclasses
-import itertools
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass
 from typing import Any, Iterator
 
-from glmc.analysis.comm import collective_seconds
+from glmc.analysis.comm import choose_allreduce, collective_seconds
 from glmc.errors import ConfigError
 from glmc.parallel.cluster import Cluster, DeviceKind
 from glmc.parallel.planner import (_STATE, MICROBATCHES, PartCost, PlanPoint, Workload,
@@ -87,7 +86,7 @@ def evaluate(p: PlanPoint, work: Workload, cluster: Cluster, overlap: bool = Tru
     per_mb = sum(per_rank[slow])
     extra = {"1f1b": p.pp - 1, "gpipe": p.pp - 1, "zbh1": (p.pp - 1) / 3,
              "interleaved": (p.pp - 1) / p.virtual}[p.schedule] if p.pp > 1 else 0
-    sync, update = _sync_and_update(p, ranks, dp_link, work, m, per_rank, overlap)
+    sync, update = _sync_and_update(p, ranks, dp_link, work, m, per_rank, overlap, cluster)
     comp, rec, tp, p2p = (m * x for x in per_rank[slow])
     breakdown = {"compute": comp, "recompute": rec, "tp_comm": tp, "p2p": p2p,
                  "bubble": extra * per_mb, **sync, "update": update}
@@ -129,26 +128,45 @@ def _check_point(p: PlanPoint, work: Workload, cluster: Cluster) -> None:
                           f"the model has {blocks}")
 
 
+@functools.lru_cache(maxsize=512)
 def _split(parts: tuple[PartCost, ...], chunks: int, recompute: bool
-           ) -> list[list[PartCost]]:
+           ) -> tuple[tuple[PartCost, ...], ...]:
     """Contiguous chunks: identical layers evenly (the glue before and after rides on the
-    first and last chunk, as Megatron-LM places embedding and head), otherwise cut to balance
-    the predicted time."""
+    first and last chunk, as Megatron-LM places embedding and head) where that is within 5%
+    of balanced; otherwise the cut `passes.partition.balanced_cut` finds for the predicted
+    times (e.g. fewer layers beside a large LM head)."""
+    def seconds(c: PartCost) -> float:
+        return c.forward_s * (2 if recompute and _is_layer(c) else 1) + c.backward_s
     layers = [i for i, c in enumerate(parts) if _is_layer(c) and c.name[6:].isdigit()]
-    if layers and len(layers) % chunks == 0:
+    bounds: list[int] = []
+    if chunks > 1 and layers and len(layers) % chunks == 0:
         per = len(layers) // chunks
         bounds = [layers[0] + k * per for k in range(1, chunks)]
-    elif chunks == 1:
-        bounds = []
-    else:
-        times = [[c.forward_s * (2 if recompute else 1) + c.backward_s for c in parts]] * chunks
+        per_chunk = [sum(seconds(c) for c in parts[i:j])
+                     for i, j in zip([0, *bounds], [*bounds, len(parts)])]
+        if max(per_chunk) > 1.05 * sum(per_chunk) / chunks:
+            bounds = []
+    if chunks > 1 and not bounds:
+        times = [[seconds(c) for c in parts]] * chunks
         bounds = list(balanced_cut(times, [0.0] * len(parts), chunks))
     edges = [0, *bounds, len(parts)]
-    return [list(parts[i:j]) for i, j in zip(edges, edges[1:])]
+    return tuple(tuple(parts[i:j]) for i, j in zip(edges, edges[1:]))
+
+
+def _all_reduce(nbytes: int, p: PlanPoint, link: Any, cluster: Cluster) -> float:
+    """A data-parallel all-reduce: one ring, or where the group spans nodes the faster of a
+    flat ring and the hierarchical one (inside each node, across, inside again)."""
+    if p.dp * p.tp <= cluster.per_node:
+        return collective_seconds("all_reduce", nbytes, p.dp, link)
+    per_node = max(1, cluster.per_node // p.tp)
+    dev = _slowest(cluster)
+    c = choose_allreduce(nbytes, p.dp // per_node, per_node, dev.intra, dev.inter)
+    return min(c.flat_seconds, c.hierarchical_seconds)
 
 
 def _sync_and_update(p: PlanPoint, ranks: list, link: Any, work: Workload, m: int,
-                     per_rank: list, overlap: bool) -> tuple[dict[str, float], float]:
+                     per_rank: list, overlap: bool, cluster: Cluster
+                     ) -> tuple[dict[str, float], float]:
     """Exposed data-parallel synchronisation (by collective kind) and the update, on the
     rank where they take longest."""
     worst: tuple[float, dict[str, float], float] = (-1.0, {}, 0.0)
@@ -159,7 +177,7 @@ def _sync_and_update(p: PlanPoint, ranks: list, link: Any, work: Workload, m: in
         kinds: dict[str, float] = {}
         if p.dp > 1:
             if p.zero == 0:
-                kinds["all_reduce"] = collective_seconds("all_reduce", grad_bytes, p.dp, link)
+                kinds["all_reduce"] = _all_reduce(grad_bytes, p, link, cluster)
             else:
                 kinds["reduce_scatter"] = collective_seconds("reduce_scatter_tensor",
                                                              grad_bytes, p.dp, link)
