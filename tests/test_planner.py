@@ -218,3 +218,23 @@ def test_every_published_megatron_row() -> None:
             assert plan.fits, row
     assert all(abs(e) <= 0.30 for e in errors), errors
     assert statistics.median(abs(e) for e in errors) <= 0.15, errors
+
+
+def test_a_heterogeneous_cluster_gets_an_uneven_split_faster_than_an_even_one() -> None:
+    """Half H100, half A100-40GB: the stage on the faster devices takes more layers."""
+    model, batch = _llama(layers=8, hidden=1024, heads=8, batch=8, seq=1024)
+    cluster = Cluster.parse("1x2:h100-80g+1x2:a100-40g")
+    work = price_workload(model, batch, device=cluster.groups[0].device, tps=(1,),
+                          others=[cluster.groups[1].device])
+    point = PlanPoint(2, 1, 2, 0, 4, "1f1b", 1, "none", "bf16")
+    uneven = evaluate(point, work, cluster)
+    even = evaluate(point, work, cluster, cut="equal")
+    assert uneven.stage_devices == ("h100-80g", "a100-40g")
+    assert uneven.stage_parts[0] > uneven.stage_parts[1]
+    assert even.stage_parts == (5, 5)  # embedding + 4 layers, 4 layers + head
+    assert uneven.step_s < even.step_s
+    plans = search(work, cluster)
+    assert plans and all(p.point.pp % 2 == 0 and p.point.virtual == 1 for p in plans)
+    with pytest.raises(ConfigError, match="spans two device kinds"):
+        evaluate(PlanPoint(2, 1, 2, 0, 4, "1f1b", 1, "none", "bf16"),
+                 work, Cluster.parse("1x1:h100-80g+3x1:a100-40g"))

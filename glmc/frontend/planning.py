@@ -71,7 +71,8 @@ def _plan(model: Any, example_inputs: Any, cluster: str, loss_fn: Any, optimizer
     if "tp" in fixed:
         tps = [fixed["tp"]]
     work = price_workload(model, example_inputs, loss_fn, optimizer, device,
-                          precision or fixed.get("precision"), tps)
+                          precision or fixed.get("precision"), tps,
+                          others=[g.device for g in cl.groups[1:]])
     return search(work, cl, fixed, overlap), work, cl
 
 
@@ -96,6 +97,12 @@ def run_plan(args: argparse.Namespace) -> int:
         print(f"glmc: error: no plan fits in {cl.groups[0].device.memory_bytes / GiB:.1f} GiB "
               f"per device; the smallest needs {need / GiB:.1f} GiB per device")
         return 1
+    if cl.heterogeneous and plans[0].point.pp > 1:
+        from glmc.parallel.search import evaluate
+        even = evaluate(plans[0].point, work, cl, not args.no_overlap, cut="equal")
+        print(f"  stages on {', '.join(plans[0].stage_devices)}: blocks per stage "
+              f"{list(plans[0].stage_parts)} ({plans[0].step_s * 1e3:.1f} ms); an even split "
+              f"{list(even.stage_parts)} would take {even.step_s * 1e3:.1f} ms")
     if args.explain:
         for line in explain(plans):
             print(f"  vs {line}")

@@ -50,7 +50,7 @@ from glmc.analysis.opcost import op_cost
 from glmc.analysis.predict import predict
 from glmc.compiler.passmanager import PassContext
 from glmc.errors import ConfigError, GlmcError
-from glmc.ir.graph import MeshSpec, Phase, Role, TrainGraph, is_comm
+from glmc.ir.graph import MeshSpec, Phase, Role, TrainGraph, is_comm, is_view
 from glmc.parallel.cluster import DeviceKind
 from glmc.passes.partition import owner, step_blocks
 from glmc.passes.tensor_parallel import TensorParallelPass
@@ -170,6 +170,12 @@ class Workload:
     device: str
     capture_s: float
     notes: tuple[str, ...] = ()
+    #: the same blocks priced on each other device kind of a heterogeneous cluster
+    by_device: dict[str, dict[int, tuple[PartCost, ...]]] = dataclasses.field(
+        default_factory=dict)
+
+    def parts_on(self, device: str, tp: int) -> tuple[PartCost, ...]:
+        return self.by_device.get(device, self.parts)[tp]
 
     def model_flops(self) -> float:
         """Forward + backward FLOPs of one step (no recompute), from the captured graph."""
@@ -223,8 +229,9 @@ def _rows(batch: Any) -> tuple[int, int]:
 def price_workload(model: nn.Module, example_inputs: Any, loss_fn: Any = None,
                    optimizer: Any = None, device: DeviceKind | None = None,
                    precision: str | None = None, tps: Iterable[int] = (1, 2, 4, 8),
-                   keep_layers: int = 2) -> Workload:
-    """Capture the step on one sequence (clustered layers) and price it per tp degree."""
+                   keep_layers: int = 2, others: Iterable[DeviceKind] = ()) -> Workload:
+    """Capture the step on one sequence (clustered layers) and price it per tp degree on
+    `device` (and on each of `others`, for heterogeneous clusters)."""
     if device is None:
         from glmc.parallel.cluster import device_kind
         device = device_kind("host")
@@ -249,16 +256,20 @@ def price_workload(model: nn.Module, example_inputs: Any, loss_fn: Any = None,
         batch = _one_sequence(example_inputs, rows, fake)
     graph = capture(work, batch, loss_fn, opt)
     parts, errors = {}, {}
+    by_device: dict[str, dict[int, tuple[PartCost, ...]]] = {}
     for t in sorted(set(tps) | {1}):
         try:
             local = _shard(graph, t)
         except GlmcError as e:
             errors[t] = str(e)
             continue
-        priced = _price(local, device, list_name, t)
-        parts[t] = _expand(priced, list_name, layers, keep_layers)
+        parts[t] = _expand(_price(local, device, t), list_name, layers, keep_layers)
+        for other in others:
+            if other.name != device.name:
+                by_device.setdefault(other.name, {})[t] = _expand(
+                    _price(local, other, t), list_name, layers, keep_layers)
     return Workload(layers, list_name, rows, tokens, parts, errors, precision, device.name,
-                    time.perf_counter() - started, tuple(notes))
+                    time.perf_counter() - started, tuple(notes), by_device)
 
 
 def _fake_copy(model: nn.Module, fake: FakeTensorMode, dtype: torch.dtype,
@@ -315,7 +326,7 @@ def _traits(device: DeviceKind) -> Any:
     return get_backend("inductor" if device.profile.kind == "cuda" else "eager").traits()
 
 
-def _price(graph: TrainGraph, device: DeviceKind, list_name: str, t: int) -> list[PartCost]:
+def _price(graph: TrainGraph, device: DeviceKind, t: int) -> list[PartCost]:
     """Each block of `graph` (one tp rank's program on one sequence) priced on `device`.
     Seconds are split into work (scales with the micro-batch) and per-kernel launch or
     dispatch overhead (paid once per micro-batch)."""
@@ -344,7 +355,7 @@ def _price(graph: TrainGraph, device: DeviceKind, list_name: str, t: int) -> lis
             a["o"] += launch
             a["f" if fwd else "b"] += max(0.0, seconds[n.name] - launch)
         a["ff" if fwd else "bf"] += op_cost(n).flops * t  # the whole group's work
-        if fwd and info.spec is not None:
+        if fwd and info.spec is not None and not is_view(n):  # a view holds no new storage
             users = [graph.info(u) for u in n.users if u.op == "call_function"]
             if any(u.phase is Phase.BACKWARD for u in users):
                 a["saved"] += info.spec.nbytes

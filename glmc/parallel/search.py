@@ -32,7 +32,7 @@ class PricedPlan:
     hardware_tflops: float  #: per device, recomputed forward work included
     mfu: float
     stage_parts: tuple[int, ...]  #: blocks per stage (first and last glue included)
-    notes: tuple[str, ...] = ()
+    stage_devices: tuple[str, ...] = ()  #: each pipeline stage's device kind
 
     @property
     def peak_bytes(self) -> int:
@@ -46,60 +46,133 @@ class PricedPlan:
                 "peak_bytes_per_device": self.peak_bytes, "fits": self.fits,
                 "breakdown_seconds": dict(self.breakdown), "memory_bytes": dict(self.memory),
                 "stage_blocks": list(self.stage_parts),
-                "runtime_gaps": self.point.runtime_gaps(), "notes": list(self.notes)}
+                "stage_devices": list(self.stage_devices),
+                "runtime_gaps": self.point.runtime_gaps()}
 
 
 # ---- one plan ----------------------------------------------------------------------------------
 
-def evaluate(p: PlanPoint, work: Workload, cluster: Cluster, overlap: bool = True
-             ) -> PricedPlan:
+def evaluate(p: PlanPoint, work: Workload, cluster: Cluster, overlap: bool = True,
+             cut: str | None = None) -> PricedPlan:
     """Predict plan `p` of `work` on `cluster` (see glmc.parallel.planner). `overlap`: the
     data-parallel gradient synchronisation overlaps the last micro-batch's backward (glmc's
-    runtime buckets it); False: it follows the backward (Megatron-LM of 2021)."""
+    runtime buckets it); False: it follows the backward (Megatron-LM of 2021). `cut`:
+    "equal" prices an equal split of the layers over heterogeneous stages instead of the cut
+    balanced on each stage's device."""
     _check_point(p, work, cluster)
-    dev = _slowest(cluster)
-    parts = work.parts[p.tp]
+    devs = _stage_devices(p, cluster)
     m = work.sequences // (p.dp * p.microbatch)
-    chunks = _split(parts, p.pp * p.virtual, p.recompute == "full")
+    chunks = _chunks(p, work, devs, cut)
     ranks = [[c for i, c in enumerate(chunks) if i % p.pp == r] for r in range(p.pp)]
-    b = p.microbatch
-    intra, inter = dev.intra, dev.inter
-    dp_link = intra if p.dp * p.tp <= cluster.per_node else inter
-    pp_link = intra if p.dp * p.tp * p.pp <= cluster.per_node else inter
-    per_rank = []
-    for chunk_list in ranks:
-        comp = sum(b * (c.forward_s + c.backward_s) + c.overhead_s
-                   for ch in chunk_list for c in ch)
-        rec = sum(b * c.forward_s + c.overhead_s / 3 for ch in chunk_list for c in ch
-                  if p.recompute == "full" and _is_layer(c))
-        tp = sum(collective_seconds("all_reduce", nbytes * b, p.tp, intra)
-                 for ch in chunk_list for c in ch for phase, nbytes in c.tp_bytes
-                 for _ in range(1 + (p.recompute == "full" and _is_layer(c)
-                                     and phase == "forward")))
-        p2p = 0.0
-        for ch in chunk_list:  # each chunk but the model's last sends its output forward and
-            if ch is not chunks[-1]:  # receives its gradient back, per micro-batch
-                nbytes = ch[-1].out_bytes * b
-                p2p += 2 * (pp_link.latency_s + nbytes / pp_link.bandwidth)
-        per_rank.append((comp, rec, tp, p2p))
+    per_rank = [_rank_costs(p, chunk_list, chunks[-1], devs[r], cluster)
+                for r, chunk_list in enumerate(ranks)]
     slow = max(range(p.pp), key=lambda r: sum(per_rank[r]))
     per_mb = sum(per_rank[slow])
     extra = {"1f1b": p.pp - 1, "gpipe": p.pp - 1, "zbh1": (p.pp - 1) / 3,
              "interleaved": (p.pp - 1) / p.virtual}[p.schedule] if p.pp > 1 else 0
+    dev = devs[0]
+    dp_link = dev.intra if p.dp * p.tp <= cluster.per_node else dev.inter
     sync, update = _sync_and_update(p, ranks, dp_link, work, m, per_rank, overlap, cluster)
     comp, rec, tp, p2p = (m * x for x in per_rank[slow])
     breakdown = {"compute": comp, "recompute": rec, "tp_comm": tp, "p2p": p2p,
                  "bubble": extra * per_mb, **sync, "update": update}
     step = sum(breakdown.values())
-    memory = _memory(p, ranks, chunks[-1], work, m)
+    memories = [_memory(p, chunk_list, r, chunks[-1], work, m)
+                for r, chunk_list in enumerate(ranks)]
+    fits = all(sum(mem.values()) <= devs[r].memory_bytes for r, mem in enumerate(memories))
+    memory = max(memories, key=lambda mem: sum(mem.values()))
     tokens = work.sequences * work.tokens_per_sequence
     model = work.model_flops()
     hardware = model + (work.layer_forward_flops() if p.recompute == "full" else 0.0)
     n = p.devices
-    return PricedPlan(p, step, breakdown, memory, sum(memory.values()) <= dev.memory_bytes,
-                      tokens / step, model / step / n / 1e12, hardware / step / n / 1e12,
-                      model / step / n / dev.peak_flops,
-                      tuple(sum(len(ch) for ch in r) for r in ranks))
+    peak = sum(d.peak_flops for d in devs) / len(devs)
+    return PricedPlan(p, step, breakdown, memory, fits, tokens / step,
+                      model / step / n / 1e12, hardware / step / n / 1e12,
+                      model / step / n / peak, tuple(sum(len(ch) for ch in r) for r in ranks),
+                      tuple(d.name for d in devs))
+
+
+def _rank_costs(p: PlanPoint, chunk_list: list, last: tuple, dev: DeviceKind,
+                cluster: Cluster) -> tuple[float, float, float, float]:
+    """One micro-batch on one pipeline rank: compute, recompute, tensor-parallel all-reduces
+    (not overlapped) and sends/receives to the neighbouring stages."""
+    b = p.microbatch
+    pp_link = dev.intra if p.dp * p.tp * p.pp <= cluster.per_node else dev.inter
+    comp = sum(b * (c.forward_s + c.backward_s) + c.overhead_s
+               for ch in chunk_list for c in ch)
+    rec = sum(b * c.forward_s + c.overhead_s / 3 for ch in chunk_list for c in ch
+              if p.recompute == "full" and _is_layer(c))
+    tp = sum(collective_seconds("all_reduce", nbytes * b, p.tp, dev.intra)
+             for ch in chunk_list for c in ch for phase, nbytes in c.tp_bytes
+             for _ in range(1 + (p.recompute == "full" and _is_layer(c)
+                                 and phase == "forward")))
+    p2p = 0.0
+    for ch in chunk_list:  # each chunk but the model's last sends its output forward and
+        if ch is not last:  # receives its gradient back, per micro-batch
+            nbytes = ch[-1].out_bytes * b
+            p2p += 2 * (pp_link.latency_s + nbytes / pp_link.bandwidth)
+    return comp, rec, tp, p2p
+
+
+def _stage_devices(p: PlanPoint, cluster: Cluster) -> list[DeviceKind]:
+    """Each pipeline stage's device kind: ranks are numbered group by group, node by node,
+    and a stage is dp x tp consecutive ranks."""
+    if not cluster.heterogeneous:
+        return [cluster.groups[0].device] * p.pp
+    starts, at = [], 0
+    for g in cluster.groups:
+        starts.append((at, at + g.devices, g.device))
+        at += g.devices
+    per_stage = p.dp * p.tp
+    out = []
+    for s in range(p.pp):
+        lo, hi = s * per_stage, (s + 1) * per_stage - 1
+        kinds = {d.name: d for a, b, d in starts if a <= lo < b or a <= hi < b}
+        if len(kinds) > 1:
+            raise ConfigError(f"plan: pipeline stage {s} (ranks {lo}-{hi}) spans two device "
+                              f"kinds ({', '.join(kinds)}); choose pp so that each stage's "
+                              "dp x tp ranks lie in one group")
+        out.append(next(iter(kinds.values())))
+    return out
+
+
+def _chunks(p: PlanPoint, work: Workload, devs: list[DeviceKind], cut: str | None
+            ) -> tuple[tuple[PartCost, ...], ...]:
+    """The model's blocks cut into pp x virtual chunks, each priced on its stage's device."""
+    if len({d.name for d in devs}) == 1:
+        return _split(work.parts_on(devs[0].name, p.tp), p.pp * p.virtual,
+                      p.recompute == "full", p.microbatch)
+    if p.virtual > 1:
+        raise ConfigError("plan: interleaved stages on a heterogeneous cluster are not "
+                          "priced yet; use 1f1b, gpipe or zbh1")
+    per_stage = [work.parts_on(d.name, p.tp) for d in devs]
+    if cut == "equal":
+        bounds = _equal_layers(per_stage[0], p.pp) or \
+            list(balanced_cut([[1.0] * len(per_stage[0])] * p.pp, [0.0] * len(per_stage[0]),
+                              p.pp))
+    else:
+        times = [[_seconds(c, p.recompute == "full", p.microbatch) for c in parts]
+                 for parts in per_stage]
+        bounds = list(balanced_cut(times, [0.0] * len(per_stage[0]), p.pp))
+    edges = [0, *bounds, len(per_stage[0])]
+    return tuple(per_stage[s][i:j] for s, (i, j) in enumerate(zip(edges, edges[1:])))
+
+
+def _equal_layers(parts: tuple[PartCost, ...], chunks: int) -> list[int]:
+    """Bounds that give every chunk the same number of identical layers (glue riding on the
+    first and last), or [] where the layers do not divide."""
+    layers = [i for i, c in enumerate(parts) if _is_layer(c) and c.name[6:].isdigit()]
+    if chunks < 2 or not layers or len(layers) % chunks:
+        return []
+    per = len(layers) // chunks
+    return [layers[0] + k * per for k in range(1, chunks)]
+
+
+def _seconds(c: PartCost, recompute: bool, b: int) -> float:
+    """One micro-batch of `b` sequences through block `c`."""
+    rec = recompute and _is_layer(c)
+    return b * (c.forward_s * (2 if rec else 1) + c.backward_s) + \
+        c.overhead_s * (4 / 3 if rec else 1)
 
 
 def _slowest(cluster: Cluster) -> DeviceKind:
@@ -129,19 +202,16 @@ def _check_point(p: PlanPoint, work: Workload, cluster: Cluster) -> None:
 
 
 @functools.lru_cache(maxsize=512)
-def _split(parts: tuple[PartCost, ...], chunks: int, recompute: bool
+def _split(parts: tuple[PartCost, ...], chunks: int, recompute: bool, b: int
            ) -> tuple[tuple[PartCost, ...], ...]:
     """Contiguous chunks: identical layers evenly (the glue before and after rides on the
     first and last chunk, as Megatron-LM places embedding and head) where that is within 5%
     of balanced; otherwise the cut `passes.partition.balanced_cut` finds for the predicted
     times (e.g. fewer layers beside a large LM head)."""
     def seconds(c: PartCost) -> float:
-        return c.forward_s * (2 if recompute and _is_layer(c) else 1) + c.backward_s
-    layers = [i for i, c in enumerate(parts) if _is_layer(c) and c.name[6:].isdigit()]
-    bounds: list[int] = []
-    if chunks > 1 and layers and len(layers) % chunks == 0:
-        per = len(layers) // chunks
-        bounds = [layers[0] + k * per for k in range(1, chunks)]
+        return _seconds(c, recompute, b)
+    bounds = _equal_layers(parts, chunks)
+    if bounds:
         per_chunk = [sum(seconds(c) for c in parts[i:j])
                      for i, j in zip([0, *bounds], [*bounds, len(parts)])]
         if max(per_chunk) > 1.05 * sum(per_chunk) / chunks:
@@ -196,29 +266,26 @@ def _sync_and_update(p: PlanPoint, ranks: list, link: Any, work: Workload, m: in
     return worst[1], worst[2]
 
 
-def _memory(p: PlanPoint, ranks: list, last: list, work: Workload, m: int
+def _memory(p: PlanPoint, chunk_list: list, rank: int, last: tuple, work: Workload, m: int
             ) -> dict[str, int]:
-    """Bytes on the device of the pipeline rank that holds the most. The model's last chunk
-    (head and loss) starts its backward right after its forward: one micro-batch in flight."""
+    """Bytes on a device of pipeline rank `rank`, by category. The model's last chunk (head
+    and loss) starts its backward right after its forward: one micro-batch in flight."""
     pb, gb, ob = _STATE[work.precision]
-    best: dict[str, int] = {}
-    for r, chunk_list in enumerate(ranks):
-        params = sum(c.params for ch in chunk_list for c in ch)
-        flight = _in_flight(p, r, m)
-        held = 0.0
-        for ch in chunk_list:
-            saved = sum(c.out_bytes if p.recompute == "full" and _is_layer(c)
-                        else c.saved_bytes for c in ch)
-            held += (1 if ch is last else flight) * saved
-        work_set = max(c.saved_bytes for ch in chunk_list for c in ch)
-        out = {"parameters": params * pb // (p.dp if p.zero == 3 else 1),
-               "gradients": params * gb // (p.dp if p.zero >= 2 else 1),
-               "optimizer": params * ob // (p.dp if p.zero >= 1 else 1),
-               "activations": int(p.microbatch * held),
-               "working": p.microbatch * work_set}
-        if sum(out.values()) > sum(best.values()):
-            best = out
-    return best
+    params = sum(c.params for ch in chunk_list for c in ch)
+    flight = _in_flight(p, rank, m)
+    held = 0.0
+    for ch in chunk_list:
+        saved = sum(c.out_bytes if p.recompute == "full" and _is_layer(c)
+                    else c.saved_bytes for c in ch)
+        held += (1 if ch is last else flight) * saved
+    # full recompute: one layer's activations come back at a time during the backward
+    work_set = max((c.saved_bytes for ch in chunk_list for c in ch if _is_layer(c)),
+                   default=0) if p.recompute == "full" else 0
+    return {"parameters": params * pb // (p.dp if p.zero == 3 else 1),
+            "gradients": params * gb // (p.dp if p.zero >= 2 else 1),
+            "optimizer": params * ob // (p.dp if p.zero >= 1 else 1),
+            "activations": int(p.microbatch * held),
+            "working": p.microbatch * work_set}
 
 
 def _in_flight(p: PlanPoint, rank: int, m: int) -> float:
@@ -248,9 +315,9 @@ def points(work: Workload, cluster: Cluster, fixed: dict[str, Any] | None = None
         if n % tp or tp > cluster.per_node:
             continue
         for pp in _divisors(n // tp):
-            if pp > max(1, work.layers or blocks[tp]):
-                continue
             dp = n // (tp * pp)
+            if pp > max(1, work.layers or blocks[tp]) or not _aligned(cluster, pp, dp * tp):
+                continue
             if work.sequences % dp:
                 continue
             for b in MICROBATCHES:
@@ -258,12 +325,21 @@ def points(work: Workload, cluster: Cluster, fixed: dict[str, Any] | None = None
                     continue
                 m = work.sequences // (dp * b)
                 for schedule, virtual in _schedules(pp, m, work.layers or blocks[tp]):
+                    if virtual > 1 and cluster.heterogeneous:
+                        continue
                     for zero in ((0, 1) if pp > 1 else (0, 1, 2, 3)) if dp > 1 else (0,):
                         for rec in ("none", "full"):
                             pt = PlanPoint(dp, tp, pp, zero, b, schedule, virtual, rec,
                                            work.precision)
                             if all(getattr(pt, k) == v for k, v in fixed.items()):
                                 yield pt
+
+
+def _aligned(cluster: Cluster, pp: int, per_stage: int) -> bool:
+    """On a heterogeneous cluster every stage lies in one group of devices."""
+    if not cluster.heterogeneous:
+        return True
+    return pp > 1 and all(g.devices % per_stage == 0 for g in cluster.groups)
 
 
 def _schedules(pp: int, m: int, layers: int) -> list[tuple[str, int]]:

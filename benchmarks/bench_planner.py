@@ -1,0 +1,190 @@
+"""The planner against measured runs: every plan of a stated space, predicted and run.
+
+For each case (a transformers model, a number of local processes), `glmc plan --cluster local`
+prices the plans; every plan of the space below that the runtime runs is then launched with
+`glmc compile FILE --plan SPELLING --nproc N --backend eager --steps S --report-dir D`, in
+rounds (each round runs every plan once, the order reversed every other round: interleaved),
+and the median over rounds of each run's measured median step and peak per rank is compared
+with the prediction. Reported per case: Spearman rank correlation of predicted and measured
+step time and peak, median absolute errors, and how far glmc's top plan is from the measured
+best.
+
+    python benchmarks/bench_planner.py                      # both models, 2 and 4 processes
+    python benchmarks/bench_planner.py --cases glm:2 --rounds 1 --steps 6
+
+The space: dp/tp/pp splits x ZeRO 0/1 (0-3 without pipelining) x micro-batches (pipelines
+only: one process's gradient accumulation reports per-micro-batch times) x schedule (1F1B,
+ZB-H1) x recompute none / full (full runs as the recompute pass at budget `min`).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+
+MODEL = """
+import torch, transformers
+cfg = transformers.{cfg}(vocab_size=4096, hidden_size=256, intermediate_size=512,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                         head_dim=64, max_position_embeddings=256, attention_dropout=0.0,
+                         pad_token_id=0, use_cache=False)
+torch.manual_seed(0)
+model = transformers.{cls}(cfg)
+ids = torch.randint(0, 4096, (8, 256), generator=torch.Generator().manual_seed(0))
+example_inputs = {{"input_ids": ids, "labels": ids.clone()}}
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+"""
+CASES = {"glm": ("GlmConfig", "GlmForCausalLM"), "llama": ("LlamaConfig", "LlamaForCausalLM")}
+
+
+def _space(plans: list, limit: int) -> list:
+    """Runnable plans that fit, at most `limit`, spread over the dp/tp/pp splits first."""
+    ok = [p for p in plans if p.fits and not p.point.runtime_gaps()
+          and (p.point.pp > 1 or p.point.microbatch * p.point.dp == 8)]  # no accumulation
+    by_split: dict = {}
+    for p in ok:
+        by_split.setdefault((p.point.dp, p.point.tp, p.point.pp), []).append(p)
+    out = []
+    while len(out) < limit and any(by_split.values()):
+        for key in list(by_split):
+            if by_split[key] and len(out) < limit:
+                out.append(by_split[key].pop(0 if len(out) % 2 else -1))
+    return out
+
+
+def _run(file: Path, spelling: str, nproc: int, steps: int, out: Path) -> dict | None:
+    cmd = [sys.executable, "-m", "glmc", "compile", str(file), "--plan", spelling,
+           "--nproc", str(nproc), "--backend", "eager", "--steps", str(steps),
+           "--report-dir", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    if proc.returncode:
+        print(f"  {spelling}: failed\n{proc.stderr[-2000:]}", flush=True)
+        return None
+    rep = json.loads((out / "report.json").read_text())
+    if "compiles" in rep:  # one process or data/tensor parallel: rank 0's figures
+        c = rep["compiles"][-1]
+        return {"step_s": c["median_step_seconds"],
+                "peak_bytes": c["measured"]["total_peak_bytes"],
+                "exposed_comm_s": c["measured"].get("exposed_comm_seconds")}
+    return {"step_s": rep["step_seconds"]["measured_steady"],  # pipelined: the busiest rank
+            "peak_bytes": max(r["measured_peak_bytes"] for r in rep["ranks"]),
+            "exposed_comm_s": None}
+
+
+def _spearman(a: list[float], b: list[float]) -> float:
+    from scipy.stats import spearmanr
+    return float(spearmanr(a, b).statistic) if len(a) > 2 else float("nan")
+
+
+def run_case(name: str, nproc: int, rounds: int, steps: int, limit: int) -> dict:
+    import glmc
+    from glmc.frontend.workload import load_workload
+    work_dir = Path(tempfile.mkdtemp(prefix=f"glmc-planner-{name}-"))
+    file = work_dir / f"{name}.py"
+    cfg, cls = CASES[name]
+    file.write_text(MODEL.format(cfg=cfg, cls=cls))
+    w = load_workload(str(file))
+    plans = glmc.plan(w.model, w.example_inputs, cluster="local", optimizer=w.optimizer,
+                      nproc=nproc)
+    chosen = _space(plans, limit)
+    print(f"{name} on {nproc} processes: {len(plans)} plans priced, {len(chosen)} run",
+          flush=True)
+    measured: dict[str, list[dict]] = {p.point.spelling(): [] for p in chosen}
+    for r in range(rounds):
+        order = chosen if r % 2 == 0 else chosen[::-1]
+        for p in order:
+            s = p.point.spelling()
+            got = _run(file, s, nproc, steps, work_dir / f"r{r}-{len(measured[s])}-{hash(s)}")
+            if got:
+                measured[s].append(got)
+                print(f"  {s}: measured {got['step_s'] * 1e3:.1f} ms, predicted "
+                      f"{p.step_s * 1e3:.1f} ms; peak {got['peak_bytes'] / 2**20:.1f} / "
+                      f"{p.peak_bytes / 2**20:.1f} MiB", flush=True)
+    rows = []
+    for rank, p in enumerate(chosen):
+        runs = measured[p.point.spelling()]
+        if not runs:
+            continue
+        rows.append({"spelling": p.point.spelling(), "glmc_rank": plans.index(p) + 1,
+                     "predicted_step_s": p.step_s, "predicted_peak_bytes": p.peak_bytes,
+                     "predicted_exposed_comm_s": sum(v for k, v in p.breakdown.items()
+                                                     if k.startswith("dp_")),
+                     "measured_step_s": statistics.median(x["step_s"] for x in runs),
+                     "measured_peak_bytes": statistics.median(x["peak_bytes"] for x in runs)})
+    return _summary(name, nproc, rows, len(plans))
+
+
+def _summary(name: str, nproc: int, rows: list[dict], priced: int) -> dict:
+    ps = [r["predicted_step_s"] for r in rows]
+    ms = [r["measured_step_s"] for r in rows]
+    pp = [r["predicted_peak_bytes"] for r in rows]
+    mp = [r["measured_peak_bytes"] for r in rows]
+    best = min(rows, key=lambda r: r["measured_step_s"])
+    pick = min(rows, key=lambda r: r["glmc_rank"])
+    return {"case": name, "nproc": nproc, "priced": priced, "rows": rows,
+            "spearman_step": _spearman(ps, ms), "spearman_peak": _spearman(pp, mp),
+            "median_abs_step_error": statistics.median(abs(p / m - 1) for p, m in zip(ps, ms)),
+            "median_abs_peak_error": statistics.median(abs(p / m - 1) for p, m in zip(pp, mp)),
+            "pick": pick["spelling"], "measured_best": best["spelling"],
+            "pick_vs_best": pick["measured_step_s"] / best["measured_step_s"]}
+
+
+def _markdown(results: list[dict], meta: dict) -> str:
+    out = [f"# Planner: predicted vs measured ({meta['date']})", "",
+           f"{meta['machine']}; `python benchmarks/bench_planner.py {meta['argv']}`; eager "
+           "backend; median over rounds of each run's median step; peak: c10 allocator, the "
+           "busiest rank.", "",
+           "| case | plans run | Spearman step | Spearman peak | median step error | "
+           "median peak error | glmc's pick / measured best |", "|---|---|---|---|---|---|---|"]
+    for r in results:
+        out.append(f"| {r['case']} x{r['nproc']} | {len(r['rows'])} of {r['priced']} | "
+                   f"{r['spearman_step']:.2f} | {r['spearman_peak']:.2f} | "
+                   f"{r['median_abs_step_error']:.1%} | {r['median_abs_peak_error']:.1%} | "
+                   f"{r['pick_vs_best']:.3f}x |")
+    for r in results:
+        out += ["", f"## {r['case']} on {r['nproc']} processes", "",
+                "| plan | glmc rank | predicted ms | measured ms | predicted MiB | measured MiB |",
+                "|---|---|---|---|---|---|"]
+        for row in sorted(r["rows"], key=lambda x: x["measured_step_s"]):
+            out.append(f"| `{row['spelling']}` | {row['glmc_rank']} | "
+                       f"{row['predicted_step_s'] * 1e3:.1f} | {row['measured_step_s'] * 1e3:.1f} "
+                       f"| {row['predicted_peak_bytes'] / 2**20:.1f} | "
+                       f"{row['measured_peak_bytes'] / 2**20:.1f} |")
+    return "\n".join(out) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default="glm:2,llama:2,glm:4,llama:4")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--limit", type=int, default=12, help="plans run per case")
+    a = ap.parse_args()
+    results = []
+    for case in a.cases.split(","):
+        name, n = case.split(":")
+        results.append(run_case(name, int(n), a.rounds, a.steps, a.limit))
+    from glmc.analysis.calibration import machine_info
+    m = machine_info()
+    meta = {"date": datetime.date.today().isoformat(), "argv": " ".join(sys.argv[1:]),
+            "machine": f"{m['cpu']}, {m['logical_cpus']} logical CPUs, {platform.machine()}, "
+                       f"torch {m['torch']}"}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "planner.json").write_text(json.dumps({**meta, "cases": results}, indent=1))
+    (RESULTS / "planner.md").write_text(_markdown(results, meta))
+    print(_markdown(results, meta))
+
+
+if __name__ == "__main__":
+    main()
