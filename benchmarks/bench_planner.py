@@ -164,20 +164,52 @@ def _markdown(results: list[dict], meta: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def repredict(path: Path) -> list[dict]:
+    """The measured rows of `path` (a planner.json) with the current model's predictions:
+    the runs do not depend on the planner, so a model change is checked without rerunning."""
+    import glmc
+    from glmc.frontend.workload import load_workload
+    results = []
+    for case in json.loads(path.read_text())["cases"]:
+        file = Path(tempfile.mkdtemp(prefix="glmc-planner-")) / f"{case['case']}.py"
+        cfg, cls = CASES[case["case"]]
+        file.write_text(MODEL.format(cfg=cfg, cls=cls))
+        w = load_workload(str(file))
+        plans = glmc.plan(w.model, w.example_inputs, cluster="local", optimizer=w.optimizer,
+                          nproc=case["nproc"])
+        by = {p.point.spelling(): (i + 1, p) for i, p in enumerate(plans)}
+        rows = []
+        for row in case["rows"]:
+            rank, p = by[row["spelling"]]
+            rows.append({**row, "glmc_rank": rank, "predicted_step_s": p.step_s,
+                         "predicted_peak_bytes": p.peak_bytes,
+                         "predicted_exposed_comm_s": sum(
+                             v for k, v in p.breakdown.items() if k.startswith("dp_"))})
+        results.append(_summary(case["case"], case["nproc"], rows, len(plans)))
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--repredict", action="store_true",
+                    help="keep results/planner.json's measurements, predict them again")
     ap.add_argument("--cases", default="glm:2,llama:2,glm:4,llama:4")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--limit", type=int, default=12, help="plans run per case")
     a = ap.parse_args()
     results = []
-    for case in a.cases.split(","):
-        name, n = case.split(":")
-        results.append(run_case(name, int(n), a.rounds, a.steps, a.limit))
+    if a.repredict:
+        old = json.loads((RESULTS / "planner.json").read_text())
+        results = repredict(RESULTS / "planner.json")
+    else:
+        for case in a.cases.split(","):
+            name, n = case.split(":")
+            results.append(run_case(name, int(n), a.rounds, a.steps, a.limit))
     from glmc.analysis.calibration import machine_info
     m = machine_info()
-    meta = {"date": datetime.date.today().isoformat(), "argv": " ".join(sys.argv[1:]),
+    argv = old["argv"] + " (predictions: --repredict)" if a.repredict else " ".join(sys.argv[1:])
+    meta = {"date": datetime.date.today().isoformat(), "argv": argv,
             "machine": f"{m['cpu']}, {m['logical_cpus']} logical CPUs, {platform.machine()}, "
                        f"torch {m['torch']}"}
     RESULTS.mkdir(exist_ok=True)

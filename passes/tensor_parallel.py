@@ -277,6 +277,9 @@ def seed_tiles(graph: TrainGraph, size: int, pins: list[tuple[str, str]]) -> dic
             tiles[linears[mm]] = Tile("column", 0, _split_of(mm)[1])
         for name in reached:
             tiles.setdefault(name, Tile("row", 1, 1))
+    for mm, name in linears.items():  # the LM head: vocab-parallel into the loss
+        if name not in tiles and _feeds_log_softmax(mm):
+            tiles[name] = Tile("column", 0, 1)
     shapes = {TrainGraph.info(ph).target: TrainGraph.info(ph).spec.shape
               for ph in graph.placeholders()
               if TrainGraph.info(ph).role is Role.PARAMETER and TrainGraph.info(ph).spec}
@@ -308,6 +311,26 @@ def seed_tiles(graph: TrainGraph, size: int, pins: list[tuple[str, str]]) -> dic
                               f"by {size} ranks{parts}"
                               f"; pin it with plan='{name}:replicate' or choose another size")
     return tiles
+
+
+def _feeds_log_softmax(mm: fx.Node) -> bool:
+    """Whether a linear's output reaches `_log_softmax` over its features through views and
+    casts only (an LM head into cross-entropy, which torch's loss-parallel rules compute on
+    vocab-sharded logits)."""
+    frontier, seen = [mm], set()
+    while frontier:
+        n = frontier.pop()
+        for u in n.users:
+            if u in seen:
+                continue
+            seen.add(u)
+            if op_name(u) == "_log_softmax" and u.args[1] in (-1, u.args[0].meta["val"].dim() - 1):
+                return True
+            if op_name(u) in ("view", "_unsafe_view", "reshape", "_to_copy", "clone") or \
+                    (op_name(u) == "slice" and u.args[1] not in (-1, u.args[0].meta["val"].dim()
+                                                                 - 1)):  # a shift of positions
+                frontier.append(u)
+    return False
 
 
 def _output(mm: fx.Node) -> fx.Node:
@@ -367,6 +390,7 @@ def _propagate(graph: TrainGraph, mesh: MeshSpec, tiles: dict[str, Tile]
     """The local program of `graph` with `tiles` (see the module docstring)."""
     import torch.fx.traceback as fx_traceback
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.tensor.parallel import loss_parallel
     from torch.fx.experimental.proxy_tensor import make_fx
 
     state = _state_tiles(graph, tiles)
@@ -379,7 +403,9 @@ def _propagate(graph: TrainGraph, mesh: MeshSpec, tiles: dict[str, Tile]
                      zip(phs, places)]
         run = _Local(graph.gm, dm, places, state, graph)
         try:
-            with fx_traceback.preserve_node_meta():
+            # cross-entropy on vocab-sharded logits without gathering them (torch's
+            # loss-parallel rules for _log_softmax / nll_loss and their backward)
+            with fx_traceback.preserve_node_meta(), loss_parallel():
                 traced = make_fx(run, tracing_mode="fake", _allow_non_fake_inputs=True)(*local)
         except ConfigError:
             raise
@@ -459,7 +485,8 @@ class _Local:
                     try:
                         if n.target in _HEADWISE or op_name(n) in POINTWISE:
                             raise NotImplementedError  # by blocks (DTensor would decompose)
-                        out = super().run_node(n)
+                        out = _nll_backward(n, self) if n.target is \
+                            aten.nll_loss_backward.default else super().run_node(n)
                     except NotImplementedError:  # no DTensor rule: a glmc fused op
                         out = _replicated(n, self, dm, owner)
                     except RuntimeError as e:  # DTensor's global strides can differ from
@@ -486,9 +513,8 @@ class _Local:
                 while made is not traced._root:  # the nodes traced for `n` carry its metadata
                     if "glmc" in n.meta:
                         made.meta[FROM] = n.meta["glmc"]
-                    for key in _SOURCE_META:
-                        if key in n.meta:
-                            made.meta.setdefault(key, n.meta[key])
+                    made.meta.update({k: n.meta[k] for k in _SOURCE_META
+                                      if k in n.meta and k not in made.meta})
                     made = made.next
                 marks = {k: v for k, v in n.meta.items()
                          if k.startswith("glmc_") and k not in (FROM, RANK_ARG)}
@@ -520,6 +546,17 @@ class _Local:
                 o = o.redistribute(self.dm, list(want))
             settled.append(o)
         return settled
+
+
+def _nll_backward(n: fx.Node, interp: fx.Interpreter) -> Any:
+    """`nll_loss_backward` with its `total_weight` as a plain tensor: torch's loss-parallel
+    rule divides the local gradient by it (its forward rule's output is a DTensor here)."""
+    from torch.distributed.tensor import DTensor
+    args, kwargs = interp.fetch_args_kwargs_from_env(n)
+    args = list(args)
+    if isinstance(args[6], DTensor):
+        args[6] = args[6].full_tensor()
+    return n.target(*args, **kwargs)
 
 
 def _leaves(v: Any) -> list[Any]:

@@ -238,3 +238,38 @@ def test_a_heterogeneous_cluster_gets_an_uneven_split_faster_than_an_even_one() 
     with pytest.raises(ConfigError, match="spans two device kinds"):
         evaluate(PlanPoint(2, 1, 2, 0, 4, "1f1b", 1, "none", "bf16"),
                  work, Cluster.parse("1x1:h100-80g+3x1:a100-40g"))
+
+
+def test_a_plan_spelling_becomes_the_flags_it_stands_for(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """`glmc compile FILE --plan SPELLING`: the launcher's flags (the GLM example's global
+    batch is 4 sequences); bad spellings and conflicts are usage errors."""
+    from glmc.frontend.cli import _parser
+    from glmc.frontend.planning import apply_plan
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    glm = str(Path(__file__).resolve().parent.parent / "examples" / "glm.py")
+
+    def flags(*argv: str) -> object:
+        args = _parser()[0].parse_args(["compile", glm, *argv])
+        apply_plan(args, list(argv))
+        return args
+
+    a = flags("--nproc", "2", "--plan", "dp=1,tp=2,pp=1,microbatch=4")
+    assert (a.nproc, a.tp, a.pp, a.zero, a.accumulate) == (2, 2, None, 0, None)
+    a = flags("--plan", "dp=1,tp=1,pp=2,microbatch=1,schedule=zbh1,recompute=full")
+    assert (a.nproc, a.pp, a.microbatches, a.schedule, a.memory_budget) == \
+        (2, 2, 4, "zbh1", "min")
+    a = flags("--plan", "dp=2,zero=1,microbatch=1,precision=bf16")
+    assert (a.nproc, a.zero, a.accumulate, a.precision) == (2, 1, 2, "bf16")
+    for argv, match in ((("--nproc", "4", "--plan", "dp=2"), "--nproc is 4"),
+                        (("--zero", "1", "--plan", "dp=2"), "not both"),
+                        (("--plan", "dp=2,tp=2,microbatch=1"), "cannot run"),
+                        (("--plan", "dp=8"), "smaller than dp=8"),
+                        (("--plan", "dp=2,precision=fp16", "--precision", "bf16"),
+                         "trains in fp16")):
+        with pytest.raises(ConfigError, match=match):
+            flags(*argv)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="once, in glmc's launcher"):
+        flags("--plan", "auto")

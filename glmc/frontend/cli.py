@@ -193,6 +193,12 @@ def main(argv: list[str] | None = None) -> int:
             argv = apply_plan(args, sys.argv[1:] if argv is None else list(argv))
         except GlmcError as e:
             commands[args.command].error(f"--plan: {e}")  # exits 2
+        except Exception as e:  # planning failed inside torch: short message unless --debug
+            if args.debug:
+                traceback.print_exc()
+            print(f"glmc: internal error while planning: {type(e).__name__}: {e} (rerun with "
+                  "--debug)", file=sys.stderr)
+            return 1
     if args.command in ("compile", "train"):
         from glmc.parallel.plan import ParallelPlan
         args.plan = ParallelPlan.from_args(args)

@@ -92,6 +92,11 @@ def run_plan(args: argparse.Namespace) -> int:
     for t, why in sorted(work.tp_errors.items()):
         print(f"  tp={t} not priced: {why}")
     print(format_table(plans[:args.top]))
+    print(f"  top plan: {plans[0].describe()}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "cluster": cl.spelling(), "search_seconds": took,
+            "plans": [p.to_dict() for p in plans]}, indent=1))
     if not plans[0].fits:
         need = min(p.peak_bytes for p in plans)
         print(f"glmc: error: no plan fits in {cl.groups[0].device.memory_bytes / GiB:.1f} GiB "
@@ -106,10 +111,6 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.explain:
         for line in explain(plans):
             print(f"  vs {line}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({
-            "cluster": cl.spelling(), "search_seconds": took,
-            "plans": [p.to_dict() for p in plans]}, indent=1))
     return 0
 
 
@@ -143,28 +144,33 @@ def apply_plan(args: argparse.Namespace, argv: list[str]) -> list[str]:
     from glmc.frontend.workload import load_workload
     from glmc.parallel.planner import PlanPoint, _rows
 
-    launched = "WORLD_SIZE" in os.environ
-    world = int(os.environ["WORLD_SIZE"]) if launched else (args.nproc or 1)
+    launched = "TORCHELASTIC_RUN_ID" in os.environ  # a rank torchrun started
+    world = int(os.environ["WORLD_SIZE"]) if launched else args.nproc
     given = [f"--{f}" for f in _PLAN_FLAGS if getattr(args, f, None) is not None]
     if given and not launched:
         raise ConfigError(f"give either --plan or {', '.join(given)}, not both")
+    if launched and args.plan_spelling == "auto":
+        raise ConfigError("--plan auto chooses once, in glmc's launcher: run glmc compile "
+                          "--nproc N --plan auto, or give every rank the same spelling")
     w = load_workload(args.file)
     rows, _ = _rows(w.example_inputs)
     spelling = args.plan_spelling
     if spelling == "auto":
-        point = _auto(w, world, rows)
+        point = _auto(w, world or 1, rows)
         argv = [point.spelling() if a == "auto" and i and argv[i - 1] == "--plan" else a
                 for i, a in enumerate(argv)]
         argv = [f"--plan={point.spelling()}" if a == "--plan=auto" else a for a in argv]
     else:
         fixed = parse_spelling(spelling)
         tp, pp = fixed.get("tp", 1), fixed.get("pp", 1)
-        dp = fixed.get("dp", max(1, world // (tp * pp)))
+        dp = fixed.get("dp", max(1, (world or tp * pp) // (tp * pp)))
+        if rows < dp:
+            raise ConfigError(f"the global batch of {rows} sequences is smaller than dp={dp}")
         schedule = fixed.get("schedule", "1f1b")
         point = PlanPoint(dp, tp, pp, fixed.get("zero", 0), fixed.get("microbatch", rows // dp),
                           schedule, fixed.get("virtual", 2 if schedule == "interleaved" else 1),
                           fixed.get("recompute", "none"), fixed.get("precision", "fp32"))
-        if point.devices != world:
+        if world is not None and point.devices != world:
             raise ConfigError(f"the plan {point.spelling()} runs on dp x tp x pp = "
                               f"{point.devices} processes, but --nproc is {world}")
     _set_flags(args, point, rows, launched)
@@ -209,8 +215,8 @@ def _set_flags(args: argparse.Namespace, point: Any, rows: int, launched: bool) 
         args.accumulate = m
     if point.recompute == "full" and getattr(args, "memory_budget", None) is None:
         args.memory_budget = "min"
+    if args.precision not in (None, point.precision) and not launched:
+        raise ConfigError(f"the plan trains in {point.precision} but --precision is "
+                          f"{args.precision}")
     if point.precision != "fp32":
-        if args.precision not in (None, point.precision):
-            raise ConfigError(f"the plan trains in {point.precision} but --precision is "
-                              f"{args.precision}")
         args.precision = point.precision

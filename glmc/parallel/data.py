@@ -310,6 +310,10 @@ class DataParallel:
         this host's measured link (`Parallel.passes`)."""
         return self.options.passes(self.link, budgeted)
 
+    def pipeline(self, passes: list[Any]) -> list[Any]:
+        """The pipeline as this strategy runs it (after `passes` were added): unchanged."""
+        return passes
+
     def wants_micro_program(self, graph: TrainGraph) -> bool:
         """Gradient accumulation: the step was compiled with running sums."""
         return bool(graph.meta["sharding"].accumulators)

@@ -29,12 +29,14 @@ How a plan is priced (the figures are glmc's own programs, not a formula per mod
    plus the activations of the micro-batches the schedule keeps in flight (1F1B: `pp - stage`;
    GPipe: all `m`; interleaved: `pp` plus the extra virtual chunks) and one layer's working set.
 
-What is modelled, not measured: dropout (the planning capture runs in eval mode), selective
-recompute (not in the search yet), heterogeneous clusters (priced on the slowest device kind).
+Not priced: dropout (the planning copy sets it to 0; random ops are not sharded yet),
+selective recompute (not in the search yet). Heterogeneous clusters: each pipeline stage is
+priced on its own device kind (`glmc.parallel.search`).
 """
 from __future__ import annotations
 
 import copy
+from collections import defaultdict
 import dataclasses
 import math
 import time
@@ -52,7 +54,7 @@ from glmc.compiler.passmanager import PassContext
 from glmc.errors import ConfigError, GlmcError
 from glmc.ir.graph import MeshSpec, Phase, Role, TrainGraph, is_comm, is_view
 from glmc.parallel.cluster import DeviceKind
-from glmc.passes.partition import owner, step_blocks
+from glmc.passes.partition import block_names, owner, step_blocks
 from glmc.passes.tensor_parallel import TensorParallelPass
 from glmc.trace.capture import capture, split_batch
 from glmc.trace.optim import resolve_optimizer
@@ -197,7 +199,8 @@ def _layer_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
             continue
         kinds = {type(m) for m in mod}
         shapes = {tuple((n, tuple(p.shape)) for n, p in m.named_parameters()) for m in mod}
-        if len(kinds) == 1 and len(shapes) == 1 and (best is None or len(mod) > len(best[1])):
+        if len(kinds) == 1 and len(shapes) == 1 and next(iter(shapes)) and \
+                (best is None or len(mod) > len(best[1])):
             best = (name, mod)
     return best
 
@@ -243,6 +246,9 @@ def price_workload(model: nn.Module, example_inputs: Any, loss_fn: Any = None,
     work = _fake_copy(model, fake, _DTYPES[precision], memo)
     found = _layer_list(work)
     layers, list_name, notes = 0, "", []
+    if found is not None and not any(b.startswith(found[0] + ".") for b in set(
+            block_names(n for n, _ in work.named_parameters()).values())):
+        found = None  # the pipeline's blocks are not this list's items: capture it whole
     if found is not None:
         list_name, full = found
         layers = len(full)
@@ -300,8 +306,8 @@ def _fresh_optimizer(model: nn.Module, optimizer: Any, memo: dict[int, Any]
     if optimizer is None:
         return resolve_optimizer(model, None)
     live = {id(p) for p in model.parameters()}
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        opt = copy.deepcopy(optimizer, memo)
+    memo[id(optimizer.state)] = defaultdict(dict)  # no state: the step's rule makes its own
+    opt = copy.deepcopy(optimizer, memo)
     opt.param_groups = [g for g in opt.param_groups
                         if g.update(params=[p for p in g["params"] if id(p) in live]) or
                         g["params"]]
@@ -410,6 +416,8 @@ def _expand(parts: list[PartCost], list_name: str, layers: int, kept: int
                      for i, p in enumerate(parts))
     prefix = list_name + "."
     kept_parts = [p for p in parts if p.name.startswith(prefix)]
+    if len(kept_parts) != kept:  # the blocks are not the list's items: no clustering
+        raise ConfigError(f"plan: the blocks of the step are not the items of {list_name}")
     first = [p for p in parts[:parts.index(kept_parts[0])]]
     last = [p for p in parts[parts.index(kept_parts[-1]) + 1:]]
     mean = _mean(kept_parts)
@@ -435,7 +443,7 @@ def _mean(parts: list[PartCost]) -> PartCost:
 def _merge(name: str, parts: list[PartCost]) -> PartCost:
     return PartCost(name, sum(p.forward_s for p in parts), sum(p.backward_s for p in parts),
                     sum(p.update_s for p in parts), sum(p.params for p in parts),
-                    sum(p.saved_bytes for p in parts), parts[-1].out_bytes,
+                    sum(p.saved_bytes for p in parts), sum(p.out_bytes for p in parts),
                     tuple(c for p in parts for c in p.tp_bytes),
                     sum(p.forward_flops for p in parts), sum(p.backward_flops for p in parts),
                     sum(p.overhead_s for p in parts))

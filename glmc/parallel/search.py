@@ -38,12 +38,28 @@ class PricedPlan:
     def peak_bytes(self) -> int:
         return sum(self.memory.values())
 
+    @property
+    def utilisation(self) -> float:
+        """The share of the step a device computes (not idle in the bubble nor waiting on
+        communication)."""
+        busy = self.breakdown["compute"] + self.breakdown["recompute"] + \
+            self.breakdown["update"]
+        return busy / self.step_s if self.step_s else 0.0
+
+    def describe(self) -> str:
+        """The step's breakdown and the memory on the busiest device, one line each."""
+        t = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.breakdown.items() if v)
+        m = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in self.memory.items() if v)
+        return (f"step {self.step_s * 1e3:.1f} ms ({t}); device busy {self.utilisation:.1%}\n"
+                f"  memory per device {self.peak_bytes / 2**30:.2f} GiB ({m})")
+
     def to_dict(self) -> dict[str, Any]:
         return {"spelling": self.point.spelling(), "step_seconds": self.step_s,
                 "tokens_per_second": self.tokens_per_s,
                 "model_tflops_per_device": self.model_tflops,
                 "hardware_tflops_per_device": self.hardware_tflops, "mfu": self.mfu,
                 "peak_bytes_per_device": self.peak_bytes, "fits": self.fits,
+                "utilisation": self.utilisation,
                 "breakdown_seconds": dict(self.breakdown), "memory_bytes": dict(self.memory),
                 "stage_blocks": list(self.stage_parts),
                 "stage_devices": list(self.stage_devices),
@@ -85,7 +101,8 @@ def evaluate(p: PlanPoint, work: Workload, cluster: Cluster, overlap: bool = Tru
     model = work.model_flops()
     hardware = model + (work.layer_forward_flops() if p.recompute == "full" else 0.0)
     n = p.devices
-    peak = sum(d.peak_flops for d in devs) / len(devs)
+    dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(work.precision, "float32")
+    peak = sum(d.profile.peak(dtype) for d in devs) / len(devs)
     return PricedPlan(p, step, breakdown, memory, fits, tokens / step,
                       model / step / n / 1e12, hardware / step / n / 1e12,
                       model / step / n / peak, tuple(sum(len(ch) for ch in r) for r in ranks),
@@ -244,22 +261,28 @@ def _sync_and_update(p: PlanPoint, ranks: list, link: Any, work: Workload, m: in
         params = sum(c.params for ch in chunk_list for c in ch)
         grad_bytes = params * _STATE[work.precision][1]
         param_bytes = params * _STATE[work.precision][0]
-        kinds: dict[str, float] = {}
+        kinds: dict[str, float] = {}  # during the last backward (may overlap it)
+        after = 0.0  # after the update: ZeRO-1/2's all-gather of the new parameters
         if p.dp > 1:
-            if p.zero == 0:
+            if p.zero <= 1:  # glmc's stage 1 all-reduces too, then updates its shard
                 kinds["all_reduce"] = _all_reduce(grad_bytes, p, link, cluster)
             else:
                 kinds["reduce_scatter"] = collective_seconds("reduce_scatter_tensor",
                                                              grad_bytes, p.dp, link)
-                gathers = 1 if p.zero < 3 else 2 * m
-                kinds["all_gather"] = gathers * collective_seconds(
-                    "all_gather_into_tensor", param_bytes, p.dp, link)
+            gather = collective_seconds("all_gather_into_tensor", param_bytes, p.dp, link)
+            if p.zero == 3:  # parameters gathered before their forward and backward
+                kinds["all_gather"] = 2 * m * gather
+            elif p.zero:
+                after = gather
         # the last micro-batch's backward (~2/3 of F + B)
         window = per_rank[r][0] * 2 / 3 if overlap else 0.0
         total = sum(kinds.values())
         exposed = max(0.0, total - window)
         scale = exposed / total if total else 0.0
         kinds = {f"dp_{k}": v * scale for k, v in kinds.items()}
+        if after:
+            kinds["dp_all_gather"] = kinds.get("dp_all_gather", 0.0) + after
+            exposed += after
         update = sum(c.update_s for ch in chunk_list for c in ch) / (p.dp if p.zero else 1)
         if exposed + update > worst[0]:
             worst = (exposed + update, kinds, update)
@@ -277,7 +300,7 @@ def _memory(p: PlanPoint, chunk_list: list, rank: int, last: tuple, work: Worklo
     for ch in chunk_list:
         saved = sum(c.out_bytes if p.recompute == "full" and _is_layer(c)
                     else c.saved_bytes for c in ch)
-        held += (1 if ch is last else flight) * saved
+        held += (1 if ch is last and p.schedule != "gpipe" else flight) * saved
     # full recompute: one layer's activations come back at a time during the backward
     work_set = max((c.saved_bytes for ch in chunk_list for c in ch if _is_layer(c)),
                    default=0) if p.recompute == "full" else 0
@@ -320,7 +343,7 @@ def points(work: Workload, cluster: Cluster, fixed: dict[str, Any] | None = None
                 continue
             if work.sequences % dp:
                 continue
-            for b in MICROBATCHES:
+            for b in sorted(set(MICROBATCHES) | {work.sequences // dp}):
                 if (work.sequences // dp) % b:
                     continue
                 m = work.sequences // (dp * b)
@@ -362,9 +385,10 @@ def search(work: Workload, cluster: Cluster, fixed: dict[str, Any] | None = None
     priced = [evaluate(pt, work, cluster, overlap)
               for pt in _fixed_points(work, cluster, fixed)]
     if not priced:
+        why = "".join(f"; tp={t}: {e}" for t, e in sorted(work.tp_errors.items()))
         raise ConfigError(f"plan: no plan of {cluster.devices} devices matches "
                           f"{_spell(fixed) or 'the search space'} for a global batch of "
-                          f"{work.sequences} sequences and tp in {sorted(work.parts)}")
+                          f"{work.sequences} sequences and tp in {sorted(work.parts)}{why}")
     return sorted(priced, key=lambda r: (not r.fits, r.step_s, r.peak_bytes))
 
 

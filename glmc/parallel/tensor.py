@@ -11,6 +11,7 @@ whole tensors, gathered (`full_parameters`, `full_state`, `sharded_state_dict`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -73,6 +74,14 @@ class TensorParallel(DataParallel):
         from glmc.passes.tensor_parallel import TensorParallelPass
         out: list[Any] = [TensorParallelPass(size=self.tp_size, plan=self.options.tp_plan)]
         return out + (self.options.passes(self.link, budgeted) if self.dp > 1 else [])
+
+    def pipeline(self, passes: list[Any]) -> list[Any]:
+        """The fusion pass leaves the LM head and its cross-entropy unfused unless asked for
+        (`loss=true`, e.g. under a memory budget): the tensor_parallel pass then shards the
+        head over the vocabulary into torch's loss-parallel cross-entropy, where glmc's fused
+        head would stay whole on every rank."""
+        return [dataclasses.replace(p, loss=False) if p.name == "fusion" and p.loss is None
+                else p for p in passes]
 
     def wants_micro_program(self, graph: TrainGraph) -> bool:
         return False

@@ -36,6 +36,10 @@ class SingleProcess:
     def passes(self, budgeted: bool) -> list[Any]:
         return []
 
+    def pipeline(self, passes: list[Any]) -> list[Any]:
+        """The pipeline as this strategy runs it (after `passes` were added)."""
+        return passes
+
     def guard(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 

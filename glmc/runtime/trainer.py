@@ -125,6 +125,7 @@ class Trainer:
         budgeted = budget is not None and str(budget).strip().lower() != "min"
         for p in self.strategy.passes(budgeted):
             self._pipeline = with_pass(self._pipeline, p)
+        self._pipeline = self.strategy.pipeline(self._pipeline)
         if self.options.clip_grad_norm is not None:  # after accumulation's running sums
             from glmc.passes.clip import ClipPass
             self._pipeline = with_pass(self._pipeline, ClipPass(self.options.clip_grad_norm))
