@@ -65,6 +65,8 @@ GROUPS: list[tuple[str, list[tuple[str, str, str]]]] = [
          "(`bench_pipeline.py`, tables collected by hand)"), "pipeline-parallel.md"),
         ("tensor-parallel-llama-2x384-4x256", ("Tensor parallelism against torch's "
          "parallelize_module plan (`bench_tensor_parallel.py`)"), "passes/tensor_parallel.md"),
+        ("planner", ("The planner's predictions against measured runs "
+         "(`bench_planner.py`)"), "planner.md"),
     ]),
     ("Model zoo", [
         ("zoo", "Model zoo, one process (`zoo_table.py`)", "capabilities.md"),
