@@ -14,7 +14,7 @@ cfg = transformers.GlmConfig(vocab_size=50304, hidden_size=4096, intermediate_si
                              num_hidden_layers=48, num_attention_heads=64,
                              num_key_value_heads=64, head_dim=64,
                              max_position_embeddings=2048, attention_dropout=0.0,
-                             use_cache=False)
+                             pad_token_id=0, use_cache=False)
 with torch.device("meta"):
     model = transformers.GlmForCausalLM(cfg)
     ids = torch.zeros(1024, 2048, dtype=torch.long)
