@@ -594,8 +594,8 @@ _CORE = ("analysis.opcost", "analysis.cost", "analysis.memory", "analysis.predic
 #: what each core module may import of glmc's: only modules below it
 _BELOW = {"compiler.report_parts": set(), "analysis.profiles": set(),
           "analysis.calibration": {"analysis.profiles"},
-          # the communication model: alpha-beta, timeline replay
-          "analysis.comm": {"errors", "ir.graph"},
+          # the communication model: alpha-beta, timeline replay, the measured link cached
+          "analysis.comm": {"errors", "ir.graph", "analysis.calibration"},  # its cache dir
           # kernels: glmc's fused ops (a leaf: imports nothing of glmc), for their chunk sizes
           "analysis.opcost": {"analysis.profiles", "ir.graph", "ir.kernels"},
           "analysis.cost": {"analysis.profiles", "analysis.calibration", "errors",
