@@ -270,6 +270,23 @@ def micro_program(graph: TrainGraph, accumulators: dict[str, Any]) -> TrainGraph
     return micro
 
 
+def rows_of(batch: Batch, index: int, parts: int, what: str) -> Batch:
+    """Slice `index` of `parts` equal slices (dim 0) of every tensor of `batch`; a batch whose
+    rows do not divide is an InputError naming the `parts` (`what`: "ranks", ...)."""
+    args, kwargs = batch
+
+    def cut(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            return t
+        if t.shape[0] % parts:
+            raise InputError(f"parallel: the global batch {describe(batch)} has "
+                             f"{t.shape[0]} rows, which do not divide by {parts} {what}; "
+                             f"pass a batch whose size is a multiple of {parts}")
+        n = t.shape[0] // parts
+        return t[index * n:(index + 1) * n]
+    return tuple(cut(t) for t in args), {k: cut(v) for k, v in kwargs.items()}
+
+
 class DataParallel:
     """One rank's view of a data-parallel trainer (see the module docstring)."""
 
@@ -322,18 +339,7 @@ class DataParallel:
 
     def local(self, batch: Batch) -> Batch:
         """This rank's slice (dim 0) of every tensor of the global batch."""
-        args, kwargs = batch
-
-        def cut(t: Any) -> Any:
-            if not isinstance(t, torch.Tensor) or t.dim() == 0:
-                return t
-            if t.shape[0] % self.world:
-                raise InputError(f"parallel: the global batch {describe(batch)} has "
-                                 f"{t.shape[0]} rows, which do not divide by {self.world} "
-                                 f"ranks; pass a batch whose size is a multiple of {self.world}")
-            n = t.shape[0] // self.world
-            return t[self.rank * n:(self.rank + 1) * n]
-        return tuple(cut(t) for t in args), {k: cut(v) for k, v in kwargs.items()}
+        return rows_of(batch, self.rank, self.world, "ranks")
 
     def micro_batches(self, batch: Batch) -> list[Batch]:
         """This rank's batch cut into `accumulate` micro-batches (dim 0)."""

@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from glmc.errors import ConfigError, InputError
+from glmc.errors import ConfigError
 from glmc.ir.graph import MeshSpec, TrainGraph
 from glmc.ir.plans import DIM, TP, Tile, TpPlan
-from glmc.parallel.data import DataParallel, Parallel, init_distributed
+from glmc.parallel.data import DataParallel, Parallel, init_distributed, rows_of
 from glmc.trace.capture import Batch
 
 
@@ -91,18 +91,7 @@ class TensorParallel(DataParallel):
         ranks of one tensor-parallel group read the same rows."""
         if self.dp == 1:
             return batch
-        args, kwargs = batch
-
-        def cut(t: Any) -> Any:
-            if not isinstance(t, torch.Tensor) or t.dim() == 0:
-                return t
-            if t.shape[0] % self.dp:
-                raise InputError(f"parallel: the global batch has {t.shape[0]} rows, which do "
-                                 f"not divide by {self.dp} data-parallel replicas; pass a "
-                                 f"multiple of {self.dp}")
-            n = t.shape[0] // self.dp
-            return t[self.dp_rank * n:(self.dp_rank + 1) * n]
-        return tuple(cut(t) for t in args), {k: cut(v) for k, v in kwargs.items()}
+        return rows_of(batch, self.dp_rank, self.dp, "data-parallel replicas")
 
     def micro_batches(self, batch: Batch) -> list[Batch]:
         if self.accumulate != 1:
