@@ -56,6 +56,15 @@ LINKS = {
     "roce-200g": LinkProfile("roce-200g", 8e-6, 25e9, "200 GbE RoCE (e.g. Huawei Ascend/Kunpeng "
                              "clusters' 200G NICs)"),
     "ethernet-25g": LinkProfile("ethernet-25g", 30e-6, 3.125e9, "25 GbE, TCP"),
+    "nvlink3": LinkProfile("nvlink3", 3e-6, 300e9, "NVIDIA A100 SXM4 datasheet: NVLink 3, "
+                           "600 GB/s bidirectional per GPU"),
+    "infiniband-hdr": LinkProfile("infiniband-hdr", 5e-6, 25e9, "NVIDIA ConnectX-6 datasheet: "
+                                  "HDR 200 Gb/s per port, one port per GPU (DGX A100: 8)"),
+    "hccs": LinkProfile("hccs", 2e-6, 30e9, "Huawei Kunpeng 920: Hydra links between sockets "
+                        "(240 Gb/s per direction, product brief)"),
+    "loopback": LinkProfile("loopback", 40e-6, 2e9, "gloo over loopback TCP on one host "
+                            "(glmc's measured order of magnitude; calibrate with glmc comm)",
+                            60e-6),
 }
 
 #: ring factors: (latency steps, bandwidth share) as functions of the group size

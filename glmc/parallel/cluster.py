@@ -26,24 +26,9 @@ from glmc.errors import ConfigError
 
 GiB = 1024 ** 3
 
-#: links the device kinds use that glmc's comm model does not name yet (per direction, as a
-#: ring uses them)
-_EXTRA_LINKS = {
-    "nvlink3": LinkProfile("nvlink3", 3e-6, 300e9, "NVIDIA A100 SXM4 datasheet: NVLink 3, "
-                           "600 GB/s bidirectional per GPU"),
-    "infiniband-hdr": LinkProfile("infiniband-hdr", 5e-6, 25e9, "NVIDIA ConnectX-6 datasheet: "
-                                  "HDR 200 Gb/s per port, one port per GPU (DGX A100: 8)"),
-    "hccs": LinkProfile("hccs", 2e-6, 30e9, "Huawei Kunpeng 920: Hydra links between sockets "
-                        "(240 Gb/s per direction, product brief)"),
-    "loopback": LinkProfile("loopback", 40e-6, 2e9, "gloo over loopback TCP on one host "
-                            "(glmc's measured order of magnitude; calibrate with glmc comm)",
-                            60e-6),
-}
-
-
-def link(name: str) -> LinkProfile:
-    """A link by name from glmc's comm model or the planner's extra links, or figures."""
-    return _EXTRA_LINKS[name] if name in _EXTRA_LINKS else get_link(name)
+def dtype_name(precision: str) -> str:
+    """The profiles' name of a training precision's compute dtype ("bf16" -> "bfloat16")."""
+    return {"bf16": "bfloat16", "fp16": "float16"}.get(precision, "float32")
 
 
 @dataclass(frozen=True)
@@ -60,7 +45,7 @@ class DeviceKind:
 
     @property
     def torch_dtype(self) -> str:
-        return {"bf16": "bfloat16", "fp16": "float16"}.get(self.dtype, "float32")
+        return dtype_name(self.dtype)
 
     @property
     def peak_flops(self) -> float:
@@ -70,16 +55,16 @@ class DeviceKind:
 
 def _kinds() -> dict[str, DeviceKind]:
     return {
-        "a100-40g": DeviceKind("a100-40g", get_profile("a100-40g"), 40 * GiB, link("nvlink3"),
-                               link("infiniband-hdr"), "fp16", "NVIDIA A100 datasheet"),
-        "a100-80g": DeviceKind("a100-80g", get_profile("a100"), 80 * GiB, link("nvlink3"),
-                               link("infiniband-hdr"), "fp16", "NVIDIA A100 datasheet"),
+        "a100-40g": DeviceKind("a100-40g", get_profile("a100-40g"), 40 * GiB, LINKS["nvlink3"],
+                               LINKS["infiniband-hdr"], "fp16", "NVIDIA A100 datasheet"),
+        "a100-80g": DeviceKind("a100-80g", get_profile("a100"), 80 * GiB, LINKS["nvlink3"],
+                               LINKS["infiniband-hdr"], "fp16", "NVIDIA A100 datasheet"),
         "h100-80g": DeviceKind("h100-80g", get_profile("h100"), 80 * GiB, LINKS["nvlink4"],
                                LINKS["infiniband-ndr"], "bf16", "NVIDIA H100 datasheet"),
         "h200": DeviceKind("h200", get_profile("h200"), 141 * 10 ** 9, LINKS["nvlink4"],
                            LINKS["infiniband-ndr"], "bf16", "NVIDIA H200 datasheet (141 GB)"),
         "kunpeng920": DeviceKind("kunpeng920", get_profile("kunpeng920"), 256 * GiB,
-                                 link("hccs"), LINKS["roce-200g"], "fp32",
+                                 LINKS["hccs"], LINKS["roce-200g"], "fp32",
                                  "Kunpeng 920-7260 product brief; one socket per device, "
                                  "8 x 32 GB DDR4 per socket assumed"),
     }
@@ -116,7 +101,7 @@ def _host(per_node: int) -> DeviceKind:
         torch.set_num_threads(threads)
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     measured = cached_link("gloo", per_node) if per_node > 1 else None
-    lk = measured or link("loopback")
+    lk = measured or LINKS["loopback"]
     return DeviceKind("host", profile, int(mem * 0.8) // max(1, per_node), lk, lk, "fp32",
                       "this machine, calibrated (glmc.analysis.calibration); link "
                       + (measured.source if measured else "not measured yet (a guess: run "
@@ -166,8 +151,8 @@ class Cluster:
             groups = tuple(groups)
         if intra is not None or inter is not None:
             groups = tuple(replace(g, device=replace(
-                g.device, intra=link(intra) if intra else g.device.intra,
-                inter=link(inter) if inter else g.device.inter)) for g in groups)
+                g.device, intra=get_link(intra) if intra else g.device.intra,
+                inter=get_link(inter) if inter else g.device.inter)) for g in groups)
         if len({g.per_node for g in groups}) > 1:
             raise ConfigError("cluster: every group must have the same devices per node (a "
                               "tensor-parallel group stays inside one node)")

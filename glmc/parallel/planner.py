@@ -67,8 +67,7 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _STATE = {"fp32": (4, 4, 8), "bf16": (2, 4, 12), "fp16": (2, 4, 12)}
 #: sequences per micro-batch the search tries
 MICROBATCHES = (1, 2, 4, 8, 16)
-#: what a stage keeps besides its layers' activations while a layer's backward runs: the
-#: layer's own working set (its activations, recomputed or saved, one micro-batch)
+#: the keys of a plan's spelling, in order
 KEYS = ("dp", "tp", "pp", "zero", "microbatch", "schedule", "virtual", "recompute",
         "precision")
 

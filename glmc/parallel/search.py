@@ -14,7 +14,7 @@ from typing import Any, Iterator
 
 from glmc.analysis.comm import choose_allreduce, collective_seconds
 from glmc.errors import ConfigError
-from glmc.parallel.cluster import Cluster, DeviceKind
+from glmc.parallel.cluster import Cluster, DeviceKind, dtype_name
 from glmc.parallel.planner import (_STATE, MICROBATCHES, PartCost, PlanPoint, Workload,
                                    _is_layer)
 from glmc.passes.partition import balanced_cut
@@ -101,8 +101,7 @@ def evaluate(p: PlanPoint, work: Workload, cluster: Cluster, overlap: bool = Tru
     model = work.model_flops()
     hardware = model + (work.layer_forward_flops() if p.recompute == "full" else 0.0)
     n = p.devices
-    dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(work.precision, "float32")
-    peak = sum(d.profile.peak(dtype) for d in devs) / len(devs)
+    peak = sum(d.profile.peak(dtype_name(work.precision)) for d in devs) / len(devs)
     return PricedPlan(p, step, breakdown, memory, fits, tokens / step,
                       model / step / n / 1e12, hardware / step / n / 1e12,
                       model / step / n / peak, tuple(sum(len(ch) for ch in r) for r in ranks),
