@@ -11,7 +11,11 @@ one and saves only what it needs. Visible on every backend, eager included.
     norm       x · rsqrt(mean(x², -1) + eps) · w (RMSNorm)   → glmc::rms_norm
                (x - mean) / sqrt(var + eps) [· w] [+ b], var as mean((x - mean)²) or
                var(x, correction=0); ÷ sqrt or × rsqrt (LayerNorm) → native_layer_norm
-    mlp        act(gate) · up, act ∈ silu / gelu / gelu-tanh → glmc::gated (SwiGLU / GeGLU)
+    mlp        act(gate) · up, act ∈ silu / gelu / gelu-tanh → glmc::gated (SwiGLU / GeGLU);
+               with `mlp=chunked` (the default pipeline's choice under `memory_budget=min`)
+               the whole MLP, bias-free projections included (gate and up separate or one
+               merged weight split in two) → glmc::gated_mlp: row chunk by row chunk, its
+               backward keeps only the MLP's input and makes each chunk's projections again
     loss       nll(log_softmax(logits)), logits = x @ wᵀ     → glmc::linear_cross_entropy
                (chunked: the (tokens × vocab) logits and their gradient are never stored;
                a shifted-LM slice is absorbed into the targets); without a bias-free head in
@@ -102,6 +106,10 @@ class FusionPass(Pass):
     #: holding the (tokens x vocab) logits; the default pipeline spells `loss=true` when a memory
     #: budget is set
     loss: bool | None = None
+    #: the `mlp` pattern's reach: `gated` (act(gate) * up -> glmc::gated) or `chunked` (the whole
+    #: gated MLP -> glmc::gated_mlp, row chunk by row chunk, recomputing its projections in the
+    #: backward: GLM 2x256, 1024 tokens, whole-step peak at budget `min` measured below)
+    mlp: str = "gated"
 
     def needs(self) -> frozenset[Need]:
         return frozenset({Need.STEP})
@@ -116,6 +124,8 @@ class FusionPass(Pass):
                               f"{'+'.join(PATTERNS)}")
         if self.update not in ("auto", "foreach", "fused"):
             raise ConfigError(f"fusion: update={self.update!r}; choose auto, foreach or fused")
+        if self.mlp not in ("gated", "chunked"):
+            raise ConfigError(f"fusion: mlp={self.mlp!r}; choose gated or chunked")
 
     def stage_forms(self) -> frozenset[StageForm]:
         return frozenset({StageForm.FORWARD})
@@ -153,7 +163,8 @@ class FusionPass(Pass):
             str(self.patterns) == "auto" else None
         finders: dict[str, Callable[[ForwardProgram, list], int]] = {
             "attention": lambda prog, regs: fuse_attention(prog, regs, choose),
-            "norm": fuse_norms, "mlp": fuse_gated, "loss": _fuse_loss}
+            "norm": fuse_norms, "loss": _fuse_loss,
+            "mlp": lambda prog, regs: fuse_gated(prog, regs, self.mlp == "chunked")}
         counts = {p: finders[p](program, regions) for p in selected if p in finders}
         rule = graph.meta["optimizer"].rule
         fused = "optimizer" in selected and rule.update_fused is not None and (
@@ -531,16 +542,106 @@ def fuse_layer_norm(program: ForwardProgram, regions: list, consumed: set | None
     return fused
 
 
-def fuse_gated(program: ForwardProgram, regions: list) -> int:
+def fuse_gated(program: ForwardProgram, regions: list, whole: bool = False) -> int:
+    """act(gate) * up -> glmc::gated; with `whole`, each whose projections and down projection
+    match `_whole_mlp` -> glmc::gated_mlp."""
     g = program.graph
     fused = 0
     for m in find(GATED, g):
         act = _activation(m["act"])
-        _replace(g, m["end"], torch.ops.glmc.gated.default, (m["gate"], m["up"], act),
-                 first=False)
-        _region(regions, "mlp", f"glmc::gated({act})", m["end"], m.nodes)
+        gated = _replace(g, m["end"], torch.ops.glmc.gated.default, (m["gate"], m["up"], act),
+                         first=False)
+        _erase_dead(g, m.nodes)  # the projections' readers are counted next
+        whole_mlp = _whole_mlp(gated) if whole else None
+        if whole_mlp is None:
+            _region(regions, "mlp", f"glmc::gated({act})", m["end"], m.nodes)
+        else:
+            args, down, nodes = whole_mlp
+            _replace(g, down, torch.ops.glmc.gated_mlp.default, (*args, act), first=False)
+            _region(regions, "mlp", f"glmc::gated_mlp({act}, chunked)", m["end"],
+                    [*m.nodes, *nodes])
         fused += 1
     return fused
+
+
+def _erase_dead(g: fx.Graph, nodes: list) -> None:
+    dead = [n for n in nodes if n.graph is g and n.op == "call_function"]
+    while any(not n.users for n in dead):
+        for n in [n for n in dead if not n.users]:
+            g.erase_node(n)
+            dead.remove(n)
+
+
+def _projection(n: Any, chain: list) -> tuple[fx.Node, fx.Node] | None:
+    """(x, w) of a bias-free linear `view*(mm(x, t(w)))` read only along the chain."""
+    mm = _strip(n, chain)
+    if op_name(mm) != "mm" or len(mm.users) != 1 or op_name(mm.args[1]) != "t" or \
+            len(mm.args[1].users) != 1:
+        return None
+    chain += [mm, mm.args[1]]
+    return mm.args[0], mm.args[1].args[0]
+
+
+def _half(n: Any, chain: list) -> tuple[fx.Node, int] | None:
+    """(split node, index) of `view*(getitem(split(p, size, -1), index))`."""
+    item = _strip(n, chain)
+    if not is_node(item) or item.target is not operator.getitem or len(item.users) != 1:
+        return None
+    chain.append(item)
+    return item.args[0], item.args[1]
+
+
+def _whole_mlp(gated: fx.Node) -> tuple[tuple, fx.Node, list] | None:
+    """((x, w_gate, w_up | None, w_down), the down projection's mm, the nodes it replaces) of a
+    bias-free gated MLP around `gated` whose intermediate values have no other reader: gate
+    and up from one merged projection split in two halves, or from two projections of the
+    same 2-D x; one 2-D down projection of act(gate) * up."""
+    gate, up = gated.args[:2]
+    chain: list = []
+    down = _only_user(gated)
+    while down is not None and op_name(down) in _VIEWS and len(down.users) == 1:
+        chain.append(down)
+        down = _only_user(down)
+    if down is None or op_name(down) != "mm" or op_name(down.args[1]) != "t" or \
+            len(down.args[1].users) != 1 or down.args[0] is not (chain[-1] if chain else gated):
+        return None
+    chain.append(down.args[1])
+    w_down = down.args[1].args[0]
+    halves = _half(gate, chain), _half(up, chain)
+    if halves[0] and halves[1] and halves[0][0] is halves[1][0] and \
+            [h[1] for h in halves] == [0, 1]:
+        split = halves[0][0]
+        inter = _shape(w_down)[-1] if _shape(w_down) else None
+        dims = (-1, len(_shape(split.args[0]) or ()) - 1)
+        if op_name(split) != "split" or len(split.users) != 2 or len(split.args) != 3 or \
+                split.args[1] != inter or split.args[2] not in dims:
+            return None
+        chain.append(split)
+        both = _projection(split.args[0], chain)
+        if both is None:
+            return None
+        x, w_gate, w_up = both[0], both[1], None
+    else:
+        chain = chain[:chain.index(down.args[1]) + 1]
+        proj = _projection(gate, chain), _projection(up, chain)
+        if proj[0] is None or proj[1] is None or not _same_value(proj[0][0], proj[1][0]):
+            return None
+        x, w_gate, w_up = proj[0][0], proj[0][1], proj[1][1]
+    if not _same_float(x, w_gate, w_up, w_down) or len(_shape(x) or ()) != 2:
+        return None
+    return (x, w_gate, w_up, w_down), down, chain
+
+
+def _same_value(a: fx.Node, b: fx.Node) -> bool:
+    """a and b are one node, or the same view of one node (each linear views its own input)."""
+    return a is b or (op_name(a) in _VIEWS and op_name(a) == op_name(b)
+                      and a.args == b.args and a.kwargs == b.kwargs)
+
+
+def _same_float(*values: Any) -> bool:
+    dtypes = {v.meta["val"].dtype for v in values if is_node(v) and "val" in v.meta}
+    return len(dtypes) == 1 and next(iter(dtypes)).is_floating_point and \
+        all(v is None or (is_node(v) and "val" in v.meta) for v in values)
 
 
 def _activation(n: fx.Node) -> str:

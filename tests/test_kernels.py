@@ -41,3 +41,43 @@ def test_fused_adam_takes_a_gradient_in_another_layout_than_its_parameter() -> N
                                torch.tensor(0.1), 0.9, 0.999, 0.01, 1e-8, False, False, True, [])
     torch.testing.assert_close(p, ref.detach(), rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(m, opt.state[ref]["exp_avg"], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("merged", [True, False], ids=["merged", "separate"])
+@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh"])
+def test_gated_mlp_equals_the_unfused_mlp_and_its_autograd(merged, act) -> None:
+    """`glmc::gated_mlp` over chunks of 64 rows (300 rows: the last chunk shorter) equals the
+    unfused MLP and its autograd gradients in fp64 to rounding; its plain-ATen references
+    (what ONNX and step.py get) agree too."""
+    g = torch.Generator().manual_seed(0)
+    rows, d, inter = 300, 24, 40
+    x = torch.randn(rows, d, generator=g, dtype=torch.float64, requires_grad=True)
+    w_gate = torch.randn(2 * inter if merged else inter, d, generator=g, dtype=torch.float64,
+                         requires_grad=True)
+    w_up = None if merged else torch.randn(inter, d, generator=g, dtype=torch.float64,
+                                           requires_grad=True)
+    w_down = torch.randn(d, inter, generator=g, dtype=torch.float64, requires_grad=True)
+    leaves = [x, w_gate, w_down] + ([] if merged else [w_up])
+    out = torch.ops.glmc.gated_mlp(x, w_gate, w_up, w_down, act, 64)
+    grad = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad(out, leaves, grad)
+    gate, up = (x @ w_gate.t()).chunk(2, -1) if merged else (x @ w_gate.t(), x @ w_up.t())
+    ref = (kernels._ACTS[act](gate) * up) @ w_down.t()
+    want = torch.autograd.grad(ref, leaves, grad)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(kernels.gated_mlp_reference(x, w_gate, w_up, w_down, act), ref,
+                               rtol=1e-12, atol=1e-12)
+    gx, gg, gu, gd = kernels.gated_mlp_backward_reference(grad, x, w_gate, w_up, w_down, act)
+    for a, b in zip([gx, gg, gd] + ([] if merged else [gu]), want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_gated_mlp_rows_spread_evenly() -> None:
+    """Chunks of about the asked rows, the last no sliver; never more rows than there are."""
+    assert kernels.mlp_rows(1024, 640, 256) == 256
+    assert kernels.mlp_rows(1000, 640, 256) == 250  # 4 chunks, not 3 x 256 + 232
+    assert kernels.mlp_rows(10, 640, 256) == 10
+    assert kernels.mlp_rows(1024, 640) == 171  # <= 1 MiB of fp32 gate/up per chunk: 6 chunks
+    assert kernels.mlp_rows(4096, 13696) == 128  # at least MLP_MIN_ROWS

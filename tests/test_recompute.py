@@ -16,7 +16,8 @@ from glmc.passes.recompute import Budget
 from glmc.planning.remat import (Problem, Unit, closure, creation_times, evaluate, greedy, milp,
                                  plan_cost, stored_bytes, timeline)
 from glmc.trace.capture import split_batch
-from tests.models import ATOL, CASES, RTOL, assert_state_close, eager_losses, glmc_losses, twin
+from tests.models import (ATOL, CASES, RTOL, assert_state_close, eager_losses, example_module,
+                          glmc_losses, twin)
 
 
 def _recompute_stats(trainer):
@@ -53,6 +54,39 @@ def test_recompute_keeps_parity_and_meets_budget(case: str, backend: str, budget
         measured = rec["predicted"]["memory"]["persistent_bytes"] + rec["measured"]["peak_bytes"]
         assert measured <= stats.budget_bytes * 1.01, (measured, stats.budget_bytes,
                                                        rec["warnings"])
+
+
+def _glm_1024_tokens():
+    """The GLM example's tiny layers over 1024 tokens: two row chunks of its MLP."""
+    import dataclasses
+    glm = example_module("glm.py")
+    cfg = dataclasses.replace(glm.CONFIGS["tiny"], seq=128, batch=8)
+    torch.manual_seed(0)
+    model = glm.GLM(cfg)
+    return model, glm.make_batch(cfg), None, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def test_min_fuses_the_whole_gated_mlp_with_parity_and_a_lower_peak() -> None:
+    """Under `min` the default pipeline fuses each gated MLP whole (`fusion{mlp=chunked}`:
+    glmc::gated_mlp, its backward making each row chunk's projections again, issue 36 item 2):
+    losses and state equal eager PyTorch's, and min's predicted peak is below the one reached
+    with the act-only fusion."""
+    from glmc.ir.graph import op_name
+    (m, x, loss_fn, opt), (m2, _, _, opt2) = twin(_glm_1024_tokens)
+    trainer = glmc.optimize(m, x, loss_fn=loss_fn, optimizer=opt, backend="eager",
+                            memory_budget="min")
+    ops = [op_name(n) for n in trainer.graph.graph.nodes]
+    assert ops.count("gated_mlp") == ops.count("gated_mlp_backward") == 2 and "gated" not in ops
+    got = glmc_losses(trainer, x, 3)
+    want = eager_losses(m2, x, loss_fn, opt2, 3)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=ATOL)
+    assert_state_close(m, m2, opt, opt2)
+    m3, _, _, opt3 = _glm_1024_tokens()
+    act_only = glmc.optimize(m3, x, loss_fn=loss_fn, optimizer=opt3, backend="eager",
+                             passes="fusion{attention=true,loss=true,mlp=gated},cleanup,"
+                                    "recompute{budget=min}")
+    chunked, gated = (_recompute_stats(t)[0].predicted_peak for t in (trainer, act_only))
+    assert chunked < gated, (chunked, gated)
 
 
 def test_dropout_masks_identical_with_recompute() -> None:

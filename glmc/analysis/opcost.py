@@ -25,7 +25,7 @@ import torch.fx as fx
 
 from glmc.analysis.profiles import ATTENTION_BACKWARD_FACTOR, attention_flops
 from glmc.ir.graph import comm_ops, is_view, op_name
-from glmc.ir.kernels import CHUNK_ELEMENTS, head_rows
+from glmc.ir.kernels import CHUNK_ELEMENTS, head_rows, mlp_rows
 
 __all__ = ["OpCost", "op_cost", "kind_of", "is_view", "value_bytes"]
 
@@ -358,6 +358,32 @@ def _linear_cross_entropy(node: fx.Node) -> OpCost:
                       rows * v * 8 + (0 if fp32 else v * d * 4), parts)
 
 
+def _gated_mlp(node: fx.Node, backward: bool) -> OpCost:
+    """Per chunk of rows: the gate/up and down matmuls (3; the backward makes gate/up again
+    and adds grad w_down, grad h, grad x and grad w_gate/w_up: 8), act(gate) * up (and the
+    backward's closed-form derivative, `_gated_backward`'s passes); holds one chunk's
+    projections, activation and their gradients."""
+    first = 1 if backward else 0
+    x, wd = _val(node.args[first]), _val(node.args[first + 3])
+    (n, d), inter, size = x.shape, wd.shape[1], x.element_size()
+    rows = mlp_rows(n, inter, int(_arg(node, first + 5, "rows", 0)))
+    chunks = -(-n // rows)
+    dtype = str(x.dtype).replace("torch.", "")
+    mm = OpCost("matmul", 2.0 * rows * d * inter, (rows * d + inter * d + rows * inter) * size,
+                0, dtype)
+    act = _chunk(9 * rows * inter, 0, 5 * rows * inter * size, 3 * rows * inter * size)
+    parts: tuple = ((mm, (8 if backward else 3) * chunks), (act, chunks))
+    calls, workspace = 6, 3 * rows * inter * size
+    if backward:
+        k = _GATED_BACKWARD_CALLS.get(str(_arg(node, first + 4, "act", "silu")), 26)
+        parts += ((_chunk((k + 4) * rows * inter, 0, 10 * (k - 3) * rows * inter,
+                          3 * rows * inter * 4), chunks),)
+        calls, workspace = 12 + k, rows * inter * (6 * size + 12)
+    flops = sum(p.flops * c for p, c in parts)
+    moved = sum((p.bytes + p.reused) * c for p, c in parts)
+    return _python_op(node, flops, moved, 2 + calls * chunks, workspace, parts)
+
+
 #: qualified op name -> (kind, rule giving its OpCost); consulted before every other rule
 _RULES: dict[str, tuple[str, Callable[[fx.Node], OpCost]]] = {
     "aten::_scaled_dot_product_flash_attention_for_cpu":
@@ -371,4 +397,6 @@ _RULES: dict[str, tuple[str, Callable[[fx.Node], OpCost]]] = {
     "glmc::cross_entropy": ("known", _cross_entropy),
     "glmc::cross_entropy_backward": ("known", _cross_entropy_backward),
     "glmc::linear_cross_entropy": ("known", _linear_cross_entropy),
+    "glmc::gated_mlp": ("known", lambda n: _gated_mlp(n, backward=False)),
+    "glmc::gated_mlp_backward": ("known", lambda n: _gated_mlp(n, backward=True)),
 }

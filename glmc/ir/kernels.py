@@ -11,6 +11,8 @@ AOTAutograd, every backend and the cost model see one op with a known backward.
 * `glmc::rms_norm(x, weight, eps)` — RMSNorm whose backward keeps x and the per-row rstd.
 * `glmc::gated(gate, up, act)` — act(gate) * up (SwiGLU/GeGLU) whose backward keeps gate and
   up and recomputes act(gate).
+* `glmc::gated_mlp(x, w_gate, w_up, w_down, act)` — the whole gated MLP row chunk by row
+  chunk; its backward keeps x only and makes each chunk's projections again (memory budgets).
 * `glmc::fused_adam_(params, grads, exp_avgs, ...)` — ATen's fused Adam/AdamW kernel updating
   the state in place; not in glmc's IR (which stays functional: `aten._fused_adamw`), but what
   the Inductor backend lowers that op and its write-back copies to (`in_place_fused_updates`).
@@ -228,8 +230,8 @@ def linear_cross_entropy_reference(x: Tensor, weight: Tensor, target: Tensor, ig
 
 def _gated_backward_reference(grad: Tensor, gate: Tensor, up: Tensor,
                               act: str) -> tuple[Tensor, Tensor]:
-    """Closed forms (no autograd inside, so tracers see plain ops)."""
-    gf = gate.float()
+    """Closed forms (no autograd inside, so tracers see plain ops), in fp32 at least."""
+    gf = gate.to(torch.promote_types(gate.dtype, torch.float32))
     if act == "silu":
         sig = torch.sigmoid(gf)
         a, da = gf * sig, sig * (1 + gf * (1 - sig))
@@ -268,7 +270,9 @@ def decompositions() -> dict:
             torch.ops.glmc.gated_backward.default: _gated_backward_reference,
             torch.ops.glmc.cross_entropy.default: cross_entropy_reference,
             torch.ops.glmc.cross_entropy_backward.default: cross_entropy_backward_reference,
-            torch.ops.glmc.linear_cross_entropy.default: linear_cross_entropy_reference}
+            torch.ops.glmc.linear_cross_entropy.default: linear_cross_entropy_reference,
+            torch.ops.glmc.gated_mlp.default: gated_mlp_reference,
+            torch.ops.glmc.gated_mlp_backward.default: gated_mlp_backward_reference}
 
 
 def lower_to_aten(gm: "torch.fx.GraphModule",
@@ -406,6 +410,153 @@ def _gated_backward(ctx, grad):  # noqa: ANN001
 
 
 gated.register_autograd(_gated_backward, setup_context=_gated_setup)
+
+# ---- the whole gated MLP, row chunk by row chunk ----------------------------------------------
+
+#: elements of one chunk's gate/up projection (fp32: 1 MiB); at least `MLP_MIN_ROWS` rows
+MLP_CHUNK_ELEMENTS = 1 << 18
+MLP_MIN_ROWS = 128
+
+
+def mlp_rows(n_rows: int, inter: int, asked: int = 0) -> int:
+    """Rows per chunk of `glmc::gated_mlp` (`asked` > 0: that many), spread evenly over the
+    chunks so that the last one is not a sliver."""
+    rows = asked if asked > 0 else max(MLP_MIN_ROWS, MLP_CHUNK_ELEMENTS // max(1, 2 * inter))
+    chunks = -(-n_rows // max(1, min(n_rows, rows)))
+    return -(-n_rows // chunks)
+
+
+def _gate_up(xc: Tensor, w_gate: Tensor, w_up: Tensor | None, inter: int
+             ) -> tuple[Tensor, Tensor]:
+    """(gate, up) projections of one row chunk; `w_up` None: `w_gate` is the merged
+    (2 * inter, d) weight, gate rows first (one matmul)."""
+    if w_up is None:
+        both = xc @ w_gate.to(xc.dtype).t()
+        return both[:, :inter], both[:, inter:]
+    return xc @ w_gate.to(xc.dtype).t(), xc @ w_up.to(xc.dtype).t()
+
+
+def _pieces(w_gate: Tensor, w_up: Tensor | None, inter: int) -> tuple[Tensor, Tensor]:
+    return (w_gate[:inter], w_gate[inter:]) if w_up is None else (w_gate, w_up)
+
+
+@torch.library.custom_op("glmc::gated_mlp", mutates_args=())
+def gated_mlp(x: Tensor, w_gate: Tensor, w_up: Tensor | None, w_down: Tensor, act: str,
+              rows: int = 0) -> Tensor:
+    """`(act(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T` for 2-D x, computed `rows` rows at a
+    time (0: `mlp_rows`), so the (rows x inter) projections exist one chunk at a time. With
+    `w_up` None, `w_gate` is the merged gate/up weight (GLM's `gate_up_proj`). The backward
+    keeps x only and makes each chunk's projections again (one more gate/up matmul than the
+    unfused backward): the whole MLP's memory is one chunk's, at a memory budget's price."""
+    inter = w_down.shape[1]
+    rows = mlp_rows(x.shape[0], inter, rows)
+    out = x.new_empty((x.shape[0], w_down.shape[0]))
+    wd = w_down.to(x.dtype).t()
+    for s in range(0, x.shape[0], rows):
+        gate, up = _gate_up(x[s:s + rows], w_gate, w_up, inter)
+        h = _ACTS[act](gate) * up
+        del gate, up
+        torch.mm(h, wd, out=out[s:s + rows])
+        del h
+    return out
+
+
+@gated_mlp.register_fake
+def _(x: Tensor, w_gate: Tensor, w_up: Tensor | None, w_down: Tensor, act: str,
+      rows: int = 0) -> Tensor:
+    return x.new_empty((x.shape[0], w_down.shape[0]))
+
+
+def _accumulate(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """acc += a @ b, written by the matmul itself when acc has the operands' dtype."""
+    if acc.dtype == a.dtype:
+        acc.addmm_(a, b)
+    else:
+        acc += (a @ b).to(acc.dtype)
+
+
+@torch.library.custom_op("glmc::gated_mlp_backward", mutates_args=())
+def gated_mlp_backward(grad: Tensor, x: Tensor, w_gate: Tensor, w_up: Tensor | None,
+                       w_down: Tensor, act: str, rows: int = 0
+                       ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(grad x, grad w_gate, grad w_up, grad w_down) of `gated_mlp`, chunk by chunk of rows:
+    each chunk's projections are made again from x, and the weight gradients are summed over
+    the chunks (in fp32; in another order than one matmul over all rows: fp32 rounding). With
+    the merged weight, grad w_up is empty (its rows are in grad w_gate)."""
+    inter = w_down.shape[1]
+    rows = mlp_rows(x.shape[0], inter, rows)
+    wg, wu = (w.to(x.dtype) for w in _pieces(w_gate, w_up, inter))
+    wd = w_down.to(x.dtype)
+    gx = torch.empty_like(x)
+    acc = torch.promote_types(x.dtype, torch.float32)
+    g_gate = torch.zeros(w_gate.shape, dtype=acc, device=x.device)
+    g_up = torch.zeros(w_up.shape if w_up is not None else (0,), dtype=acc, device=x.device)
+    gg, gu = _pieces(g_gate, g_up if w_up is not None else None, inter)
+    g_down = torch.zeros(w_down.shape, dtype=acc, device=x.device)
+    for s in range(0, x.shape[0], rows):
+        xc, gc = x[s:s + rows], grad[s:s + rows].to(x.dtype)
+        gate, up = _gate_up(xc, w_gate, w_up, inter)
+        h = _ACTS[act](gate) * up
+        _accumulate(g_down, gc.t(), h)
+        del h
+        d_gate, d_up = _gated_backward_reference(gc @ wd, gate, up, act)
+        del gate, up
+        torch.mm(d_gate, wg, out=gx[s:s + rows])
+        gx[s:s + rows].addmm_(d_up, wu)
+        _accumulate(gg, d_gate.t(), xc)
+        _accumulate(gu, d_up.t(), xc)
+        del d_gate, d_up
+    return (gx, g_gate.to(w_gate.dtype),
+            g_up.to(w_up.dtype) if w_up is not None else g_up.to(w_gate.dtype),
+            g_down.to(w_down.dtype))
+
+
+@gated_mlp_backward.register_fake
+def _(grad: Tensor, x: Tensor, w_gate: Tensor, w_up: Tensor | None, w_down: Tensor, act: str,
+      rows: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return (torch.empty_like(x), torch.empty_like(w_gate),
+            torch.empty_like(w_up) if w_up is not None else w_gate.new_empty((0,)),
+            torch.empty_like(w_down))
+
+
+def _mlp_setup(ctx, inputs, output) -> None:  # noqa: ANN001
+    x, w_gate, w_up, w_down, act, rows = inputs
+    ctx.merged = w_up is None
+    ctx.save_for_backward(x, w_gate, w_down, *([] if w_up is None else [w_up]))
+    ctx.act, ctx.rows = act, rows
+
+
+def _mlp_backward(ctx, grad):  # noqa: ANN001
+    x, w_gate, w_down, *up = ctx.saved_tensors
+    gx, gg, gu, gd = gated_mlp_backward(grad, x, w_gate, up[0] if up else None, w_down,
+                                        ctx.act, ctx.rows)
+    return gx, gg, None if ctx.merged else gu, gd, None, None
+
+
+gated_mlp.register_autograd(_mlp_backward, setup_context=_mlp_setup)
+
+
+def gated_mlp_reference(x: Tensor, w_gate: Tensor, w_up: Tensor | None, w_down: Tensor,
+                        act: str, rows: int = 0) -> Tensor:
+    """`gated_mlp` with plain ATen ops, unchunked."""
+    gate, up = _gate_up(x, w_gate, w_up, w_down.shape[1])
+    return (_ACTS[act](gate) * up) @ w_down.to(x.dtype).t()
+
+
+def gated_mlp_backward_reference(grad: Tensor, x: Tensor, w_gate: Tensor, w_up: Tensor | None,
+                                 w_down: Tensor, act: str, rows: int = 0
+                                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    inter = w_down.shape[1]
+    gate, up = _gate_up(x, w_gate, w_up, inter)
+    h = _ACTS[act](gate) * up
+    d_gate, d_up = _gated_backward_reference(grad @ w_down.to(x.dtype), gate, up, act)
+    wg, wu = _pieces(w_gate, w_up, inter)
+    gx = d_gate @ wg.to(x.dtype) + d_up @ wu.to(x.dtype)
+    gg, gu = (d_gate.t() @ x).to(w_gate.dtype), (d_up.t() @ x).to(w_gate.dtype)
+    if w_up is None:
+        gg, gu = torch.cat([gg, gu]), w_gate.new_empty((0,))
+    return gx, gg, gu, (grad.t() @ h).to(w_down.dtype)
+
 
 #: glmc ops whose plain-ATen form a fusing backend (Inductor) should compile instead: the
 #: memory saving is in what their autograd saves, which is fixed before the backend runs
@@ -586,6 +737,16 @@ def _register_flops() -> None:
     @register_flop_formula(torch.ops.glmc.linear_cross_entropy)
     def _fwd(x_shape, w_shape, *args, **kwargs) -> int:  # noqa: ANN001
         return 6 * x_shape[0] * x_shape[1] * w_shape[0]  # logits, grad x, grad w
+
+    @register_flop_formula(torch.ops.glmc.gated_mlp)
+    def _mlp(x_shape, gate_shape, up_shape, down_shape, *args, **kwargs) -> int:  # noqa: ANN001
+        return 6 * x_shape[0] * x_shape[1] * down_shape[1]  # gate, up, down
+
+    @register_flop_formula(torch.ops.glmc.gated_mlp_backward)
+    def _mlp_bwd(grad_shape, x_shape, gate_shape, up_shape, down_shape, *args,  # noqa: ANN001
+                 **kwargs) -> int:
+        # gate/up again, grad w_down, grad h, grad x (two), grad w_gate/w_up (two)
+        return 16 * x_shape[0] * x_shape[1] * down_shape[1]
 
 
 _register_flops()

@@ -79,9 +79,10 @@ class TensorParallel(DataParallel):
         """The fusion pass leaves the LM head and its cross-entropy unfused unless asked for
         (`loss=true`, e.g. under a memory budget): the tensor_parallel pass then shards the
         head over the vocabulary into torch's loss-parallel cross-entropy, where glmc's fused
-        head would stay whole on every rank."""
-        return [dataclasses.replace(p, loss=False) if p.name == "fusion" and p.loss is None
-                else p for p in passes]
+        head would stay whole on every rank. Likewise the MLP stays `gated` (its projections
+        are what the pass shards), not `chunked`."""
+        return [dataclasses.replace(p, loss=False if p.loss is None else p.loss, mlp="gated")
+                if p.name == "fusion" else p for p in passes]
 
     def wants_micro_program(self, graph: TrainGraph) -> bool:
         return False

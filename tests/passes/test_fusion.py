@@ -193,6 +193,52 @@ def test_norm_and_mlp_do_not_fire_when_intermediates_are_reused(reuse, pattern):
     assert stats.counts[pattern] == 0
 
 
+class WholeMLP(nn.Module):
+    """Bias-free gated MLPs: GLM's merged gate/up weight or Llama's two, 3-D activations."""
+
+    def __init__(self, merged: bool, bias: bool = False, reuse: bool = False) -> None:
+        super().__init__()
+        self.merged, self.reuse = merged, reuse
+        if merged:
+            self.gate_up = nn.Linear(16, 48, bias=bias)
+        else:
+            self.gate, self.up = nn.Linear(16, 24, bias=bias), nn.Linear(16, 24, bias=bias)
+        self.down = nn.Linear(24, 16, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1) if self.merged else (self.gate(x), self.up(x))
+        out = self.down(F.silu(gate) * up)
+        return (out + x).pow(2).mean() + (gate.mean() if self.reuse else 0)
+
+
+@pytest.mark.parametrize("merged", [True, False], ids=["merged", "separate"])
+def test_whole_gated_mlp_chunked_fires_with_parity(merged):
+    """`mlp=chunked`: the whole MLP is one glmc::gated_mlp whose backward keeps only x: no
+    (tokens x inter) value crosses from the forward to the backward; 3 SGD steps equal the
+    unfused step to fp32 rounding (its weight gradients sum over row chunks)."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 80, 16)
+    g, stats = _fuse(WholeMLP(merged), (x,), patterns="mlp", mlp="chunked")
+    assert stats.counts["mlp"] == 1
+    assert [r["op"] for r in stats.regions] == ["glmc::gated_mlp(silu, chunked)"]
+    assert {"gated_mlp", "gated_mlp_backward"} <= _ops(g) and "mm" not in _ops(g, Phase.FORWARD)
+    crossing = [n for n in g.compute_nodes() if TrainGraph.info(n).phase is Phase.FORWARD
+                and any(TrainGraph.info(u).phase is Phase.BACKWARD for u in n.users)]
+    assert all(n.meta["val"].dim() == 0 or n.meta["val"].shape[-1] != 24 for n in crossing), \
+        [n.name for n in crossing]
+    _parity(lambda: WholeMLP(merged), (x,), "mlp", options=",mlp=chunked")
+
+
+@pytest.mark.parametrize("variant", ["bias", "reuse"])
+def test_whole_gated_mlp_needs_bias_free_projections_read_by_it_alone(variant):
+    """A biased projection, or a gate read elsewhere, keeps the act-only glmc::gated."""
+    torch.manual_seed(0)
+    model = WholeMLP(True, bias=variant == "bias", reuse=variant == "reuse")
+    g, stats = _fuse(model, (torch.randn(4, 80, 16),), patterns="mlp", mlp="chunked")
+    assert "gated_mlp" not in _ops(g) and "gated" in _ops(g)
+    assert [r["op"] for r in stats.regions] == ["glmc::gated(silu)"]
+
+
 @pytest.mark.parametrize("bias,op", [(True, "cross_entropy"), (False, "linear_cross_entropy")])
 def test_loss_fires_with_parity(bias, op):
     """A biased head fuses the loss only; a bias-free one fuses head and loss."""
@@ -206,8 +252,9 @@ def test_loss_fires_with_parity(bias, op):
     _parity(make, (x, y), "loss", F.cross_entropy)
 
 
-def _parity(make, x, patterns: str, loss_fn=None, steps: int = 3) -> None:
-    """`fusion{patterns=...}` against no fusion, within the patterns' PATTERN_TOLERANCES."""
+def _parity(make, x, patterns: str, loss_fn=None, steps: int = 3, options: str = "") -> None:
+    """`fusion{patterns=...}` (and `options`) against no fusion, within the patterns'
+    PATTERN_TOLERANCES."""
     tol = _tolerance(patterns)
     torch.manual_seed(0)
     m1 = make()
@@ -219,7 +266,7 @@ def _parity(make, x, patterns: str, loss_fn=None, steps: int = 3) -> None:
     o2 = torch.optim.SGD(m2.parameters(), lr=0.05, momentum=0.9)
     a = glmc.optimize(m1, x, loss_fn=loss_fn, optimizer=o1, backend="eager", passes="cleanup")
     b = glmc.optimize(m2, x, loss_fn=loss_fn, optimizer=o2, backend="eager",
-                      passes=f"fusion{{patterns={patterns}}},cleanup")
+                      passes=f"fusion{{patterns={patterns}{options}}},cleanup")
     assert all(b.report.history[0].stats.counts[p] for p in patterns.split("+"))  # it fired
     la, lb = glmc_losses(a, x, steps), glmc_losses(b, x, steps)
     rtol, atol = tol.values
