@@ -11,7 +11,10 @@ same global batch (AdamW). After warm-up, each round runs one step of every cont
 ratio to the wrapper it is paired with, and the per-rank peak: bytes live before the step
 (weights, grads, optimizer state, batch — distinct storages, local shards for sharded state) +
 the peak the c10 allocator reaches during one profiled (untimed) step. For glmc, its predicted
-per-rank peak and exposed communication against the measurement.
+per-rank peak and step time against the measurement (and the step time the model would predict
+if overlapping a collective with compute cost nothing, as it did before the link's measured
+`contention`), and its predicted communication cost (waits + compute slowed by collectives in
+flight) beside the waits measured.
 
     python benchmarks/bench_parallel.py                    # GLM small, 2 processes
     python benchmarks/bench_parallel.py --model glm-tiny --steps 5
@@ -153,7 +156,12 @@ def rank_main(a: argparse.Namespace) -> None:
             pred = rec.predicted or {}
             row["pred_peak"] = pred.get("memory", {}).get("peak_bytes")
             comm = pred.get("communication") or {}
-            row["pred_exposed_s"] = comm.get("exposed_seconds")
+            # the step's collectives cost what it waits for plus the compute they slow
+            row["pred_exposed_s"] = (comm["exposed_seconds"] + comm.get("contention_seconds", 0)
+                                     if "exposed_seconds" in comm else None)
+            row["pred_step_s"] = comm.get("step_seconds")
+            row["pred_free_s"] = (comm["step_seconds"] - comm.get("contention_seconds", 0)
+                                  if "step_seconds" in comm else None)  # overlap for free
             row["meas_exposed_s"] = rec.measured.get("exposed_comm_seconds")
         mine[n] = row
     every = [None] * world
@@ -183,6 +191,11 @@ def report(a, every: list[dict], world: int, params: int) -> None:
                     row["pred_peak_error"] = round(pred / every[0][n]["peak"] - 1, 3)
                 row["pred_exposed_ms"] = _ms(every[0][n].get("pred_exposed_s"))
                 row["meas_exposed_ms"] = _ms(every[0][n].get("meas_exposed_s"))
+                pred_step = every[0][n].get("pred_step_s")
+                if pred_step:
+                    row["pred_step_ms"] = _ms(pred_step)
+                    row["pred_step_error"] = round(pred_step / step - 1, 3)
+                    row["pred_free_error"] = round(every[0][n]["pred_free_s"] / step - 1, 3)
             rows.append(row)
     data = {"meta": meta, "cpu": cpu, "model": a.model, "params": params, "ranks": world,
             "steps": a.steps, "warmup": a.warmup, "bucket_mb": a.bucket_mb, "rows": rows}
@@ -191,12 +204,15 @@ def report(a, every: list[dict], world: int, params: int) -> None:
              f"slowest rank; bucket {a.bucket_mb} MiB; {meta['date']}, {cpu}, torch "
              f"{meta['torch']}; `{meta['command']}`", "",
              "| contender | step (ms) | ratio to its pair | peak per rank (MiB) | ratio to its "
-             "pair | predicted peak error | exposed comm. predicted / measured (ms) | loss |",
-             "|---|---|---|---|---|---|---|---|"]
+             "pair | predicted peak error | predicted step (ms) / error | its error if overlap "
+             "were free | exposed comm. predicted (waits + contention) / measured waits (ms) | "
+             "loss |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['contender']} | {r['step_ms']} | {r.get('step_ratio', '')} | "
                      f"{r['peak_mib_per_rank']} | {r.get('peak_ratio', '')} | "
                      f"{_pct(r.get('pred_peak_error'))} | "
+                     f"{_pair(r.get('pred_step_ms'), _pct(r.get('pred_step_error')))} | "
+                     f"{_pct(r.get('pred_free_error'))} | "
                      f"{_pair(r.get('pred_exposed_ms'), r.get('meas_exposed_ms'))} | "
                      f"{r['loss']} |")
     write_result(Path(a.out), f"parallel-{a.model}", data, "\n".join(lines))
@@ -211,7 +227,7 @@ def _pct(x):
 
 
 def _pair(p, m):
-    return "" if p is None and m is None else f"{p} / {m}"
+    return "" if p is None and m in (None, "") else f"{p} / {m}"
 
 
 def main() -> None:

@@ -52,6 +52,8 @@ GROUPS: list[tuple[str, list[tuple[str, str, str]]]] = [
         ("tvm", "TVM, MLP and GLM example (`bench_tvm.py`)", "backends/tvm.md"),
     ]),
     ("Parallelism", [
+        ("comm", ("The communication model per collective kind, size and process count "
+         "(`bench_comm.py`)"), "data-parallel.md"),
         ("parallel-glm-small", "Data parallel against DDP and FSDP2 (`bench_parallel.py`)",
          "data-parallel.md"),
         ("zoo-parallel", "Data parallel on the model zoo (`zoo_parallel.py`)",

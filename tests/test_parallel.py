@@ -522,6 +522,52 @@ def test_layout_pads_rows_and_reassembles() -> None:
 
 # ---- communication model -----------------------------------------------------------------------
 
+def test_a_measured_link_prices_each_kind_by_its_own_timings() -> None:
+    """A calibrated link: at its rank count each kind is read off its own timed points
+    (log-log between them, bandwidth past the largest); at other counts its per-kind fit;
+    kinds it did not time use the link's figures. The fit recovers a ring formula."""
+    from glmc.analysis.comm import LinkProfile, _fit, collective_seconds
+    pts = ((1 << 20, 1e-3), (4 << 20, 16e-3))
+    link = LinkProfile("m", 1e-5, 1e9, "made up", kinds=(("all_gather_into_tensor", 2e-5, 5e8),),
+                       points=(("all_gather_into_tensor", pts),), ranks=2)
+    ag = "all_gather_into_tensor"
+    assert collective_seconds(ag, 1 << 20, 2, link) == pytest.approx(1e-3)
+    assert collective_seconds(ag, 2 << 20, 2, link) == pytest.approx(4e-3)  # t ~ B^2 here
+    assert collective_seconds(ag, 512, 2, link) == pytest.approx(1e-3)
+    assert collective_seconds(ag, 6 << 20, 2, link) == pytest.approx(16e-3 + 0.5 * (2 << 20) / 5e8)
+    assert collective_seconds(ag, 4 << 20, 4, link) == pytest.approx(3 * 2e-5 + 0.75 * (4 << 20)
+                                                                     / 5e8)
+    assert collective_seconds("all_reduce", 4 << 20, 2, link) == pytest.approx(
+        2e-5 + (4 << 20) / 1e9)
+    sizes = [4 << 10, 1 << 20, 16 << 20]
+    times = [collective_seconds("reduce_scatter_tensor", b, 4,
+                                LinkProfile("t", 3e-5, 2e9, "")) for b in sizes]
+    latency, bandwidth = _fit("reduce_scatter_tensor", 4, sizes, times)
+    assert (latency, bandwidth) == (pytest.approx(3e-5), pytest.approx(2e9))
+
+
+def test_contention_slows_the_compute_a_collective_overlaps() -> None:
+    """With `contention` c, each second of compute beside a collective in flight costs 1 + c:
+    reported as contention seconds, in the step time, not as exposed waiting."""
+    import torch.fx as fx
+
+    from glmc.analysis.comm import LinkProfile, estimate_comm
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.zeros(250_000)
+    ar = g.call_function(torch.ops._c10d_functional.all_reduce.default, (x, "sum", "0"))
+    mid = g.call_function(torch.ops.aten.mul.Tensor, (x, 2))
+    wait = g.call_function(torch.ops._c10d_functional.wait_tensor.default, (ar,))
+    g.output((wait, mid))
+    free, shared = (LinkProfile("l", 0.0, 1e9, "", contention=c) for c in (0.0, 0.5))
+    seconds = {mid.name: 0.5e-3}  # the all-reduce: 1 MB over 2 ranks at 1 GB/s = 1 ms
+    a, b = (estimate_comm(g, seconds, 2, link) for link in (free, shared))
+    assert a.exposed_seconds == pytest.approx(0.5e-3) and a.contention_seconds == 0.0
+    assert b.contention_seconds == pytest.approx(0.25e-3)
+    assert b.exposed_seconds == pytest.approx(0.25e-3)  # the slowed compute waited less
+    assert b.step_seconds == pytest.approx(a.step_seconds)  # 1 ms of link either way
+
+
 def test_alpha_beta_formulas_and_the_topology_choice() -> None:
     from glmc.analysis.comm import LINKS, LinkProfile, choose_allreduce, collective_seconds
     link = LinkProfile("test", 1e-5, 1e9, "made up")

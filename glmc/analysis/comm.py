@@ -13,6 +13,12 @@ group once (`measure_link`, like the compute calibration). `estimate_comm` repla
 program order: compute advances a clock by each node's predicted time; a collective starts when
 it is issued and the link is free (one collective at a time per link); a wait blocks until its
 collective ends — that blocking is the *exposed* communication, the rest overlaps compute.
+Overlap is not free where collectives share the CPU with compute (gloo): each second of compute
+that overlaps a collective in flight takes `1 + contention` seconds (the link's measured
+`contention`), reported apart as `contention_seconds`.
+
+A measured link (`measure_link`) carries each collective kind's own fit: on a host, gloo's
+all-gather and reduce-scatter are not the all-reduce's figures halved.
 """
 from __future__ import annotations
 
@@ -40,11 +46,52 @@ class LinkProfile:
     #: fixed cost of issuing one collective (a kernel launch, a gloo call), paid once per
     #: collective whatever its ring steps: what makes one collective cheaper than three
     call_s: float = 0.0
+    #: per collective kind, its own measured (latency per ring step, bandwidth): one kind's
+    #: fit does not predict another's on a host (gloo's all-gather and reduce-scatter are
+    #: not half an all-reduce there); kinds not listed use the link's figures
+    kinds: tuple[tuple[str, float, float], ...] = ()
+    #: per collective kind, the timed points ((bytes, seconds), ...) on `ranks` ranks: at that
+    #: rank count a collective's time is read off them (log-log interpolation; past the
+    #: largest, that point plus the fitted bandwidth), not off the two-figure fit, which a
+    #: host's caches bend (gloo's 32 MiB all-gather took 8.6x its 8 MiB one)
+    points: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
+    ranks: int = 0
+    #: compute time lost per second of communication it overlaps (0: overlap is free, as
+    #: with a GPU's copy engines; processes sharing CPU cores with gloo's threads lose some)
+    contention: float = 0.0
+
+    def timed(self, kind: str, nbytes: int, ranks: int) -> float | None:
+        """The time of `kind` on `nbytes` read off the timed points (None: not timed at
+        `ranks` ranks)."""
+        import math
+        pts = dict(self.points).get(kind) if ranks == self.ranks else None
+        if not pts:
+            return None
+        if nbytes <= pts[0][0]:
+            return pts[0][1]
+        for (b0, t0), (b1, t1) in zip(pts, pts[1:]):
+            if nbytes <= b1:
+                f = math.log(nbytes / b0) / math.log(b1 / b0)
+                return math.exp(math.log(t0) + f * math.log(t1 / t0))
+        _, _, bandwidth = self.figures(kind)
+        share = _FACTORS[kind][1](ranks)
+        return pts[-1][1] + share * (nbytes - pts[-1][0]) / bandwidth
+
+    def figures(self, kind: str) -> tuple[float, float, float]:
+        """(call, latency per ring step, bandwidth) of one collective kind on this link."""
+        for k, latency, bandwidth in self.kinds:
+            if k == kind:
+                return 0.0, latency, bandwidth
+        return self.call_s, self.latency_s, self.bandwidth
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "latency_us": self.latency_s * 1e6,
                 "bandwidth_GBps": self.bandwidth / 1e9, "call_us": self.call_s * 1e6,
-                "source": self.source}
+                "source": self.source,
+                "kinds": {k: {"latency_us": a * 1e6, "bandwidth_GBps": b / 1e9}
+                          for k, a, b in self.kinds},
+                "timed_ms": {k: {str(b): t * 1e3 for b, t in pts} for k, pts in self.points},
+                "ranks": self.ranks, "contention": self.contention}
 
 
 #: per-direction figures from the vendors' datasheets (bus bandwidth a ring can use)
@@ -79,8 +126,12 @@ def collective_seconds(kind: str, nbytes: int, ranks: int, link: LinkProfile) ->
     """The alpha-beta time of one collective on `nbytes` (the full buffer)."""
     if ranks <= 1:
         return 0.0
+    timed = link.timed(kind, nbytes, ranks)
+    if timed is not None:
+        return timed
     steps, share = _FACTORS[kind]
-    return link.call_s + steps(ranks) * link.latency_s + share(ranks) * nbytes / link.bandwidth
+    call, latency, bandwidth = link.figures(kind)
+    return call + steps(ranks) * latency + share(ranks) * nbytes / bandwidth
 
 
 _NUMBER = r"\d+(?:\.\d*)?(?:e[-+]?\d+)?"
@@ -123,16 +174,20 @@ class CommEstimate:
     #: collective node name -> the node during which it is predicted to finish (its wait, if
     #: the step blocks for it): what lives only while a collective is in flight ends there
     done_at: dict[str, str] = field(default_factory=dict)
+    #: compute time lost to the collectives it overlaps (the link's `contention`)
+    contention_seconds: float = 0.0
 
     @property
     def step_seconds(self) -> float:
-        return self.compute_seconds + self.exposed_seconds
+        return self.compute_seconds + self.exposed_seconds + self.contention_seconds
 
     def to_dict(self) -> dict[str, Any]:
         return {"link": self.link, "ranks": self.ranks, "collectives": self.collectives,
                 "bytes_by_kind": self.bytes_by_kind, "comm_seconds": self.comm_seconds,
                 "exposed_seconds": self.exposed_seconds,
-                "compute_seconds": self.compute_seconds, "step_seconds": self.step_seconds,
+                "compute_seconds": self.compute_seconds,
+                "contention_seconds": self.contention_seconds,
+                "step_seconds": self.step_seconds,
                 "timeline": self.timeline, "compute_spans": self.compute_spans}
 
 
@@ -150,7 +205,7 @@ def estimate_comm(graph: fx.Graph, node_seconds: dict[str, float], ranks: int,
     by its name (a hierarchical all-reduce's "local" and "node"); the rest use `ranks` and
     `link`. One link is busy with one collective at a time."""
     ops = comm_ops()
-    clock = link_free = comm = exposed = 0.0
+    clock = link_free = comm = exposed = contended = 0.0
     ends: dict[fx.Node, float] = {}
     volume: dict[str, int] = {}
     timeline: list[dict[str, Any]] = []
@@ -167,6 +222,10 @@ def estimate_comm(graph: fx.Graph, node_seconds: dict[str, float], ranks: int,
         kind = ops.get(n.target) if n.op == "call_function" else None
         if kind is None:
             t = node_seconds.get(n.name, 0.0)
+            if pending and link.contention:  # slowed by the collectives in flight beside it
+                lost = link.contention * max(0.0, min(clock + t, link_free) - clock)
+                contended += lost
+                t += lost
             finish(clock + t, n)
             info = n.meta.get("glmc")
             phase = info.phase.value if info is not None else "other"
@@ -206,7 +265,7 @@ def estimate_comm(graph: fx.Graph, node_seconds: dict[str, float], ranks: int,
                          "phase": info.phase.value if info is not None else None})
     compute = sum(node_seconds.values())
     return CommEstimate(link.to_dict(), ranks, len(timeline), volume, comm, exposed, compute,
-                        timeline, spans, done_at)
+                        timeline, spans, done_at, contended)
 
 
 def chrome_trace(comm: dict[str, Any], rank: int = 0) -> dict[str, Any]:
@@ -228,43 +287,115 @@ def chrome_trace(comm: dict[str, Any], rank: int = 0) -> dict[str, Any]:
             "otherData": {"predicted_by": "glmc.analysis.comm", "link": comm["link"]}}
 
 
+#: buffer sizes each collective kind is timed at (bytes of its full buffer)
+_SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20)
+_KINDS = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor")
+
+
 def measure_link(group: Any = None, device: str = "cpu", reps: int = 5) -> LinkProfile:
-    """This host's link between the ranks of `group`, fitted to the all-reduce formula from
-    the median time of a small (latency) and a large (bandwidth) all-reduce. Every rank of
-    the group must call it; each gets the same profile (rank 0's figures, broadcast)."""
+    """This host's link between the ranks of `group`: each collective kind timed at
+    `_SIZES` (median of `reps`) and fitted to its ring formula (least squares on relative
+    error), the all-reduce's fit as the link's own figures; and how much compute an
+    overlapped all-reduce costs (`contention`). Every rank of the group must call it; each
+    gets the same profile (rank 0's figures, broadcast)."""
     import torch.distributed as dist
 
     n = dist.get_world_size(group)
     if n == 1:
         return LinkProfile("none", 0.0, float("inf"), "one rank: nothing is communicated")
-    small, large = 1024, 8 << 20
-
-    def timed(nbytes: int) -> float:
-        t = torch.zeros(nbytes // 4, device=device)
-        dist.all_reduce(t, group=group)  # warm-up: connections, buffers
-        times = []
-        for _ in range(reps):
-            dist.barrier(group=group)
-            t0 = time.perf_counter()
-            dist.all_reduce(t, group=group)
-            if device == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
-    t_small, t_large = timed(small), timed(large)
-    steps, share = _FACTORS["all_reduce"]
-    latency = max(t_small / steps(n), 1e-7)
-    bandwidth = share(n) * (large - small) / max(t_large - t_small, 1e-9)
-    figures = torch.tensor([latency, bandwidth], dtype=torch.float64)
+    timed = {kind: [_timed(kind, nbytes, n, group, device, reps) for nbytes in _SIZES]
+             for kind in _KINDS}
+    fits = [x for kind in _KINDS for x in _fit(kind, n, list(_SIZES), timed[kind])]
+    figures = torch.tensor([*fits, *(t for kind in _KINDS for t in timed[kind]),
+                            _contention(timed["all_reduce"][-1], group, device)],
+                           dtype=torch.float64)
     dist.broadcast(figures, src=dist.get_global_rank(group, 0) if group is not None else 0,
                    group=group)
-    link = LinkProfile(f"measured-{dist.get_backend(group)}", float(figures[0]),
-                       float(figures[1]), f"timed all_reduce of {small} B and {large} B, median "
-                       f"of {reps}, on {n} ranks ({dist.get_backend(group)})")
+    figures = figures.tolist()
+    kinds = tuple((k, figures[2 * i], figures[2 * i + 1]) for i, k in enumerate(_KINDS))
+    at = 2 * len(_KINDS)
+    points = tuple((k, tuple(zip(_SIZES, figures[at + i * len(_SIZES):
+                                                 at + (i + 1) * len(_SIZES)])))
+                   for i, k in enumerate(_KINDS))
+    backend = dist.get_backend(group)
+    link = LinkProfile(f"measured-{backend}", kinds[0][1], kinds[0][2],
+                       f"timed {', '.join(_KINDS)} of {', '.join(map(str, _SIZES))} B, median of "
+                       f"{reps}, on {n} ranks ({backend})", kinds=kinds,
+                       contention=figures[-1], points=points, ranks=n)
     if group is None and dist.get_rank() == 0:
         _save_link(link, dist.get_backend(), n)
     return link
+
+
+def _timed(kind: str, nbytes: int, n: int, group: Any, device: str, reps: int) -> float:
+    """Median seconds of one `kind` collective on an `nbytes` full buffer."""
+    return statistics.median(timed_collective(kind, nbytes, n, group, device, reps))
+
+
+def timed_collective(kind: str, nbytes: int, n: int, group: Any, device: str,
+                     reps: int) -> list[float]:
+    """Seconds of each of `reps` `kind` collectives on an `nbytes` full buffer (after one
+    warm-up), each started together on every rank (a barrier before it)."""
+    import torch.distributed as dist
+    numel = max(n, nbytes // 4 // n * n)
+    full = torch.zeros(numel, device=device)
+    part = torch.zeros(numel // n, device=device)
+    # the `_single` names where torch has them (the `_tensor` ones warn there)
+    scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+    gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+    call = {"all_reduce": lambda: dist.all_reduce(full, group=group),
+            "reduce_scatter_tensor": lambda: scatter(part, full, group=group),
+            "all_gather_into_tensor": lambda: gather(full, part, group=group)}[kind]
+    call()  # warm-up: connections, buffers
+    times = []
+    for _ in range(reps):
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        call()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _fit(kind: str, n: int, sizes: list[int], times: list[float]) -> tuple[float, float]:
+    """(latency per ring step, bandwidth) of `t = steps(n) a + share(n) B / b` fitted to the
+    timed points, each weighted by 1/t (relative error: small and large buffers alike)."""
+    import numpy as np
+    steps, share = _FACTORS[kind]
+    w = 1 / np.asarray(times)
+    design = np.stack([np.ones(len(sizes)), np.asarray(sizes, dtype=float)], 1) * w[:, None]
+    (a, b), *_ = np.linalg.lstsq(design, np.asarray(times) * w, rcond=None)
+    return max(float(a), 1e-7) / steps(n), share(n) / max(float(b), 1e-15)
+
+
+def _contention(comm_s: float, group: Any, device: str) -> float:
+    """Compute time lost per second of an overlapped all-reduce: a matmul loop about as
+    long as the all-reduce (`comm_s`), timed alone and with the all-reduce in flight; the
+    excess over the ideal `max(both)`, per second of overlap (0 on a device whose
+    collectives run beside compute without slowing it)."""
+    import torch.distributed as dist
+    a = torch.randn(192, 192, device=device)
+    t0 = time.perf_counter()
+    for _ in range(5):
+        a @ a
+    each = max((time.perf_counter() - t0) / 5, 1e-7)
+    count = max(1, int(comm_s / each))
+    buf = torch.zeros(_SIZES[-1] // 4, device=device)
+
+    def run(overlap: bool) -> float:
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        work = dist.all_reduce(buf, group=group, async_op=True) if overlap else None
+        for _ in range(count):
+            a @ a
+        if work is not None:
+            work.wait()
+        return time.perf_counter() - t0
+    alone = statistics.median(run(False) for _ in range(3))
+    both = statistics.median(run(True) for _ in range(3))
+    lost = max(0.0, both - max(alone, comm_s)) / max(min(alone, comm_s), 1e-9)
+    return min(1.0, lost)  # 1: overlap hides nothing (worse than that is not modelled)
 
 
 def _link_path(backend: str, ranks: int) -> Any:
@@ -281,7 +412,10 @@ def _save_link(link: LinkProfile, backend: str, ranks: int) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"name": link.name, "latency_s": link.latency_s,
                                     "bandwidth": link.bandwidth, "source": link.source,
-                                    "call_s": link.call_s, "date": time.strftime("%Y-%m-%d")}))
+                                    "call_s": link.call_s, "kinds": link.kinds,
+                                    "contention": link.contention, "points": link.points,
+                                    "ranks": link.ranks,
+                                    "date": time.strftime("%Y-%m-%d")}))
     except OSError:
         pass  # a read-only cache costs the planner its measured link, nothing else
 
@@ -292,7 +426,11 @@ def cached_link(backend: str, ranks: int) -> LinkProfile | None:
     try:
         d = json.loads(_link_path(backend, ranks).read_text())
         return LinkProfile(d["name"], d["latency_s"], d["bandwidth"],
-                           f"{d['source']}; cached {d['date']}", d.get("call_s", 0.0))
+                           f"{d['source']}; cached {d['date']}", d.get("call_s", 0.0),
+                           tuple(tuple(k) for k in d.get("kinds", ())),
+                           d.get("contention", 0.0),
+                           tuple((k, tuple((int(b), t) for b, t in pts))
+                                 for k, pts in d.get("points", ())), d.get("ranks", 0))
     except (OSError, ValueError, KeyError):
         return None
 

@@ -276,7 +276,8 @@ def _sync_and_update(p: PlanPoint, ranks: list, link: Any, work: Workload, m: in
         # the last micro-batch's backward (~2/3 of F + B)
         window = per_rank[r][0] * 2 / 3 if overlap else 0.0
         total = sum(kinds.values())
-        exposed = max(0.0, total - window)
+        # what the backward hides still slows it where collectives share its cores (gloo)
+        exposed = max(0.0, total - window) + link.contention * min(total, window)
         scale = exposed / total if total else 0.0
         kinds = {f"dp_{k}": v * scale for k, v in kinds.items()}
         if after:
