@@ -52,7 +52,7 @@ def rank_main(a: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
     n = dist.get_world_size()
-    link = measure_link(reps=a.reps)
+    link = measure_link(reps=a.reps, fresh_s=0)  # timed now, not reused
     old = _old_link(n, a.reps)
     fit = dataclasses.replace(link, points=())  # the per-kind figures alone
     rows = []

@@ -1,7 +1,9 @@
 """Tensor parallelism side by side on N processes (gloo on CPU): glmc's `tensor_parallel` pass
 (the Megatron layout found from the step's graph) against torch's hand-written plan
 (`parallelize_module` with ColwiseParallel q/k/v/gate/up and RowwiseParallel o/down on every
-decoder layer), with glmc data parallel (ZeRO-0) on the same global batch for reference.
+decoder layer), glmc's pass with sequence parallelism (`glmc-tp-sp`; torch's SequenceParallel
+plan is not among the contenders yet), and glmc data parallel (ZeRO-0) on the same global batch
+for reference.
 
 Every rank builds the same model from the same weights (AdamW). Tensor-parallel ranks each run
 the whole batch; data-parallel ranks half of it each. After warm-up, each round runs one step
@@ -38,7 +40,7 @@ from glmc.analysis.memory import measure_peak
 from glmc.trace.capture import LossModule, split_batch
 
 MiB = 1024 * 1024
-CONTENDERS = ("torch-tp", "glmc-tp", "glmc-tp-inductor", "glmc-dp")
+CONTENDERS = ("torch-tp", "glmc-tp", "glmc-tp-sp", "glmc-tp-inductor", "glmc-dp")
 COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROWWISE = ("o_proj", "down_proj")
 
@@ -71,7 +73,8 @@ class Contender:
         self.model = copy.deepcopy(model)
         self.opt = _adamw(self.model, opt)
         if name.startswith("glmc-"):
-            parallel = {"zero": 0} if name == "glmc-dp" else {"tp": dist.get_world_size()}
+            parallel = {"zero": 0} if name == "glmc-dp" else {
+                "tp": dist.get_world_size(), "tp_sequence": name == "glmc-tp-sp"}
             self.trainer = glmc.optimize(
                 self.model, batch, loss_fn=loss_fn, optimizer=self.opt, predict=False,
                 backend="inductor" if name.endswith("inductor") else "eager",

@@ -25,9 +25,18 @@ ranks, every rank holding the whole batch. Two steps:
    program is an SPMD program like the shard pass's, and every node keeps the metadata of
    the node it came from.
 
-Equal to one process up to the order of the all-reduced sums. Not yet: sequence parallelism,
-a vocab-parallel LM head and loss, the cost model choosing between placements, random ops
-(dropout) on sharded values, a data-parallel dim beside `tp`.
+3. **Sequence parallelism** (`sequence=true`, `_Tokens`): values shaped like the tokens
+   ([batch, seq, ...] or [batch * seq, ...]) are sharded over the tokens between the blocks:
+   each partial sum of that shape is reduce-scattered (not all-reduced), the embedding's
+   output is sliced, and token-local ops (pointwise, views, norms, reductions) keep the
+   sharding; any other op (a matmul, a transpose, attention, the loss) reads such a value
+   whole, all-gathered once per value and phase (the backward gathers again, so only the
+   shard is saved for it). A norm weight's gradient becomes a partial sum, all-reduced
+   (a few KB). The batch must divide by the tp size (blocks of whole sequences).
+
+Equal to one process up to the order of the reduced sums. Not yet: the cost model choosing
+between placements, random ops (dropout) on sharded values, a vocab-parallel embedding,
+sharding inside a sequence (a batch of 1 under sequence parallelism).
 """
 from __future__ import annotations
 
@@ -81,6 +90,10 @@ class TensorParallelPass(Pass):
     size: int = 2
     #: pins by parameter name: "glob:column|row|replicate;..." (default: derived from the graph)
     plan: str = ""
+    #: sequence parallelism: between the blocks (norms, residual adds) activations are sharded
+    #: over the tokens; a reduce-scatter replaces each all-reduce and an all-gather feeds
+    #: each group of sharded linears (Megatron-LM's sequence parallelism)
+    sequence: bool = False
 
     def needs(self) -> frozenset[Need]:
         return frozenset({Need.STEP})
@@ -123,7 +136,8 @@ class TensorParallelPass(Pass):
                               "dropout?); random ops on sharded values are not supported yet "
                               "— set dropout to 0 for tensor-parallel training")
         tiles = seed_tiles(graph, self.size, self.pins())
-        traced, whole = _propagate(graph, mesh, tiles)
+        tokens = _tokens(graph, mesh.size(TP)) if self.sequence else None
+        traced, whole = _propagate(graph, mesh, tiles, tokens)
         plan = TpPlan(self.size, {t: tile for t, tile in _state_tiles(graph, tiles).items()})
         _adopt(graph, traced, mesh, plan)
         graph.meta[TP_META] = plan
@@ -201,6 +215,25 @@ def _stream(graph: TrainGraph) -> set[fx.Node]:
         elif any(a in out for a in n.all_input_nodes):
             out.add(n)
     return out
+
+
+def _tokens(graph: TrainGraph, size: int) -> tuple[int, int]:
+    """(batch, sequence) of the step's token dims: those of its first batch input with two
+    or more dims (the token ids). Sequence parallelism shards the flattened tokens in
+    `size` contiguous blocks, which is a block of sequences per rank: the batch must divide."""
+    for ph in graph.placeholders():
+        val = ph.meta.get("val")
+        if TrainGraph.info(ph).role is Role.INPUT and isinstance(val, torch.Tensor) and \
+                val.dim() >= 2:
+            batch, seq = int(val.shape[0]), int(val.shape[1])
+            if batch % size:
+                raise ConfigError(f"tensor_parallel: sequence=true shards the {batch} x {seq} "
+                                  f"tokens in {size} blocks of whole sequences; the batch "
+                                  f"({batch}) must divide by tp={size} (a batch of 1 and "
+                                  "sharding inside a sequence are not supported yet)")
+            return batch, seq
+    raise ConfigError("tensor_parallel: sequence=true needs a batch input of shape "
+                      "(batch, sequence, ...) (token ids); the step has none")
 
 
 def _split_of(mm: fx.Node) -> tuple[fx.Node | None, int]:
@@ -385,9 +418,10 @@ def _device_mesh(mesh: MeshSpec) -> Iterator[Any]:
             dist.destroy_process_group()
 
 
-def _propagate(graph: TrainGraph, mesh: MeshSpec, tiles: dict[str, Tile]
-               ) -> tuple[fx.GraphModule, list[str]]:
-    """The local program of `graph` with `tiles` (see the module docstring)."""
+def _propagate(graph: TrainGraph, mesh: MeshSpec, tiles: dict[str, Tile],
+               tokens: tuple[int, int] | None = None) -> tuple[fx.GraphModule, list[str]]:
+    """The local program of `graph` with `tiles` (see the module docstring); with `tokens`
+    (batch, sequence), sequence-parallel (`_Tokens`)."""
     import torch.fx.traceback as fx_traceback
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.tensor.parallel import loss_parallel
@@ -401,7 +435,8 @@ def _propagate(graph: TrainGraph, mesh: MeshSpec, tiles: dict[str, Tile]
         with fake:
             local = [_local_empty(p.meta["val"], pl[0], mesh.size(TP)) for p, pl in
                      zip(phs, places)]
-        run = _Local(graph.gm, dm, places, state, graph)
+        run = _Local(graph.gm, dm, places, state, graph,
+                     _Tokens(*tokens, dm) if tokens is not None else None)
         try:
             # cross-entropy on vocab-sharded logits without gathering them (torch's
             # loss-parallel rules for _log_softmax / nll_loss and their backward)
@@ -427,12 +462,103 @@ def _local_empty(val: Any, placement: Any, n: int) -> Any:
     return torch.empty(shape, dtype=val.dtype, device=val.device)
 
 
+#: ops a rank runs on its own tokens' rows (besides pointwise ops and views): row-wise norms
+#: and reductions (`_REDUCTIONS`, `_LAST_DIM`); anything else reads token-sharded values whole
+_TOKEN_LOCAL = {"rms_norm", "rms_norm_backward", "native_layer_norm",
+                "native_layer_norm_backward", "clone", "_to_copy", "alias", "detach", "copy_",
+                "view", "_unsafe_view", "reshape", "unsqueeze", "squeeze", "expand"}
+#: reductions DTensor runs on each rank's rows: over the features a row-wise result, over
+#: the tokens a partial sum (an unfused norm's weight gradient: all-reduced, not gathered)
+_REDUCTIONS = {"mean", "sum"}
+_LAST_DIM = {"var", "var_mean", "amax"}
+
+
+class _Tokens:
+    """Sequence parallelism's token sharding. A partial sum shaped like the tokens
+    ([batch, seq, ...] or [batch * seq, ...]) is reduce-scattered to `Shard(0)`, and what a
+    token-local op makes from such values stays so (marked); an op that is not token-local (a
+    matmul, a transpose, attention, the loss) reads them whole: one all-gather per value and
+    phase, kept for its other readers in that phase (the backward's all-gather of a gradient
+    feeds both its matmuls; the forward's gathered input is gathered again for the weight
+    gradient, so the backward keeps only the shard)."""
+
+    def __init__(self, batch: int, seq: int, dm: Any) -> None:
+        self.batch, self.seq, self.dm = batch, seq, dm
+        self.marked: dict[int, Any] = {}  #: id -> weak reference of token-sharded DTensors
+        #: (id, phase) -> (weak ref, gathered DTensor)
+        self.whole: dict[tuple[int, Any], tuple[Any, Any]] = {}
+
+    def shaped(self, v: Any) -> bool:
+        shape = tuple(v.shape)
+        return len(shape) >= 2 and (shape[:2] == (self.batch, self.seq)
+                                    or shape[0] == self.batch * self.seq)
+
+    def is_sharded(self, v: Any) -> bool:
+        ref = self.marked.get(id(v))
+        return ref is not None and ref() is v
+
+    def mark(self, v: Any) -> None:
+        import weakref
+        self.marked[id(v)] = weakref.ref(v)
+
+    def settle(self, n: fx.Node, ins: list[Any], out: Any) -> Any:
+        """`out` of `n`, marked where `n` made it on token-sharded inputs and it is itself
+        sharded on the tokens; the embedding's output sliced (the residual stream starts
+        sharded)."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+        if op_name(n) == "embedding" and isinstance(out, DTensor) and \
+                out.placements == (Replicate(),) and self.shaped(out):
+            out = out.redistribute(self.dm, [Shard(0)])
+            self.mark(out)
+        if any(self.is_sharded(v) for v in ins):
+            for v in _leaves(out):
+                if v.placements == (Shard(0),) and self.shaped(v):
+                    self.mark(v)
+        return out
+
+    def gather_for(self, n: fx.Node, interp: fx.Interpreter) -> list[tuple[fx.Node, Any]]:
+        """Token-sharded inputs of `n`, unless `n` is token-local, replaced in the
+        interpreter's environment by their whole value; returns what to put back after `n`."""
+        if _is_token_local(n):
+            return []
+        import weakref
+
+        from torch.distributed.tensor import DTensor, Replicate
+        back = []
+        phase = TrainGraph.info(n).phase if "glmc" in n.meta else None
+        for a in n.all_input_nodes:
+            v = interp.env.get(a)
+            if not isinstance(v, DTensor) or not self.is_sharded(v):
+                continue
+            # per phase: the backward gathers again rather than keep the forward's whole
+            # copy alive for it (Megatron's sequence parallelism: only the shard is saved)
+            hit = self.whole.get((id(v), phase))
+            if hit is None or hit[0]() is not v:
+                hit = (weakref.ref(v), v.redistribute(self.dm, [Replicate()]))
+                self.whole[(id(v), phase)] = hit
+            back.append((a, v))
+            interp.env[a] = hit[1]
+        return back
+
+
+def _is_token_local(n: fx.Node) -> bool:
+    name = op_name(n)
+    if name in _TOKEN_LOCAL or name in POINTWISE or name in _REDUCTIONS or \
+            torch.Tag.pointwise in getattr(n.target, "tags", ()):
+        return True
+    if name in _LAST_DIM and len(n.args) > 1 and isinstance(n.args[1], (list, tuple)):
+        rank = n.args[0].meta["val"].dim() if isinstance(n.args[0], fx.Node) else 0
+        return bool(n.args[1]) and all(d in (-1, rank - 1) for d in n.args[1])
+    return False
+
+
 class _Local:
     """The step run on DTensors, returning local tensors (what make_fx traces)."""
 
     def __init__(self, gm: fx.GraphModule, dm: Any, places: list, state: dict[str, Tile],
-                 graph: TrainGraph) -> None:
+                 graph: TrainGraph, tokens: _Tokens | None = None) -> None:
         self.gm, self.dm, self.places, self.state, self.graph = gm, dm, places, state, graph
+        self.tokens = tokens  #: sequence parallelism's token sharding (None: off)
         self.current: fx.Node | None = None
         self.whole: list[str] = []  #: ops run on whole (replicated) operands, in order
         #: the splits and concatenations of interleaved parts run shard by shard
@@ -450,26 +576,18 @@ class _Local:
         self.interleaved[id(v)] = weakref.ref(v)
 
     def __call__(self, *local: Any) -> list[Any]:
-        from torch.distributed.tensor import DTensor, Replicate, Shard
-        from torch.distributed.tensor.placement_types import Partial
-        from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
+        from torch.distributed.tensor import DTensor, Shard
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
         dm, owner = self.dm, self
-
-        def lift(r: Any, keep: bool = False) -> Any:
-            if isinstance(r, DTensor):
-                if not keep and any(isinstance(p, Partial) for p in r.placements):
-                    return r.redistribute(dm, [Replicate()])  # reduced where it is made
-                return r
-            if isinstance(r, torch.Tensor):  # a constant made in the step (a mask)
-                return DTensor.from_local(r, dm, [Replicate()], run_check=False)
-            if isinstance(r, (tuple, list)):
-                return type(r)(lift(x, keep) for x in r)
-            return r
 
         class Interp(fx.Interpreter):
             def run_node(self, n: fx.Node) -> Any:
                 owner.current = n
+                # sequence parallelism: token-sharded inputs gathered first (a gather of
+                # activations, not a redistribution of an interleaved weight)
+                back = owner.tokens.gather_for(n, self) if owner.tokens is not None and \
+                    n.op == "call_function" else []
                 traced = get_proxy_mode().tracer.graph
                 last = traced._root.prev
                 ins = [v for v in fx.node.map_aggregate(self.fetch_args_kwargs_from_env(n),
@@ -500,7 +618,11 @@ class _Local:
                             "weight stored in interleaved parts (a fused gate/up) or a value "
                             "computed from it, which DTensor would read as contiguous blocks; "
                             "pin that weight with plan='name:replicate'")
-                    out = lift(out, _sums_only(n))
+                    out = owner.lift(out, _sums_only(n))
+                if owner.tokens is not None:
+                    out = owner.tokens.settle(n, ins, out)
+                    for a, v in back:  # other readers see the sharded value again
+                        self.env[a] = v
                 if n.op == "placeholder" and owner.state.get(
                         TrainGraph.info(n).target, Tile("", 0)).groups > 1:
                     owner.mark(out)
@@ -509,18 +631,7 @@ class _Local:
                     for v in _leaves(out):  # still interleaved where still sharded
                         if any(isinstance(p, Shard) for p in v.placements):
                             owner.mark(v)
-                made = last.next
-                while made is not traced._root:  # the nodes traced for `n` carry its metadata
-                    if "glmc" in n.meta:
-                        made.meta[FROM] = n.meta["glmc"]
-                    made.meta.update({k: n.meta[k] for k in _SOURCE_META
-                                      if k in n.meta and k not in made.meta})
-                    made = made.next
-                marks = {k: v for k, v in n.meta.items()
-                         if k.startswith("glmc_") and k not in (FROM, RANK_ARG)}
-                if marks and isinstance(out, DTensor):  # e.g. the gradient of a parameter
-                    made = get_proxy_slot(out._local_tensor, get_proxy_mode().tracer).proxy.node
-                    made.meta.update(marks)
+                _carry_meta(n, last, traced, out)
                 return out
 
         dts = [DTensor.from_local(t, dm, pl, run_check=False)
@@ -528,6 +639,26 @@ class _Local:
         outs = Interp(self.gm).run(*dts)
         owner.current = None
         return [o.to_local() if isinstance(o, DTensor) else o for o in self.settle(outs)]
+
+    def lift(self, r: Any, keep: bool = False) -> Any:
+        """`r` as the step's value: a partial sum reduced where it is made (unless `keep`),
+        over the tokens' blocks under sequence parallelism (a reduce-scatter); a plain tensor
+        (a constant made in the step, a mask) replicated."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+        from torch.distributed.tensor.placement_types import Partial
+        if isinstance(r, DTensor):
+            if not keep and any(isinstance(p, Partial) for p in r.placements):
+                if self.tokens is not None and self.tokens.shaped(r):
+                    r = r.redistribute(self.dm, [Shard(0)])
+                    self.tokens.mark(r)
+                    return r
+                return r.redistribute(self.dm, [Replicate()])
+            return r
+        if isinstance(r, torch.Tensor):
+            return DTensor.from_local(r, self.dm, [Replicate()], run_check=False)
+        if isinstance(r, (tuple, list)):
+            return type(r)(self.lift(x, keep) for x in r)
+        return r
 
     def settle(self, outs: list[Any]) -> list[Any]:
         """Each new parameter or state placed as the input it replaces (the runtime writes
@@ -546,6 +677,25 @@ class _Local:
                 o = o.redistribute(self.dm, list(want))
             settled.append(o)
         return settled
+
+
+def _carry_meta(n: fx.Node, last: fx.Node, traced: fx.Graph, out: Any) -> None:
+    """The nodes traced for `n` (after `last`) carry its metadata; a value it marks (e.g. the
+    gradient of a parameter) marks the node that made `out`."""
+    from torch.distributed.tensor import DTensor
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
+    made = last.next
+    while made is not traced._root:
+        if "glmc" in n.meta:
+            made.meta[FROM] = n.meta["glmc"]
+        made.meta.update({k: n.meta[k] for k in _SOURCE_META
+                          if k in n.meta and k not in made.meta})
+        made = made.next
+    marks = {k: v for k, v in n.meta.items()
+             if k.startswith("glmc_") and k not in (FROM, RANK_ARG)}
+    if marks and isinstance(out, DTensor):
+        made = get_proxy_slot(out._local_tensor, get_proxy_mode().tracer).proxy.node
+        made.meta.update(marks)
 
 
 def _nll_backward(n: fx.Node, interp: fx.Interpreter) -> Any:
@@ -601,6 +751,11 @@ def _replicated(n: fx.Node, interp: fx.Interpreter, dm: Any, owner: _Local) -> A
     if op_name(n) in POINTWISE and blocks and \
             len({(a.placements, a.shape) for a in blocks}) == 1:
         place = blocks[0].placements
+    elif op_name(n) in _ROWWISE and owner.tokens is not None and \
+            owner.tokens.is_sharded(blocks[0] if blocks else None) and \
+            all(a.placements == (Shard(0),) or (a.placements == (Replicate(),) and a.dim() == 1)
+                for a in blocks):
+        return _rowwise(n, args, kwargs, dm, owner)
     elif n.target in _HEADWISE and any(a.placements == (Shard(1),) for a in blocks) and \
             all(a.placements == (Shard(1),) or (a.placements == (Replicate(),) and
                                                 (a.dim() < 2 or a.shape[1] == 1))
@@ -623,6 +778,28 @@ def _replicated(n: fx.Node, interp: fx.Interpreter, dm: Any, owner: _Local) -> A
     return fx.node.map_aggregate(out, lambda r: DTensor.from_local(r, dm, [Replicate()],
                                                                    run_check=False)
                                  if isinstance(r, torch.Tensor) else r)
+
+
+#: glmc's row-wise kernels -> the placements of their outputs on token-sharded rows: a
+#: norm's output and per-row statistics stay on each rank's rows; its weight's gradient is
+#: each rank's partial sum
+_ROWWISE = {"rms_norm": ("shard", "shard"), "rms_norm_backward": ("shard", "partial")}
+
+
+def _rowwise(n: fx.Node, args: Any, kwargs: Any, dm: Any, owner: _Local) -> Any:
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import Partial
+
+    def block(a: Any) -> Any:
+        return a.to_local() if isinstance(a, DTensor) else a
+    out = n.target(*fx.node.map_aggregate(args, block), **fx.node.map_aggregate(kwargs, block))
+    kinds = _ROWWISE[op_name(n)]
+    placed = tuple(DTensor.from_local(r, dm, [Shard(0) if k == "shard" else Partial()],
+                                      run_check=False) for r, k in zip(out, kinds))
+    for v, k in zip(placed, kinds):
+        if k == "shard":
+            owner.tokens.mark(v)
+    return placed
 
 
 #: optimizer ops over lists of tensors, element by element within each index
@@ -739,8 +916,11 @@ def _adopt(graph: TrainGraph, traced: fx.GraphModule, mesh: MeshSpec, plan: TpPl
         info = n.meta.get("glmc")
         if n.op == "call_function" and info is not None and info.comm is not None \
                 and info.spec is not None:
-            n.meta["glmc"] = info.replace(spec=dataclasses.replace(
-                info.spec, placements=_after(info.comm.collective, mesh)))
+            src = n.args[0].meta.get("glmc") if info.comm.collective == "wait_tensor" else None
+            placements = src.spec.placements if src is not None and src.spec is not None \
+                else _after(info.comm.collective, mesh)  # a wait keeps its collective's
+            n.meta["glmc"] = info.replace(spec=dataclasses.replace(info.spec,
+                                                                   placements=placements))
         elif n.op == "call_function" and info is not None and info.spec is not None:
             n.meta["glmc"] = info.replace(spec=dataclasses.replace(info.spec, placements=None))
     for n in traced.graph.nodes:  # collective inputs carry the placement the collective reads

@@ -292,38 +292,80 @@ _SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20)
 _KINDS = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor")
 
 
-def measure_link(group: Any = None, device: str = "cpu", reps: int = 5) -> LinkProfile:
+#: seconds a link measured on this host by the last run (cached) is reused for: the timing
+#: takes ~2 s per start on 2 CPU ranks, and a test suite starts many
+LINK_FRESH_S = 3600.0
+
+
+def measure_link(group: Any = None, device: str = "cpu", reps: int = 5,
+                 fresh_s: float = LINK_FRESH_S) -> LinkProfile:
     """This host's link between the ranks of `group`: each collective kind timed at
     `_SIZES` (median of `reps`) and fitted to its ring formula (least squares on relative
     error), the all-reduce's fit as the link's own figures; and how much compute an
     overlapped all-reduce costs (`contention`). Every rank of the group must call it; each
-    gets the same profile (rank 0's figures, broadcast)."""
+    gets the same profile (rank 0's figures, broadcast). For the whole world on CPU, the link
+    the last run on as many ranks measured is reused while younger than `fresh_s` seconds
+    (0: always measure)."""
     import torch.distributed as dist
 
     n = dist.get_world_size(group)
     if n == 1:
         return LinkProfile("none", 0.0, float("inf"), "one rank: nothing is communicated")
-    timed = {kind: [_timed(kind, nbytes, n, group, device, reps) for nbytes in _SIZES]
-             for kind in _KINDS}
-    fits = [x for kind in _KINDS for x in _fit(kind, n, list(_SIZES), timed[kind])]
-    figures = torch.tensor([*fits, *(t for kind in _KINDS for t in timed[kind]),
-                            _contention(timed["all_reduce"][-1], group, device)],
-                           dtype=torch.float64)
-    dist.broadcast(figures, src=dist.get_global_rank(group, 0) if group is not None else 0,
-                   group=group)
-    figures = figures.tolist()
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    size = 2 * len(_KINDS) + len(_KINDS) * len(_SIZES) + 1
+    figures = torch.zeros(size + 1, dtype=torch.float64)  # + whether they come from the cache
+    cached = _fresh_link(dist.get_backend(group), n, fresh_s) \
+        if group is None and device == "cpu" and dist.get_rank() == 0 else None
+    if cached is not None:
+        figures[:size] = torch.tensor(_figures(cached), dtype=torch.float64)
+        figures[size] = 1.0
+    dist.broadcast(figures, src=src, group=group)
+    if figures[size] == 0.0:  # nothing fresh: every rank times the collectives together
+        timed = {kind: [_timed(kind, nbytes, n, group, device, reps) for nbytes in _SIZES]
+                 for kind in _KINDS}
+        fits = [x for kind in _KINDS for x in _fit(kind, n, list(_SIZES), timed[kind])]
+        figures = torch.tensor([*fits, *(t for kind in _KINDS for t in timed[kind]),
+                                _contention(timed["all_reduce"][-1], group, device), 0.0],
+                               dtype=torch.float64)
+        dist.broadcast(figures, src=src, group=group)
+    was_cached = bool(figures[size])
+    figures = figures[:size].tolist()
     kinds = tuple((k, figures[2 * i], figures[2 * i + 1]) for i, k in enumerate(_KINDS))
     at = 2 * len(_KINDS)
     points = tuple((k, tuple(zip(_SIZES, figures[at + i * len(_SIZES):
                                                  at + (i + 1) * len(_SIZES)])))
                    for i, k in enumerate(_KINDS))
     backend = dist.get_backend(group)
+    source = f"timed {', '.join(_KINDS)} of {', '.join(map(str, _SIZES))} B, median of " \
+        f"{reps}, on {n} ranks ({backend})"
     link = LinkProfile(f"measured-{backend}", kinds[0][1], kinds[0][2],
-                       f"timed {', '.join(_KINDS)} of {', '.join(map(str, _SIZES))} B, median of "
-                       f"{reps}, on {n} ranks ({backend})", kinds=kinds,
-                       contention=figures[-1], points=points, ranks=n)
-    if group is None and dist.get_rank() == 0:
+                       source + ("; reused from this host's last run" if was_cached else ""),
+                       kinds=kinds, contention=figures[-1], points=points, ranks=n)
+    if group is None and dist.get_rank() == 0 and not was_cached:
         _save_link(link, dist.get_backend(), n)
+    return link
+
+
+def _figures(link: LinkProfile) -> list[float]:
+    """`measure_link`'s broadcast figures of a measured link (fits, timed points,
+    contention)."""
+    fits = [x for kind in _KINDS for x in link.figures(kind)[1:]]
+    points = dict(link.points)
+    return [*fits, *(t for kind in _KINDS for _, t in points[kind]), link.contention]
+
+
+def _fresh_link(backend: str, ranks: int, fresh_s: float) -> LinkProfile | None:
+    """The cached link of `ranks` ranks if measured less than `fresh_s` seconds ago with
+    today's sizes and kinds."""
+    try:
+        age = time.time() - _link_path(backend, ranks).stat().st_mtime
+    except OSError:
+        return None
+    link = cached_link(backend, ranks) if age < fresh_s else None
+    points = dict(link.points) if link is not None else {}
+    if link is None or set(points) != set(_KINDS) or \
+            any(tuple(b for b, _ in points[k]) != _SIZES for k in _KINDS):
+        return None
     return link
 
 
@@ -427,11 +469,11 @@ def cached_link(backend: str, ranks: int) -> LinkProfile | None:
         d = json.loads(_link_path(backend, ranks).read_text())
         return LinkProfile(d["name"], d["latency_s"], d["bandwidth"],
                            f"{d['source']}; cached {d['date']}", d.get("call_s", 0.0),
-                           tuple(tuple(k) for k in d.get("kinds", ())),
-                           d.get("contention", 0.0),
-                           tuple((k, tuple((int(b), t) for b, t in pts))
-                                 for k, pts in d.get("points", ())), d.get("ranks", 0))
-    except (OSError, ValueError, KeyError):
+                           kinds=tuple(tuple(k) for k in d.get("kinds", ())),
+                           points=tuple((k, tuple((int(b), float(t)) for b, t in pts))
+                                        for k, pts in d.get("points", ())),
+                           ranks=int(d.get("ranks", 0)), contention=d.get("contention", 0.0))
+    except (OSError, ValueError, KeyError, TypeError):
         return None
 
 

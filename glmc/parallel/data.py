@@ -71,6 +71,8 @@ class Parallel:
     tp: int = 1
     #: pins of the tensor_parallel pass: "glob:column|row|replicate;..."
     tp_plan: str = ""
+    #: sequence parallelism beside tp (the tensor_parallel pass's `sequence`)
+    tp_sequence: bool = False
 
     @staticmethod
     def of(value: Any) -> "Parallel | None":
@@ -105,6 +107,10 @@ class Parallel:
         if not isinstance(p.tp_plan, str) or (p.tp_plan and p.tp == 1):
             raise ConfigError(f"parallel: tp_plan must be a string of pins and needs tp > 1, "
                               f"got tp_plan={p.tp_plan!r} with tp={p.tp}")
+        if not isinstance(p.tp_sequence, bool) or (p.tp_sequence and p.tp == 1):
+            raise ConfigError(f"parallel: tp_sequence (sequence parallelism) is true or false "
+                              f"and needs tp > 1, got tp_sequence={p.tp_sequence!r} with "
+                              f"tp={p.tp}")
         if p.zero not in (0, 1, 2, 3):
             raise ConfigError(f"parallel: zero must be 0, 1, 2 or 3, got {p.zero}")
         if not isinstance(p.accumulate, int) or p.accumulate < 1:

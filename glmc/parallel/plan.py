@@ -71,6 +71,10 @@ class ParallelPlan:
     tp_plan: str | None = field(default=None, metadata=_cli(
         "with --tp: pin weights by name, GLOB:column|row|replicate;... (fnmatch globs)",
         "PINS", str))
+    sequence_parallel: bool = field(default=False, metadata=_cli(
+        "with --tp: sequence parallelism, activations between the blocks (norms, residual "
+        "adds) sharded over the tokens, reduce-scatter/all-gather instead of all-reduce",
+        flag=True))
     microbatches: int | None = field(default=None, metadata=_cli(
         "with --pp: microbatches per step (must divide the batch; default S)", "M", int))
     schedule: str = field(default="1f1b", metadata=_cli(
@@ -165,6 +169,8 @@ class ParallelPlan:
                     "tp_plan"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
+        if self.sequence_parallel:
+            out["tp_sequence"] = True
         if self.compress is not None:
             out["compress"] = self.compress_options()
         return out
@@ -249,7 +255,10 @@ class ParallelPlan:
 
     def _tensor_problems(self) -> list[str]:
         if self.tp is None:
-            return ["--tp-plan needs --tp"] if self.tp_plan is not None else []
+            return [f"{flag} needs --tp" for flag, v in (("--tp-plan", self.tp_plan),
+                                                          ("--sequence-parallel",
+                                                           self.sequence_parallel or None))
+                    if v is not None]
         out = []
         if isinstance(self.tp, int) and self.tp < 2:
             out.append(f"--tp: must be 2 or more processes, got {self.tp}")

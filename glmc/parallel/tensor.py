@@ -72,7 +72,8 @@ class TensorParallel(DataParallel):
         """The tensor_parallel pass, then (with data-parallel replicas) the shard pass's
         gradient all-reduce over "dp"."""
         from glmc.passes.tensor_parallel import TensorParallelPass
-        out: list[Any] = [TensorParallelPass(size=self.tp_size, plan=self.options.tp_plan)]
+        out: list[Any] = [TensorParallelPass(size=self.tp_size, plan=self.options.tp_plan,
+                                             sequence=self.options.tp_sequence)]
         return out + (self.options.passes(self.link, budgeted) if self.dp > 1 else [])
 
     def pipeline(self, passes: list[Any]) -> list[Any]:
