@@ -148,7 +148,8 @@ def _markdown(results: list[dict], meta: dict) -> str:
            "| case | plans run | Spearman step | Spearman peak | median step error | "
            "median peak error | glmc's pick / measured best |", "|---|---|---|---|---|---|---|"]
     for r in results:
-        out.append(f"| {r['case']} x{r['nproc']} | {len(r['rows'])} of {r['priced']} | "
+        out.append(f"| {r['case']} x{r['nproc']} (run {r.get('date', meta['date'])}) | "
+                   f"{len(r['rows'])} of {r['priced']} | "
                    f"{r['spearman_step']:.2f} | {r['spearman_peak']:.2f} | "
                    f"{r['median_abs_step_error']:.1%} | {r['median_abs_peak_error']:.1%} | "
                    f"{r['pick_vs_best']:.3f}x |")
@@ -170,7 +171,9 @@ def repredict(path: Path) -> list[dict]:
     import glmc
     from glmc.frontend.workload import load_workload
     results = []
-    for case in json.loads(path.read_text())["cases"]:
+    data = json.loads(path.read_text())
+    for case in data["cases"]:
+        case.setdefault("date", data["date"])  # files before per-case dates: the run's
         file = Path(tempfile.mkdtemp(prefix="glmc-planner-")) / f"{case['case']}.py"
         cfg, cls = CASES[case["case"]]
         file.write_text(MODEL.format(cfg=cfg, cls=cls))
@@ -185,7 +188,8 @@ def repredict(path: Path) -> list[dict]:
                          "predicted_peak_bytes": p.peak_bytes,
                          "predicted_exposed_comm_s": sum(
                              v for k, v in p.breakdown.items() if k.startswith("dp_"))})
-        results.append(_summary(case["case"], case["nproc"], rows, len(plans)))
+        results.append({**_summary(case["case"], case["nproc"], rows, len(plans)),
+                        **{k: case[k] for k in ("date", "argv") if k in case}})
     return results
 
 
@@ -205,7 +209,15 @@ def main() -> None:
     else:
         for case in a.cases.split(","):
             name, n = case.split(":")
-            results.append(run_case(name, int(n), a.rounds, a.steps, a.limit))
+            results.append({**run_case(name, int(n), a.rounds, a.steps, a.limit),
+                            "date": datetime.date.today().isoformat(),
+                            "argv": " ".join(sys.argv[1:])})
+        # one result file: the cases not run now keep their last run (each with its date)
+        path = RESULTS / "planner.json"
+        done = {(r["case"], r["nproc"]) for r in results}
+        old_data = json.loads(path.read_text()) if path.exists() else {"cases": []}
+        kept = [{"date": old_data.get("date"), **c} for c in old_data["cases"]]
+        results = [c for c in kept if (c["case"], c["nproc"]) not in done] + results
     from glmc.analysis.calibration import machine_info
     m = machine_info()
     argv = old["argv"] + " (predictions: --repredict)" if a.repredict else " ".join(sys.argv[1:])

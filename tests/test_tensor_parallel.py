@@ -194,7 +194,8 @@ def test_two_ranks_train_like_one_process(runs: Path, part: str) -> None:
 
 
 def test_glmc_compile_tp_trains_like_one_process(tmp_path: Path) -> None:
-    """`glmc compile FILE --nproc 2 --tp 2` prints the losses of one process."""
+    """`glmc compile FILE --nproc 2 --tp 2 [--sequence-parallel]` prints the losses of one
+    process."""
     import re
     import subprocess
     import sys
@@ -212,6 +213,8 @@ def test_glmc_compile_tp_trains_like_one_process(tmp_path: Path) -> None:
     one, two = losses(), losses("--nproc", "2", "--tp", "2")  # (the pass's stats line)
     assert len(one) == 3
     torch.testing.assert_close(two, one, rtol=1e-5, atol=0)
+    sequence = losses("--nproc", "2", "--tp", "2", "--sequence-parallel")
+    torch.testing.assert_close(sequence, one, rtol=1e-5, atol=0)
 
 
 def test_transformers_glm_trains_like_one_process(runs: Path) -> None:
