@@ -12,7 +12,7 @@ quartiles: the noise of 2-core hosts) and compared with:
 * `timed points`    what glmc uses at the calibrated rank count: the calibration's own points,
                     interpolated log-log (past the largest: plus the per-kind bandwidth)
 
-and the overlap: a matmul loop about as long as an 8 MiB all-reduce, timed alone and with the
+and the overlap: a matmul loop about as long as a 32 MiB all-reduce, timed alone and with the
 all-reduce in flight (`contention`: compute seconds lost per second of overlap).
 
     python benchmarks/bench_comm.py --ranks 2   # and --ranks 4; each updates its own rows

@@ -220,7 +220,8 @@ def main() -> None:
         results = [c for c in kept if (c["case"], c["nproc"]) not in done] + results
     from glmc.analysis.calibration import machine_info
     m = machine_info()
-    argv = old["argv"] + " (predictions: --repredict)" if a.repredict else " ".join(sys.argv[1:])
+    argv = old["argv"].split(" (predictions")[0] + " (predictions: --repredict)" \
+        if a.repredict else " ".join(sys.argv[1:])
     meta = {"date": datetime.date.today().isoformat(), "argv": argv,
             "machine": f"{m['cpu']}, {m['logical_cpus']} logical CPUs, {platform.machine()}, "
                        f"torch {m['torch']}"}

@@ -110,6 +110,8 @@ class FusionPass(Pass):
     #: gated MLP -> glmc::gated_mlp, row chunk by row chunk, recomputing its projections in the
     #: backward: GLM 2x256, 1024 tokens, whole-step peak at budget `min` measured below)
     mlp: str = "gated"
+    #: with `mlp=chunked`: rows per chunk (0: `glmc.ir.kernels.mlp_rows`'s default)
+    mlp_rows: int = 0
 
     def needs(self) -> frozenset[Need]:
         return frozenset({Need.STEP})
@@ -126,6 +128,9 @@ class FusionPass(Pass):
             raise ConfigError(f"fusion: update={self.update!r}; choose auto, foreach or fused")
         if self.mlp not in ("gated", "chunked"):
             raise ConfigError(f"fusion: mlp={self.mlp!r}; choose gated or chunked")
+        if not isinstance(self.mlp_rows, int) or self.mlp_rows < 0:
+            raise ConfigError(f"fusion: mlp_rows={self.mlp_rows!r}; a whole number of rows per "
+                              "chunk (0: the default)")
 
     def stage_forms(self) -> frozenset[StageForm]:
         return frozenset({StageForm.FORWARD})
@@ -164,7 +169,8 @@ class FusionPass(Pass):
         finders: dict[str, Callable[[ForwardProgram, list], int]] = {
             "attention": lambda prog, regs: fuse_attention(prog, regs, choose),
             "norm": fuse_norms, "loss": _fuse_loss,
-            "mlp": lambda prog, regs: fuse_gated(prog, regs, self.mlp == "chunked")}
+            "mlp": lambda prog, regs: fuse_gated(prog, regs, self.mlp == "chunked",
+                                                 self.mlp_rows)}
         counts = {p: finders[p](program, regions) for p in selected if p in finders}
         rule = graph.meta["optimizer"].rule
         fused = "optimizer" in selected and rule.update_fused is not None and (
@@ -542,9 +548,10 @@ def fuse_layer_norm(program: ForwardProgram, regions: list, consumed: set | None
     return fused
 
 
-def fuse_gated(program: ForwardProgram, regions: list, whole: bool = False) -> int:
+def fuse_gated(program: ForwardProgram, regions: list, whole: bool = False,
+               rows: int = 0) -> int:
     """act(gate) * up -> glmc::gated; with `whole`, each whose projections and down projection
-    match `_whole_mlp` -> glmc::gated_mlp."""
+    match `_whole_mlp` -> glmc::gated_mlp (`rows` per chunk; 0: its default)."""
     g = program.graph
     fused = 0
     for m in find(GATED, g):
@@ -557,7 +564,8 @@ def fuse_gated(program: ForwardProgram, regions: list, whole: bool = False) -> i
             _region(regions, "mlp", f"glmc::gated({act})", m["end"], m.nodes)
         else:
             args, down, nodes = whole_mlp
-            _replace(g, down, torch.ops.glmc.gated_mlp.default, (*args, act), first=False)
+            _replace(g, down, torch.ops.glmc.gated_mlp.default, (*args, act, rows),
+                     first=False)
             _region(regions, "mlp", f"glmc::gated_mlp({act}, chunked)", m["end"],
                     [*m.nodes, *nodes])
         fused += 1
@@ -621,12 +629,17 @@ def _whole_mlp(gated: fx.Node) -> tuple[tuple, fx.Node, list] | None:
         if both is None:
             return None
         x, w_gate, w_up = both[0], both[1], None
+        if (_shape(w_gate) or (0,))[0] != 2 * inter:  # gate and up: the weight's two halves
+            return None
     else:
         chain = chain[:chain.index(down.args[1]) + 1]
         proj = _projection(gate, chain), _projection(up, chain)
         if proj[0] is None or proj[1] is None or not _same_value(proj[0][0], proj[1][0]):
             return None
         x, w_gate, w_up = proj[0][0], proj[0][1], proj[1][1]
+        if _shape(w_gate) != _shape(w_up) or (_shape(w_gate) or (0,))[0] != \
+                (_shape(w_down) or (0, 0))[-1]:
+            return None
     if not _same_float(x, w_gate, w_up, w_down) or len(_shape(x) or ()) != 2:
         return None
     return (x, w_gate, w_up, w_down), down, chain

@@ -584,12 +584,14 @@ class _Local:
         class Interp(fx.Interpreter):
             def run_node(self, n: fx.Node) -> Any:
                 owner.current = n
+                traced = get_proxy_mode().tracer.graph
+                last = traced._root.prev  # what is traced after it carries n's metadata
                 # sequence parallelism: token-sharded inputs gathered first (a gather of
-                # activations, not a redistribution of an interleaved weight)
+                # activations, not a redistribution of an interleaved weight: the check
+                # below starts after it)
                 back = owner.tokens.gather_for(n, self) if owner.tokens is not None and \
                     n.op == "call_function" else []
-                traced = get_proxy_mode().tracer.graph
-                last = traced._root.prev
+                gathered = traced._root.prev
                 ins = [v for v in fx.node.map_aggregate(self.fetch_args_kwargs_from_env(n),
                                                         lambda v: v)
                        for v in _leaves(v)] if n.op == "call_function" else []
@@ -612,7 +614,7 @@ class _Local:
                             raise
                         args, kwargs = self.fetch_args_kwargs_from_env(n)
                         out = aten.reshape.default(*args, **kwargs)  # copies if it must
-                    if mixed and _communicated(last, traced):
+                    if mixed and _communicated(gathered, traced):
                         raise PassError(
                             f"tensor_parallel: '{n.name}' ({op_name(n)}) would redistribute a "
                             "weight stored in interleaved parts (a fused gate/up) or a value "

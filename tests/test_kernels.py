@@ -81,3 +81,23 @@ def test_gated_mlp_rows_spread_evenly() -> None:
     assert kernels.mlp_rows(10, 640, 256) == 10
     assert kernels.mlp_rows(1024, 640) == 171  # <= 1 MiB of fp32 gate/up per chunk: 6 chunks
     assert kernels.mlp_rows(4096, 13696) == 128  # at least MLP_MIN_ROWS
+
+
+def test_gated_mlp_in_bf16_sums_its_chunks_in_fp32() -> None:
+    """bf16 operands over 4 chunks: outputs and gradients within bf16 rounding of the fp64
+    computation; the weight gradients, summed over the chunks in fp32, no further off than
+    one unchunked bf16 matmul's."""
+    g = torch.Generator().manual_seed(0)
+    x, w_gate, w_down = (torch.randn(*shape, generator=g, dtype=torch.float64) / 4
+                         for shape in ((256, 32), (96, 32), (32, 48)))
+    grad = torch.randn(256, 32, generator=g, dtype=torch.float64)
+    want = kernels.gated_mlp_backward_reference(grad, x, w_gate, None, w_down, "silu")
+    low = [t.bfloat16() for t in (grad, x, w_gate, w_down)]
+    got = torch.ops.glmc.gated_mlp_backward(low[0], low[1], low[2], None, low[3], "silu", 64)
+    whole = kernels.gated_mlp_backward_reference(low[0], low[1], low[2], None, low[3], "silu")
+    for i in (0, 1, 3):
+        err = (got[i].double() - want[i]).abs().max()
+        assert err <= 1.5 * (whole[i].double() - want[i]).abs().max() + 1e-3, (i, err)
+    out = torch.ops.glmc.gated_mlp(low[1], low[2], None, low[3], "silu", 64)
+    torch.testing.assert_close(out.double(), kernels.gated_mlp_reference(
+        x, w_gate, None, w_down, "silu"), rtol=2e-2, atol=2e-2)

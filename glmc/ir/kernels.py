@@ -423,7 +423,7 @@ def mlp_rows(n_rows: int, inter: int, asked: int = 0) -> int:
     chunks so that the last one is not a sliver."""
     rows = asked if asked > 0 else max(MLP_MIN_ROWS, MLP_CHUNK_ELEMENTS // max(1, 2 * inter))
     chunks = -(-n_rows // max(1, min(n_rows, rows)))
-    return -(-n_rows // chunks)
+    return max(1, -(-n_rows // chunks))
 
 
 def _gate_up(xc: Tensor, w_gate: Tensor, w_up: Tensor | None, inter: int
@@ -468,11 +468,9 @@ def _(x: Tensor, w_gate: Tensor, w_up: Tensor | None, w_down: Tensor, act: str,
 
 
 def _accumulate(acc: Tensor, a: Tensor, b: Tensor) -> None:
-    """acc += a @ b, written by the matmul itself when acc has the operands' dtype."""
-    if acc.dtype == a.dtype:
-        acc.addmm_(a, b)
-    else:
-        acc += (a @ b).to(acc.dtype)
+    """acc += a @ b in acc's dtype (fp32 or wider): a low-precision chunk's product is not
+    rounded to its dtype before it is summed."""
+    acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
 
 
 @torch.library.custom_op("glmc::gated_mlp_backward", mutates_args=())
@@ -481,8 +479,9 @@ def gated_mlp_backward(grad: Tensor, x: Tensor, w_gate: Tensor, w_up: Tensor | N
                        ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(grad x, grad w_gate, grad w_up, grad w_down) of `gated_mlp`, chunk by chunk of rows:
     each chunk's projections are made again from x, and the weight gradients are summed over
-    the chunks (in fp32; in another order than one matmul over all rows: fp32 rounding). With
-    the merged weight, grad w_up is empty (its rows are in grad w_gate)."""
+    the chunks by fp32 (or wider) matmuls, in another order than one matmul over all rows
+    (fp32 rounding). With the merged weight, grad w_up is empty (its rows are in grad
+    w_gate)."""
     inter = w_down.shape[1]
     rows = mlp_rows(x.shape[0], inter, rows)
     wg, wu = (w.to(x.dtype) for w in _pieces(w_gate, w_up, inter))
@@ -547,6 +546,7 @@ def gated_mlp_backward_reference(grad: Tensor, x: Tensor, w_gate: Tensor, w_up: 
                                  w_down: Tensor, act: str, rows: int = 0
                                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     inter = w_down.shape[1]
+    grad = grad.to(x.dtype)
     gate, up = _gate_up(x, w_gate, w_up, inter)
     h = _ACTS[act](gate) * up
     d_gate, d_up = _gated_backward_reference(grad @ w_down.to(x.dtype), gate, up, act)

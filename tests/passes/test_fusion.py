@@ -214,11 +214,12 @@ class WholeMLP(nn.Module):
 @pytest.mark.parametrize("merged", [True, False], ids=["merged", "separate"])
 def test_whole_gated_mlp_chunked_fires_with_parity(merged):
     """`mlp=chunked`: the whole MLP is one glmc::gated_mlp whose backward keeps only x: no
-    (tokens x inter) value crosses from the forward to the backward; 3 SGD steps equal the
-    unfused step to fp32 rounding (its weight gradients sum over row chunks)."""
+    (tokens x inter) value crosses from the forward to the backward; 3 SGD steps over 5 row
+    chunks (320 rows, 64 per chunk) equal the unfused step to fp32 rounding (its weight
+    gradients sum over the chunks)."""
     torch.manual_seed(0)
     x = torch.randn(4, 80, 16)
-    g, stats = _fuse(WholeMLP(merged), (x,), patterns="mlp", mlp="chunked")
+    g, stats = _fuse(WholeMLP(merged), (x,), patterns="mlp", mlp="chunked", mlp_rows=64)
     assert stats.counts["mlp"] == 1
     assert [r["op"] for r in stats.regions] == ["glmc::gated_mlp(silu, chunked)"]
     assert {"gated_mlp", "gated_mlp_backward"} <= _ops(g) and "mm" not in _ops(g, Phase.FORWARD)
@@ -226,7 +227,7 @@ def test_whole_gated_mlp_chunked_fires_with_parity(merged):
                 and any(TrainGraph.info(u).phase is Phase.BACKWARD for u in n.users)]
     assert all(n.meta["val"].dim() == 0 or n.meta["val"].shape[-1] != 24 for n in crossing), \
         [n.name for n in crossing]
-    _parity(lambda: WholeMLP(merged), (x,), "mlp", options=",mlp=chunked")
+    _parity(lambda: WholeMLP(merged), (x,), "mlp", options=",mlp=chunked,mlp_rows=64")
 
 
 @pytest.mark.parametrize("variant", ["bias", "reuse"])
