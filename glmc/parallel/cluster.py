@@ -42,6 +42,9 @@ class DeviceKind:
     inter: LinkProfile  #: between nodes (per device)
     dtype: str  #: the fastest training precision it has ("bf16", "fp16" or "fp32")
     source: str
+    #: the part of its profile's compute each process gets: processes that outnumber a
+    #: host's cores share them (4 processes on 2 cores: 0.5)
+    share: float = 1.0
 
     @property
     def torch_dtype(self) -> str:
@@ -88,7 +91,8 @@ def device_kind(name: str, per_node: int = 1) -> DeviceKind:
 
 def _host(per_node: int) -> DeviceKind:
     """This machine running `per_node` processes: each with the host profile calibrated at
-    one thread when there are several (torchrun sets OMP_NUM_THREADS=1), its share of 80% of
+    one thread when there are several (torchrun sets OMP_NUM_THREADS=1), slowed by the
+    share of a core it gets where the processes outnumber the cores, its share of 80% of
     the memory, and the gloo link the last run of that many processes measured (else a
     loopback guess)."""
     import torch
@@ -102,10 +106,15 @@ def _host(per_node: int) -> DeviceKind:
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     measured = cached_link("gloo", per_node) if per_node > 1 else None
     lk = measured or LINKS["loopback"]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        (os.cpu_count() or 1)
+    share = min(1.0, cores / max(1, per_node))
     return DeviceKind("host", profile, int(mem * 0.8) // max(1, per_node), lk, lk, "fp32",
                       "this machine, calibrated (glmc.analysis.calibration); link "
                       + (measured.source if measured else "not measured yet (a guess: run "
-                         "glmc compile --nproc N once to measure it)"))
+                         "glmc compile --nproc N once to measure it)")
+                      + (f"; {per_node} processes share {cores} cores" if share < 1 else ""),
+                      share)
 
 
 @dataclass(frozen=True)

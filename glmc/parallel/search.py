@@ -88,7 +88,8 @@ def evaluate(p: PlanPoint, work: Workload, cluster: Cluster, overlap: bool = Tru
              "interleaved": (p.pp - 1) / p.virtual}[p.schedule] if p.pp > 1 else 0
     dev = devs[0]
     dp_link = dev.intra if p.dp * p.tp <= cluster.per_node else dev.inter
-    sync, update = _sync_and_update(p, ranks, dp_link, work, m, per_rank, overlap, cluster)
+    sync, update = _sync_and_update(p, ranks, dp_link, work, m, per_rank, overlap, cluster,
+                                    min(d.share for d in devs))
     comp, rec, tp, p2p = (m * x for x in per_rank[slow])
     breakdown = {"compute": comp, "recompute": rec, "tp_comm": tp, "p2p": p2p,
                  "bubble": extra * per_mb, **sync, "update": update}
@@ -115,9 +116,9 @@ def _rank_costs(p: PlanPoint, chunk_list: list, last: tuple, dev: DeviceKind,
     b = p.microbatch
     pp_link = dev.intra if p.dp * p.tp * p.pp <= cluster.per_node else dev.inter
     comp = sum(b * (c.forward_s + c.backward_s) + c.overhead_s
-               for ch in chunk_list for c in ch)
+               for ch in chunk_list for c in ch) / dev.share
     rec = sum(b * c.forward_s + c.overhead_s / 3 for ch in chunk_list for c in ch
-              if p.recompute == "full" and _is_layer(c))
+              if p.recompute == "full" and _is_layer(c)) / dev.share
     tp = sum(collective_seconds("all_reduce", nbytes * b, p.tp, dev.intra)
              for ch in chunk_list for c in ch for phase, nbytes in c.tp_bytes
              for _ in range(1 + (p.recompute == "full" and _is_layer(c)
@@ -251,7 +252,7 @@ def _all_reduce(nbytes: int, p: PlanPoint, link: Any, cluster: Cluster) -> float
 
 
 def _sync_and_update(p: PlanPoint, ranks: list, link: Any, work: Workload, m: int,
-                     per_rank: list, overlap: bool, cluster: Cluster
+                     per_rank: list, overlap: bool, cluster: Cluster, share: float = 1.0
                      ) -> tuple[dict[str, float], float]:
     """Exposed data-parallel synchronisation (by collective kind) and the update, on the
     rank where they take longest."""
@@ -283,7 +284,8 @@ def _sync_and_update(p: PlanPoint, ranks: list, link: Any, work: Workload, m: in
         if after:
             kinds["dp_all_gather"] = kinds.get("dp_all_gather", 0.0) + after
             exposed += after
-        update = sum(c.update_s for ch in chunk_list for c in ch) / (p.dp if p.zero else 1)
+        update = sum(c.update_s for ch in chunk_list for c in ch) / (p.dp if p.zero else 1) \
+            / share
         if exposed + update > worst[0]:
             worst = (exposed + update, kinds, update)
     return worst[1], worst[2]
