@@ -473,6 +473,22 @@ _REDUCTIONS = {"mean", "sum"}
 _LAST_DIM = {"var", "var_mean", "amax"}
 
 
+class _Marks:
+    """DTensors marked while the step is interpreted, by identity (weakly: a freed tensor's
+    id may be reused by a new one, which is not marked)."""
+
+    def __init__(self) -> None:
+        self.refs: dict[int, Any] = {}
+
+    def add(self, v: Any) -> None:
+        import weakref
+        self.refs[id(v)] = weakref.ref(v)
+
+    def __contains__(self, v: Any) -> bool:
+        ref = self.refs.get(id(v))
+        return ref is not None and ref() is v
+
+
 class _Tokens:
     """Sequence parallelism's token sharding. A partial sum shaped like the tokens
     ([batch, seq, ...] or [batch * seq, ...]) is reduce-scattered to `Shard(0)`, and what a
@@ -484,7 +500,7 @@ class _Tokens:
 
     def __init__(self, batch: int, seq: int, dm: Any) -> None:
         self.batch, self.seq, self.dm = batch, seq, dm
-        self.marked: dict[int, Any] = {}  #: id -> weak reference of token-sharded DTensors
+        self.marked = _Marks()  #: the token-sharded DTensors
         #: (id, phase) -> (weak ref, gathered DTensor)
         self.whole: dict[tuple[int, Any], tuple[Any, Any]] = {}
 
@@ -494,12 +510,10 @@ class _Tokens:
                                     or shape[0] == self.batch * self.seq)
 
     def is_sharded(self, v: Any) -> bool:
-        ref = self.marked.get(id(v))
-        return ref is not None and ref() is v
+        return v in self.marked
 
     def mark(self, v: Any) -> None:
-        import weakref
-        self.marked[id(v)] = weakref.ref(v)
+        self.marked.add(v)
 
     def settle(self, n: fx.Node, ins: list[Any], out: Any) -> Any:
         """`out` of `n`, marked where `n` made it on token-sharded inputs and it is itself
@@ -563,17 +577,15 @@ class _Local:
         self.whole: list[str] = []  #: ops run on whole (replicated) operands, in order
         #: the splits and concatenations of interleaved parts run shard by shard
         self.allowed = interleaved_ops(graph, state)
-        #: DTensors in an interleaved layout (id -> weak reference): their blocks are not
-        #: DTensor's contiguous blocks, so no redistribution may touch them
-        self.interleaved: dict[int, Any] = {}
+        #: DTensors in an interleaved layout: their blocks are not DTensor's contiguous
+        #: blocks, so no redistribution may touch them
+        self.interleaved = _Marks()
 
     def is_interleaved(self, v: Any) -> bool:
-        ref = self.interleaved.get(id(v))
-        return ref is not None and ref() is v
+        return v in self.interleaved
 
     def mark(self, v: Any) -> None:
-        import weakref
-        self.interleaved[id(v)] = weakref.ref(v)
+        self.interleaved.add(v)
 
     def __call__(self, *local: Any) -> list[Any]:
         from torch.distributed.tensor import DTensor, Shard

@@ -22,6 +22,7 @@ all-gather and reduce-scatter are not the all-reduce's figures halved.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 import statistics
 import time
@@ -312,49 +313,32 @@ def measure_link(group: Any = None, device: str = "cpu", reps: int = 5,
     if n == 1:
         return LinkProfile("none", 0.0, float("inf"), "one rank: nothing is communicated")
     src = dist.get_global_rank(group, 0) if group is not None else 0
-    size = 2 * len(_KINDS) + len(_KINDS) * len(_SIZES) + 1
-    figures = torch.zeros(size + 1, dtype=torch.float64)  # + whether they come from the cache
+    cached = [None]
     if group is None and device == "cpu" and dist.get_rank() == 0:
         try:  # whatever the cache holds, rank 0 must reach the broadcast
-            cached = _fresh_link(dist.get_backend(group), n, fresh_s)
-            if cached is not None:
-                figures[:size] = torch.tensor(_figures(cached), dtype=torch.float64)
-                figures[size] = 1.0
+            cached[0] = _fresh_link(dist.get_backend(group), n, fresh_s)
         except Exception:  # noqa: BLE001 (an unreadable cache: measure instead)
-            figures.zero_()
-    dist.broadcast(figures, src=src, group=group)
-    if figures[size] == 0.0:  # nothing fresh: every rank times the collectives together
-        timed = {kind: [_timed(kind, nbytes, n, group, device, reps) for nbytes in _SIZES]
-                 for kind in _KINDS}
-        fits = [x for kind in _KINDS for x in _fit(kind, n, list(_SIZES), timed[kind])]
-        figures = torch.tensor([*fits, *(t for kind in _KINDS for t in timed[kind]),
-                                _contention(timed["all_reduce"][-1], group, device), 0.0],
-                               dtype=torch.float64)
-        dist.broadcast(figures, src=src, group=group)
-    was_cached = bool(figures[size])
-    figures = figures[:size].tolist()
-    kinds = tuple((k, figures[2 * i], figures[2 * i + 1]) for i, k in enumerate(_KINDS))
-    at = 2 * len(_KINDS)
-    points = tuple((k, tuple(zip(_SIZES, figures[at + i * len(_SIZES):
-                                                 at + (i + 1) * len(_SIZES)])))
-                   for i, k in enumerate(_KINDS))
+            cached[0] = None
+    dist.broadcast_object_list(cached, src=src, group=group)
+    if cached[0] is not None:
+        return dataclasses.replace(cached[0], source=cached[0].source.split("; cached")[0]
+                                   + "; reused from this host's last run")
+    # nothing fresh: every rank times the collectives together, rank 0's figures are kept
+    timed = {kind: [_timed(kind, nbytes, n, group, device, reps) for nbytes in _SIZES]
+             for kind in _KINDS}
+    contention = _contention(timed["all_reduce"][-1], group, device)
     backend = dist.get_backend(group)
-    source = f"timed {', '.join(_KINDS)} of {', '.join(map(str, _SIZES))} B on {n} ranks " \
-        f"({backend}), " + ("reused from this host's last run" if was_cached
-                            else f"median of {reps}")
-    link = LinkProfile(f"measured-{backend}", kinds[0][1], kinds[0][2], source,
-                       kinds=kinds, contention=figures[-1], points=points, ranks=n)
-    if group is None and dist.get_rank() == 0 and not was_cached:
-        _save_link(link, dist.get_backend(), n)
-    return link
-
-
-def _figures(link: LinkProfile) -> list[float]:
-    """`measure_link`'s broadcast figures of a measured link (fits, timed points,
-    contention)."""
-    fits = [x for kind in _KINDS for x in link.figures(kind)[1:]]
-    points = dict(link.points)
-    return [*fits, *(t for kind in _KINDS for _, t in points[kind]), link.contention]
+    kinds = tuple((kind, *_fit(kind, n, list(_SIZES), timed[kind])) for kind in _KINDS)
+    link = [LinkProfile(f"measured-{backend}", kinds[0][1], kinds[0][2],
+                        f"timed {', '.join(_KINDS)} of {', '.join(map(str, _SIZES))} B on {n} "
+                        f"ranks ({backend}), median of {reps}", kinds=kinds,
+                        contention=contention,
+                        points=tuple((k, tuple(zip(_SIZES, timed[k]))) for k in _KINDS),
+                        ranks=n)]
+    dist.broadcast_object_list(link, src=src, group=group)
+    if group is None and dist.get_rank() == 0:
+        _save_link(link[0], backend, n)
+    return link[0]
 
 
 def _fresh_link(backend: str, ranks: int, fresh_s: float) -> LinkProfile | None:
