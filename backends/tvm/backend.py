@@ -197,11 +197,15 @@ def decompositions() -> dict[Any, Any]:
 
 
 def build(module: Any, target: Any) -> Any:
-    """`tvm.compile` with TVM's default Relax pipeline for `target`, except on CUDA: there
-    DLight's GEMV rule fails on a fused reduction of the backward (`assert s_loops` in
-    dlight/analysis/gemv.py), so the CUDA pipeline runs without it (Matmul, Reduction,
-    GeneralReduction and Fallback schedule every kernel)."""
+    """`tvm.compile` for `target`. On CPUs (LLVM): TVM's default Relax pipeline with glmc's
+    schedule rules (`glmc.backends.tvm.schedules`) after legalization. On CUDA: DLight's GPU
+    rules, without its GEMV rule, which fails on a fused reduction of the backward
+    (`assert s_loops` in dlight/analysis/gemv.py); Matmul, Reduction, GeneralReduction and
+    Fallback schedule every kernel."""
     import tvm
+    if target.kind.name == "llvm":
+        from glmc.backends.tvm import schedules
+        return tvm.compile(module, target=target, relax_pipeline=schedules.pipeline(target))
     if target.kind.name != "cuda":
         return tvm.compile(module, target=target)
     from tvm import relax
