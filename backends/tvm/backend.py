@@ -34,6 +34,7 @@ Not guaranteed / by design:
 """
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any
 
@@ -290,12 +291,21 @@ class _Runner:
     adopt = True
 
     def __init__(self, vm: Any) -> None:
+        share_threads()
         self.vm = vm
         self.main = vm["main"]
 
     def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         outs = self.main(*[to_tvm(t) for t in inputs])
         return [torch.from_dlpack(o) for o in outs]
+
+
+def share_threads() -> None:
+    """TVM's kernels run on as many threads as torch's (`torch.get_num_threads()`), unless
+    the user set TVM_NUM_THREADS. TVM's own default is half the CPUs (it assumes two
+    hyperthreads per core), which halves its speed on VMs that expose one thread per core.
+    TVM reads the variable when its thread pool starts, at the first parallel kernel."""
+    os.environ.setdefault("TVM_NUM_THREADS", str(torch.get_num_threads()))
 
 
 def to_tvm(t: torch.Tensor) -> Any:

@@ -50,12 +50,15 @@ _RUNNER = '''"""Run the TVM-built training step: python run_tvm.py --steps N [--
 the losses as JSON; --save writes the trained state back into state.safetensors."""
 import argparse
 import json
+import os
 from pathlib import Path
 
-import numpy as np
-import tvm
-from safetensors.numpy import load_file, save_file
-from tvm import relax
+# TVM's thread pool defaults to half the CPUs (it assumes two hyperthreads per core)
+os.environ.setdefault("TVM_NUM_THREADS", str(os.cpu_count() or 1))
+import numpy as np  # noqa: E402
+import tvm  # noqa: E402
+from safetensors.numpy import load_file, save_file  # noqa: E402
+from tvm import relax  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 

@@ -115,7 +115,8 @@ def _rule(apply: Any) -> Any:
 
 # ---- the rules ---------------------------------------------------------------------------------
 
-def matmul(func: Any, target: Any, rows: int | None = None, depth: int = 256) -> Any:
+def matmul(func: Any, target: Any, rows: int | None = None, depth: int = 256,
+           panel_bytes: int = 1 << 18) -> Any:
     """Register-blocked, packed, threaded GEMM for one matmul-like block (see module doc)."""
     from tvm import s_tir
     from tvm.s_tir.dlight.analysis.common_analysis import get_root_block
@@ -144,15 +145,17 @@ def matmul(func: Any, target: Any, rows: int | None = None, depth: int = 256) ->
     extents = [_extent(sch, lp) for lp in (i, j, k)]
     if None in extents or extents[0] * extents[1] * extents[2] < 4 * rows * cols * lanes:
         return None  # symbolic or tiny: not worth a GEMM schedule
-    k_tile = min(depth, -(-extents[2] // 4) * 4)
+    k_tile = _k_tile(extents[2], depth)
     sch.pad_einsum(main, [1, rows, cols, k_tile])
     batch, i, j, k = sch.get_loops(main)
+    panel = _panel(_extent(sch, j) // cols, _extent(sch, k), cols, panel_bytes) * cols
+    jc, j = sch.split(j, factors=[None, panel])
     io, ii = sch.split(i, factors=[None, rows])
     jo, ji = sch.split(j, factors=[None, cols])
     ko, kt = sch.split(k, factors=[None, k_tile])
     kt, ku = sch.split(kt, factors=[None, 4])
-    sch.reorder(batch, io, ko, jo, kt, ku, ii, ji)
-    sch.parallel(sch.fuse(batch, io))
+    sch.reorder(batch, jc, io, jo, ko, kt, ku, ii, ji)
+    sch.parallel(sch.fuse(batch, jc, io))
     sch.unroll(ku)
     sch.unroll(ii)
     sch.vectorize(ji)
@@ -168,6 +171,24 @@ def matmul(func: Any, target: Any, rows: int | None = None, depth: int = 256) ->
         if not any(loop.same_as(other) for loop in loops for other in nest):
             _parallel_vectorize(sch, block, lanes)  # packing / padding / leftover epilogue
     return sch
+
+
+def _panel(tiles: int, k_tile: int, cols: int, panel_bytes: int) -> int:
+    """How many `cols`-wide tiles of packed B one thread sweeps before moving to the next rows
+    of A: the most (dividing `tiles`, so no tail) whose k_tile x width floats fit
+    `panel_bytes` (half a typical L2), at least one."""
+    most = max(panel_bytes // (4 * k_tile * cols), 1)
+    return max(t for t in range(1, min(most, tiles) + 1) if tiles % t == 0)
+
+
+def _k_tile(k: int, depth: int) -> int:
+    """The K chunk one register tile accumulates over: all of K when it is at most 2 x depth,
+    else the largest multiple of 4 dividing K in [depth / 2, 2 x depth] (no padding), else
+    depth (K padded up to a multiple of it)."""
+    if k <= 2 * depth:
+        return -(-k // 4) * 4
+    fits = [t for t in range(4, 2 * depth + 1, 4) if k % t == 0 and t >= depth // 2]
+    return max(fits) if fits else depth
 
 
 def _vectorize_tile(sch: Any, block: Any, lanes: int) -> None:
@@ -188,8 +209,37 @@ def elementwise(func: Any, target: Any) -> Any:
         return None
     lanes = _lanes(target)
     for info in try_inline(sch, infos):
-        _parallel_vectorize(sch, info.block_rv, lanes)
+        if not _transpose(sch, info.block_rv, lanes):
+            _parallel_vectorize(sch, info.block_rv, lanes)
     return sch
+
+
+def _transpose(sch: Any, block: Any, lanes: int) -> bool:
+    """A block that reads some buffer along another loop than the one it writes along (a
+    transpose, or a fused chain ending in one) is tiled in lanes x lanes squares: the read
+    then uses whole cache lines and the write stays vectorized. False if `block` is not one."""
+    loops = sch.get_loops(block)
+    stmt = sch.get(block)
+    names = [iv.var for iv in stmt.iter_vars]
+    if len(loops) != len(names) or len(loops) < 2 or any(iv.iter_type != 0
+                                                         for iv in stmt.iter_vars):
+        return False
+    axis = None
+    for region in stmt.reads:
+        last = region.region[-1].min if region.region else None
+        for pos, var in enumerate(names[:-1]):
+            if last is not None and last.same_as(var):
+                axis = pos
+    extents = [_extent(sch, loops[p]) for p in (axis, -1)] if axis is not None else [None]
+    if axis is None or any(e is None or e % lanes for e in extents):
+        return False
+    po, pi = sch.split(loops[axis], factors=[None, lanes])
+    lo, li = sch.split(loops[-1], factors=[None, lanes])
+    rest = [lp for n, lp in enumerate(loops[:-1]) if n != axis]
+    sch.reorder(*rest, po, lo, pi, li)
+    sch.vectorize(li)
+    sch.parallel(sch.fuse(*rest, po, lo))
+    return True
 
 
 def reduction(func: Any, target: Any) -> Any:
