@@ -43,7 +43,13 @@ PARALLEL_MIN = 1 << 14
 
 
 def _lanes(target: Any, bits: int = 32) -> int:
-    from tvm.target.codegen import llvm_get_vector_width
+    """`bits`-wide elements per SIMD register of `target`, from its CPU features (LLVM's own
+    `llvm_get_vector_width` answers for the host's x86 CPU, not the target's)."""
+    from tvm.target.codegen import llvm_get_vector_width, target_has_features
+    for feature, width in (("avx512f", 512), ("avx", 256), ("sve", 128), ("neon", 128),
+                           ("sse2", 128)):
+        if target_has_features(feature, target):
+            return width // bits
     width = llvm_get_vector_width(target)
     return max((width if width > 0 else 128) // bits, 1)
 
