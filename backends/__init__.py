@@ -34,7 +34,11 @@ BACKENDS = {
 }
 
 
-def get_backend(name: str) -> Backend:
+def get_backend(name: str | Backend) -> Backend:
+    """The backend registered as `name`; a Backend instance (a backend with non-default
+    options, e.g. `TvmBackend(target="kunpeng920")`) is used as given."""
+    if isinstance(name, Backend):
+        return name
     if name not in BACKENDS:
         raise ConfigError(f"backend '{name}' is unknown; choose one of {', '.join(BACKENDS)}")
     return BACKENDS[name]()

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_step import ROOT, WORKLOADS, _clone, run_meta  # noqa: I001 (the benchmarks folder)
+from bench_step import ROOT, WORKLOADS, _clone, cpu_name, run_meta  # noqa: I001 (the benchmarks folder)
 
 import glmc
 from glmc.trace.capture import LossModule, split_batch
@@ -112,16 +112,9 @@ def _rss_subprocess(name: str, contender: str, steps: int, warmup: int) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def _cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
-
-
 def markdown(results: list[dict], meta: dict, steps: int, warmup: int) -> str:
     lines = ["# Backends: ONNX Runtime vs eager vs Inductor (training step, CPU)", "",
-             f"{meta['date']}; {_cpu_model()}, {meta['machine']}; torch {meta['torch']}, "
+             f"{meta['date']}; {cpu_name()}, {meta['machine']}; torch {meta['torch']}, "
              f"onnxruntime {meta['onnxruntime']}. Median of {steps} interleaved steps after "
              f"{warmup} warm-up; peak RSS of each contender alone in a fresh process after "
              "its warm-up (compile peaks excluded). The CNN has dropout: ORT draws other masks, "

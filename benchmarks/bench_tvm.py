@@ -3,8 +3,10 @@ and median training-step time on the host CPU.
 
 Every contender trains its own copy of the same model in one process; after warm-up, each
 round runs one step of every contender in turn (interleaved, so machine noise hits all alike)
-and the median over rounds is reported. TVM runs its default Relax pipeline, untuned (no
-tiling, no threads in the generated loops): this measures what the backend gives today.
+and the median over rounds is reported, with its ratio to eager. TVM builds with glmc's CPU
+schedule rules (backends/tvm/schedules.py; no tuner); `glmc-tvm-default` is the same step
+built with TVM's default pipeline (one thread, no tiling), for comparison on small models.
+Kernel-by-kernel: benchmarks/profile_tvm.py.
 
     python benchmarks/bench_tvm.py                                  # mlp, glm (examples)
     python benchmarks/bench_tvm.py --models mlp cnn --contenders eager glmc-tvm glmc-inductor
@@ -31,9 +33,12 @@ from glmc.trace.capture import LossModule, split_batch  # noqa: E402
 from tests.models import CASES, no_dropout, twin  # noqa: E402
 
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_step import WORKLOADS as STEP_WORKLOADS  # noqa: E402
+from bench_step import cpu_name  # noqa: E402
+
+
 def _glm_small():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_step import WORKLOADS as STEP_WORKLOADS
     return STEP_WORKLOADS["glm-small"]()
 
 
@@ -43,8 +48,12 @@ WORKLOADS = {"mlp": CASES["mlp"].make, "glm": CASES["glm"].make,
 
 def _step_fn(name: str, model, opt, x, loss_fn):
     if name.startswith("glmc-"):
-        trainer = glmc.optimize(model, x, loss_fn=loss_fn, optimizer=opt,
-                                backend=name.removeprefix("glmc-"), measure=False, predict=False)
+        backend = name.removeprefix("glmc-")
+        if backend == "tvm-default":
+            from glmc.backends.tvm.backend import TvmBackend
+            backend = TvmBackend(schedules=False)
+        trainer = glmc.optimize(model, x, loss_fn=loss_fn, optimizer=opt, backend=backend,
+                                measure=False, predict=False)
         return lambda a, k: trainer.step(*a, **k)
     wrapper = LossModule(model, loss_fn)
 
@@ -75,8 +84,10 @@ def bench(name: str, contenders: list[str], steps: int, warmup: int) -> list[dic
             t0 = time.perf_counter()
             fns[c](args, kwargs).item()
             times[c].append(time.perf_counter() - t0)
+    eager = statistics.median(times[contenders[0]])
     return [{"model": name, "contender": c, "compile_s": round(compile_s[c], 2),
              "step_ms": round(1e3 * statistics.median(times[c]), 3),
+             f"vs_{contenders[0]}": round(statistics.median(times[c]) / eager, 3),
              "first_loss": first[c]} for c in contenders]
 
 
@@ -90,16 +101,18 @@ def main() -> None:
     a = ap.parse_args()
     warnings.simplefilter("ignore")
     rows = [r for m in a.models for r in bench(m, a.contenders, a.steps, a.warmup)]
-    meta = {"date": datetime.date.today().isoformat(), "cpu": platform.processor() or
-            platform.machine(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+    meta = {"date": datetime.date.today().isoformat(), "cpu": cpu_name(),
+            "machine": platform.machine(), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "command": "python " + " ".join(sys.argv)}
     import tvm
     meta["tvm"] = tvm.__version__
     Path(a.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    print(f"| model | contender | compile s | step ms (median of {a.steps}) |")
-    print("|---|---|---|---|")
+    first = a.contenders[0]
+    print(f"| model | contender | compile s | step ms (median of {a.steps}) | vs {first} |")
+    print("|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['model']} | {r['contender']} | {r['compile_s']} | {r['step_ms']} |")
+        print(f"| {r['model']} | {r['contender']} | {r['compile_s']} | {r['step_ms']} | "
+              f"{r[f'vs_{first}']} |")
     print(json.dumps(meta))
 
 

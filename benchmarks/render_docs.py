@@ -49,7 +49,9 @@ GROUPS: list[tuple[str, list[tuple[str, str, str]]]] = [
     ("Backends", [
         ("backends", "ONNX Runtime vs eager vs Inductor (`bench_backends.py`)",
          "backends/ort.md"),
-        ("tvm", "TVM, MLP and GLM example (`bench_tvm.py`)", "backends/tvm.md"),
+        ("tvm", "TVM against eager and Inductor (`bench_tvm.py`)", "backends/tvm.md"),
+        ("tvm_ops", "TVM kernel by kernel, with and without glmc's schedules "
+         "(`profile_tvm.py`)", "backends/tvm.md"),
     ]),
     ("Parallelism", [
         ("comm", ("The communication model per collective kind, size and process count "

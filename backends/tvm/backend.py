@@ -111,12 +111,15 @@ def _device_target(device: torch.device) -> dict[str, Any]:
 
 class TvmBackend(Backend):
     """Apache TVM (Relax). Functional: `traits().inplace` is False, the runtime writes new
-    state back. `target`: see `resolve_target` (default: where the step's tensors are)."""
+    state back. `target`: see `resolve_target` (default: where the step's tensors are).
+    `schedules=False` builds with TVM's default CPU pipeline instead of glmc's schedule rules
+    (one thread, no tiling: for comparison and for isolating a schedule bug)."""
 
     name = "tvm"
 
-    def __init__(self, target: Any = None) -> None:
+    def __init__(self, target: Any = None, schedules: bool = True) -> None:
         self._target = target
+        self.schedules = schedules
         self._checked: tuple[TrainGraph, list[Offense]] | None = None
         self.target: Any = None  #: the tvm Target of the last compile
 
@@ -176,7 +179,7 @@ class TvmBackend(Backend):
             raise ConfigError(f"backend '{self.name}': target {self.target.kind.name} cannot "
                               f"run a step whose tensors are on {device}; build for other "
                               "targets with glmc.tvm_export.export_tvm")
-        executable = build(relax_module(step), self.target)
+        executable = build(relax_module(step), self.target, self.schedules)
         dev = tvm.cuda(device.index or 0) if device.type == "cuda" else tvm.cpu()
         return _Runner(relax.VirtualMachine(executable, dev))
 
@@ -197,16 +200,17 @@ def decompositions() -> dict[Any, Any]:
     return table
 
 
-def build(module: Any, target: Any) -> Any:
+def build(module: Any, target: Any, schedules: bool = True) -> Any:
     """`tvm.compile` for `target`. On CPUs (LLVM): TVM's default Relax pipeline with glmc's
-    schedule rules (`glmc.backends.tvm.schedules`) after legalization. On CUDA: DLight's GPU
+    schedule rules (`glmc.backends.tvm.schedules`) after legalization (`schedules=False`:
+    without them). On CUDA: DLight's GPU
     rules, without its GEMV rule, which fails on a fused reduction of the backward
     (`assert s_loops` in dlight/analysis/gemv.py); Matmul, Reduction, GeneralReduction and
     Fallback schedule every kernel."""
     import tvm
-    if target.kind.name == "llvm":
-        from glmc.backends.tvm import schedules
-        return tvm.compile(module, target=target, relax_pipeline=schedules.pipeline(target))
+    if target.kind.name == "llvm" and schedules:
+        from glmc.backends.tvm.schedules import pipeline as cpu_pipeline
+        return tvm.compile(module, target=target, relax_pipeline=cpu_pipeline(target))
     if target.kind.name != "cuda":
         return tvm.compile(module, target=target)
     from tvm import relax

@@ -227,12 +227,18 @@ BUILTIN: dict[str, DeviceProfile] = {
                        "NVIDIA A100 datasheet"),
     "a100-40g": _published("NVIDIA A100 SXM4 40GB", 19.5e12, 312e12, 312e12, 1.555e12, "cuda",
                            "NVIDIA A100 datasheet (40GB: 1,555 GB/s HBM2)"),
-    # Kunpeng 920-7260: 64 TaiShan v110 cores at 2.6 GHz, 2x128-bit NEON FMA pipes (16 fp32
-    # FLOP/cycle, 32 fp16 with ARMv8.2-FP16), no BF16 instructions, 8x DDR4-2933 channels.
-    "kunpeng920": _published("Huawei Kunpeng 920-7260 (64 cores)", 64 * 2.6e9 * 16, None,
-                             64 * 2.6e9 * 32, 8 * 23.47e9, "cpu",
-                             "Huawei Kunpeng 920 product brief", mm_eff=0.6, bw_eff=0.7,
-                             op_overhead=6e-6, kernel_overhead=3e-6),
+    # Kunpeng 920-6426 (Hi1620): 64 TaiShan v110 cores (ARMv8.2-A, NEON, no SVE) at 2.6 GHz
+    # [WikiChip: hisilicon/kunpeng/920-6426]; two 128-bit ASIMD pipes, each an FMA per cycle
+    # ("double SP vector throughput, 2 inst/cycle", WikiChip: TaiShan v110): 2 x 4 lanes x 2 =
+    # 16 fp32 FLOP/cycle/core, 32 fp16 (ARMv8.2 FP16 arithmetic, `asimdhp`), no BF16
+    # instructions; 8 DDR4-2933 channels x 8 B = 187.7 GB/s peak [WikiChip]; 64 KiB L1D,
+    # 512 KiB L2 per core, 1 MiB L3 per core shared [WikiChip]. The efficiencies (60% of peak
+    # FLOP/s for matmuls, 70% of peak bandwidth) and overheads are glmc's assumptions for a
+    # NEON GEMM library (OpenBLAS / KML / ACL), not measured on a Kunpeng.
+    "kunpeng920": _published("Huawei Kunpeng 920-6426 (64 cores)", 64 * 2.6e9 * 16, None,
+                             64 * 2.6e9 * 32, 8 * 2.933e9 * 8, "cpu",
+                             "WikiChip (Kunpeng 920-6426, TaiShan v110); efficiencies assumed",
+                             mm_eff=0.6, bw_eff=0.7, op_overhead=6e-6, kernel_overhead=3e-6),
     "generic-cpu": _generic_cpu(),
 }
 

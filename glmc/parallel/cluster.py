@@ -68,7 +68,7 @@ def _kinds() -> dict[str, DeviceKind]:
                            LINKS["infiniband-ndr"], "bf16", "NVIDIA H200 datasheet (141 GB)"),
         "kunpeng920": DeviceKind("kunpeng920", get_profile("kunpeng920"), 256 * GiB,
                                  LINKS["hccs"], LINKS["roce-200g"], "fp32",
-                                 "Kunpeng 920-7260 product brief; one socket per device, "
+                                 "Kunpeng 920-6426 (WikiChip); one socket per device, "
                                  "8 x 32 GB DDR4 per socket assumed"),
     }
 

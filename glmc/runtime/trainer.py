@@ -61,7 +61,7 @@ class _Entry:
 
 @dataclass
 class TrainerOptions:
-    backend: str = "inductor"
+    backend: Any = "inductor"  #: a registered name, or a Backend instance (non-default options)
     passes: str | list[Pass] | None = None
     disable: frozenset[str] = frozenset()
     memory_budget: Any = None
