@@ -58,5 +58,20 @@ if [ "$TORCH" = 1 ]; then
         echo 0x00000000481fd010 > "$DEST/rootfs/sys/devices/system/cpu/cpu$i/regs/identification/midr_el1"
         i=$((i + 1))
     done
+    # Inductor's C++ includes Python.h (the cross g++ finds pyconfig.h's multiarch part through
+    # CPLUS_INCLUDE_PATH=DEST/rootfs/usr/include)
+    (cd "$DEST/debs" && apt-get download libpython$PY_VER-dev:arm64 && \
+        dpkg -x libpython$PY_VER-dev_*_arm64.deb "$DEST/rootfs")
+    # DEST/python3.11: the aarch64 Python under qemu. Python's own subprocesses (Inductor probes
+    # its vector ISA with sys.executable) cannot exec an aarch64 binary without binfmt_misc:
+    # sitecustomize points sys.executable back at this wrapper.
+    mkdir -p "$DEST/qemu"
+    printf 'import os, sys\nif os.environ.get("GLMC_QEMU_PYTHON"):\n    sys.executable = os.environ["GLMC_QEMU_PYTHON"]\n' > "$DEST/qemu/sitecustomize.py"
+    cat > "$DEST/python$PY_VER" <<EOF
+#!/bin/sh
+export GLMC_QEMU_PYTHON="$DEST/python$PY_VER" PYTHONPATH="$DEST/qemu\${PYTHONPATH:+:\$PYTHONPATH}"
+exec qemu-aarch64 -cpu neoverse-n1 -L "$DEST/rootfs" "$DEST/rootfs/usr/bin/python$PY_VER" "\$@"
+EOF
+    chmod +x "$DEST/python$PY_VER"
 fi
 echo "$DEST"
