@@ -8,6 +8,7 @@ padded edges: sizes that divide no tile, batch matmul, every transposed layout o
 """
 from __future__ import annotations
 
+import platform
 from collections.abc import Callable
 from typing import Any
 
@@ -44,10 +45,11 @@ def _legalized(fn: Callable[..., torch.Tensor], *shapes: tuple[int, ...]) -> lis
     return [f for _, f in mod.functions.items() if isinstance(f, tirx.PrimFunc)]
 
 
-def _run(fn: Callable[..., torch.Tensor], *shapes: tuple[int, ...]) -> tuple[np.ndarray, Any]:
+def _run(fn: Callable[..., torch.Tensor], *shapes: tuple[int, ...],
+         target: Any = "host") -> tuple[np.ndarray, Any]:
     import tvm
     from tvm import relax
-    target = resolve_target("host")
+    target = resolve_target(target)
     schedules.FAILURES.clear()
     ex = tvm.compile(_module(fn, *shapes), target=target,
                      relax_pipeline=schedules.pipeline(target))
@@ -113,6 +115,25 @@ def test_reductions_keep_torchs_results(name: str) -> None:
     got, want = _run(fn, shape)
     assert schedules.FAILURES == []
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+X86_TARGETS = {"avx2": "haswell", "sse2": "x86-64"}  # 8 and 4 lanes: other tiles than the host's
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="runs x86 builds on the host")
+@pytest.mark.parametrize("isa", list(X86_TARGETS))
+def test_narrower_x86_vectors_keep_torchs_results(isa: str) -> None:
+    """The tiles an AVX2-only or SSE-only CPU gets (4 x 16 / 8 x 8 register blocks), built
+    for that CPU and run here (its instructions are a subset of any x86-64 host's)."""
+    target = {"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": X86_TARGETS[isa]}
+    for name in ("x @ w.T", "dy.T @ x", "bmm"):
+        fn, *shapes = MATMULS[name]
+        got, want = _run(fn, *shapes, target=target)
+        assert schedules.FAILURES == [], name
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4, err_msg=name)
+    got, want = _run(lambda x: torch.softmax(x.transpose(0, 1), -1), (48, 40), target=target)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert schedules.FAILURES == []
 
 
 def test_vector_width_follows_the_target() -> None:
