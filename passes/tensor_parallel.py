@@ -14,7 +14,8 @@ ranks, every rank holding the whole batch. Two steps:
    one all-reduce after each block in the forward and one in the backward. A column weight
    whose output is split in k equal parts along the features (a fused `gate_up`) is stored
    interleaved: rank r holds rows r of each part, so each part is sharded like its own
-   linear. Everything else (embeddings, norms, the LM head) is replicated. `plan=` pins
+   linear. The LM head into cross-entropy and the embedding tables are vocab-parallel
+   (`Shard(0)`; a table only where its rows divide); norms are replicated. `plan=` pins
    weights by name (`glob:column|row|replicate;...`, fnmatch globs on parameter names).
 2. **Propagation.** The step is interpreted with DTensors over the mesh (the parameters and
    their optimizer state with their seeds, every other input `Replicate()`) and traced into a
@@ -35,8 +36,8 @@ ranks, every rank holding the whole batch. Two steps:
    (a few KB). The batch must divide by the tp size (blocks of whole sequences).
 
 Equal to one process up to the order of the reduced sums. Not yet: the cost model choosing
-between placements, random ops (dropout) on sharded values, a vocab-parallel embedding,
-sharding inside a sequence (a batch of 1 under sequence parallelism).
+between placements, random ops (dropout) on sharded values, sharding inside a sequence (a
+batch of 1 under sequence parallelism), padding a vocabulary that does not divide.
 """
 from __future__ import annotations
 
@@ -313,6 +314,9 @@ def seed_tiles(graph: TrainGraph, size: int, pins: list[tuple[str, str]]) -> dic
     for mm, name in linears.items():  # the LM head: vocab-parallel into the loss
         if name not in tiles and _feeds_log_softmax(mm):
             tiles[name] = Tile("column", 0, 1)
+    for name, vocab in _embeddings(graph).items():  # vocab-parallel (Megatron's), if it divides
+        if name not in tiles and vocab % size == 0:
+            tiles[name] = Tile("column", 0, 1)
     shapes = {TrainGraph.info(ph).target: TrainGraph.info(ph).spec.shape
               for ph in graph.placeholders()
               if TrainGraph.info(ph).role is Role.PARAMETER and TrainGraph.info(ph).spec}
@@ -344,6 +348,47 @@ def seed_tiles(graph: TrainGraph, size: int, pins: list[tuple[str, str]]) -> dic
                               f"by {size} ranks{parts}"
                               f"; pin it with plan='{name}:replicate' or choose another size")
     return tiles
+
+
+def _embeddings(graph: TrainGraph) -> dict[str, int]:
+    """Parameters the forward reads as an embedding table (`embedding(w, ids)`) -> rows."""
+    out = {}
+    for n in graph.compute_nodes():
+        w = n.args[0] if op_name(n) == "embedding" else None
+        if isinstance(w, fx.Node) and w.op == "placeholder" and \
+                TrainGraph.info(w).role is Role.PARAMETER and TrainGraph.info(n).phase is \
+                Phase.FORWARD and TrainGraph.info(w).spec is not None:
+            out[TrainGraph.info(w).target] = TrainGraph.info(w).spec.shape[0]
+    return out
+
+
+def _vocab_ids(graph: TrainGraph, state: dict[str, Tile]) -> set[fx.Node]:
+    """The token ids of embeddings whose table is sharded on its rows (vocab-parallel): their
+    backward (`embedding_dense_backward` of the same ids) runs on each rank's rows."""
+    return {n.args[1] for n in graph.compute_nodes() if op_name(n) == "embedding"
+            and n.args[0].op == "placeholder"
+            and state.get(TrainGraph.info(n.args[0]).target, Tile("", 1)).dim == 0}
+
+
+def _embedding_backward(n: fx.Node, interp: fx.Interpreter, dm: Any) -> Any:
+    """The gradient of a vocab-parallel embedding table on each rank's own rows (DTensor has
+    no row-sharded rule for it): the rank's ids shifted to its rows, the other tokens'
+    gradients masked to zero; `Shard(0)`, like the table. Sums the same tokens' rows in the
+    same order as one process."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    (grad, ids, rows, padding, by_freq), _ = interp.fetch_args_kwargs_from_env(n)
+    if by_freq:  # counts would include the masked tokens: DTensor's own rule
+        return n.target(grad, ids, rows, padding, by_freq)
+    grad, ids = (v.redistribute(dm, [Replicate()]).to_local() if isinstance(v, DTensor) else v
+                 for v in (grad, ids))
+    size = rows // dm.size()
+    start = dm.get_local_rank() * size
+    mine = (ids >= start) & (ids < start + size)
+    local = torch.where(mine, ids - start, torch.zeros_like(ids))
+    grad = grad * mine.unsqueeze(-1).to(grad.dtype)
+    padding = padding - start if 0 <= padding - start < size else -1
+    out = n.target(grad, local, size, padding, by_freq)
+    return DTensor.from_local(out, dm, [Shard(0)], run_check=False)
 
 
 def _feeds_log_softmax(mm: fx.Node) -> bool:
@@ -580,6 +625,7 @@ class _Local:
         #: DTensors in an interleaved layout: their blocks are not DTensor's contiguous
         #: blocks, so no redistribution may touch them
         self.interleaved = _Marks()
+        self.vocab_ids = _vocab_ids(graph, state)  #: ids of vocab-parallel embeddings
 
     def is_interleaved(self, v: Any) -> bool:
         return v in self.interleaved
@@ -617,8 +663,13 @@ class _Local:
                     try:
                         if n.target in _HEADWISE or op_name(n) in POINTWISE:
                             raise NotImplementedError  # by blocks (DTensor would decompose)
-                        out = _nll_backward(n, self) if n.target is \
-                            aten.nll_loss_backward.default else super().run_node(n)
+                        if n.target is aten.nll_loss_backward.default:
+                            out = _nll_backward(n, self)
+                        elif n.target is aten.embedding_dense_backward.default and \
+                                n.args[1] in owner.vocab_ids:
+                            out = _embedding_backward(n, self, dm)
+                        else:
+                            out = super().run_node(n)
                     except NotImplementedError:  # no DTensor rule: a glmc fused op
                         out = _replicated(n, self, dm, owner)
                     except RuntimeError as e:  # DTensor's global strides can differ from

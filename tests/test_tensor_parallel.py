@@ -34,8 +34,10 @@ def _glm_graph() -> TrainGraph:
 def test_the_megatron_layout_is_found_from_the_graph() -> None:
     """q/k/v and the fused gate/up are column parallel (gate/up as 2 interleaved parts, q/k/v
     biases with their weights), o and down row parallel, the LM head vocab-parallel into the
-    loss; embeddings and norms replicated. The step then has one all-reduce per attention and
-    per MLP in the forward and one each in the backward (4 per block), and 4 for the loss."""
+    loss and the embedding vocab-parallel (Megatron's); norms replicated. The step then has
+    one all-reduce per attention and per MLP in the forward and one each in the backward (4
+    per block), 4 for the loss and 1 for the embedding's output; the embedding's gradient
+    needs none (each rank its own rows)."""
     graph = _glm_graph()
     tiles = seed_tiles(graph, 2, [])
     for b in (0, 1):
@@ -47,19 +49,21 @@ def test_the_megatron_layout_is_found_from_the_graph() -> None:
         assert tiles[f"{p}mlp.gate_up.weight"] == Tile("column", 0, 2)
         assert tiles[f"{p}mlp.down.weight"] == Tile("row", 1, 1)
     assert tiles["head.weight"] == Tile("column", 0, 1)  # vocab-parallel into the loss
-    assert not {"embed.weight", "norm.weight"} & set(tiles)
+    assert tiles["embed.weight"] == Tile("column", 0, 1)  # vocab-parallel rows
+    assert "norm.weight" not in tiles
     res = TensorParallelPass(size=2).run(graph, PassContext(mesh=TP2))
-    assert res.stats.collectives == {"all_reduce": 12}
+    assert res.stats.collectives == {"all_reduce": 13}
     phases = [TrainGraph.info(n).phase.value for n in comm_nodes(graph)
               if "all_reduce" in str(n.target)]
     # 2 per block each way; the vocab-parallel loss: 3 scalars per row forward (max, sum of
     # exponentials, the label's logit), the head input's gradient backward
-    assert phases.count("forward") == 4 + 3 and phases.count("backward") == 4 + 1
+    assert phases.count("forward") == 4 + 3 + 1 and phases.count("backward") == 4 + 1
     local = {TrainGraph.info(p).target: TrainGraph.info(p).spec.shape
              for p in graph.placeholders()}
     assert local["blocks.0.mlp.gate_up.weight"] == (172, 64)  # (2 x 172) / 2 ranks
     assert local["exp_avg:blocks.0.attn.wo.weight"] == (64, 32)
     assert local["head.weight"] == (128, 64)
+    assert local["embed.weight"] == local["exp_avg:embed.weight"] == (128, 64)
 
 
 def test_pins_override_and_bad_pins_are_typed_errors() -> None:
@@ -188,9 +192,9 @@ def test_two_ranks_train_like_one_process(runs: Path, part: str) -> None:
                                        atol=1e-7, msg=key)
         assert r["local"]["blocks.0.attn.wo.weight"] == (64, 32)
         assert r["local"]["blocks.1.mlp.gate_up.weight"] == (172, 64)
-        assert r["local"]["embed.weight"] == (256, 64)
+        assert r["local"]["embed.weight"] == (128, 64)  # vocab-parallel
         # Megatron's communication, with glmc's fused kernels too (attention run by heads)
-        assert r["collectives"] == {"all_reduce": 12} and r["whole_ops"] == {}
+        assert r["collectives"] == {"all_reduce": 13} and r["whole_ops"] == {}
 
 
 def test_glmc_compile_tp_trains_like_one_process(tmp_path: Path) -> None:
@@ -219,8 +223,8 @@ def test_glmc_compile_tp_trains_like_one_process(tmp_path: Path) -> None:
 
 def test_transformers_glm_trains_like_one_process(runs: Path) -> None:
     """transformers' GlmForCausalLM (fused gate_up_proj, partial rotary, its KV-cache
-    concatenation in the graph) on tp=2: the Megatron layout with 8 all-reduces, the losses
-    and parameters of one process."""
+    concatenation in the graph) on tp=2: the Megatron layout (a vocab-parallel embedding and
+    LM head), the losses and parameters of one process."""
     for rank in (0, 1):
         r = result(runs, "hf_glm", rank)
         torch.testing.assert_close(r["losses"], r["ref"], rtol=1e-5, atol=0)
@@ -231,7 +235,9 @@ def test_transformers_glm_trains_like_one_process(runs: Path) -> None:
                 assert (r["params"][name] - ref).abs().max() <= STEPS * r["lr"] * 1.001
                 continue
             torch.testing.assert_close(r["params"][name], ref, rtol=1e-4, atol=1e-6, msg=name)
-        assert r["collectives"] == {"all_reduce": 12} and r["whole_ops"] == {}
+        assert r["collectives"] == {"all_reduce": 13} and r["whole_ops"] == {}
+        assert r["local"]["model.embed_tokens.weight"][0] * 2 == \
+            r["ref_params"]["model.embed_tokens.weight"].shape[0]
         assert r["local"]["model.layers.0.self_attn.o_proj.weight"][1] * 2 == \
             r["ref_params"]["model.layers.0.self_attn.o_proj.weight"].shape[1]
 
