@@ -56,6 +56,11 @@ class CompiledStep:
 class Backend(abc.ABC):
     name: str = "abstract"
 
+    def __repr__(self) -> str:
+        """The same on every rank (ranks compare their options' text): the class, no address.
+        A backend with options shows them (TvmBackend)."""
+        return f"{type(self).__name__}()"
+
     def traits(self) -> BackendTraits:
         return BackendTraits(self.name)
 

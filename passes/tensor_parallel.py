@@ -362,11 +362,13 @@ def _embeddings(graph: TrainGraph) -> dict[str, int]:
     return out
 
 
-def _vocab_ids(graph: TrainGraph, state: dict[str, Tile]) -> set[fx.Node]:
-    """The token ids of embeddings whose table is sharded on its rows (vocab-parallel): their
-    backward (`embedding_dense_backward` of the same ids) runs on each rank's rows."""
-    return {n.args[1] for n in graph.compute_nodes() if op_name(n) == "embedding"
-            and n.args[0].op == "placeholder"
+def _vocab_ids(graph: TrainGraph, state: dict[str, Tile]) -> set[tuple[fx.Node, int]]:
+    """(token ids, table rows) of embeddings whose table is sharded on its rows
+    (vocab-parallel): their backward (`embedding_dense_backward` of the same ids and rows)
+    runs on each rank's rows."""
+    return {(n.args[1], TrainGraph.info(n.args[0]).spec.shape[0])
+            for n in graph.compute_nodes() if op_name(n) == "embedding"
+            and n.args[0].op == "placeholder" and TrainGraph.info(n.args[0]).spec is not None
             and state.get(TrainGraph.info(n.args[0]).target, Tile("", 1)).dim == 0}
 
 
@@ -385,7 +387,7 @@ def _embedding_backward(n: fx.Node, interp: fx.Interpreter, dm: Any) -> Any:
     start = dm.get_local_rank() * size
     mine = (ids >= start) & (ids < start + size)
     local = torch.where(mine, ids - start, torch.zeros_like(ids))
-    grad = grad * mine.unsqueeze(-1).to(grad.dtype)
+    grad = torch.where(mine.unsqueeze(-1), grad, torch.zeros_like(grad))  # no 0 * inf
     padding = padding - start if 0 <= padding - start < size else -1
     out = n.target(grad, local, size, padding, by_freq)
     return DTensor.from_local(out, dm, [Shard(0)], run_check=False)
@@ -666,7 +668,7 @@ class _Local:
                         if n.target is aten.nll_loss_backward.default:
                             out = _nll_backward(n, self)
                         elif n.target is aten.embedding_dense_backward.default and \
-                                n.args[1] in owner.vocab_ids:
+                                (n.args[1], n.args[2]) in owner.vocab_ids:
                             out = _embedding_backward(n, self, dm)
                         else:
                             out = super().run_node(n)

@@ -21,10 +21,11 @@
 # fails or prints no losses.
 set -eu
 EXAMPLE=$(cd "$(dirname "$0")/.." && pwd)/examples/glm.py
+PYTHON=${PYTHON:-python3}
+case $PYTHON in /*) ;; */*) PYTHON=$PWD/$PYTHON ;; esac  # a relative path, before the cd
 # run outside the checkout: its glmc/ folder lacks glmc.passes and glmc.backends (pyproject's
 # package-dir maps them), so the installed glmc must be the one imported
 cd "${TMPDIR:-/tmp}"
-PYTHON=${PYTHON:-python3}
 STEPS=${1:-3}
 status=0
 for backend in eager inductor; do

@@ -21,6 +21,8 @@ set -eu
 TORCH=0
 if [ "${1:-}" = "--torch" ]; then TORCH=1; shift; fi
 DEST=${1:-$HOME/.cache/glmc/aarch64}
+mkdir -p "$DEST" && DEST=$(cd "$DEST" && pwd)  # absolute: the wrapper script bakes it in
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PIP=${PIP:-$(cd "$(dirname "$0")/.." && pwd)/.venv/bin/pip}
 PY_VER=3.11
 FFI=$("$PIP" show apache-tvm-ffi 2>/dev/null | sed -n "s/^Version: //p")
@@ -47,7 +49,7 @@ if [ "$TORCH" = 1 ]; then
     # shellcheck disable=SC2086
     "$PIP" install -q --only-binary=:all: --python-version $PY_VER $TAGS --target "$DEST/torch" \
         torch==2.13.0 networkx numpy tqdm safetensors matplotlib scipy zstandard
-    "$PIP" install -q --no-deps --target "$DEST/glmc" "$(dirname "$PIP")/../.."
+    "$PIP" install -q --no-deps --target "$DEST/glmc" "$ROOT"
     NCPU=$(nproc)
     mkdir -p "$DEST/rootfs/proc"
     : > "$DEST/rootfs/proc/cpuinfo"

@@ -123,6 +123,9 @@ class TvmBackend(Backend):
         self._checked: tuple[TrainGraph, list[Offense]] | None = None
         self.target: Any = None  #: the tvm Target of the last compile
 
+    def __repr__(self) -> str:  # the same on every rank (ranks compare their options)
+        return f"TvmBackend(target={self._target!r}, schedules={self.schedules})"
+
     def traits(self) -> BackendTraits:
         return BackendTraits(self.name, fusion=None, early_writeback=False, inplace=False)
 

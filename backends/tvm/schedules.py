@@ -109,8 +109,9 @@ def _rule(apply: Any) -> Any:
             try:
                 return apply(func, target)
             except Exception as e:  # TVM's schedule errors: this rule cannot schedule func
+                last = (str(e).strip().splitlines() or [""])[-1]  # a bare assert: no message
                 FAILURES.append((apply.__name__, str(func.attrs.get("global_symbol", "?")),
-                                 f"{type(e).__name__}: {str(e).splitlines()[-1][:200]}"))
+                                 f"{type(e).__name__}: {last[:200]}"))
                 log.debug("tvm schedule rule %s declined a function", apply.__name__,
                           exc_info=True)
                 return None  # the next rule (or none: the function stays unscheduled)
