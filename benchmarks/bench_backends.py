@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 
 import torch
-from bench_step import ROOT, WORKLOADS, _clone, cpu_name, run_meta  # noqa: I001 (the benchmarks folder)
+from bench_step import (ROOT, WORKLOADS, _clone, cpu_name,  # noqa: I001 (benchmarks folder)
+                        run_meta)
 
 import glmc
 from glmc.trace.capture import LossModule, split_batch

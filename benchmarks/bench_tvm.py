@@ -102,8 +102,8 @@ def main() -> None:
     warnings.simplefilter("ignore")
     rows = [r for m in a.models for r in bench(m, a.contenders, a.steps, a.warmup)]
     meta = {"date": datetime.date.today().isoformat(), "cpu": cpu_name(),
-            "machine": platform.machine(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "command": "python " + " ".join(sys.argv)}
+            "machine": platform.machine(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "command": "python " + " ".join(sys.argv)}
     import tvm
     meta["tvm"] = tvm.__version__
     Path(a.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

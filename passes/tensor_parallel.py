@@ -314,7 +314,7 @@ def seed_tiles(graph: TrainGraph, size: int, pins: list[tuple[str, str]]) -> dic
     for mm, name in linears.items():  # the LM head: vocab-parallel into the loss
         if name not in tiles and _feeds_log_softmax(mm):
             tiles[name] = Tile("column", 0, 1)
-    for name, vocab in _embeddings(graph).items():  # vocab-parallel (Megatron's), if it divides
+    for _, name, vocab in _embeddings(graph):  # vocab-parallel (Megatron's), if it divides
         if name not in tiles and vocab % size == 0:
             tiles[name] = Tile("column", 0, 1)
     shapes = {TrainGraph.info(ph).target: TrainGraph.info(ph).spec.shape
@@ -350,15 +350,16 @@ def seed_tiles(graph: TrainGraph, size: int, pins: list[tuple[str, str]]) -> dic
     return tiles
 
 
-def _embeddings(graph: TrainGraph) -> dict[str, int]:
-    """Parameters the forward reads as an embedding table (`embedding(w, ids)`) -> rows."""
-    out = {}
+def _embeddings(graph: TrainGraph) -> list[tuple[fx.Node, str, int]]:
+    """The forward's embedding lookups of a parameter table (`embedding(w, ids)`): (lookup,
+    table name, table rows)."""
+    out = []
     for n in graph.compute_nodes():
         w = n.args[0] if op_name(n) == "embedding" else None
         if isinstance(w, fx.Node) and w.op == "placeholder" and \
                 TrainGraph.info(w).role is Role.PARAMETER and TrainGraph.info(n).phase is \
                 Phase.FORWARD and TrainGraph.info(w).spec is not None:
-            out[TrainGraph.info(w).target] = TrainGraph.info(w).spec.shape[0]
+            out.append((n, TrainGraph.info(w).target, TrainGraph.info(w).spec.shape[0]))
     return out
 
 
@@ -366,10 +367,8 @@ def _vocab_ids(graph: TrainGraph, state: dict[str, Tile]) -> set[tuple[fx.Node, 
     """(token ids, table rows) of embeddings whose table is sharded on its rows
     (vocab-parallel): their backward (`embedding_dense_backward` of the same ids and rows)
     runs on each rank's rows."""
-    return {(n.args[1], TrainGraph.info(n.args[0]).spec.shape[0])
-            for n in graph.compute_nodes() if op_name(n) == "embedding"
-            and n.args[0].op == "placeholder" and TrainGraph.info(n.args[0]).spec is not None
-            and state.get(TrainGraph.info(n.args[0]).target, Tile("", 1)).dim == 0}
+    return {(n.args[1], rows) for n, name, rows in _embeddings(graph)
+            if state.get(name, Tile("", 1)).dim == 0}
 
 
 def _embedding_backward(n: fx.Node, interp: fx.Interpreter, dm: Any) -> Any:
