@@ -470,13 +470,17 @@ class _Sharder:
 
     def _reshape_input(self, ph: fx.Node, target: str, lay: Layout) -> None:
         """Input `ph` now arrives as this rank's padded shard."""
-        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor import Replicate, Shard
 
         info = TrainGraph.info(ph)
         with self.fake:
             ph.meta["val"] = torch.empty(lay.local_shape, dtype=info.spec.dtype,
                                          device=ph.meta["val"].device)
-        shards = tuple(Shard(0) for _ in self.mesh.shape)  # over "dp": every dim it covers
+        # Shard(0) over "dp" (every dim it covers); another dim (a tensor-parallel "tp")
+        # keeps what it had: the rows are of this rank's tensor-parallel block
+        dp = self.mesh.dims(DIM)
+        had = info.spec.placements or tuple(Replicate() for _ in self.mesh.shape)
+        shards = tuple(Shard(0) if i in dp else had[i] for i in range(self.mesh.ndim))
         ph.meta["glmc"] = info.replace(spec=TensorSpec(lay.local_shape, info.spec.dtype,
                                                        info.spec.device, shards))
         self.plan.layouts[target] = lay

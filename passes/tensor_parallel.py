@@ -158,20 +158,26 @@ _SOURCE_META = ("fwd_nn_module_stack", "nn_module_stack", "stack_trace")
 # ---- seeds ------------------------------------------------------------------------------------
 
 def _linears(graph: TrainGraph) -> dict[fx.Node, str]:
-    """Forward `mm`/`addmm` nodes whose right operand is `t(w)` of a 2-D parameter -> its
-    name."""
+    """Forward `mm`/`addmm` nodes whose right operand is `t(w)` of a 2-D parameter (cast
+    before or after the transpose: the precision pass's low-precision copy) -> its name."""
     out = {}
-    for ph in graph.placeholders():
-        info = TrainGraph.info(ph)
-        if info.role is not Role.PARAMETER or info.spec is None or len(info.spec.shape) != 2:
+    for mm in graph.compute_nodes():
+        if op_name(mm) not in _LINEAR or TrainGraph.info(mm).phase is not Phase.FORWARD or \
+                not isinstance(mm.args[-1], fx.Node):
             continue
-        for t in ph.users:
-            if op_name(t) != "t" or TrainGraph.info(t).phase is not Phase.FORWARD:
-                continue
-            for mm in t.users:
-                if op_name(mm) in _LINEAR and mm.args[-1] is t:
-                    out[mm] = info.target
+        w, transposes = mm.args[-1], 0
+        while op_name(w) in ("t", *_CASTS):
+            transposes += op_name(w) == "t"
+            w = w.args[0]
+        info = TrainGraph.info(w) if w.op == "placeholder" else None
+        if transposes == 1 and info is not None and info.role is Role.PARAMETER and \
+                info.spec is not None and len(info.spec.shape) == 2:
+            out[mm] = info.target
     return out
+
+
+#: ops that copy a value as it is or in another dtype
+_CASTS = ("_to_copy", "clone", "alias", "convert_element_type")
 
 
 def _source(n: fx.Node) -> fx.Node:
@@ -998,8 +1004,33 @@ def _adopt(graph: TrainGraph, traced: fx.GraphModule, mesh: MeshSpec, plan: TpPl
             if sinfo is not None and sinfo.spec is not None and src.op != "placeholder":
                 src.meta["glmc"] = sinfo.replace(spec=dataclasses.replace(
                     sinfo.spec, placements=_before(info.comm, mesh)))
+    _phase_of_readers(traced.graph)
     traced.recompile()
     graph.gm = traced
+
+
+def _phase_of_readers(g: fx.Graph) -> None:
+    """The views DTensor traces between local blocks (`from_local`/`to_local`): one that
+    keeps the shape goes, its marks (a gradient's) moved to its source, so that a later pass
+    (ZeRO's shard) reshaping a state and its update finds no literal shape; a view of an
+    input is in the phase of its readers (an optimizer state's in the update)."""
+    for n in list(g.nodes):
+        if n.op != "call_function" or n.target not in _VIEWS:
+            continue
+        src = n.args[0]
+        if "val" in src.meta and "val" in n.meta and \
+                src.meta["val"].shape == n.meta["val"].shape:
+            src.meta.update({k: v for k, v in n.meta.items()
+                             if k.startswith("glmc_") and k != RANK_ARG and k not in src.meta})
+            n.replace_all_uses_with(src)
+            g.erase_node(n)
+            continue
+        if not n.users or any(a.op != "placeholder" for a in n.all_input_nodes):
+            continue
+        phases = {TrainGraph.info(u).phase for u in n.users}
+        if len(phases) == 1 and (phase := phases.pop()) is not TrainGraph.info(n).phase:
+            role = TrainGraph.info(next(iter(n.users))).role
+            n.meta["glmc"] = TrainGraph.info(n).replace(phase=phase, role=role)
 
 
 def _on_tp(mesh: MeshSpec, placement: Any) -> tuple:

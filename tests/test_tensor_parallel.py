@@ -14,7 +14,7 @@ from glmc.passes.tensor_parallel import TensorParallelPass, seed_tiles
 import glmc
 from glmc.compiler.passmanager import PassContext
 from glmc.errors import ConfigError
-from glmc.ir.graph import MeshSpec, Role, TrainGraph
+from glmc.ir.graph import MeshSpec, Role, TrainGraph, op_name
 from glmc.ir.plans import Tile
 from glmc.ir.program import comm_nodes
 from glmc.parallel.plan import ParallelPlan
@@ -81,8 +81,9 @@ def test_pins_override_and_bad_pins_are_typed_errors() -> None:
     with pytest.raises(ConfigError, match="--tp 2 with --nproc 3"):
         ParallelPlan(tp=2, nproc=3).validate()
     assert ParallelPlan(tp=2, nproc=4).degrees(4) == {"pp": 1, "dp": 2, "tp": 2}
-    with pytest.raises(ConfigError, match="--zero"):
-        ParallelPlan(tp=2, zero=1).validate()
+    with pytest.raises(ConfigError, match="--zero 1 with --nproc 2"):
+        ParallelPlan(tp=2, zero=1, nproc=2).validate()  # no replicas to shard over
+    ParallelPlan(tp=2, zero=3, nproc=4).validate()  # dp=2 x tp=2
     with pytest.raises(ConfigError, match="not compiled for a tensor-parallel mesh"):
         TensorParallelPass(size=2).run(graph, PassContext())
     # a pinned fused gate/up keeps its interleaved parts
@@ -126,25 +127,33 @@ def test_tile_blocks_round_trip() -> None:
     assert torch.equal(gate_up, w[[1, 3]])
 
 
-def _tp_part(backend: str, fusion: bool | None, case: str = "glm", sequence: bool = False):
+def _tp_part(backend: str, fusion: bool | None, case: str = "glm", sequence: bool = False,
+             zero: int = 0, precision: str | None = None):
     def part(rank: int, out: Path) -> dict:
         from glmc.analysis.memory import simulate
         model, batch, loss_fn, opt = BACKEND_CASES[case]()
         ref_model = copy.deepcopy(model)
+        init = {n: p.detach().clone() for n, p in ref_model.named_parameters()}
         ref_opt = type(opt)(ref_model.parameters(), **{
             k: opt.param_groups[0][k] for k in ("lr", "betas", "eps", "weight_decay")})
         ref = eager_losses(ref_model, batch, loss_fn, ref_opt, STEPS)
         trainer = glmc.optimize(model, batch, loss_fn=loss_fn, optimizer=opt, backend=backend,
-                                fusion=fusion, predict=False,
-                                parallel={"tp": 2, "tp_sequence": sequence})
+                                fusion=fusion, predict=False, precision=precision,
+                                parallel={"tp": 2, "tp_sequence": sequence, "zero": zero})
         args, kwargs = split_batch(batch)
         losses = [trainer.step(*args, **kwargs).item() for _ in range(STEPS)]
         local = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        names = {id(p): n for n, p in model.named_parameters()}
+        local.update({f"{k}:{names[id(p)]}": tuple(v.shape) for p, st in opt.state.items()
+                      for k, v in st.items() if v.dim()})
         params, state = trainer.parallel.full_state(model, opt)
         names = {id(p): n for n, p in ref_model.named_parameters()}
         (tp,) = [h.stats for h in trainer.report.compiles[-1].history
                  if h.name == "tensor_parallel"]
+        dtypes = sorted({str(n.meta["val"].dtype) for n in trainer.graph.compute_nodes()
+                         if op_name(n) == "mm"})
         return {"losses": losses, "ref": ref, "params": params, "local": local,
+                "mm_dtypes": dtypes, "init": init,
                 "collectives": tp.collectives, "whole_ops": tp.whole_ops,
                 "volume": tp.volume,
                 # the most activation bytes (saved for the backward) live at once
@@ -167,7 +176,8 @@ def _worker(rank: int, port: int, out: str) -> None:
                                    ("hf_glm", _tp_part("eager", None, "hf_glm")),
                                    ("sequence", _tp_part("eager", None, sequence=True)),
                                    ("hf_glm_sequence",
-                                    _tp_part("eager", None, "hf_glm", sequence=True))])
+                                    _tp_part("eager", None, "hf_glm", sequence=True)),
+                                   ("bf16", _tp_part("eager", None, precision="bf16"))])
 
 
 @pytest.fixture(scope="module")
@@ -212,7 +222,8 @@ def test_glmc_compile_tp_trains_like_one_process(tmp_path: Path) -> None:
                              capture_output=True, text=True, timeout=600, cwd=tmp_path)
         assert out.returncode == 0, out.stderr[-3000:]
         assert ("tensor_parallel changed" in out.stdout) == bool(extra), out.stdout[-2000:]
-        return [float(v) for v in re.findall(r"^step +\d+ +loss ([0-9.]+)", out.stdout, re.MULTILINE)]
+        return [float(v) for v in re.findall(r"^step +\d+ +loss ([0-9.]+)", out.stdout,
+                                             re.MULTILINE)]
 
     one, two = losses(), losses("--nproc", "2", "--tp", "2")  # (the pass's stats line)
     assert len(one) == 3
@@ -270,6 +281,25 @@ def test_sequence_parallelism_trains_like_one_process(runs: Path, part: str, bas
                                                                plain["activations"])
 
 
+def test_bf16_and_fusion_compose_with_tensor_parallelism(runs: Path) -> None:
+    """The precision pass (bf16 matmuls, fp32 master weights and AdamW state) and the fusion
+    pass before the tensor_parallel pass on 2 processes: the losses of fp32 eager PyTorch on
+    one process within the precision pass's tolerance, the Megatron communication unchanged
+    (the all-reduces of bf16 partial sums)."""
+    for rank in (0, 1):
+        r = result(runs, "bf16", rank)
+        assert "torch.bfloat16" in r["mm_dtypes"], r["mm_dtypes"]
+        torch.testing.assert_close(r["losses"], r["ref"], rtol=2e-2, atol=0)
+        for name, ref in r["ref_params"].items():
+            # Adam's steps from bf16 gradients: each weight's 3 updates against fp32's
+            # (a key bias's gradient is rounding noise, above: not compared)
+            moved, want = r["params"][name] - r["init"][name], ref - r["init"][name]
+            if not name.endswith("wk.bias"):
+                assert (moved - want).norm() <= 0.2 * want.norm(), name
+        assert r["collectives"] == {"all_reduce": 13}
+        assert r["local"]["blocks.0.attn.wo.weight"] == (64, 32)
+
+
 def _inductor_worker(rank: int, port: int, out: str) -> None:
     run_parts(rank, port, 2, out, [("inductor", _tp_part("inductor", None))])
 
@@ -288,20 +318,36 @@ def test_inductor_compiles_the_tensor_parallel_step_like_one_process(tmp_path: P
 
 
 def _dp_tp_worker(rank: int, port: int, out: str) -> None:
-    run_parts(rank, port, 4, out, [("dp_tp", _tp_part("eager", None))])
+    run_parts(rank, port, 4, out, [(f"zero{z}", _tp_part("eager", None, zero=z))
+                                   for z in (0, 1, 2, 3)])
+
+
+@pytest.fixture(scope="module")
+def dp_tp_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("dp_tp")
+    spawn(_dp_tp_worker, str(out), nprocs=4)
+    return out
 
 
 @pytest.mark.slow  # 4 processes on the test machine's cores
-def test_two_replicas_of_two_tensor_parallel_ranks_train_like_one_process(tmp_path: Path
-                                                                          ) -> None:
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_two_replicas_of_two_tensor_parallel_ranks_train_like_one_process(dp_tp_runs: Path,
+                                                                          zero: int) -> None:
     """A 2-D mesh, dp=2 x tp=2 on 4 processes: each tensor-parallel pair trains its half of
-    the global batch, the shard pass all-reduces the (local-block) gradients over "dp"; the
-    losses and parameters of one process on the whole batch."""
-    spawn(_dp_tp_worker, str(tmp_path), nprocs=4)
+    the global batch; the shard pass all-reduces the (local-block) gradients over "dp"
+    (ZeRO-0), or shards each rank's blocks of the optimizer state (ZeRO-1), the gradients (2)
+    and the parameters too (3) over "dp" — FSDP2 + TP's layout. The losses, parameters and
+    AdamW state of one process on the whole batch."""
     for rank in range(4):
-        r = result(tmp_path, "dp_tp", rank)
+        r = result(dp_tp_runs, f"zero{zero}", rank)
         torch.testing.assert_close(r["losses"], r["ref"], rtol=1e-5, atol=0)
         for name, ref in r["ref_params"].items():
             torch.testing.assert_close(r["params"][name], ref, rtol=1e-4, atol=1e-6, msg=name)
-        assert r["collectives"] == {"all_reduce": 13}
-        assert r["local"]["blocks.0.attn.wo.weight"] == (64, 32)
+        for key, ref in r["ref_state"].items():
+            torch.testing.assert_close(r["state"][key].to(ref.dtype), ref, rtol=1e-4,
+                                       atol=1e-7, msg=key)
+        assert r["collectives"] == {"all_reduce": 13}  # the tensor_parallel pass's own
+        # a tp block (64, 32) of the output projection; its AdamW moment's rows over "dp"
+        state = (32, 32) if zero else (64, 32)
+        assert r["local"]["exp_avg:blocks.0.attn.wo.weight"] == state
+        assert r["local"]["blocks.0.attn.wo.weight"] == ((32, 32) if zero == 3 else (64, 32))

@@ -302,6 +302,9 @@ class DataParallel:
         init_distributed(device, options.timeout_s)
         self.options = options
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        #: the rank, group size and group ZeRO shards the state over ("dp"; None: the default
+        #: group): a tensor-parallel trainer's data-parallel replicas (glmc.parallel.tensor)
+        self.shard_rank, self.shard_world, self.shard_group = self.rank, self.world, None
         self.nodes, self.per_node = topology(options.nodes, self.world, self.rank)
         if self.nodes > 1 and self.per_node > 1:  # node x local, "dp" their flattening
             self.root = init_device_mesh(device, (self.nodes, self.per_node),
@@ -449,9 +452,9 @@ class DataParallel:
             if tuple(full.shape) != lay.shape:
                 raise ConfigError(f"parallel: {target!r} is {tuple(full.shape)}, the step "
                                   f"shards {lay.shape}")
-            padded = lay.local(full.detach(), self.rank)
+            padded = lay.local(full.detach(), self.shard_rank)
             self.store[target] = padded
-            valid = padded[: lay.valid_rows(self.rank)] if lay.shape else padded
+            valid = padded[: lay.valid_rows(self.shard_rank)] if lay.shape else padded
             if slot is not None:
                 container[slot] = valid
             else:
@@ -507,8 +510,8 @@ class DataParallel:
                     container[slot] = data
 
     def _gather(self, target: str, lay: Layout) -> torch.Tensor:
-        shards = [torch.empty_like(self.store[target]) for _ in range(self.world)]
-        dist.all_gather(shards, self.store[target].contiguous())
+        shards = [torch.empty_like(self.store[target]) for _ in range(self.shard_world)]
+        dist.all_gather(shards, self.store[target].contiguous(), group=self.shard_group)
         return lay.full(shards)
 
     @contextlib.contextmanager

@@ -267,14 +267,18 @@ class ParallelPlan:
             out.append(f"--tp {self.tp} with --nproc {self.nproc}: the processes form groups "
                        f"of {self.tp} (the groups are data-parallel replicas); use a multiple "
                        f"of {self.tp}")
-        others = [flag for flag, v in (("--pp", self.pp), ("--zero", self.zero or None),
-                                       ("--compress", self.compress),
+        if self.zero and self.nproc is not None and isinstance(self.tp, int) and \
+                self.nproc <= self.tp:
+            out.append(f"--tp {self.tp} --zero {self.zero} with --nproc {self.nproc}: ZeRO "
+                       "shards over data-parallel replicas and there are none; use --nproc "
+                       f"{2 * self.tp} (dp=2 x tp={self.tp}) or drop --zero")
+        others = [flag for flag, v in (("--pp", self.pp), ("--compress", self.compress),
                                        ("--accumulate", self.accumulate
                                         if self.accumulate != 1 else None),
                                        ("--nodes", self.nodes)) if v is not None]
         if others:
             out.append(f"--tp with {', '.join(others)}: not supported yet (tensor "
-                       "parallelism alone, every rank the whole batch)")
+                       "parallelism with data-parallel replicas and ZeRO 0-3 only)")
         return out
 
     def _pipeline_problems(self, step: StepOptions) -> list[str]:

@@ -100,8 +100,9 @@ class PlanPoint:
         gaps = []
         if self.tp > 1 and self.pp > 1:
             gaps.append("tensor parallelism inside pipeline stages (3-D)")
-        if self.tp > 1 and self.zero:
-            gaps.append(f"ZeRO-{self.zero} beside tensor parallelism")
+        if self.tp > 1 and self.zero and self.dp == 1:
+            gaps.append(f"ZeRO-{self.zero} beside tensor parallelism without data-parallel "
+                        "replicas")
         if self.pp > 1 and self.zero > 1:
             gaps.append(f"ZeRO-{self.zero} with pipelining")
         if self.schedule == "interleaved" and self.virtual != 2:

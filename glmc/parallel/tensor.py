@@ -1,6 +1,6 @@
 """Tensor-parallel training on torch.distributed: the "tp" mesh (or ("dp", "tp") with
-data-parallel replicas, ZeRO-0), each tensor-parallel group its replica's rows of the batch, and
-the parameters and optimizer state the `tensor_parallel` pass shards.
+data-parallel replicas, ZeRO 0-3 over "dp"), each tensor-parallel group its replica's rows of
+the batch, and the parameters and optimizer state the `tensor_parallel` pass shards.
 
 Every rank runs the same compiled step (an SPMD program) on the same batch; between steps each
 sharded tensor lives here as this rank's block (`glmc.ir.plans.Tile`), and the user's
@@ -43,12 +43,17 @@ class TensorParallel(DataParallel):
         if self.world % tp:
             raise ConfigError(f"parallel: tp={tp} does not divide the {self.world} processes; "
                               f"run a multiple of {tp} (the rest are data-parallel replicas)")
-        if options.zero or options.compress is not None or options.accumulate > 1 or \
+        if options.compress is not None or options.accumulate > 1 or \
                 options.nodes not in (None, 1):
-            raise ConfigError("parallel: with tp, ZeRO stages 1-3, gradient compression, "
-                              "accumulation and several nodes are not supported yet (drop "
-                              "zero/compress/accumulate/nodes)")
+            raise ConfigError("parallel: with tp, gradient compression, accumulation and "
+                              "several nodes are not supported yet (drop compress/accumulate/"
+                              "nodes)")
         self.dp = self.world // tp
+        if options.zero and self.dp == 1:
+            raise ConfigError(f"parallel: zero={options.zero} with tp={tp} on {self.world} "
+                              "processes: ZeRO shards over data-parallel replicas and there are "
+                              f"none; run {2 * tp} or more processes (a multiple of {tp}) or "
+                              "drop zero")
         self.nodes, self.per_node = 1, self.world
         if self.dp > 1:  # dp x tp, ranks numbered dp-major: a tp group is consecutive ranks
             self.root = init_device_mesh(device, (self.dp, tp), mesh_dim_names=(DIM, TP))
@@ -59,6 +64,9 @@ class TensorParallel(DataParallel):
         self.tp_rank, self.tp_size = self.root.get_local_rank(TP), tp
         self.dp_rank = self.root.get_local_rank(DIM) if self.dp > 1 else 0
         self.tp_group = self.root.get_group(TP)
+        if self.dp > 1:  # ZeRO shards each rank's blocks over its data-parallel replicas
+            self.shard_rank, self.shard_world = self.dp_rank, self.dp
+            self.shard_group = self.root.get_group(DIM)
         self.plan = None
         self.tp: TpPlan | None = None
         self.accumulate = 1
@@ -81,9 +89,18 @@ class TensorParallel(DataParallel):
         (`loss=true`, e.g. under a memory budget): the tensor_parallel pass then shards the
         head over the vocabulary into torch's loss-parallel cross-entropy, where glmc's fused
         head would stay whole on every rank. Likewise the MLP stays `gated` (its projections
-        are what the pass shards), not `chunked`."""
-        return [dataclasses.replace(p, loss=False if p.loss is None else p.loss, mlp="gated")
-                if p.name == "fusion" else p for p in passes]
+        are what the pass shards), not `chunked`. The precision pass's fused fp32
+        cross-entropy (`fuse_loss`, one glmc op of the head and the loss) is left out for the
+        same reason: the head stays a matmul into `_log_softmax`."""
+        out = []
+        for p in passes:
+            if p.name == "fusion":
+                p = dataclasses.replace(p, loss=False if p.loss is None else p.loss,
+                                        mlp="gated")
+            elif p.name == "precision" and p.fuse_loss:
+                p = dataclasses.replace(p, fuse_loss=False)
+            out.append(p)
+        return out
 
     def wants_micro_program(self, graph: TrainGraph) -> bool:
         return False
@@ -105,26 +122,27 @@ class TensorParallel(DataParallel):
 
     def install(self, graph: TrainGraph, model: nn.Module, optimizer: torch.optim.Optimizer
                 ) -> None:
-        """Keep this rank's block of every sharded tensor and point the user's tensors at it.
-        Idempotent for a recompile with the same plan."""
-        if "sharding" in graph.meta:  # the data-parallel replicas' plan (ZeRO-0)
-            super().install(graph, model, optimizer)
+        """Keep this rank's block of every sharded tensor and point the user's tensors at it;
+        then, with data-parallel replicas, the shard pass's ZeRO layouts cut those blocks
+        (and the whole tensors tp leaves replicated) into this replica's rows. Idempotent for
+        a recompile with the same plan."""
         plan: TpPlan = graph.meta["tensor_parallel"]
-        if self.tp is not None:
-            if plan.tiles != self.tp.tiles:
-                raise ConfigError("parallel: a recompiled step shards the state differently "
-                                  "from the first; this is a glmc bug, please report it")
-            return
-        for target, tile in plan.tiles.items():
-            container, slot = self._owner(target, model, optimizer)
-            full = container[slot] if slot is not None else container.detach()
-            block = tile.local(full.detach(), self.tp_rank, self.tp_size)
-            self.store[target] = block
-            if slot is not None:
-                container[slot] = block
-            else:
-                container.data = block
-        self.tp = plan
+        if self.tp is None:
+            for target, tile in plan.tiles.items():
+                container, slot = self._owner(target, model, optimizer)
+                full = container[slot] if slot is not None else container.detach()
+                block = tile.local(full.detach(), self.tp_rank, self.tp_size)
+                self.store[target] = block
+                if slot is not None:
+                    container[slot] = block
+                else:
+                    container.data = block
+            self.tp = plan
+        elif plan.tiles != self.tp.tiles:
+            raise ConfigError("parallel: a recompiled step shards the state differently "
+                              "from the first; this is a glmc bug, please report it")
+        if "sharding" in graph.meta:  # the data-parallel replicas' plan (ZeRO 0-3)
+            super().install(graph, model, optimizer)
 
     @staticmethod
     def _owner(target: str, model: nn.Module, optimizer: torch.optim.Optimizer | None
@@ -135,15 +153,22 @@ class TensorParallel(DataParallel):
             return optimizer.state[params[name]], key
         return params[target], None
 
-    def _full(self, target: str, tile: Tile) -> torch.Tensor:
-        shards = [torch.empty_like(self.store[target]) for _ in range(self.tp_size)]
-        dist.all_gather(shards, self.store[target].contiguous(), group=self.tp_group)
+    def _full(self, block: torch.Tensor, tile: Tile) -> torch.Tensor:
+        shards = [torch.empty_like(block) for _ in range(self.tp_size)]
+        dist.all_gather(shards, block.contiguous(), group=self.tp_group)
         return tile.full(shards)
 
     @contextlib.contextmanager
     def full_parameters(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
                         ) -> Iterator[None]:
-        """The whole parameters (and optimizer state) for the duration; every rank enters."""
+        """The whole parameters (and optimizer state) for the duration: ZeRO's rows gathered
+        over "dp" into this rank's blocks, the blocks over "tp"; every rank enters."""
+        with super().full_parameters(model, optimizer), self._whole_blocks(model, optimizer):
+            yield
+
+    @contextlib.contextmanager
+    def _whole_blocks(self, model: nn.Module, optimizer: torch.optim.Optimizer | None
+                      ) -> Iterator[None]:
         if self.tp is None:
             yield
             return
@@ -152,7 +177,8 @@ class TensorParallel(DataParallel):
             if ":" in target and optimizer is None:
                 continue
             container, slot = self._owner(target, model, optimizer)
-            full = self._full(target, tile)
+            block = container[slot] if slot is not None else container.detach()
+            full = self._full(block, tile)
             if slot is None:
                 saved.append((container, None, container.data))
                 container.data = full
@@ -191,12 +217,15 @@ class TensorParallel(DataParallel):
                      optimizer: torch.optim.Optimizer) -> None:
         """Write whole tensors loaded by DCP back: this rank's block into the store."""
         params = dict(model.named_parameters())
+        layouts = self.plan.layouts if self.plan is not None else {}
         with torch.no_grad():
             for part in ("model", "optim"):
                 for target, value in state[part].items():
                     tile = self.tp.tiles.get(target) if self.tp is not None else None
                     src = tile.local(value, self.tp_rank, self.tp_size) if tile else value
-                    if part == "model":
+                    if target in layouts:  # ZeRO's rows of the block (the user's are views)
+                        self.store[target].copy_(layouts[target].local(src, self.dp_rank))
+                    elif part == "model":
                         if target in params:
                             params[target].data.copy_(src)
                         else:
