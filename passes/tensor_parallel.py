@@ -53,7 +53,7 @@ import torch
 from torch import fx
 
 from glmc.compiler.passmanager import Effect, Need, Pass, PassContext, PassResult
-from glmc.errors import ConfigError, PassError
+from glmc.errors import ConfigError, Offense, PassError
 from glmc.ir.graph import (RANK_ARG, CommInfo, MeshSpec, NodeInfo, Phase, Role, TensorSpec,
                            TrainGraph, comm_ops, op_name)
 from glmc.ir.kernels import POINTWISE
@@ -95,6 +95,9 @@ class TensorParallelPass(Pass):
     #: over the tokens; a reduce-scatter replaces each all-reduce and an all-gather feeds
     #: each group of sharded linears (Megatron-LM's sequence parallelism)
     sequence: bool = False
+    #: an op without a sharding rule that must run on whole (gathered) operands is a typed
+    #: error naming it and its source line, instead of running replicated
+    strict: bool = False
 
     def needs(self) -> frozenset[Need]:
         return frozenset({Need.STEP})
@@ -139,16 +142,33 @@ class TensorParallelPass(Pass):
         tiles = seed_tiles(graph, self.size, self.pins())
         tokens = _tokens(graph, mesh.size(TP)) if self.sequence else None
         traced, whole = _propagate(graph, mesh, tiles, tokens)
+        offenses = [_offense(n) for n in whole]
+        if self.strict and offenses:
+            raise ConfigError("\n".join(
+                [f"tensor_parallel: {len(offenses)} op(s) have no sharding rule and would run "
+                 "on whole (gathered) operands (strict=true); pin the parameters they read "
+                 "with plan='name:replicate' or drop strict"] + [str(o) for o in offenses]))
         plan = TpPlan(self.size, {t: tile for t, tile in _state_tiles(graph, tiles).items()})
         _adopt(graph, traced, mesh, plan)
         graph.meta[TP_META] = plan
         SpmdProgram(graph, mesh).verify()
+        graph.meta[WHOLE_META] = offenses
+        names = [op_name(n) for n in whole]
         stats = _stats(graph, plan, self.size)
         return PassResult(True, dataclasses.replace(stats, whole_ops={
-            op: whole.count(op) for op in sorted(set(whole))}))
+            op: names.count(op) for op in sorted(set(names))}))
 
 
 TP_META = "tensor_parallel"
+#: graph.meta: the ops the pass ran on whole operands (`Offense`s with their source lines)
+WHOLE_META = "tensor_parallel_whole"
+
+
+def _offense(n: fx.Node) -> Offense:
+    info = TrainGraph.info(n)
+    return Offense(f"{op_name(n)} ({info.phase.value}): no sharding rule keeps its operands "
+                   "sharded; runs on whole operands (a sharded one all-gathered first)",
+                   info.source or info.module or n.name)
 FROM = "glmc_tp_from"  #: a traced node's metadata: that of the step node it was traced for
 #: where a step node came from (its module, the forward module of a backward node, its source
 #: line): carried to the nodes traced for it, for the partition, the planner and reports
@@ -626,7 +646,7 @@ class _Local:
         self.gm, self.dm, self.places, self.state, self.graph = gm, dm, places, state, graph
         self.tokens = tokens  #: sequence parallelism's token sharding (None: off)
         self.current: fx.Node | None = None
-        self.whole: list[str] = []  #: ops run on whole (replicated) operands, in order
+        self.whole: list[fx.Node] = []  #: ops run on whole (replicated) operands, in order
         #: the splits and concatenations of interleaved parts run shard by shard
         self.allowed = interleaved_ops(graph, state)
         #: DTensors in an interleaved layout: their blocks are not DTensor's contiguous
@@ -691,6 +711,8 @@ class _Local:
                             "computed from it, which DTensor would read as contiguous blocks; "
                             "pin that weight with plan='name:replicate'")
                     out = owner.lift(out, _sums_only(n))
+                if n not in owner.whole[-1:] and _communicated(gathered, traced, GATHER):
+                    owner.whole.append(n)  # its rule read a sharded operand whole
                 if owner.tokens is not None:
                     out = owner.tokens.settle(n, ins, out)
                     for a, v in back:  # other readers see the sharded value again
@@ -793,12 +815,16 @@ def _leaves(v: Any) -> list[Any]:
     return []
 
 
-def _communicated(last: fx.Node, traced: fx.Graph) -> bool:
-    """Whether a collective was traced after `last`."""
+GATHER = "all_gather_into_tensor"
+
+
+def _communicated(last: fx.Node, traced: fx.Graph, kind: str | None = None) -> bool:
+    """Whether a collective (of `kind`, or any) was traced after `last`."""
     comm = comm_ops()
     n = last.next
     while n is not traced._root:
-        if n.op == "call_function" and n.target in comm and comm[n.target] != "wait_tensor":
+        if n.op == "call_function" and n.target in comm and comm[n.target] != "wait_tensor" \
+                and kind in (None, comm[n.target]):
             return True
         n = n.next
     return False
@@ -841,7 +867,7 @@ def _replicated(n: fx.Node, interp: fx.Interpreter, dm: Any, owner: _Local) -> A
         return fx.node.map_aggregate(out, lambda r: DTensor.from_local(
             r, dm, place, run_check=False) if isinstance(r, torch.Tensor) else r)
     if any(a.placements != (Replicate(),) for a in blocks):
-        owner.whole.append(op_name(n))
+        owner.whole.append(n)
 
     def whole(a: Any) -> Any:
         return a.redistribute(dm, [Replicate()]).to_local() if isinstance(a, DTensor) else a

@@ -5,6 +5,7 @@ query attention, rotary embeddings) to one process's losses and parameters."""
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 
 import pytest
@@ -118,6 +119,61 @@ def test_an_interleaved_weight_is_never_read_as_contiguous_blocks() -> None:
         TensorParallelPass(size=2).run(graph, PassContext(mesh=TP2))
 
 
+_CUMMAX = """import torch
+
+
+class M(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 16, bias=False)
+        self.b = torch.nn.Linear(16, 8, bias=False)
+
+    def forward(self, x):
+        h = torch.cummax(self.a(x), -1).values  # no rule keeps the features sharded
+        return self.b(h).pow(2).mean()
+
+
+model = M()
+example_inputs = (torch.randn(4, 8),)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+"""
+
+
+def test_check_tp_lists_ops_without_a_sharding_rule(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture) -> None:
+    """`glmc check FILE --tp N` shards the step on a mesh of no processes: the GLM example
+    has a rule for every op; a cumulative max over a column-parallel output is gathered
+    (forward and its backward's scatter), listed with the user's source line, and fails
+    `--strict`; a head count that does not divide is the pass's typed error."""
+    from glmc.frontend.cli import main
+    root = Path(__file__).resolve().parents[1]
+    assert main(["check", str(root / "examples" / "glm.py"), "--backend", "eager",
+                 "--tp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "every op has a sharding rule" in out and "blocks.0.attn.wo.weight: row Shard(1)" \
+        in out
+    (tmp_path / "cm.py").write_text(_CUMMAX)
+    assert main(["check", str(tmp_path / "cm.py"), "--backend", "eager", "--tp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "2 op(s) without a sharding rule" in out, out
+    assert re.search(r"cm\.py:11 in forward: cummax \(forward\): no sharding rule", out), out
+    assert re.search(r"cm\.py:11 in forward: scatter_add \(backward\)", out), out
+    assert main(["check", str(tmp_path / "cm.py"), "--backend", "eager", "--tp", "2",
+                 "--strict"]) == 1
+    assert main(["check", str(root / "examples" / "glm.py"), "--backend", "eager",
+                 "--tp", "3"]) != 0
+    assert "does not divide" in capsys.readouterr().err
+
+
+def test_strict_refuses_ops_run_on_whole_operands(tmp_path: Path) -> None:
+    from glmc.frontend.workload import load_workload
+    (tmp_path / "cm2.py").write_text(_CUMMAX)
+    w = load_workload(str(tmp_path / "cm2.py"))
+    graph = capture(w.model, w.example_inputs, None, w.optimizer)
+    with pytest.raises(ConfigError, match=r"(?s)strict=true.*cm2\.py:11 in forward: cummax"):
+        TensorParallelPass(size=2, strict=True).run(graph, PassContext(mesh=TP2))
+
+
 def test_tile_blocks_round_trip() -> None:
     w = torch.arange(24.0).reshape(4, 6)
     for tile in (Tile("column", 0, 1), Tile("row", 1, 1), Tile("column", 0, 2)):
@@ -170,6 +226,30 @@ def _tp_part(backend: str, fusion: bool | None, case: str = "glm", sequence: boo
     return part
 
 
+def _checkpoint_part(rank: int, out: Path) -> dict:
+    """tp=2 trains 2 steps and saves (glmc.save_checkpoint: DCP, each rank its blocks); a
+    data-parallel ZeRO-1 trainer on the same 2 processes, built on another model, loads it
+    and both take a third step."""
+    model, batch, loss_fn, opt = BACKEND_CASES["glm"]()
+    args, kwargs = split_batch(batch)
+    tp = glmc.optimize(model, batch, loss_fn=loss_fn, optimizer=opt, backend="eager",
+                       predict=False, parallel={"tp": 2})
+    for _ in range(2):
+        tp.step(*args, **kwargs)
+    glmc.save_checkpoint(tp, str(out / "ckpt"))
+    saved = tp.parallel.full_state(model, opt)
+    other, _, _, other_opt = BACKEND_CASES["glm"]()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(0.5)  # not the saved values
+    dp = glmc.optimize(other, batch, loss_fn=loss_fn, optimizer=other_opt, backend="eager",
+                       predict=False, parallel={"zero": 1})
+    glmc.load_checkpoint(dp, str(out / "ckpt"))
+    loaded = dp.parallel.full_state(other, other_opt)
+    return {"saved": saved, "loaded": loaded, "tp_loss": tp.step(*args, **kwargs).item(),
+            "dp_loss": dp.step(*args, **kwargs).item()}
+
+
 def _worker(rank: int, port: int, out: str) -> None:
     run_parts(rank, port, 2, out, [("eager", _tp_part("eager", False)),
                                    ("default", _tp_part("eager", None)),
@@ -177,7 +257,8 @@ def _worker(rank: int, port: int, out: str) -> None:
                                    ("sequence", _tp_part("eager", None, sequence=True)),
                                    ("hf_glm_sequence",
                                     _tp_part("eager", None, "hf_glm", sequence=True)),
-                                   ("bf16", _tp_part("eager", None, precision="bf16"))])
+                                   ("bf16", _tp_part("eager", None, precision="bf16")),
+                                   ("checkpoint", _checkpoint_part)])
 
 
 @pytest.fixture(scope="module")
@@ -298,6 +379,32 @@ def test_bf16_and_fusion_compose_with_tensor_parallelism(runs: Path) -> None:
                 assert (moved - want).norm() <= 0.2 * want.norm(), name
         assert r["collectives"] == {"all_reduce": 13}
         assert r["local"]["blocks.0.attn.wo.weight"] == (64, 32)
+
+
+def test_a_tp_checkpoint_holds_blocks_and_loads_on_other_plans(runs: Path) -> None:
+    """DCP holds each rank's tensor-parallel blocks (a sharded weight is 2 chunks, not a
+    gathered tensor), and the checkpoint loads unchanged into data parallelism (ZeRO-1,
+    2 processes: the same state, then the same next loss as tp=2) and into one process
+    (plain DCP on a fresh model's state_dict)."""
+    import torch.distributed.checkpoint as dcp
+    path = runs / "ckpt"
+    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    assert len(meta["model.blocks.0.attn.wo.weight"].chunks) == 2
+    assert len(meta["optim.exp_avg:head.weight"].chunks) == 2
+    assert len(meta["model.norm.weight"].chunks) == 1  # replicated: written once
+    for rank in (0, 1):
+        r = result(runs, "checkpoint", rank)
+        for part in (0, 1):  # model, optimizer state
+            assert r["saved"][part].keys() == r["loaded"][part].keys()
+            for k, v in r["saved"][part].items():
+                assert torch.equal(r["loaded"][part][k].to(v.dtype), v), k
+        torch.testing.assert_close(r["dp_loss"], r["tp_loss"], rtol=1e-5, atol=0)
+    model, _, _, _ = BACKEND_CASES["glm"]()
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(path), no_dist=True)  # one process
+    saved = result(runs, "checkpoint", 0)["saved"][0]
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, saved[k]), k
 
 
 def _inductor_worker(rank: int, port: int, out: str) -> None:

@@ -86,6 +86,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     k.add_argument("--export", choices=["onnx"], default=None,
                    help="also optimize the step (with the pipeline options) and list the ops "
                         "the ONNX exporter cannot take")
+    _check_tp_args(k)
     k.add_argument("--debug", action="store_true")
     r = sub.add_parser("report", help="print a saved report's summary and re-render report.html")
     r.add_argument("dir", metavar="DIR")
@@ -533,7 +534,49 @@ def _check(args: argparse.Namespace) -> int:
         for o in offenses:
             print(o)
     export_ok = _check_onnx(args, work) if args.export == "onnx" else True
-    return 0 if not offenses and export_ok else 1
+    tp_ok = _check_tp(args, work) if args.tp is not None else True
+    return 0 if not offenses and export_ok and tp_ok else 1
+
+
+def _check_tp_args(k: argparse.ArgumentParser) -> None:
+    k.add_argument("--tp", type=int, default=None, metavar="N",
+                   help="also shard the step N ways (the tensor_parallel pass, no processes "
+                        "needed) and list the ops without a sharding rule, with source lines")
+    k.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tp: sequence parallelism too")
+    k.add_argument("--tp-plan", default="", metavar="'GLOB:KIND;...'",
+                   help="with --tp: parameter pins (column|row|replicate)")
+    k.add_argument("--strict", action="store_true",
+                   help="with --tp: ops without a sharding rule fail the check (exit 1)")
+
+
+def _check_tp(args: argparse.Namespace, work: Workload) -> bool:
+    """Shard a fresh capture of the step `--tp` ways on a mesh of no processes and list the
+    ops that run on whole operands (no sharding rule); bad sizes are the pass's typed
+    errors. False under --strict when there are such ops."""
+    from glmc.compiler.passmanager import PassContext
+    from glmc.ir.graph import MeshSpec
+    from glmc.passes.tensor_parallel import WHOLE_META, TensorParallelPass
+    from glmc.trace.capture import capture
+
+    graph = capture(work.model, work.example_inputs, work.loss_fn, work.optimizer)
+    result = TensorParallelPass(size=args.tp, plan=args.tp_plan,
+                                sequence=args.sequence_parallel).run(
+        graph, PassContext(mesh=MeshSpec((args.tp,), ("tp",))))
+    st = result.stats
+    print(f"{args.file}: tp={args.tp}: {st.column} column- and {st.row} row-parallel weights, "
+          f"{st.replicated} parameters replicated; collectives per step {st.collectives}")
+    for name, placement in st.placements.items():
+        print(f"  {name}: {placement}")
+    whole = graph.meta[WHOLE_META]
+    if not whole:
+        print(f"{args.file}: every op has a sharding rule")
+        return True
+    print(f"{args.file}: {len(whole)} op(s) without a sharding rule run on whole operands "
+          f"({'fails --strict' if args.strict else 'replicated; --strict fails on them'}):")
+    for o in whole:
+        print(o)
+    return not args.strict
 
 
 def _check_onnx(args: argparse.Namespace, work: Workload) -> bool:

@@ -208,21 +208,54 @@ class TensorParallel(DataParallel):
 
     def sharded_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer
                            ) -> dict[str, dict[str, Any]]:
-        """{"model": ..., "optim": ...}: the whole tensors (gathered; rank 0 writes them) for
-        torch.distributed.checkpoint."""
-        model_sd, optim = self.full_state(model, optimizer)
+        """{"model": ..., "optim": ...} for torch.distributed.checkpoint: each tensor-parallel
+        block as a DTensor (`Shard(dim)` over "tp", `Replicate()` over "dp": every rank
+        writes only its block, DCP reshards on load — to one process, to data parallelism,
+        to another tp); a fused weight stored in interleaved parts (no DTensor placement
+        says that) and the replicated tensors whole. Under ZeRO each rank's rows are
+        gathered over "dp" into its block first."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        tiles = self.tp.tiles if self.tp is not None else {}
+        with DataParallel.full_parameters(self, model, optimizer):  # ZeRO rows -> tp blocks
+            model_sd: dict[str, Any] = {k: v.detach() for k, v in model.state_dict().items()}
+            names = {id(p): n for n, p in model.named_parameters()}
+            optim: dict[str, Any] = {f"{k}:{names[id(p)]}": v for p, st in
+                                     optimizer.state.items() if id(p) in names
+                                     for k, v in st.items() if isinstance(v, torch.Tensor)}
+            for table in (model_sd, optim):
+                for target, block in list(table.items()):
+                    tile = tiles.get(target)
+                    if tile is None:
+                        continue
+                    if tile.groups > 1:
+                        table[target] = self._full(block, tile)
+                        continue
+                    shape = list(block.shape)
+                    shape[tile.dim] *= self.tp_size
+                    placements = [Shard(tile.dim) if d == TP else Replicate()
+                                  for d in self.root.mesh_dim_names]
+                    table[target] = DTensor.from_local(
+                        block, self.root, placements, run_check=False,
+                        shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
         return {"model": model_sd, "optim": optim, "comm": {}}
 
     def load_sharded(self, state: dict[str, dict[str, Any]], model: nn.Module,
                      optimizer: torch.optim.Optimizer) -> None:
-        """Write whole tensors loaded by DCP back: this rank's block into the store."""
+        """Write what DCP loaded (`sharded_state_dict`'s shapes) back: this rank's block (a
+        DTensor's local tensor, or cut from a whole tensor) into the store."""
+        from torch.distributed.tensor import DTensor
+
         params = dict(model.named_parameters())
         layouts = self.plan.layouts if self.plan is not None else {}
         with torch.no_grad():
             for part in ("model", "optim"):
                 for target, value in state[part].items():
                     tile = self.tp.tiles.get(target) if self.tp is not None else None
-                    src = tile.local(value, self.tp_rank, self.tp_size) if tile else value
+                    if isinstance(value, DTensor):
+                        src = value.to_local()
+                    else:
+                        src = tile.local(value, self.tp_rank, self.tp_size) if tile else value
                     if target in layouts:  # ZeRO's rows of the block (the user's are views)
                         self.store[target].copy_(layouts[target].local(src, self.dp_rank))
                     elif part == "model":
