@@ -54,8 +54,8 @@ from torch import fx
 
 from glmc.compiler.passmanager import Effect, Need, Pass, PassContext, PassResult
 from glmc.errors import ConfigError, Offense, PassError
-from glmc.ir.graph import (RANK_ARG, CommInfo, MeshSpec, NodeInfo, Phase, Role, TensorSpec,
-                           TrainGraph, comm_ops, op_name)
+from glmc.ir.graph import (RANDOM_OPS, RANK_ARG, CommInfo, MeshSpec, NodeInfo, Phase, Role,
+                           TensorSpec, TrainGraph, comm_ops, op_name)
 from glmc.ir.kernels import POINTWISE
 from glmc.ir.plans import DIM, TP, Tile, TpPlan
 from glmc.ir.program import UNBOUND, SpmdProgram
@@ -134,11 +134,6 @@ class TensorParallelPass(Pass):
                               "parallelism are not supported yet")
         if "sharding" in graph.meta or TP_META in graph.meta:
             raise PassError("tensor_parallel: the step is already sharded")
-        rng = [n.name for n in graph.compute_nodes() if TrainGraph.info(n).rng is not None]
-        if rng:
-            raise ConfigError(f"tensor_parallel: the step draws random numbers ({rng[0]}: "
-                              "dropout?); random ops on sharded values are not supported yet "
-                              "— set dropout to 0 for tensor-parallel training")
         tiles = seed_tiles(graph, self.size, self.pins())
         tokens = _tokens(graph, mesh.size(TP)) if self.sequence else None
         traced, whole = _propagate(graph, mesh, tiles, tokens)
@@ -688,9 +683,13 @@ class _Local:
                     # partial sums that only add up (the gradient of a value several column
                     # linears read) are reduced once, after the sum
                     try:
-                        if n.target in _HEADWISE or op_name(n) in POINTWISE:
-                            raise NotImplementedError  # by blocks (DTensor would decompose)
-                        if n.target is aten.nll_loss_backward.default:
+                        if n.target in _HEADWISE or op_name(n) in POINTWISE or \
+                                (op_name(n) in RANDOM_OPS and n.target is not DROPOUT):
+                            raise NotImplementedError  # by blocks (DTensor would decompose;
+                            # a random op: whole, from the generator as one process draws)
+                        if n.target is DROPOUT:
+                            out = _dropout(n, self, dm)
+                        elif n.target is aten.nll_loss_backward.default:
                             out = _nll_backward(n, self)
                         elif n.target is aten.embedding_dense_backward.default and \
                                 (n.args[1], n.args[2]) in owner.vocab_ids:
@@ -792,6 +791,38 @@ def _carry_meta(n: fx.Node, last: fx.Node, traced: fx.Graph, out: Any) -> None:
         made.meta.update(marks)
 
 
+DROPOUT = aten.native_dropout.default
+
+
+def _dropout(n: fx.Node, interp: fx.Interpreter, dm: Any) -> Any:
+    """`native_dropout` drawing one process's masks: on a sharded value, the whole value's
+    mask is drawn (dropout of ones: the same generator calls, shape and order as one
+    process, no communication) and each rank keeps its block of it; `x * (mask * scale)` is
+    bitwise `x * mask * scale`. A replicated value (a partial sum reduced first) draws as
+    one process on every rank. Every rank of the group must hold the same generator state
+    (the strategy checks)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    args, kwargs = interp.fetch_args_kwargs_from_env(n)
+    x = args[0]
+    if not isinstance(x, DTensor):
+        return n.target(*args, **kwargs)
+    if not all(isinstance(pl, Shard) for pl in x.placements):
+        x = x.redistribute(dm, [Replicate()] * len(x.placements))
+    if all(isinstance(pl, Replicate) for pl in x.placements):
+        outs = n.target(x.to_local(), *args[1:], **kwargs)
+        return tuple(DTensor.from_local(t, dm, x.placements, run_check=False) for t in outs)
+    (place,) = x.placements
+    local = x.to_local()
+    scaled, mask = n.target(torch.ones(x.shape, dtype=x.dtype, device=local.device),
+                            *args[1:], **kwargs)
+    start = dm.get_local_rank() * math.ceil(x.shape[place.dim] / dm.size())
+    size = local.shape[place.dim]
+    out = local * scaled.narrow(place.dim, start, size)
+    return (DTensor.from_local(out, dm, [place], run_check=False),
+            DTensor.from_local(mask.narrow(place.dim, start, size).contiguous(), dm, [place],
+                               run_check=False))
+
+
 def _nll_backward(n: fx.Node, interp: fx.Interpreter) -> Any:
     """`nll_loss_backward` with its `total_weight` as a plain tensor: torch's loss-parallel
     rule divides the local gradient by it (its forward rule's output is a DTensor here)."""
@@ -846,7 +877,7 @@ def _replicated(n: fx.Node, interp: fx.Interpreter, dm: Any, owner: _Local) -> A
     args, kwargs = interp.fetch_args_kwargs_from_env(n)
     blocks = [a for a in (*args, *kwargs.values()) if isinstance(a, DTensor)]
     place = None
-    if op_name(n) in POINTWISE and blocks and \
+    if op_name(n) in POINTWISE and op_name(n) not in RANDOM_OPS and blocks and \
             len({(a.placements, a.shape) for a in blocks}) == 1:
         place = blocks[0].placements
     elif op_name(n) in _ROWWISE and owner.tokens is not None and \
@@ -1002,7 +1033,9 @@ def _adopt(graph: TrainGraph, traced: fx.GraphModule, mesh: MeshSpec, plan: TpPl
             base = _nearest(n)
         spec = TensorSpec.of(n.meta.get("val"))
         kind = comm.get(n.target)
-        info = base.replace(spec=spec, created_by=base.created_by, rng=None)
+        # the random op traced for a random op keeps its site (recompute replays it)
+        info = base.replace(spec=spec, created_by=base.created_by,
+                            rng=base.rng if op_name(n) in RANDOM_OPS else None)
         if kind is not None:
             reduce_op = n.args[1] if kind in ("all_reduce", "reduce_scatter_tensor") else None
             info = info.replace(comm=CommInfo(kind, TP, reduce_op, size),

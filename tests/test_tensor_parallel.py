@@ -5,6 +5,7 @@ query attention, rotary embeddings) to one process's losses and parameters."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from glmc.ir.program import comm_nodes
 from glmc.parallel.plan import ParallelPlan
 from glmc.trace.capture import capture, split_batch
 from tests.distributed import result, run_parts, spawn
-from tests.models import BACKEND_CASES, CASES, eager_losses
+from tests.models import BACKEND_CASES, CASES, eager_losses, example_module
 
 STEPS = 3
 TP2 = MeshSpec((2,), ("tp",))  #: traced on a fake process group of 2 (no processes)
@@ -226,6 +227,42 @@ def _tp_part(backend: str, fusion: bool | None, case: str = "glm", sequence: boo
     return part
 
 
+def _dropout_part(rank: int, out: Path) -> dict:
+    """The GLM example with attention dropout 0.1 (on probabilities sharded by heads)."""
+    mod = example_module("glm.py")
+    cfg = dataclasses.replace(mod.CONFIGS["tiny"], dropout=0.1)
+    torch.manual_seed(0)
+    model, batch = mod.GLM(cfg), mod.make_batch(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_model = copy.deepcopy(model)
+    ref = eager_losses(ref_model, batch, None, torch.optim.AdamW(ref_model.parameters(),
+                                                                 lr=1e-3), STEPS)
+    other = copy.deepcopy(model)
+    reseeded = eager_losses(other, batch, None, torch.optim.AdamW(other.parameters(), lr=1e-3),
+                            STEPS, seed=100)
+    trainer = glmc.optimize(model, batch, optimizer=opt, backend="eager", fusion=None,
+                            predict=False, parallel={"tp": 2})
+    losses = []
+    for i in range(STEPS):
+        torch.manual_seed(i)  # as eager_losses seeds each step
+        losses.append(trainer.step(*batch).item())
+    params, _ = trainer.parallel.full_state(model, opt)
+    (tp,) = [h.stats for h in trainer.report.compiles[-1].history if h.name == "tensor_parallel"]
+    torch.manual_seed(rank)  # each rank its own seed: each would keep a block of other masks
+    try:
+        glmc.optimize(other, batch, optimizer=torch.optim.AdamW(other.parameters()),
+                      backend="eager", predict=False, parallel={"tp": 2})
+        refused = ""
+    except ConfigError as e:
+        refused = str(e)
+    return {"losses": losses, "ref": ref, "reseeded": reseeded, "params": params,
+            "refused": refused,
+            "ref_params": {n: p.detach() for n, p in ref_model.named_parameters()},
+            "collectives": tp.collectives,
+            "dropouts": sum(op_name(n) == "native_dropout"
+                            for n in trainer.graph.compute_nodes())}
+
+
 def _checkpoint_part(rank: int, out: Path) -> dict:
     """tp=2 trains 2 steps and saves (glmc.save_checkpoint: DCP, each rank its blocks); a
     data-parallel ZeRO-1 trainer on the same 2 processes, built on another model, loads it
@@ -258,7 +295,8 @@ def _worker(rank: int, port: int, out: str) -> None:
                                    ("hf_glm_sequence",
                                     _tp_part("eager", None, "hf_glm", sequence=True)),
                                    ("bf16", _tp_part("eager", None, precision="bf16")),
-                                   ("checkpoint", _checkpoint_part)])
+                                   ("checkpoint", _checkpoint_part),
+                                   ("dropout", _dropout_part)])
 
 
 @pytest.fixture(scope="module")
@@ -379,6 +417,24 @@ def test_bf16_and_fusion_compose_with_tensor_parallelism(runs: Path) -> None:
                 assert (moved - want).norm() <= 0.2 * want.norm(), name
         assert r["collectives"] == {"all_reduce": 13}
         assert r["local"]["blocks.0.attn.wo.weight"] == (64, 32)
+
+
+def test_dropout_on_sharded_values_draws_one_process_masks(runs: Path) -> None:
+    """Attention dropout on probabilities sharded by heads: each rank keeps its heads' block
+    of the mask one process draws (no communication added), so the losses and parameters are
+    eager PyTorch's on one process under the same seeds — which another seed's masks are
+    not."""
+    for rank in (0, 1):
+        r = result(runs, "dropout", rank)
+        assert r["dropouts"] >= 2  # one per attention
+        assert abs(r["reseeded"][-1] - r["ref"][-1]) > 1e-3  # the masks matter
+        torch.testing.assert_close(r["losses"], r["ref"], rtol=1e-5, atol=0)
+        for name, ref in r["ref_params"].items():
+            if name.endswith("wk.bias"):  # its gradient is rounding noise (above)
+                continue
+            torch.testing.assert_close(r["params"][name], ref, rtol=1e-4, atol=1e-6, msg=name)
+        assert r["collectives"] == {"all_reduce": 13}
+        assert "different generator states" in r["refused"]
 
 
 def test_a_tp_checkpoint_holds_blocks_and_loads_on_other_plans(runs: Path) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -128,6 +129,7 @@ class TensorParallel(DataParallel):
         a recompile with the same plan."""
         plan: TpPlan = graph.meta["tensor_parallel"]
         if self.tp is None:
+            self._same_generators(graph)
             for target, tile in plan.tiles.items():
                 container, slot = self._owner(target, model, optimizer)
                 full = container[slot] if slot is not None else container.detach()
@@ -143,6 +145,24 @@ class TensorParallel(DataParallel):
                               "from the first; this is a glmc bug, please report it")
         if "sharding" in graph.meta:  # the data-parallel replicas' plan (ZeRO 0-3)
             super().install(graph, model, optimizer)
+
+    def _same_generators(self, graph: TrainGraph) -> None:
+        """A step with random ops (dropout) draws one process's masks on every rank of a
+        tensor-parallel group (passes/tensor_parallel.py `_dropout`): their generators must
+        be in the same state, else each rank keeps a block of a different mask."""
+        if not any(TrainGraph.info(n).rng is not None for n in graph.compute_nodes()):
+            return
+        cuda = self.root.device_type == "cuda"
+        state = torch.cuda.get_rng_state() if cuda else torch.random.get_rng_state()
+        mine = hashlib.sha256(state.numpy().tobytes()).hexdigest()[:16]
+        every: list[Any] = [None] * self.tp_size
+        dist.all_gather_object(every, mine, group=self.tp_group)
+        if len(set(every)) > 1:
+            raise ConfigError(f"parallel: the step draws random numbers (dropout) and the "
+                              f"ranks of a tensor-parallel group hold different generator "
+                              f"states ({every}); seed every rank the same "
+                              "(torch.manual_seed(S) before glmc.optimize, as glmc train "
+                              "--seed does) so that each keeps its block of the same masks")
 
     @staticmethod
     def _owner(target: str, model: nn.Module, optimizer: torch.optim.Optimizer | None
