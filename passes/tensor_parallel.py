@@ -57,7 +57,7 @@ from glmc.errors import ConfigError, Offense, PassError
 from glmc.ir.graph import (RANDOM_OPS, RANK_ARG, CommInfo, MeshSpec, NodeInfo, Phase, Role,
                            TensorSpec, TrainGraph, comm_ops, op_name)
 from glmc.ir.kernels import POINTWISE
-from glmc.ir.plans import DIM, TP, Tile, TpPlan
+from glmc.ir.plans import DIM, TP, Tile, TpPlan, block_rows
 from glmc.ir.program import UNBOUND, SpmdProgram
 
 aten = torch.ops.aten
@@ -335,9 +335,12 @@ def seed_tiles(graph: TrainGraph, size: int, pins: list[tuple[str, str]]) -> dic
     for mm, name in linears.items():  # the LM head: vocab-parallel into the loss
         if name not in tiles and _feeds_log_softmax(mm):
             tiles[name] = Tile("column", 0, 1)
-    for _, name, vocab in _embeddings(graph):  # vocab-parallel (Megatron's), if it divides
-        if name not in tiles and vocab % size == 0:
+    for _, name, vocab in _embeddings(graph):  # vocab-parallel (Megatron's)
+        if name not in tiles and vocab >= size:
             tiles[name] = Tile("column", 0, 1)
+    vocab = {name for name, tile in tiles.items() if tile.kind == "column" and
+             (any(w == name and _feeds_log_softmax(mm) for mm, w in linears.items()) or
+              any(w == name for _, w, _ in _embeddings(graph)))}
     shapes = {TrainGraph.info(ph).target: TrainGraph.info(ph).spec.shape
               for ph in graph.placeholders()
               if TrainGraph.info(ph).role is Role.PARAMETER and TrainGraph.info(ph).spec}
@@ -362,6 +365,8 @@ def seed_tiles(graph: TrainGraph, size: int, pins: list[tuple[str, str]]) -> dic
             tiles[bias] = Tile("column", 0, tile.groups)
     for name, tile in tiles.items():
         extent = shapes[name][tile.dim]
+        if name in vocab and tile.groups == 1 and extent >= size:
+            continue  # a vocabulary that does not divide: uneven blocks (torch.chunk's)
         if extent % (size * tile.groups):
             parts = f" x {tile.groups} parts" if tile.groups > 1 else ""
             raise ConfigError(f"tensor_parallel: {name} {tuple(shapes[name])} is {tile.kind} "
@@ -403,14 +408,13 @@ def _embedding_backward(n: fx.Node, interp: fx.Interpreter, dm: Any) -> Any:
         return n.target(grad, ids, rows, padding, by_freq)
     grad, ids = (v.redistribute(dm, [Replicate()]).to_local() if isinstance(v, DTensor) else v
                  for v in (grad, ids))
-    size = rows // dm.size()
-    start = dm.get_local_rank() * size
+    start, size = block_rows(rows, dm.get_local_rank(), dm.size())
     mine = (ids >= start) & (ids < start + size)
     local = torch.where(mine, ids - start, torch.zeros_like(ids))
     grad = torch.where(mine.unsqueeze(-1), grad, torch.zeros_like(grad))  # no 0 * inf
     padding = padding - start if 0 <= padding - start < size else -1
     out = n.target(grad, local, size, padding, by_freq)
-    return DTensor.from_local(out, dm, [Shard(0)], run_check=False)
+    return _placed(out, dm, [Shard(0)], (rows, *out.shape[1:]))
 
 
 def _feeds_log_softmax(mm: fx.Node) -> bool:
@@ -500,8 +504,8 @@ def _propagate(graph: TrainGraph, mesh: MeshSpec, tiles: dict[str, Tile],
         places = [[_placement(state.get(TrainGraph.info(p).target))] for p in phs]
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         with fake:
-            local = [_local_empty(p.meta["val"], pl[0], mesh.size(TP)) for p, pl in
-                     zip(phs, places)]
+            local = [_local_empty(p.meta["val"], pl[0], mesh.size(TP), dm.get_local_rank())
+                     for p, pl in zip(phs, places)]
         run = _Local(graph.gm, dm, places, state, graph,
                      _Tokens(*tokens, dm) if tokens is not None else None)
         try:
@@ -520,12 +524,12 @@ def _propagate(graph: TrainGraph, mesh: MeshSpec, tiles: dict[str, Tile],
     return traced, run.whole
 
 
-def _local_empty(val: Any, placement: Any, n: int) -> Any:
+def _local_empty(val: Any, placement: Any, n: int, rank: int) -> Any:
     if not isinstance(val, torch.Tensor):
         return val
     shape = list(val.shape)
     if hasattr(placement, "dim") and shape:
-        shape[placement.dim] //= n
+        shape[placement.dim] = block_rows(shape[placement.dim], rank, n)[1]
     return torch.empty(shape, dtype=val.dtype, device=val.device)
 
 
@@ -727,8 +731,9 @@ class _Local:
                 _carry_meta(n, last, traced, out)
                 return out
 
-        dts = [DTensor.from_local(t, dm, pl, run_check=False)
-               if isinstance(t, torch.Tensor) else t for t, pl in zip(local, self.places)]
+        whole = [p.meta.get("val") for p in self.graph.placeholders()]
+        dts = [_placed(t, dm, pl, w) if isinstance(t, torch.Tensor) else t
+               for t, pl, w in zip(local, self.places, whole)]
         outs = Interp(self.gm).run(*dts)
         owner.current = None
         return [o.to_local() if isinstance(o, DTensor) else o for o in self.settle(outs)]
@@ -815,12 +820,10 @@ def _dropout(n: fx.Node, interp: fx.Interpreter, dm: Any) -> Any:
     local = x.to_local()
     scaled, mask = n.target(torch.ones(x.shape, dtype=x.dtype, device=local.device),
                             *args[1:], **kwargs)
-    start = dm.get_local_rank() * math.ceil(x.shape[place.dim] / dm.size())
-    size = local.shape[place.dim]
+    start, size = block_rows(x.shape[place.dim], dm.get_local_rank(), dm.size())
     out = local * scaled.narrow(place.dim, start, size)
-    return (DTensor.from_local(out, dm, [place], run_check=False),
-            DTensor.from_local(mask.narrow(place.dim, start, size).contiguous(), dm, [place],
-                               run_check=False))
+    return (_placed(out, dm, [place], scaled),
+            _placed(mask.narrow(place.dim, start, size).contiguous(), dm, [place], mask))
 
 
 def _nll_backward(n: fx.Node, interp: fx.Interpreter) -> Any:
@@ -953,8 +956,20 @@ def _foreach(n: fx.Node, interp: fx.Interpreter, dm: Any) -> Any:
         return a.to_local() if isinstance(a, DTensor) else a
 
     out = n.target(*[local(a) for a in args], **{k: local(v) for k, v in kwargs.items()})
-    return tuple([DTensor.from_local(t, dm, pl, run_check=False) for t, pl in zip(lst, places)]
+    return tuple([_placed(t, dm, pl, p) for t, pl, p in zip(lst, places, params)]
                  for lst in out)
+
+
+def _placed(local: torch.Tensor, dm: Any, placements: Any, whole: Any) -> Any:
+    """`local` as a DTensor of `whole`'s global shape (a block of a vocabulary that does not
+    divide: DTensor would take the global extent as tp x this block's)."""
+    from torch.distributed.tensor import DTensor
+    shape = whole.shape if isinstance(whole, torch.Tensor) else whole
+    if shape is None or all(not hasattr(p, "dim") for p in placements):
+        return DTensor.from_local(local, dm, placements, run_check=False)
+    stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))  # contiguous
+    return DTensor.from_local(local, dm, placements, run_check=False,
+                              shape=torch.Size(shape), stride=stride)
 
 
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}

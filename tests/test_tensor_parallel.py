@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -227,10 +229,11 @@ def _tp_part(backend: str, fusion: bool | None, case: str = "glm", sequence: boo
     return part
 
 
-def _dropout_part(rank: int, out: Path) -> dict:
-    """The GLM example with attention dropout 0.1 (on probabilities sharded by heads)."""
+def _dropout_part(rank: int, out: Path, **config: Any) -> dict:
+    """The GLM example with attention dropout 0.1 (on probabilities sharded by heads), or
+    with other `config`."""
     mod = example_module("glm.py")
-    cfg = dataclasses.replace(mod.CONFIGS["tiny"], dropout=0.1)
+    cfg = dataclasses.replace(mod.CONFIGS["tiny"], **(config or {"dropout": 0.1}))
     torch.manual_seed(0)
     model, batch = mod.GLM(cfg), mod.make_batch(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -256,7 +259,7 @@ def _dropout_part(rank: int, out: Path) -> dict:
     except ConfigError as e:
         refused = str(e)
     return {"losses": losses, "ref": ref, "reseeded": reseeded, "params": params,
-            "refused": refused,
+            "refused": refused, "local": {n: tuple(p.shape) for n, p in model.named_parameters()},
             "ref_params": {n: p.detach() for n, p in ref_model.named_parameters()},
             "collectives": tp.collectives,
             "dropouts": sum(op_name(n) == "native_dropout"
@@ -296,7 +299,8 @@ def _worker(rank: int, port: int, out: str) -> None:
                                     _tp_part("eager", None, "hf_glm", sequence=True)),
                                    ("bf16", _tp_part("eager", None, precision="bf16")),
                                    ("checkpoint", _checkpoint_part),
-                                   ("dropout", _dropout_part)])
+                                   ("dropout", _dropout_part),
+                                   ("odd_vocab", functools.partial(_dropout_part, vocab=257))])
 
 
 @pytest.fixture(scope="module")
@@ -435,6 +439,23 @@ def test_dropout_on_sharded_values_draws_one_process_masks(runs: Path) -> None:
             torch.testing.assert_close(r["params"][name], ref, rtol=1e-4, atol=1e-6, msg=name)
         assert r["collectives"] == {"all_reduce": 13}
         assert "different generator states" in r["refused"]
+
+
+def test_a_vocabulary_that_does_not_divide_is_cut_unevenly(runs: Path) -> None:
+    """A vocabulary of 257 on 2 ranks: the embedding and the LM head stay vocab-parallel in
+    blocks of 129 and 128 rows (torch.chunk's and DTensor's cut; no padding), the loss-
+    parallel cross-entropy and the row-local embedding backward on uneven blocks: the
+    losses and parameters of one process, still 13 all-reduces."""
+    for rank in (0, 1):
+        r = result(runs, "odd_vocab", rank)
+        torch.testing.assert_close(r["losses"], r["ref"], rtol=1e-5, atol=0)
+        for name, ref in r["ref_params"].items():
+            if name.endswith("wk.bias"):  # its gradient is rounding noise (above)
+                continue
+            torch.testing.assert_close(r["params"][name], ref, rtol=1e-4, atol=1e-6, msg=name)
+        rows = 129 if rank == 0 else 128
+        assert r["local"]["head.weight"] == r["local"]["embed.weight"] == (rows, 64)
+        assert r["collectives"] == {"all_reduce": 13}
 
 
 def test_a_tp_checkpoint_holds_blocks_and_loads_on_other_plans(runs: Path) -> None:

@@ -103,6 +103,14 @@ class ShardPlan:
 TP = "tp"  #: the mesh dim tensor parallelism runs over
 
 
+def block_rows(extent: int, rank: int, ranks: int) -> tuple[int, int]:
+    """(start, length) of rank `rank`'s block of `extent` rows cut in `ranks` (torch.chunk's
+    and DTensor's `Shard` cut: blocks of ceil(extent / ranks), the last ones shorter)."""
+    chunk = math.ceil(extent / ranks)
+    start = min(rank * chunk, extent)
+    return start, min(chunk, extent - start)
+
+
 @dataclass(frozen=True)
 class Tile:
     """How a tensor-parallel parameter (and its optimizer state) is stored: `kind` "column"
@@ -117,8 +125,8 @@ class Tile:
     def local(self, full: torch.Tensor, rank: int, ranks: int) -> torch.Tensor:
         """Rank `rank`'s block of `full` (a copy)."""
         parts = torch.chunk(full, self.groups, self.dim)
-        return torch.cat([torch.chunk(p, ranks, self.dim)[rank] for p in parts],
-                         self.dim).clone()
+        return torch.cat([p.narrow(self.dim, *block_rows(p.shape[self.dim], rank, ranks))
+                          for p in parts], self.dim).clone()
 
     def full(self, shards: list[torch.Tensor]) -> torch.Tensor:
         """The whole tensor from every rank's block, in rank order."""

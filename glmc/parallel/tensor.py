@@ -173,10 +173,25 @@ class TensorParallel(DataParallel):
             return optimizer.state[params[name]], key
         return params[target], None
 
+    def _extents(self, block: torch.Tensor, tile: Tile) -> list[int]:
+        """Every rank's extent of its block along the tile's dim (a vocabulary that does not
+        divide by tp: uneven blocks)."""
+        mine = torch.tensor([block.shape[tile.dim]], dtype=torch.int64, device=block.device)
+        every = [torch.empty_like(mine) for _ in range(self.tp_size)]
+        dist.all_gather(every, mine, group=self.tp_group)
+        return [int(t.item()) for t in every]
+
     def _full(self, block: torch.Tensor, tile: Tile) -> torch.Tensor:
-        shards = [torch.empty_like(block) for _ in range(self.tp_size)]
-        dist.all_gather(shards, block.contiguous(), group=self.tp_group)
-        return tile.full(shards)
+        extents = self._extents(block, tile)
+        longest, d = max(extents), tile.dim
+        padded = block
+        if block.shape[d] < longest:  # all_gather takes equal shapes: pad, then trim
+            shape = list(block.shape)
+            shape[d] = longest - block.shape[d]
+            padded = torch.cat([block, block.new_zeros(shape)], d)
+        shards = [torch.empty_like(padded) for _ in range(self.tp_size)]
+        dist.all_gather(shards, padded.contiguous(), group=self.tp_group)
+        return tile.full([s.narrow(d, 0, e) for s, e in zip(shards, extents)])
 
     @contextlib.contextmanager
     def full_parameters(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
@@ -252,7 +267,7 @@ class TensorParallel(DataParallel):
                         table[target] = self._full(block, tile)
                         continue
                     shape = list(block.shape)
-                    shape[tile.dim] *= self.tp_size
+                    shape[tile.dim] = sum(self._extents(block, tile))
                     placements = [Shard(tile.dim) if d == TP else Replicate()
                                   for d in self.root.mesh_dim_names]
                     table[target] = DTensor.from_local(
