@@ -81,6 +81,31 @@ class TensorParallelStats:
     placements: dict[str, str]  #: the largest parameters -> their placement
     #: ops without a DTensor rule run on gathered operands (sharded ones) -> count
     whole_ops: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: the largest parameters: (name, whole shape, this rank's shape, placement)
+    tensors: tuple[tuple[str, str, str, str], ...] = ()
+    #: the ops run on whole operands, with their source lines
+    whole_at: tuple[str, ...] = ()
+
+    def report_section(self, ctx: Any) -> Any:
+        """The report's section: the layout (the largest parameters' placements and
+        per-rank shapes) and the communication per collective kind."""
+        from glmc.compiler.report_parts import ReportSection, Table, Text
+        comm = ", ".join(f"{n} {k}" for k, n in self.collectives.items()) or "none"
+        text = (f"tp={self.size}: {self.column} column- and {self.row} row-parallel weights, "
+                f"{self.replicated} parameters replicated on every rank; per step {comm}.")
+        blocks: list[Any] = [Text(text)]
+        blocks.append(Table(("parameter", "whole", "this rank", "placement"), self.tensors,
+                            "llll"))
+        blocks.append(Table(("collective", "per step", "MiB per rank per step"), tuple(
+            (k, n, f"{self.volume.get(k, 0) / 2**20:.3f}") for k, n in
+            self.collectives.items()), "lrr"))
+        if self.whole_at:
+            blocks.append(Text(f"{len(self.whole_at)} op(s) without a sharding rule run on "
+                               "whole operands:", "warn"))
+            blocks.append(Table(("op and source",), tuple((w.strip(),) for w in
+                                                          self.whole_at), "l"))
+        return ReportSection(f"Tensor parallelism (tp={self.size})", tuple(blocks),
+                             f"tp={self.size}, {comm}")
 
 
 @dataclass(frozen=True)
@@ -135,6 +160,8 @@ class TensorParallelPass(Pass):
         if "sharding" in graph.meta or TP_META in graph.meta:
             raise PassError("tensor_parallel: the step is already sharded")
         tiles = seed_tiles(graph, self.size, self.pins())
+        whole_shapes = {TrainGraph.info(p).target: TrainGraph.info(p).spec.shape
+                        for p in graph.placeholders() if TrainGraph.info(p).spec is not None}
         tokens = _tokens(graph, mesh.size(TP)) if self.sequence else None
         traced, whole = _propagate(graph, mesh, tiles, tokens)
         offenses = [_offense(n) for n in whole]
@@ -149,9 +176,10 @@ class TensorParallelPass(Pass):
         SpmdProgram(graph, mesh).verify()
         graph.meta[WHOLE_META] = offenses
         names = [op_name(n) for n in whole]
-        stats = _stats(graph, plan, self.size)
+        stats = _stats(graph, plan, self.size, whole_shapes)
         return PassResult(True, dataclasses.replace(stats, whole_ops={
-            op: names.count(op) for op in sorted(set(names))}))
+            op: names.count(op) for op in sorted(set(names))},
+            whole_at=tuple(str(o) for o in offenses)))
 
 
 TP_META = "tensor_parallel"
@@ -1143,7 +1171,8 @@ def _nearest(n: fx.Node) -> NodeInfo:
     return NodeInfo(Phase.FORWARD, Role.ACTIVATION, created_by="tensor_parallel")
 
 
-def _stats(graph: TrainGraph, plan: TpPlan, size: int) -> TensorParallelStats:
+def _stats(graph: TrainGraph, plan: TpPlan, size: int,
+           whole: dict[str, tuple[int, ...]]) -> TensorParallelStats:
     counts: dict[str, int] = {}
     volume: dict[str, int] = {}
     for n in graph.compute_nodes():
@@ -1155,13 +1184,15 @@ def _stats(graph: TrainGraph, plan: TpPlan, size: int) -> TensorParallelStats:
         volume[comm.collective] = volume.get(comm.collective, 0) + (spec.nbytes if spec else 0)
     params = [(TrainGraph.info(p).target, TrainGraph.info(p).spec) for p in graph.placeholders()
               if TrainGraph.info(p).role is Role.PARAMETER]
-    largest = sorted(params, key=lambda t: -(t[1].nbytes * (size if t[0] in plan.tiles else 1)))
+    largest = sorted(params, key=lambda t: -math.prod(whole.get(t[0], t[1].shape)))
     shown = {name: (f"{plan.tiles[name].kind} Shard({plan.tiles[name].dim})"
                     + (f" x{plan.tiles[name].groups} parts" if plan.tiles[name].groups > 1
                        else "")) if name in plan.tiles else "Replicate"
              for name, _ in largest[:8]}
+    tensors = tuple((name, str(tuple(whole.get(name, spec.shape))), str(tuple(spec.shape)),
+                     shown[name]) for name, spec in largest[:8])
     kinds = [t.kind for name, t in plan.tiles.items() if ":" not in name and
              not name.endswith(".bias")]
     return TensorParallelStats(size, kinds.count("column"), kinds.count("row"),
                                len(params) - sum(1 for n in plan.tiles if ":" not in n),
-                               counts, volume, shown)
+                               counts, volume, shown, tensors=tensors)

@@ -57,6 +57,16 @@ def test_the_megatron_layout_is_found_from_the_graph() -> None:
     assert "norm.weight" not in tiles
     res = TensorParallelPass(size=2).run(graph, PassContext(mesh=TP2))
     assert res.stats.collectives == {"all_reduce": 13}
+    # the report's section: the largest tensors' placements per rank, comm per kind
+    from glmc.compiler.report_parts import ReportSection
+    from glmc.report.html import _block
+    section = ReportSection.from_dict(res.stats.report_section(None).to_dict())
+    text, tensors, comm = section.blocks
+    assert ("head.weight", "(256, 64)", "(128, 64)", "column Shard(0)") in tensors.rows
+    assert ("blocks.0.mlp.down.weight", "(64, 172)", "(64, 86)", "row Shard(1)") in \
+        tensors.rows
+    assert comm.rows[0][:2] == ("all_reduce", 13)
+    assert "head.weight" in _block(tensors) and "13 all_reduce" in text.text
     phases = [TrainGraph.info(n).phase.value for n in comm_nodes(graph)
               if "all_reduce" in str(n.target)]
     # 2 per block each way; the vocab-parallel loss: 3 scalars per row forward (max, sum of
