@@ -9,8 +9,8 @@ Every rank builds the same model from the same weights (AdamW). Tensor-parallel 
 the whole batch; data-parallel ranks half of it each. After warm-up, each round runs one step
 of every contender in turn (interleaved); per contender: the median step time of the slowest
 rank, the per-rank peak (bytes live before the step — distinct storages, local blocks of
-sharded tensors — plus the peak the c10 allocator reaches during one profiled, untimed step),
-and the loss after the last step.
+sharded tensors — plus the peak the c10 allocator reaches during one profiled, untimed step)
+with glmc's prediction of it, and the loss after the last step.
 
     python benchmarks/bench_tensor_parallel.py                       # llama 2x384, 2 processes
     python benchmarks/bench_tensor_parallel.py --model glm-tiny --steps 5
@@ -76,7 +76,7 @@ class Contender:
             parallel = {"zero": 0} if name == "glmc-dp" else {
                 "tp": dist.get_world_size(), "tp_sequence": name == "glmc-tp-sp"}
             self.trainer = glmc.optimize(
-                self.model, batch, loss_fn=loss_fn, optimizer=self.opt, predict=False,
+                self.model, batch, loss_fn=loss_fn, optimizer=self.opt, predict=True,
                 backend="inductor" if name.endswith("inductor") else "eager",
                 parallel=parallel)
             args, kwargs = split_batch(batch)
@@ -134,6 +134,9 @@ def rank_main(a: argparse.Namespace) -> None:
             (stats,) = [h.stats for h in tr.report.compiles[-1].history
                         if h.name == "tensor_parallel"]
             mine[n]["collectives"] = stats.collectives
+        if tr is not None:  # glmc's prediction of this rank's peak (state + the step's)
+            pred = tr.report.compiles[-1].predicted or {}
+            mine[n]["pred_peak"] = (pred.get("memory") or {}).get("peak_bytes")
     every = [None] * world
     dist.all_gather_object(every, mine)
     if rank == 0:
@@ -156,7 +159,13 @@ def report(a, every: list[dict], world: int, params: int) -> None:
                      "peak_ratio": round(peak / base_peak, 3),
                      "first_loss": round(every[0][n]["first_loss"], 5),
                      "loss": round(every[0][n]["loss"], 5),
-                     "collectives": every[0][n].get("collectives")})
+                     "collectives": every[0][n].get("collectives"),
+                     "pred_peak_mib_per_rank": round(max(r[n]["pred_peak"] for r in every) / MiB,
+                                                     1) if every[0][n].get("pred_peak") else
+                     None})
+        if rows[-1]["pred_peak_mib_per_rank"]:
+            rows[-1]["pred_peak_error"] = round(rows[-1]["pred_peak_mib_per_rank"] /
+                                                rows[-1]["peak_mib_per_rank"] - 1, 3)
     data = {"meta": meta, "cpu": cpu, "model": a.model, "params": params, "ranks": world,
             "steps": a.steps, "warmup": a.warmup, "rows": rows}
     lines = [f"**{a.model}** ({params / 1e6:.2f}M params, AdamW), {world} processes on gloo, "
@@ -164,12 +173,14 @@ def report(a, every: list[dict], world: int, params: int) -> None:
              f"slowest rank; {meta['date']}, {cpu}, torch {meta['torch']}; "
              f"`{meta['command']}`", "",
              "| contender | step (ms) | ratio to torch-tp | peak per rank (MiB) | ratio to "
-             "torch-tp | first loss | last loss | collectives per step |",
-             "|---|---|---|---|---|---|---|---|"]
+             "torch-tp | predicted peak (error) | first loss | last loss | collectives per "
+             "step |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        pred = (f"{r['pred_peak_mib_per_rank']} ({r['pred_peak_error']:+.1%})"
+                if r.get("pred_peak_mib_per_rank") else "")
         lines.append(f"| {r['contender']} | {r['step_ms']} | {r['step_ratio']} | "
-                     f"{r['peak_mib_per_rank']} | {r['peak_ratio']} | {r['first_loss']} | "
-                     f"{r['loss']} | {r['collectives'] or ''} |")
+                     f"{r['peak_mib_per_rank']} | {r['peak_ratio']} | {pred} | "
+                     f"{r['first_loss']} | {r['loss']} | {r['collectives'] or ''} |")
     write_result(Path(a.out), f"tensor-parallel-{a.model}", data, "\n".join(lines))
 
 

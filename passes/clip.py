@@ -7,22 +7,28 @@ The same ops, in the same order, as `torch.nn.utils.clip_grad_norm_(params, max_
 (its per-tensor path): the 2-norm of each gradient the update reads, the 2-norm of their stack,
 `max_norm / (total + 1e-6)` clamped to at most 1, every gradient multiplied by it before the
 update reads it. Runs after gradient accumulation's running sums (the norm of the step's
-gradient, not a micro-batch's). Data parallel (after the shard pass): with ZeRO-0 every rank's
-update reads the whole averaged gradients (ZeRO-1: all-reduced whole, then sliced), so every rank computes the same
-norm; with ZeRO 2-3 it reads its own rows (zero-padded, reduce-scattered), so the squared
-local norm is all-reduced (sum) over the data-parallel ranks first — every rank scales by the
-same coefficient. Not yet with fp16 loss
-scaling (the gradients are still scaled there: the update unscales them): a typed error.
+gradient, not a micro-batch's). Data parallel (after the shard pass): with ZeRO-0 every
+rank's update reads the whole averaged gradients (ZeRO-1: all-reduced whole, then sliced), so
+every rank computes the same norm; with ZeRO 2-3 it reads its own rows (zero-padded,
+reduce-scattered), so the squared local norm is all-reduced (sum) over the data-parallel ranks
+first — every rank scales by the same coefficient. Tensor parallel (after the
+tensor_parallel pass): the squared norm of the sharded gradients' blocks is all-reduced over
+"tp" and the replicated ones' added once. Not yet with fp16 loss scaling (the gradients are
+still scaled there: the update unscales them) nor with tp and data-parallel replicas
+together: typed errors.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch import fx
 
 from glmc.compiler.passmanager import Effect, Need, Pass, PassContext, PassResult
 from glmc.errors import ConfigError
-from glmc.ir.graph import Phase, Role, TrainGraph, is_comm
+from glmc.ir.graph import GRAD_OF, Phase, Role, TrainGraph, is_comm
+from glmc.ir.plans import TP
 from glmc.ir.program import (NodeBuilder, insert_collective, restore_topological_order,
                               update_gradients)
 
@@ -56,12 +62,14 @@ class ClipPass(Pass):
         if graph.meta.get("loss_scaling") is not None:
             raise ConfigError("clip: fp16 loss scaling is not supported yet (the gradients are "
                               "scaled until the update unscales them); use bf16 or fp32")
-        if "tensor_parallel" in graph.meta:  # a norm over blocks and whole tensors
-            raise ConfigError("clip: clipping a tensor-parallel step is not supported yet (the "
-                              "norm must sum each sharded gradient's blocks over the ranks); "
-                              "drop clip_grad_norm or tp")
         plan = graph.meta.get("sharding")  # glmc.ir.plans.ShardPlan of the shard pass
-        if plan is None and any(is_comm(n) for n in graph.compute_nodes()):
+        tp = graph.meta.get("tensor_parallel")  # glmc.ir.plans.TpPlan
+        if tp is not None and (plan is not None or ctx.mesh is None):
+            raise ConfigError("clip: clipping a tensor-parallel step with data-parallel "
+                              "replicas is not supported yet (their gradient buckets mix "
+                              "sharded and whole gradients); drop clip_grad_norm or the "
+                              "replicas")
+        if plan is None and tp is None and any(is_comm(n) for n in graph.compute_nodes()):
             raise ConfigError("clip: the step communicates but has no data-parallel shard "
                               "plan; clip runs after the shard pass")
         grads = update_gradients(graph)
@@ -76,9 +84,12 @@ class ClipPass(Pass):
         with g.inserting_before(last.next):
             norms = [emit(aten.linalg_vector_norm.default, (n, 2.0), bwd, grad, like=n)
                      for n in grads]
-            total = emit(aten.linalg_vector_norm.default,
-                         (emit(aten.stack.default, (norms,), bwd, grad, like=last), 2.0),
-                         bwd, grad, like=last)
+            if tp is not None:
+                total = _tp_norm(graph, emit, grads, norms, tp, ctx.mesh)
+            else:
+                total = emit(aten.linalg_vector_norm.default,
+                             (emit(aten.stack.default, (norms,), bwd, grad, like=last), 2.0),
+                             bwd, grad, like=last)
             if plan is not None and plan.stage >= 2:  # each rank holds its rows: sum squares
                 # (stage 1 all-reduces whole gradients: the update reads them whole, then
                 # slices its rows, so every rank already has the global norm)
@@ -98,6 +109,38 @@ class ClipPass(Pass):
         g.lint()
         graph.gm.recompile()
         return PassResult(True, ClipStats(float(self.max_norm), len(grads)))
+
+
+def _tp_norm(graph: TrainGraph, emit: NodeBuilder, grads: list[fx.Node],
+             norms: list[fx.Node], tp: Any, mesh: Any) -> fx.Node:
+    """The global 2-norm of a tensor-parallel step's gradients: the squared norm of the
+    sharded ones' blocks summed over "tp" (one all-reduce of a scalar), plus the replicated
+    ones' (the same on every rank)."""
+    bwd, grad = Phase.BACKWARD, Role.GRADIENT
+    sharded: list[fx.Node] = []
+    whole: list[fx.Node] = []
+    for n, norm in zip(grads, norms):
+        names = n.meta.get(GRAD_OF)
+        if not names:
+            raise ConfigError(f"clip: cannot tell whose gradient '{n.name}' is in the "
+                              "tensor-parallel step; drop clip_grad_norm or tp")
+        (sharded if any(name in tp.tiles for name in names) else whole).append(norm)
+    last = grads[-1]
+
+    def squared(norms: list[fx.Node]) -> fx.Node:
+        total = emit(aten.linalg_vector_norm.default,
+                     (emit(aten.stack.default, (norms,), bwd, grad, like=last), 2.0),
+                     bwd, grad, like=last)
+        return emit(aten.mul.Tensor, (total, total), bwd, grad, like=last)
+
+    parts = [squared(group) for group in (sharded, whole) if group]
+    total = parts[0] if len(parts) == 1 else \
+        emit(aten.add.Tensor, (parts[0], parts[1]), bwd, grad, like=last)
+    out = emit(aten.sqrt.default, (total,), bwd, grad, like=last)
+    if sharded:  # this rank's blocks' squares, summed over the ranks first
+        insert_collective(graph, parts[0], "all_reduce", mesh, TP, "sum",
+                          [total if len(parts) > 1 else out])
+    return out
 
 
 __all__ = ["ClipPass", "ClipStats"]

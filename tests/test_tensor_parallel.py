@@ -197,17 +197,22 @@ def test_tile_blocks_round_trip() -> None:
 
 
 def _tp_part(backend: str, fusion: bool | None, case: str = "glm", sequence: bool = False,
-             zero: int = 0, precision: str | None = None):
+             zero: int = 0, precision: str | None = None, clip: float | None = None):
     def part(rank: int, out: Path) -> dict:
         from glmc.analysis.memory import simulate
         model, batch, loss_fn, opt = BACKEND_CASES[case]()
         ref_model = copy.deepcopy(model)
         init = {n: p.detach().clone() for n, p in ref_model.named_parameters()}
-        ref_opt = type(opt)(ref_model.parameters(), **{
-            k: opt.param_groups[0][k] for k in ("lr", "betas", "eps", "weight_decay")})
-        ref = eager_losses(ref_model, batch, loss_fn, ref_opt, STEPS)
+        if clip is not None:  # SGD: its step scales with the clipped gradient (Adam's not)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1)
+        else:
+            ref_opt = type(opt)(ref_model.parameters(), **{
+                k: opt.param_groups[0][k] for k in ("lr", "betas", "eps", "weight_decay")})
+        ref = eager_losses(ref_model, batch, loss_fn, ref_opt, STEPS, clip=clip)
         trainer = glmc.optimize(model, batch, loss_fn=loss_fn, optimizer=opt, backend=backend,
                                 fusion=fusion, predict=False, precision=precision,
+                                clip_grad_norm=clip,
                                 parallel={"tp": 2, "tp_sequence": sequence, "zero": zero})
         args, kwargs = split_batch(batch)
         losses = [trainer.step(*args, **kwargs).item() for _ in range(STEPS)]
@@ -310,6 +315,7 @@ def _worker(rank: int, port: int, out: str) -> None:
                                    ("bf16", _tp_part("eager", None, precision="bf16")),
                                    ("checkpoint", _checkpoint_part),
                                    ("dropout", _dropout_part),
+                                   ("clip", _tp_part("eager", None, clip=0.5)),
                                    ("odd_vocab", functools.partial(_dropout_part, vocab=257))])
 
 
@@ -449,6 +455,22 @@ def test_dropout_on_sharded_values_draws_one_process_masks(runs: Path) -> None:
             torch.testing.assert_close(r["params"][name], ref, rtol=1e-4, atol=1e-6, msg=name)
         assert r["collectives"] == {"all_reduce": 13}
         assert "different generator states" in r["refused"]
+
+
+def test_gradient_clipping_sums_the_blocks_norms_over_the_ranks(runs: Path) -> None:
+    """`clip_grad_norm=0.5` (active: the GLM example's gradient norm is larger) on tp=2 with
+    SGD (whose step is the clipped gradient): the sharded gradients' squared norms
+    all-reduced over "tp", the replicated ones' added once — eager PyTorch's
+    `clip_grad_norm_` losses and parameters on one process. A norm of one rank's blocks
+    alone would scale the steps differently."""
+    for rank in (0, 1):
+        r = result(runs, "clip", rank)
+        torch.testing.assert_close(r["losses"], r["ref"], rtol=1e-5, atol=0)
+        moved = max(float((r["ref_params"][n] - r["init"][n]).abs().max()) for n in r["init"])
+        assert moved > 1e-3  # SGD moved the weights: their equality below is not vacuous
+        for name, ref in r["ref_params"].items():
+            torch.testing.assert_close(r["params"][name], ref, rtol=1e-4, atol=1e-6, msg=name)
+        assert r["collectives"] == {"all_reduce": 13}  # the pass's; clip adds one more
 
 
 def test_a_vocabulary_that_does_not_divide_is_cut_unevenly(runs: Path) -> None:
