@@ -12,7 +12,9 @@ a recompile. With a mean loss this is the step of the whole batch, as PyTorch's 
 (`(loss / k).backward()` per micro-batch, then `optimizer.step()`) computes it, within fp32
 rounding (the sums are added in another order); buffers (BatchNorm statistics) are updated per
 micro-batch, as that loop does. Data-parallel steps accumulate in the shard pass instead
-(running sums per gradient bucket, one collective per bucket per step).
+(running sums per gradient bucket, one collective per bucket per step); a tensor-parallel step
+without data-parallel replicas accumulates here, each rank its gradient blocks (its
+forward's and backward's collectives run on every micro-batch).
 """
 from __future__ import annotations
 
@@ -48,7 +50,8 @@ class AccumulatePass(Pass):
         return frozenset({Effect.ADDS_STATE})
 
     def run(self, graph: TrainGraph, ctx: PassContext) -> PassResult:
-        if any(is_comm(n) for n in graph.compute_nodes()):
+        tp_alone = "tensor_parallel" in graph.meta and "sharding" not in graph.meta
+        if not tp_alone and any(is_comm(n) for n in graph.compute_nodes()):
             raise ConfigError("accumulate: the step communicates; a data-parallel step "
                               "accumulates in the shard pass (parallel={'accumulate': k})")
         if "accumulators" in graph.meta:

@@ -197,7 +197,8 @@ def test_tile_blocks_round_trip() -> None:
 
 
 def _tp_part(backend: str, fusion: bool | None, case: str = "glm", sequence: bool = False,
-             zero: int = 0, precision: str | None = None, clip: float | None = None):
+             zero: int = 0, precision: str | None = None, clip: float | None = None,
+             accumulate: int = 1):
     def part(rank: int, out: Path) -> dict:
         from glmc.analysis.memory import simulate
         model, batch, loss_fn, opt = BACKEND_CASES[case]()
@@ -213,7 +214,8 @@ def _tp_part(backend: str, fusion: bool | None, case: str = "glm", sequence: boo
         trainer = glmc.optimize(model, batch, loss_fn=loss_fn, optimizer=opt, backend=backend,
                                 fusion=fusion, predict=False, precision=precision,
                                 clip_grad_norm=clip,
-                                parallel={"tp": 2, "tp_sequence": sequence, "zero": zero})
+                                parallel={"tp": 2, "tp_sequence": sequence, "zero": zero,
+                                          "accumulate": accumulate})
         args, kwargs = split_batch(batch)
         losses = [trainer.step(*args, **kwargs).item() for _ in range(STEPS)]
         local = {n: tuple(p.shape) for n, p in model.named_parameters()}
@@ -316,6 +318,7 @@ def _worker(rank: int, port: int, out: str) -> None:
                                    ("checkpoint", _checkpoint_part),
                                    ("dropout", _dropout_part),
                                    ("clip", _tp_part("eager", None, clip=0.5)),
+                                   ("accumulate", _tp_part("eager", None, accumulate=2)),
                                    ("odd_vocab", functools.partial(_dropout_part, vocab=257))])
 
 
@@ -471,6 +474,20 @@ def test_gradient_clipping_sums_the_blocks_norms_over_the_ranks(runs: Path) -> N
         for name, ref in r["ref_params"].items():
             torch.testing.assert_close(r["params"][name], ref, rtol=1e-4, atol=1e-6, msg=name)
         assert r["collectives"] == {"all_reduce": 13}  # the pass's; clip adds one more
+
+
+def test_gradient_accumulation_on_tensor_parallel_ranks(runs: Path) -> None:
+    """`accumulate=2` on tp=2: the batch in 2 micro-batches, each rank's gradient blocks
+    summed (the accumulate pass after the tensor_parallel pass), one update: the losses,
+    parameters and AdamW state of one process on the whole batch."""
+    for rank in (0, 1):
+        r = result(runs, "accumulate", rank)
+        torch.testing.assert_close(r["losses"], r["ref"], rtol=1e-5, atol=0)
+        for name, ref in r["ref_params"].items():
+            if name.endswith("wk.bias"):  # its gradient is rounding noise (above)
+                continue
+            torch.testing.assert_close(r["params"][name], ref, rtol=1e-4, atol=1e-6, msg=name)
+        assert r["collectives"] == {"all_reduce": 13}
 
 
 def test_a_vocabulary_that_does_not_divide_is_cut_unevenly(runs: Path) -> None:

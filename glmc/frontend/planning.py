@@ -183,7 +183,8 @@ def _auto(w: Any, world: int, rows: int) -> Any:
     plans = plan(w.model, w.example_inputs, "local", w.loss_fn, w.optimizer, nproc=world)
     for rank, p in enumerate(plans, 1):
         accumulates = rows // (p.point.dp * p.point.microbatch) > 1
-        if p.fits and not p.point.runtime_gaps() and not (p.point.tp > 1 and accumulates):
+        if p.fits and not p.point.runtime_gaps() and \
+                not (p.point.tp > 1 and p.point.dp > 1 and accumulates):
             print(f"glmc: --plan auto: plan {rank} of {len(plans)} for {world} local "
                   f"process(es): {p.point.spelling()} (predicted {p.step_s * 1e3:.1f} ms, "
                   f"{p.peak_bytes / GiB:.2f} GiB per process)", flush=True)
@@ -199,8 +200,9 @@ def _set_flags(args: argparse.Namespace, point: Any, rows: int, launched: bool) 
         raise ConfigError(f"the global batch of {rows} sequences does not split into "
                           f"dp={point.dp} x microbatch={point.microbatch}")
     m = rows // (point.dp * point.microbatch)
-    if point.tp > 1 and m > 1:
-        gaps.append("gradient accumulation beside tensor parallelism")
+    if point.tp > 1 and point.dp > 1 and m > 1:
+        gaps.append("gradient accumulation beside tensor parallelism with data-parallel "
+                    "replicas")
     if gaps:
         raise ConfigError(f"glmc cannot run {point.spelling()} yet: {'; '.join(gaps)} "
                           "(glmc plan prices it; pick a plan marked 'runs')")

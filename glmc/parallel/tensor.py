@@ -23,7 +23,8 @@ from torch import nn
 from glmc.errors import ConfigError
 from glmc.ir.graph import MeshSpec, TrainGraph
 from glmc.ir.plans import DIM, TP, Tile, TpPlan
-from glmc.parallel.data import DataParallel, Parallel, init_distributed, rows_of
+from glmc.parallel.data import (DataParallel, Parallel, init_distributed, micro_program,
+                                reset_sums, rows_of, split_micro_batches)
 from glmc.trace.capture import Batch
 
 
@@ -44,11 +45,11 @@ class TensorParallel(DataParallel):
         if self.world % tp:
             raise ConfigError(f"parallel: tp={tp} does not divide the {self.world} processes; "
                               f"run a multiple of {tp} (the rest are data-parallel replicas)")
-        if options.compress is not None or options.accumulate > 1 or \
-                options.nodes not in (None, 1):
-            raise ConfigError("parallel: with tp, gradient compression, accumulation and "
-                              "several nodes are not supported yet (drop compress/accumulate/"
-                              "nodes)")
+        if options.compress is not None or options.nodes not in (None, 1) or \
+                (options.accumulate > 1 and self.world > tp):
+            raise ConfigError("parallel: with tp, gradient compression, several nodes, and "
+                              "accumulation beside data-parallel replicas are not supported "
+                              "yet (drop compress/nodes, or accumulate on tp ranks alone)")
         self.dp = self.world // tp
         if options.zero and self.dp == 1:
             raise ConfigError(f"parallel: zero={options.zero} with tp={tp} on {self.world} "
@@ -70,7 +71,9 @@ class TensorParallel(DataParallel):
             self.shard_group = self.root.get_group(DIM)
         self.plan = None
         self.tp: TpPlan | None = None
-        self.accumulate = 1
+        #: micro-batches per step (tp alone: the accumulate pass's running sums of this
+        #: rank's gradient blocks)
+        self.accumulate = options.accumulate
         self.sums: dict[str, torch.Tensor] = {}
         self.comm_state: dict[str, torch.Tensor] = {}
         self.link = measure_link(device=device)
@@ -81,8 +84,11 @@ class TensorParallel(DataParallel):
         """The tensor_parallel pass, then (with data-parallel replicas) the shard pass's
         gradient all-reduce over "dp"."""
         from glmc.passes.tensor_parallel import TensorParallelPass
+        from glmc.passes.accumulate import AccumulatePass
         out: list[Any] = [TensorParallelPass(size=self.tp_size, plan=self.options.tp_plan,
                                              sequence=self.options.tp_sequence)]
+        if self.options.accumulate > 1:  # tp alone (the constructor refuses replicas)
+            out.append(AccumulatePass())
         return out + (self.options.passes(self.link, budgeted) if self.dp > 1 else [])
 
     def pipeline(self, passes: list[Any]) -> list[Any]:
@@ -104,7 +110,16 @@ class TensorParallel(DataParallel):
         return out
 
     def wants_micro_program(self, graph: TrainGraph) -> bool:
-        return False
+        return bool(graph.meta.get("accumulators"))
+
+    def micro_program(self, graph: TrainGraph) -> TrainGraph:
+        return micro_program(graph, graph.meta["accumulators"])
+
+    def start_step(self, graph: TrainGraph) -> None:
+        if graph.meta.get("accumulators"):
+            reset_sums(self.sums, graph.meta["accumulators"], self.accumulate)
+        elif "sharding" in graph.meta:
+            super().start_step(graph)
 
     def local(self, batch: Batch) -> Batch:
         """The rows of this rank's data-parallel replica (the whole batch with tp alone): the
@@ -114,10 +129,13 @@ class TensorParallel(DataParallel):
         return rows_of(batch, self.dp_rank, self.dp, "data-parallel replicas")
 
     def micro_batches(self, batch: Batch) -> list[Batch]:
-        if self.accumulate != 1:
-            raise ConfigError("parallel: gradient accumulation with tensor parallelism is not "
-                              "supported yet; leave trainer.parallel.accumulate at 1")
-        return [batch]
+        """The batch in `accumulate` micro-batches (every rank of the group the same)."""
+        k = self.accumulate
+        if k > 1 and not self.options.accumulate > 1:
+            raise ConfigError("parallel: accumulate > 1 needs a step compiled for it; pass "
+                              "parallel={'tp': T, 'accumulate': k} with k > 1 when creating "
+                              "the trainer")
+        return split_micro_batches(batch, k)
 
     # -- the compiled step ----------------------------------------------------------------------
 
