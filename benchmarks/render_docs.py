@@ -71,6 +71,8 @@ GROUPS: list[tuple[str, list[tuple[str, str, str]]]] = [
          "parallelize_module plan (`bench_tensor_parallel.py`)"), "passes/tensor_parallel.md"),
         ("planner", ("The planner's predictions against measured runs "
          "(`bench_planner.py`)"), "planner.md"),
+        ("megatron-picks", ("glmc's own plans for Megatron-LM's published runs, predicted "
+         "(`megatron_picks.py`)"), "planner.md"),
     ]),
     ("Model zoo", [
         ("zoo", "Model zoo, one process (`zoo_table.py`)", "capabilities.md"),

@@ -198,13 +198,18 @@ def test_tile_blocks_round_trip() -> None:
 
 def _tp_part(backend: str, fusion: bool | None, case: str = "glm", sequence: bool = False,
              zero: int = 0, precision: str | None = None, clip: float | None = None,
-             accumulate: int = 1):
+             accumulate: int = 1, sgd: bool = False):
     def part(rank: int, out: Path) -> dict:
         from glmc.analysis.memory import simulate
-        model, batch, loss_fn, opt = BACKEND_CASES[case]()
+        if case in BACKEND_CASES:
+            model, batch, loss_fn, opt = BACKEND_CASES[case]()
+        else:  # the zoo's transformers models
+            from tests.zoo import ZOO
+            model, batch, loss_fn, opt = ZOO[case].make()
         ref_model = copy.deepcopy(model)
         init = {n: p.detach().clone() for n, p in ref_model.named_parameters()}
-        if clip is not None:  # SGD: its step scales with the clipped gradient (Adam's not)
+        if clip is not None or sgd:  # SGD: its step scales with the (clipped) gradient;
+            # Adam's turns rounding noise of a near-zero gradient into a step of up to lr
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
             ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1)
         else:
@@ -319,6 +324,9 @@ def _worker(rank: int, port: int, out: str) -> None:
                                    ("dropout", _dropout_part),
                                    ("clip", _tp_part("eager", None, clip=0.5)),
                                    ("accumulate", _tp_part("eager", None, accumulate=2)),
+                                   ("llama", _tp_part("eager", None, "llama", sgd=True)),
+                                   ("qwen2_tied", _tp_part("eager", None, "qwen2_tied",
+                                                           sgd=True)),
                                    ("odd_vocab", functools.partial(_dropout_part, vocab=257))])
 
 
@@ -474,6 +482,23 @@ def test_gradient_clipping_sums_the_blocks_norms_over_the_ranks(runs: Path) -> N
         for name, ref in r["ref_params"].items():
             torch.testing.assert_close(r["params"][name], ref, rtol=1e-4, atol=1e-6, msg=name)
         assert r["collectives"] == {"all_reduce": 13}  # the pass's; clip adds one more
+
+
+@pytest.mark.parametrize("case", ["llama", "qwen2_tied"])
+def test_zoo_llama_and_a_tied_embedding_train_like_one_process(runs: Path, case: str) -> None:
+    """transformers' Llama and Qwen2 with the LM head tied to the embedding (one table,
+    vocab-parallel for both uses) from the zoo, on tp=2: the Megatron layout found from the
+    graph (13 all-reduces), the losses and parameters of one process. With SGD, as the zoo's
+    rewritten-step modes: under AdamW a single element of thousands (a gradient that is
+    rounding noise) moves up to lr either way, 1.6e-5 at most in a run here."""
+    for rank in (0, 1):
+        r = result(runs, case, rank)
+        torch.testing.assert_close(r["losses"], r["ref"], rtol=1e-5, atol=0)
+        for name, ref in r["ref_params"].items():
+            torch.testing.assert_close(r["params"][name], ref, rtol=1e-4, atol=1e-6, msg=name)
+        assert r["collectives"] == {"all_reduce": 13} and r["whole_ops"] == {}
+        table = r["ref_params"]["model.embed_tokens.weight"].shape[0]
+        assert r["local"]["model.embed_tokens.weight"][0] * 2 == table
 
 
 def test_gradient_accumulation_on_tensor_parallel_ranks(runs: Path) -> None:
