@@ -4,6 +4,7 @@ models on small clusters, the spelling, typed errors, and Megatron-LM's publishe
 from __future__ import annotations
 
 import json
+import re
 import statistics
 from pathlib import Path
 
@@ -316,6 +317,32 @@ def test_a_plan_spelling_becomes_the_flags_it_stands_for(monkeypatch: pytest.Mon
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match="once, in glmc's launcher"):
         flags("--plan", "auto")
+
+
+def test_plan_auto_reports_its_choice_and_the_runners_up(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture) -> None:
+    """`glmc compile FILE --plan auto` on one process: the launcher prints the chosen plan
+    and the runners-up; the run's summary and report.json/html show the plan, its rank, its
+    prediction against the measured step, and the runners-up."""
+    import json
+
+    from glmc.frontend.cli import main
+    from glmc.frontend.planning import PLAN_CHOICE
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.delenv(PLAN_CHOICE, raising=False)
+    glm = str(Path(__file__).resolve().parent.parent / "examples" / "glm.py")
+    assert main(["compile", glm, "--plan", "auto", "--steps", "3", "--backend", "eager",
+                 "--report-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"--plan auto: plan \d+ of \d+ for 1 local process", out), out
+    assert re.search(r"plan \(--plan auto\): dp=1,tp=1,pp=1,\S+, rank \d+ of \d+ priced: "
+                     r"predicted [0-9.]+ ms, measured [0-9.]+ ms", out), out
+    data = json.loads((tmp_path / "report.json").read_text())
+    plan = data["plan"]
+    assert plan["runners_up"] and all(p["step_s"] >= plan["chosen"]["step_s"]
+                                      for p in plan["runners_up"])
+    assert "Parallel plan (--plan auto" in (tmp_path / "report.html").read_text()
 
 
 def test_processes_that_outnumber_the_cores_share_them(tiny: tuple,

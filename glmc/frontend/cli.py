@@ -442,6 +442,8 @@ def _compile(args: argparse.Namespace) -> int:
                             clip_grad_norm=args.clip_grad_norm,
                             dump_dir=str(Path(args.report_dir) / "graphs") if args.report_dir
                             and _rank() == 0 else None)
+    from glmc.frontend.planning import plan_choice
+    trainer.report.plan = plan_choice(getattr(args, "plan_spelling", None))
     if args.export_onnx:
         check_onnx_export(trainer)  # an export that cannot succeed fails before training
     batch_args, batch_kwargs = split_batch(work.example_inputs)

@@ -177,20 +177,53 @@ def apply_plan(args: argparse.Namespace, argv: list[str]) -> list[str]:
     return argv
 
 
+#: the environment variable `--plan auto` leaves its choice in for the ranks it launches (their
+#: report shows the chosen plan, its rank and the runners-up)
+PLAN_CHOICE = "GLMC_PLAN_CHOICE"
+
+
+def plan_choice(spelling: str | None) -> dict[str, Any] | None:
+    """`--plan auto`'s choice (PLAN_CHOICE) when this run runs it: in the launcher's own
+    process (`spelling` "auto") or in a rank it launched with the chosen spelling."""
+    import os
+    text = os.environ.get(PLAN_CHOICE)
+    if not spelling or not text:
+        return None
+    choice = json.loads(text)
+    return choice if spelling in ("auto", choice["chosen"]["spelling"]) else None
+
+
 def _auto(w: Any, world: int, rows: int) -> Any:
-    """The top plan for `world` local processes that fits and that the runtime can run."""
+    """The top plan for `world` local processes that fits and that the runtime can run; the
+    choice, its rank and the next runnable plans go to PLAN_CHOICE (JSON)."""
+    import os
+
     from glmc.errors import ConfigError
     plans = plan(w.model, w.example_inputs, "local", w.loss_fn, w.optimizer, nproc=world)
-    for rank, p in enumerate(plans, 1):
+
+    def runs(p: Any) -> bool:
         accumulates = rows // (p.point.dp * p.point.microbatch) > 1
-        if p.fits and not p.point.runtime_gaps() and \
-                not (p.point.tp > 1 and p.point.dp > 1 and accumulates):
-            print(f"glmc: --plan auto: plan {rank} of {len(plans)} for {world} local "
-                  f"process(es): {p.point.spelling()} (predicted {p.step_s * 1e3:.1f} ms, "
-                  f"{p.peak_bytes / GiB:.2f} GiB per process)", flush=True)
-            return p.point
-    raise ConfigError(f"no plan for {world} local processes fits and runs; see glmc plan FILE "
-                      "--cluster local")
+        return p.fits and not p.point.runtime_gaps() and \
+            not (p.point.tp > 1 and p.point.dp > 1 and accumulates)
+
+    ranked = [(rank, p) for rank, p in enumerate(plans, 1) if runs(p)]
+    if not ranked:
+        raise ConfigError(f"no plan for {world} local processes fits and runs; see glmc plan "
+                          "FILE --cluster local")
+    (rank, top), others = ranked[0], ranked[1:4]
+    print(f"glmc: --plan auto: plan {rank} of {len(plans)} for {world} local process(es): "
+          f"{top.point.spelling()} (predicted {top.step_s * 1e3:.1f} ms, "
+          f"{top.peak_bytes / GiB:.2f} GiB per process)", flush=True)
+    for r, p in others:
+        print(f"  runner-up {r}: {p.point.spelling()} ({p.step_s * 1e3:.1f} ms, "
+              f"{p.step_s / top.step_s:.2f}x)", flush=True)
+
+    def row(r: int, p: Any) -> dict[str, Any]:
+        return {"rank": r, "spelling": p.point.spelling(), "step_s": p.step_s,
+                "peak_bytes": p.peak_bytes}
+    os.environ[PLAN_CHOICE] = json.dumps({"of": len(plans), "chosen": row(rank, top),
+                                          "runners_up": [row(r, p) for r, p in others]})
+    return top.point
 
 
 def _set_flags(args: argparse.Namespace, point: Any, rows: int, launched: bool) -> None:

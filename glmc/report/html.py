@@ -300,6 +300,19 @@ def _phase_table(phases: dict[str, Any] | None) -> str:
             + kernels + "</table>")
 
 
+def _plan_section(plan: dict[str, Any], last: dict[str, Any]) -> str:
+    """`--plan auto`'s choice and the runners-up, predicted; the chosen one also measured."""
+    measured = last.get("median_step_seconds")
+    rows = []
+    for p in [plan["chosen"], *plan["runners_up"]]:
+        meas = f"{measured * 1e3:.1f}" if p is plan["chosen"] and measured else ""
+        rows.append((p["rank"], p["spelling"], f"{p['step_s'] * 1e3:.1f}", meas,
+                     f"{p['peak_bytes'] / 2**20:.1f}"))
+    table = Table(("rank", "plan", "predicted ms", "measured ms", "predicted MiB per process"),
+                  tuple(rows), "rlrrr")
+    return (f"<h2>Parallel plan (--plan auto, {plan['of']} plans priced)</h2>" + _table(table))
+
+
 def _comm_plot(c: dict[str, Any]) -> str:
     """The predicted timeline of one rank: compute by phase, collectives on the link."""
     comm = (c.get("predicted") or {}).get("communication")
@@ -336,6 +349,9 @@ def render_html(data: dict[str, Any]) -> str:
     if data.get("training"):
         body.append(_training_section(data["training"]))
     body += [_compile_section(i, c) for i, c in enumerate(data["compiles"])]
+    if data.get("plan"):
+        body.append(_plan_section(data["plan"], data["compiles"][-1] if data["compiles"]
+                                  else {}))
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>glmc report</title>"
             f"<style>{_CSS}</style></head><body>{''.join(body)}</body></html>")
 

@@ -152,6 +152,9 @@ class Report:
     compiles: list[CompileRecord] = field(default_factory=list)
     #: a `glmc train` run's curve: rows of step, loss, lr, step_s, tokens_per_s, mfu
     training: list[dict[str, Any]] | None = None
+    #: `--plan auto`'s choice: {"of", "chosen", "runners_up"}, each plan {"rank",
+    #: "spelling", "step_s", "peak_bytes"} (glmc.frontend.planning)
+    plan: dict[str, Any] | None = None
 
     @property
     def history(self) -> list[PassRecord]:
@@ -164,7 +167,8 @@ class Report:
                            f"{platform.processor() or platform.platform()}",
                 "torch": torch.__version__,
                 "compiles": [c.to_dict() for c in self.compiles],
-                **({"training": self.training} if self.training else {})}
+                **({"training": self.training} if self.training else {}),
+                **({"plan": self.plan} if self.plan else {})}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, default=str)
@@ -222,7 +226,25 @@ def summary(data: dict[str, Any]) -> str:
             lines.append(f"  {len(c['fallbacks'])} op(s) fell back to eager:")
             lines += [f"    {f['op']} at {f['where']}" for f in c["fallbacks"]]
         lines += [f"  warning: {w}" for w in c.get("warnings", [])]
+    lines += plan_lines(data.get("plan"), data["compiles"][-1] if data["compiles"] else {})
     return "\n".join(lines)
+
+
+def plan_lines(plan: dict[str, Any] | None, last: dict[str, Any]) -> list[str]:
+    """`--plan auto`'s choice: its rank among the plans priced, predicted against this rank's
+    measured step, and the runners-up."""
+    if not plan:
+        return []
+    top = plan["chosen"]
+    measured = last.get("median_step_seconds")
+    meas = f", measured {measured * 1e3:.1f} ms" if measured else ""
+    lines = [f"plan (--plan auto): {top['spelling']}, rank {top['rank']} of {plan['of']} "
+             f"priced: predicted {top['step_s'] * 1e3:.1f} ms{meas}, "
+             f"{mib(top['peak_bytes'])} per process"]
+    lines += [f"  runner-up {p['rank']}: {p['spelling']}: predicted {p['step_s'] * 1e3:.1f} ms "
+              f"({p['step_s'] / top['step_s']:.2f}x), {mib(p['peak_bytes'])}"
+              for p in plan["runners_up"]]
+    return lines
 
 
 def _pass_lines(c: dict[str, Any]) -> list[str]:
