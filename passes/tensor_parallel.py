@@ -186,16 +186,17 @@ TP_META = "tensor_parallel"
 #: graph.meta: the ops the pass ran on whole operands (`Offense`s with their source lines)
 WHOLE_META = "tensor_parallel_whole"
 
+FROM = "glmc_tp_from"  #: a traced node's metadata: that of the step node it was traced for
+#: where a step node came from (its module, the forward module of a backward node, its source
+#: line): carried to the nodes traced for it, for the partition, the planner and reports
+_SOURCE_META = ("fwd_nn_module_stack", "nn_module_stack", "stack_trace")
+
 
 def _offense(n: fx.Node) -> Offense:
     info = TrainGraph.info(n)
     return Offense(f"{op_name(n)} ({info.phase.value}): no sharding rule keeps its operands "
                    "sharded; runs on whole operands (a sharded one all-gathered first)",
                    info.source or info.module or n.name)
-FROM = "glmc_tp_from"  #: a traced node's metadata: that of the step node it was traced for
-#: where a step node came from (its module, the forward module of a backward node, its source
-#: line): carried to the nodes traced for it, for the partition, the planner and reports
-_SOURCE_META = ("fwd_nn_module_stack", "nn_module_stack", "stack_trace")
 
 
 # ---- seeds ------------------------------------------------------------------------------------
@@ -225,7 +226,7 @@ _CASTS = ("_to_copy", "clone", "alias", "convert_element_type")
 
 def _source(n: fx.Node) -> fx.Node:
     """The value a linear reads, through views and copies."""
-    while op_name(n) in ("view", "_unsafe_view", "reshape", "clone", "_to_copy", "alias"):
+    while op_name(n) in ("view", "_unsafe_view", "reshape", *_CASTS):
         n = n.args[0]
     return n
 
@@ -360,15 +361,14 @@ def seed_tiles(graph: TrainGraph, size: int, pins: list[tuple[str, str]]) -> dic
             tiles[linears[mm]] = Tile("column", 0, _split_of(mm)[1])
         for name in reached:
             tiles.setdefault(name, Tile("row", 1, 1))
-    for mm, name in linears.items():  # the LM head: vocab-parallel into the loss
-        if name not in tiles and _feeds_log_softmax(mm):
+    heads = {name for mm, name in linears.items() if _feeds_log_softmax(mm)}
+    tables = {name: rows for _, name, rows in _embeddings(graph)}
+    for name in heads:  # the LM head: vocab-parallel into the loss
+        tiles.setdefault(name, Tile("column", 0, 1))
+    for name, rows in tables.items():  # vocab-parallel (Megatron's)
+        if name not in tiles and rows >= size:
             tiles[name] = Tile("column", 0, 1)
-    for _, name, vocab in _embeddings(graph):  # vocab-parallel (Megatron's)
-        if name not in tiles and vocab >= size:
-            tiles[name] = Tile("column", 0, 1)
-    vocab = {name for name, tile in tiles.items() if tile.kind == "column" and
-             (any(w == name and _feeds_log_softmax(mm) for mm, w in linears.items()) or
-              any(w == name for _, w, _ in _embeddings(graph)))}
+    vocab = heads | set(tables)  #: cut on their rows unevenly where the vocabulary must
     shapes = {TrainGraph.info(ph).target: TrainGraph.info(ph).spec.shape
               for ph in graph.placeholders()
               if TrainGraph.info(ph).role is Role.PARAMETER and TrainGraph.info(ph).spec}
@@ -393,7 +393,7 @@ def seed_tiles(graph: TrainGraph, size: int, pins: list[tuple[str, str]]) -> dic
             tiles[bias] = Tile("column", 0, tile.groups)
     for name, tile in tiles.items():
         extent = shapes[name][tile.dim]
-        if name in vocab and tile.groups == 1 and extent >= size:
+        if name in vocab and tile.dim == 0 and tile.groups == 1 and extent >= size:
             continue  # a vocabulary that does not divide: uneven blocks (torch.chunk's)
         if extent % (size * tile.groups):
             parts = f" x {tile.groups} parts" if tile.groups > 1 else ""
@@ -1106,12 +1106,12 @@ def _adopt(graph: TrainGraph, traced: fx.GraphModule, mesh: MeshSpec, plan: TpPl
             if sinfo is not None and sinfo.spec is not None and src.op != "placeholder":
                 src.meta["glmc"] = sinfo.replace(spec=dataclasses.replace(
                     sinfo.spec, placements=_before(info.comm, mesh)))
-    _phase_of_readers(traced.graph)
+    _settle_views(traced.graph)
     traced.recompile()
     graph.gm = traced
 
 
-def _phase_of_readers(g: fx.Graph) -> None:
+def _settle_views(g: fx.Graph) -> None:
     """The views DTensor traces between local blocks (`from_local`/`to_local`): one that
     keeps the shape goes, its marks (a gradient's) moved to its source, so that a later pass
     (ZeRO's shard) reshaping a state and its update finds no literal shape; a view of an

@@ -22,7 +22,7 @@ from torch import nn
 
 from glmc.errors import ConfigError
 from glmc.ir.graph import MeshSpec, TrainGraph
-from glmc.ir.plans import DIM, TP, Tile, TpPlan
+from glmc.ir.plans import DIM, TP, Tile, TpPlan, block_rows
 from glmc.parallel.data import (DataParallel, Parallel, init_distributed, micro_program,
                                 reset_sums, rows_of, split_micro_batches)
 from glmc.trace.capture import Batch
@@ -78,6 +78,8 @@ class TensorParallel(DataParallel):
         self.comm_state: dict[str, torch.Tensor] = {}
         self.link = measure_link(device=device)
         self.store: dict[str, torch.Tensor] = {}  #: this rank's blocks by input target
+        #: the whole shape of every sharded tensor (its blocks' extents follow: `_extents`)
+        self.shapes: dict[str, tuple[int, ...]] = {}
         self._owners: dict[str, tuple[Any, str]] = {}
 
     def passes(self, budgeted: bool) -> list[Any]:
@@ -153,6 +155,7 @@ class TensorParallel(DataParallel):
                 full = container[slot] if slot is not None else container.detach()
                 block = tile.local(full.detach(), self.tp_rank, self.tp_size)
                 self.store[target] = block
+                self.shapes[target] = tuple(full.shape)
                 if slot is not None:
                     container[slot] = block
                 else:
@@ -191,16 +194,15 @@ class TensorParallel(DataParallel):
             return optimizer.state[params[name]], key
         return params[target], None
 
-    def _extents(self, block: torch.Tensor, tile: Tile) -> list[int]:
-        """Every rank's extent of its block along the tile's dim (a vocabulary that does not
-        divide by tp: uneven blocks)."""
-        mine = torch.tensor([block.shape[tile.dim]], dtype=torch.int64, device=block.device)
-        every = [torch.empty_like(mine) for _ in range(self.tp_size)]
-        dist.all_gather(every, mine, group=self.tp_group)
-        return [int(t.item()) for t in every]
+    def _extents(self, target: str, tile: Tile) -> list[int]:
+        """Every rank's extent of its block of `target` along the tile's dim: `Tile.local`'s
+        cut of each of its parts (uneven where a vocabulary does not divide by tp)."""
+        part = self.shapes[target][tile.dim] // tile.groups
+        return [block_rows(part, r, self.tp_size)[1] * tile.groups
+                for r in range(self.tp_size)]
 
-    def _full(self, block: torch.Tensor, tile: Tile) -> torch.Tensor:
-        extents = self._extents(block, tile)
+    def _full(self, target: str, block: torch.Tensor, tile: Tile) -> torch.Tensor:
+        extents = self._extents(target, tile)
         longest, d = max(extents), tile.dim
         padded = block
         if block.shape[d] < longest:  # all_gather takes equal shapes: pad, then trim
@@ -231,7 +233,7 @@ class TensorParallel(DataParallel):
                 continue
             container, slot = self._owner(target, model, optimizer)
             block = container[slot] if slot is not None else container.detach()
-            full = self._full(block, tile)
+            full = self._full(target, block, tile)
             if slot is None:
                 saved.append((container, None, container.data))
                 container.data = full
@@ -282,10 +284,9 @@ class TensorParallel(DataParallel):
                     if tile is None:
                         continue
                     if tile.groups > 1:
-                        table[target] = self._full(block, tile)
+                        table[target] = self._full(target, block, tile)
                         continue
-                    shape = list(block.shape)
-                    shape[tile.dim] = sum(self._extents(block, tile))
+                    shape = self.shapes[target]
                     placements = [Shard(tile.dim) if d == TP else Replicate()
                                   for d in self.root.mesh_dim_names]
                     table[target] = DTensor.from_local(
