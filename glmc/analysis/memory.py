@@ -120,7 +120,7 @@ def simulate(graph: fx.Graph, traits: BackendTraits = EAGER,
     live = {c: 0 for c in CATEGORIES}
     for k in persistent:
         live[category[k]] += size[k]
-    workspace = _workspaces(nodes, fusion)
+    workspace = workspaces(nodes, fusion)
     timeline, peak_i = _timeline(nodes, storage, size, category, persistent, frees, live,
                                  workspace)
     peak = sum(timeline[peak_i][1].values()) if timeline else sum(live.values())
@@ -225,7 +225,7 @@ def _last_uses(nodes: list[fx.Node], index: dict[fx.Node, int],
     return last_use, readers
 
 
-def _workspaces(nodes: list[fx.Node], fusion: FusionModel | None) -> dict[fx.Node, int]:
+def workspaces(nodes: list[fx.Node], fusion: FusionModel | None) -> dict[fx.Node, int]:
     """Bytes each kernel allocates and frees inside (cost rules; the backend's say on its own
     kernels)."""
     out = {}

@@ -21,6 +21,9 @@ class Prediction:
     time: CostEstimate
     memory: MemoryEstimate
     comm: CommEstimate | None = None  #: an SPMD step's communication (glmc.analysis.comm)
+    #: the program both models ran (the write-back lowering on an in-place backend): the
+    #: nodes `memory.timeline` indexes
+    program: Any = None
 
     @property
     def step_seconds(self) -> float:
@@ -54,7 +57,7 @@ def predict(graph: TrainGraph, traits: BackendTraits = EAGER,
     if link is not None and has_comm(graph):
         comm = estimate_comm(lowered, time.node_seconds, ranks, link)
     done = comm.done_at if comm is not None else None
-    return Prediction(time, simulate(lowered, traits, done_at=done), comm)
+    return Prediction(time, simulate(lowered, traits, done_at=done), comm, lowered)
 
 
 def graph_device(graph: TrainGraph) -> str:

@@ -48,6 +48,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from glmc.analysis.cost import dispatch_overhead
+from glmc.analysis.memory import workspaces
 from glmc.analysis.opcost import op_cost
 from glmc.analysis.predict import predict
 from glmc.compiler.passmanager import PassContext
@@ -155,6 +156,16 @@ class PartCost:
     forward_flops: float  #: of the whole block (all tp ranks together)
     backward_flops: float
     overhead_s: float = 0.0  #: kernel launches / op dispatch, forward + backward, per micro-batch
+    #: the most this block has live at once (forward or backward) beyond what the blocks
+    #: before it saved for the backward: its own saved values, temporaries, the gradients
+    #: flowing through it (liveness over the step's program, `glmc.analysis.memory.simulate`)
+    peak_bytes: int = 0
+    #: the most its fused ops allocate inside at once (a chunk of logits or of the MLP's
+    #: hidden rows): the same for any micro-batch larger than a chunk
+    workspace_bytes: int = 0
+    #: what the update allocates beyond the gradients (new parameters and optimizer state
+    #: before the old ones are freed, temporaries), this block's share (batch-independent)
+    update_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -175,8 +186,13 @@ class Workload:
     #: the same blocks priced on each other device kind of a heterogeneous cluster
     by_device: dict[str, dict[int, tuple[PartCost, ...]]] = dataclasses.field(
         default_factory=dict)
+    #: the blocks as a whole step (no pipeline) compiles them: after the default passes
+    #: (fusion, cleanup); `parts` are the captured step's, as pipeline stages run it
+    whole: dict[int, tuple[PartCost, ...]] = dataclasses.field(default_factory=dict)
 
-    def parts_on(self, device: str, tp: int) -> tuple[PartCost, ...]:
+    def parts_on(self, device: str, tp: int, staged: bool = True) -> tuple[PartCost, ...]:
+        if not staged and device == self.device and tp in self.whole:
+            return self.whole[tp]
         return self.by_device.get(device, self.parts)[tp]
 
     def model_flops(self) -> float:
@@ -261,8 +277,9 @@ def price_workload(model: nn.Module, example_inputs: Any, loss_fn: Any = None,
     with fake:
         batch = _one_sequence(example_inputs, rows, fake)
     graph = capture(work, batch, loss_fn, opt)
-    parts, errors = {}, {}
+    parts, errors, whole = {}, {}, {}
     by_device: dict[str, dict[int, tuple[PartCost, ...]]] = {}
+    fused = _fused(graph, device, notes)
     for t in sorted(set(tps) | {1}):
         try:
             local = _shard(graph, t)
@@ -270,12 +287,42 @@ def price_workload(model: nn.Module, example_inputs: Any, loss_fn: Any = None,
             errors[t] = str(e)
             continue
         parts[t] = _expand(_price(local, device, t), list_name, layers, keep_layers)
+        whole[t] = parts[t] if fused is None else _expand(
+            _price(_shard(fused[t > 1], t), device, t), list_name, layers, keep_layers)
         for other in others:
             if other.name != device.name:
                 by_device.setdefault(other.name, {})[t] = _expand(
                     _price(local, other, t), list_name, layers, keep_layers)
     return Workload(layers, list_name, rows, tokens, parts, errors, precision, device.name,
-                    time.perf_counter() - started, tuple(notes), by_device)
+                    time.perf_counter() - started, tuple(notes), by_device, whole)
+
+
+def _fused(graph: TrainGraph, device: DeviceKind, notes: list[str]
+           ) -> tuple[TrainGraph, TrainGraph] | None:
+    """The step after the passes `glmc compile` runs on a whole step before its parallel
+    ones (the default pipeline's fusion and cleanup), as one process and as a tensor-parallel
+    group compiles it (`tp_pipeline`: the LM head and the MLP left for the pass to shard).
+    Pipeline stages are captured per stage without them. None where fusion fails on the
+    planning copy (noted; the captured step is priced instead)."""
+    from glmc.parallel.tensor import tp_pipeline
+    from glmc.passes import default_pipeline
+    traits = _traits(device)
+    cuda = device.profile.kind == "cuda"
+    out = []
+    for passes in (default_pipeline(device="cuda" if cuda else "cpu"),
+                   tp_pipeline(default_pipeline(device="cuda" if cuda else "cpu"))):
+        g = graph.copy()
+        ctx = PassContext(traits=traits, profile=device.profile)
+        try:
+            for p in passes:  # on a fusing backend attention is timed on real tensors:
+                if p.name == "fusion" and p.attention is None and traits.fuses:
+                    p = dataclasses.replace(p, attention=True)  # priced fused instead
+                p.run(g, ctx)
+        except GlmcError as e:
+            notes.append(f"whole-step passes not priced ({e}); the captured step is")
+            return None
+        out.append(g)
+    return out[0], out[1]
 
 
 def _fake_copy(model: nn.Module, fake: FakeTensorMode, dtype: torch.dtype,
@@ -338,9 +385,10 @@ def _price(graph: TrainGraph, device: DeviceKind, t: int) -> list[PartCost]:
     dispatch overhead (paid once per micro-batch)."""
     blocks = step_blocks(graph)
     traits = _traits(device)
-    seconds = predict(graph, traits, device.profile).time.node_seconds
+    pred = predict(graph, traits, device.profile)
+    seconds = pred.time.node_seconds
     launch = dispatch_overhead(device.profile, traits)
-    acc = {b: {"f": 0.0, "b": 0.0, "o": 0.0, "saved": 0, "out": 0, "ff": 0.0, "bf": 0.0,
+    acc = {b: {"f": 0.0, "b": 0.0, "o": 0.0, "out": 0, "ff": 0.0, "bf": 0.0,
                "comm": []} for b in blocks}
     update = 0.0
     for n in graph.compute_nodes():
@@ -363,16 +411,60 @@ def _price(graph: TrainGraph, device: DeviceKind, t: int) -> list[PartCost]:
         a["ff" if fwd else "bf"] += op_cost(n).flops * t  # the whole group's work
         if fwd and info.spec is not None and not is_view(n):  # a view holds no new storage
             users = [graph.info(u) for u in n.users if u.op == "call_function"]
-            if any(u.phase is Phase.BACKWARD for u in users):
-                a["saved"] += info.spec.nbytes
             if any(u.phase is Phase.FORWARD and owner(u.module, blocks) not in (block, None)
                    for u in users):
                 a["out"] += info.spec.nbytes
     params = _params(graph, blocks)
     total = sum(params.values()) or 1
+    saved, peaks, rooms, update_bytes = _live(graph, pred, traits, blocks)
     return [PartCost(b, acc[b]["f"], acc[b]["b"], update * params[b] / total, params[b],
-                     acc[b]["saved"], acc[b]["out"], tuple(acc[b]["comm"]), acc[b]["ff"],
-                     acc[b]["bf"], acc[b]["o"]) for b in blocks]
+                     saved[b], acc[b]["out"], tuple(acc[b]["comm"]), acc[b]["ff"],
+                     acc[b]["bf"], acc[b]["o"], peaks[b], rooms[b],
+                     update_bytes * params[b] // total)
+            for b in blocks]
+
+
+def _live(graph: TrainGraph, pred: Any, traits: Any, blocks: list[str]
+          ) -> tuple[dict[str, int], dict[str, int], dict[str, int], int]:
+    """From the liveness of the step's program on one sequence (`pred.memory`, over the
+    program the backend runs): per block, the forward values its backward reads (the
+    activations its forward nodes allocate: views and aliases followed) and the most it has
+    live at once beyond what the blocks before it saved (weights' gradients left out: the
+    plan counts them by ZeRO stage) with its fused ops' workspace apart (chunked: it does not
+    grow with the micro-batch); and what the update holds beyond the gradients (all blocks
+    together)."""
+    nodes = list(pred.program.nodes)
+    fusion = traits.fusion(pred.program) if traits.fusion is not None else None
+    inside = workspaces(nodes, fusion)
+    timeline = []  # (node, block, live bytes) of the forward and backward nodes
+    saved = dict.fromkeys(blocks, 0)
+    grads = sum(graph.info(ph).spec.nbytes for spec, ph in
+                zip(graph.inputs, graph.placeholders())
+                if spec.role is Role.PARAMETER and graph.info(ph).spec is not None)
+    update, held = 0, 0
+    for i, live in pred.memory.timeline:
+        n = nodes[i]
+        info = n.meta.get("glmc")  # the write-back lowering's own copies carry none
+        if n.op != "call_function" or info is None:
+            continue
+        if info.phase is Phase.OPTIMIZER:
+            update = max(update, live["activations"] + live["temporaries"]
+                         + live["gradients"] - grads)
+        elif info.phase in (Phase.FORWARD, Phase.BACKWARD):
+            b = _block_of(graph, n, blocks)
+            if info.phase is Phase.FORWARD:
+                saved[b] += max(0, live["activations"] - held)
+            held = live["activations"]
+            room = inside.get(n, 0)
+            timeline.append((b, live["activations"] + live["temporaries"] - room, room))
+    before, run = {}, 0
+    for b in blocks:  # forward order
+        before[b], run = run, run + saved[b]
+    peaks, rooms = dict.fromkeys(blocks, 0), dict.fromkeys(blocks, 0)
+    for b, live_bytes, room in timeline:
+        peaks[b] = max(peaks[b], live_bytes - before[b])
+        rooms[b] = max(rooms[b], room)
+    return saved, peaks, rooms, update
 
 
 def _block_of(graph: TrainGraph, n: Any, blocks: list[str]) -> str:
@@ -380,7 +472,9 @@ def _block_of(graph: TrainGraph, n: Any, blocks: list[str]) -> str:
     or a sum the tensor-parallel pass added) takes its first input's; glue and the loss go to
     the last block."""
     for _ in range(4):
-        info = graph.info(n)
+        info = n.meta.get("glmc")
+        if info is None:
+            break
         module = info.module if info.phase is Phase.FORWARD else _forward_module(n)
         found = owner(module, blocks)
         if found is not None:
@@ -437,7 +531,10 @@ def _mean(parts: list[PartCost]) -> PartCost:
                     round(sum(p.out_bytes for p in parts) / k), comm,
                     sum(p.forward_flops for p in parts) / k,
                     sum(p.backward_flops for p in parts) / k,
-                    sum(p.overhead_s for p in parts) / k)
+                    sum(p.overhead_s for p in parts) / k,
+                    round(sum(p.peak_bytes for p in parts) / k),
+                    round(sum(p.workspace_bytes for p in parts) / k),
+                    round(sum(p.update_bytes for p in parts) / k))
 
 
 def _merge(name: str, parts: list[PartCost]) -> PartCost:
@@ -446,4 +543,15 @@ def _merge(name: str, parts: list[PartCost]) -> PartCost:
                     sum(p.saved_bytes for p in parts), sum(p.out_bytes for p in parts),
                     tuple(c for p in parts for c in p.tp_bytes),
                     sum(p.forward_flops for p in parts), sum(p.backward_flops for p in parts),
-                    sum(p.overhead_s for p in parts))
+                    sum(p.overhead_s for p in parts), _merged_peak(parts),
+                    max((p.workspace_bytes for p in parts), default=0),
+                    sum(p.update_bytes for p in parts))
+
+
+def _merged_peak(parts: list[PartCost]) -> int:
+    """The peak of consecutive blocks as one: each block's peak on top of what the blocks
+    before it in the group saved."""
+    out, run = 0, 0
+    for p in parts:
+        out, run = max(out, run + p.peak_bytes), run + p.saved_bytes
+    return out

@@ -18,6 +18,9 @@ from glmc.parallel.cluster import Cluster, DeviceKind, dtype_name
 from glmc.parallel.planner import (_STATE, MICROBATCHES, PartCost, PlanPoint, Workload,
                                    _is_layer)
 from glmc.passes.partition import balanced_cut
+from glmc.passes.shard import ShardPass
+
+_BUCKET_BYTES = int(ShardPass.bucket_mb * 2**20)  #: the runtime's default ZeRO bucket
 
 
 @dataclass(frozen=True)
@@ -157,7 +160,7 @@ def _chunks(p: PlanPoint, work: Workload, devs: list[DeviceKind], cut: str | Non
             ) -> tuple[tuple[PartCost, ...], ...]:
     """The model's blocks cut into pp x virtual chunks, each priced on its stage's device."""
     if len({d.name for d in devs}) == 1:
-        return _split(work.parts_on(devs[0].name, p.tp), p.pp * p.virtual,
+        return _split(work.parts_on(devs[0].name, p.tp, p.pp > 1), p.pp * p.virtual,
                       p.recompute == "full", p.microbatch)
     if p.virtual > 1:
         raise ConfigError("plan: interleaved stages on a heterogeneous cluster are not "
@@ -293,24 +296,53 @@ def _sync_and_update(p: PlanPoint, ranks: list, link: Any, work: Workload, m: in
 
 def _memory(p: PlanPoint, chunk_list: list, rank: int, last: tuple, work: Workload, m: int
             ) -> dict[str, int]:
-    """Bytes on a device of pipeline rank `rank`, by category. The model's last chunk (head
-    and loss) starts its backward right after its forward: one micro-batch in flight."""
+    """Bytes on a device of pipeline rank `rank` at its busiest moment, by category: the
+    state by precision and ZeRO stage, and the most of (a) the activations of the
+    micro-batches in flight with one block at its own peak (`PartCost.peak_bytes`, forward
+    or backward; under full recompute a layer keeps only its output and comes back whole in
+    its backward) and the gradients by then, or (b) the update's transient. The model's last
+    chunk (head and loss) starts its backward right after its forward: one micro-batch in
+    flight."""
     pb, gb, ob = _STATE[work.precision]
     params = sum(c.params for ch in chunk_list for c in ch)
     flight = _in_flight(p, rank, m)
-    held = 0.0
+    full = p.recompute == "full"
+
+    def kept(c: PartCost) -> int:
+        return c.out_bytes if full and _is_layer(c) else c.saved_bytes
+    held = sum((1 if ch is last and p.schedule != "gpipe" else flight) * kept(c)
+               for ch in chunk_list for c in ch)
+    grad_shard = p.dp if p.zero >= 2 else 1
+    accumulating = m > 1  # earlier micro-batches' gradients are held
+    # glmc's ZeRO buckets (passes.shard): stage 3 holds a bucket of whole parameters and
+    # prefetches the next; stages 2-3 reduce-scatter each bucket of whole gradients; after a
+    # stage 1-2 update the new parameters are all-gathered whole
+    bucket = _BUCKET_BYTES if p.dp > 1 else 0
+    gathered = min(2 * bucket, params * pb) if p.zero == 3 else 0
+    unsharded = min(bucket, params * gb) if p.zero >= 2 else 0
+    best = (-1, 0, 0, 0)  # (total, activations, working, gradients)
     for ch in chunk_list:
-        saved = sum(c.out_bytes if p.recompute == "full" and _is_layer(c)
-                    else c.saved_bytes for c in ch)
-        held += (1 if ch is last and p.schedule != "gpipe" else flight) * saved
-    # full recompute: one layer's activations come back at a time during the backward
-    work_set = max((c.saved_bytes for ch in chunk_list for c in ch if _is_layer(c)),
-                   default=0) if p.recompute == "full" else 0
+        after = 0  # this micro-batch's values the chunk's later blocks saved
+        grads_after = 0
+        for c in reversed(ch):
+            grads_after += c.params * gb
+            acts = p.microbatch * (held - after - kept(c))
+            work_set = p.microbatch * c.peak_bytes + c.workspace_bytes + gathered
+            grads = (params * gb if accumulating else grads_after) // grad_shard + unsharded
+            if acts + work_set + grads > best[0]:
+                best = (acts + work_set + grads, acts, work_set, grads)
+            after += kept(c)
+    update = sum(c.update_bytes for ch in chunk_list for c in ch) // (p.dp if p.zero else 1)
+    if p.zero in (1, 2) and p.dp > 1:
+        update += params * pb
+    grads = params * gb // grad_shard
+    if update + grads > best[0]:
+        best = (update + grads, 0, update, grads)
     return {"parameters": params * pb // (p.dp if p.zero == 3 else 1),
-            "gradients": params * gb // (p.dp if p.zero >= 2 else 1),
+            "gradients": best[3],
             "optimizer": params * ob // (p.dp if p.zero >= 1 else 1),
-            "activations": int(p.microbatch * held),
-            "working": p.microbatch * work_set}
+            "activations": max(0, best[1]),
+            "working": best[2]}
 
 
 def _in_flight(p: PlanPoint, rank: int, m: int) -> float:

@@ -94,22 +94,7 @@ class TensorParallel(DataParallel):
         return out + (self.options.passes(self.link, budgeted) if self.dp > 1 else [])
 
     def pipeline(self, passes: list[Any]) -> list[Any]:
-        """The fusion pass leaves the LM head and its cross-entropy unfused unless asked for
-        (`loss=true`, e.g. under a memory budget): the tensor_parallel pass then shards the
-        head over the vocabulary into torch's loss-parallel cross-entropy, where glmc's fused
-        head would stay whole on every rank. Likewise the MLP stays `gated` (its projections
-        are what the pass shards), not `chunked`. The precision pass's fused fp32
-        cross-entropy (`fuse_loss`, one glmc op of the head and the loss) is left out for the
-        same reason: the head stays a matmul into `_log_softmax`."""
-        out = []
-        for p in passes:
-            if p.name == "fusion":
-                p = dataclasses.replace(p, loss=False if p.loss is None else p.loss,
-                                        mlp="gated")
-            elif p.name == "precision" and p.fuse_loss:
-                p = dataclasses.replace(p, fuse_loss=False)
-            out.append(p)
-        return out
+        return tp_pipeline(passes)
 
     def wants_micro_program(self, graph: TrainGraph) -> bool:
         return bool(graph.meta.get("accumulators"))
@@ -321,3 +306,21 @@ class TensorParallel(DataParallel):
                         key, _, name = target.partition(":")
                         optimizer.state[params[name]][key].copy_(src)
 
+
+def tp_pipeline(passes: list[Any]) -> list[Any]:
+    """The fusion pass leaves the LM head and its cross-entropy unfused unless asked for
+    (`loss=true`, e.g. under a memory budget): the tensor_parallel pass then shards the
+    head over the vocabulary into torch's loss-parallel cross-entropy, where glmc's fused
+    head would stay whole on every rank. Likewise the MLP stays `gated` (its projections
+    are what the pass shards), not `chunked`. The precision pass's fused fp32
+    cross-entropy (`fuse_loss`, one glmc op of the head and the loss) is left out for the
+    same reason: the head stays a matmul into `_log_softmax`."""
+    out = []
+    for p in passes:
+        if p.name == "fusion":
+            p = dataclasses.replace(p, loss=False if p.loss is None else p.loss,
+                                    mlp="gated")
+        elif p.name == "precision" and p.fuse_loss:
+            p = dataclasses.replace(p, fuse_loss=False)
+        out.append(p)
+    return out
