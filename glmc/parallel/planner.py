@@ -11,8 +11,10 @@ How a plan is priced (the figures are glmc's own programs, not a formula per mod
    class, same parameter shapes), only two of them are captured and the list's length is
    restored by repetition: a 96-layer model costs what a 2-layer one does.
 2. **Per tensor-parallel degree.** For each degree `t`, the `tensor_parallel` pass shards a
-   copy of the captured step over a fake mesh of `t` ranks; the cost model prices every node
-   of that local program on the device profile (Inductor's fusion model on GPUs); each layer
+   copy of the captured step over a fake mesh of `t` ranks (once as captured, as pipeline
+   stages run it, and once after the default fusion and cleanup passes, as a whole step
+   compiles); the cost model prices every node of that local program on the device profile
+   (Inductor's fusion model on GPUs); each layer
    then has forward/backward/update seconds, the activations its backward reads, the bytes it
    hands to the next layer and its all-reduces, all per sequence.
 3. **Per plan** (`dp x tp x pp`, ZeRO stage, sequences per micro-batch, schedule, virtual
@@ -25,9 +27,19 @@ How a plan is priced (the figures are glmc's own programs, not a formula per mod
    synchronisation (all-reduce, or reduce-scatter and all-gather for ZeRO 1-2, plus ZeRO-3's
    parameter all-gathers per micro-batch) is exposed beyond the last micro-batch's backward;
    the update follows (sharded over dp under ZeRO >= 1).
-   Memory per device: parameters, gradients and optimizer state by precision and ZeRO stage,
-   plus the activations of the micro-batches the schedule keeps in flight (1F1B: `pp - stage`;
-   GPipe: all `m`; interleaved: `pp` plus the extra virtual chunks) and one layer's working set.
+   Memory per device, from the liveness of the program glmc compiles
+   (`glmc.analysis.memory.simulate` on the one-sequence step: a whole step after the default
+   passes, fusion and cleanup; a pipeline stage as captured, the way stages run): per block
+   the values its backward reads, the most it holds at once above what the blocks before it
+   saved, and its fused ops' workspace (chunked, so the same for any micro-batch); the
+   update's own transient. A rank's peak is the larger of its busiest block (the activations
+   of the micro-batches in flight — 1F1B: `pp - stage`; GPipe: all `m`; interleaved: `pp`
+   plus the extra virtual chunks — with that block's peak, and the gradients live by then:
+   all of them once micro-batches accumulate) and its update, on top of parameters and
+   optimizer state by precision and ZeRO stage; ZeRO's buckets (`passes.shard`, 25 MB) add
+   stage 3's gathered parameters (a bucket and the prefetched next), stages 2-3's whole
+   gradients of a bucket before its reduce-scatter, and stages 1-2's all-gathered new
+   parameters after the update.
 
 Not priced: dropout (the planning copy sets it to 0; random ops are not sharded yet),
 selective recompute (not in the search yet). Heterogeneous clusters: each pipeline stage is

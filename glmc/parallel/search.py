@@ -310,7 +310,7 @@ def _memory(p: PlanPoint, chunk_list: list, rank: int, last: tuple, work: Worklo
 
     def kept(c: PartCost) -> int:
         return c.out_bytes if full and _is_layer(c) else c.saved_bytes
-    held = sum((1 if ch is last and p.schedule != "gpipe" else flight) * kept(c)
+    held = sum((1 if ch is last and p.schedule in ("1f1b", "interleaved") else flight) * kept(c)
                for ch in chunk_list for c in ch)
     grad_shard = p.dp if p.zero >= 2 else 1
     accumulating = m > 1  # earlier micro-batches' gradients are held
@@ -353,6 +353,8 @@ def _in_flight(p: PlanPoint, rank: int, m: int) -> float:
         return m
     if p.schedule == "interleaved":  # Megatron-LM: pp (1 + (pp - 1) / (pp v)) on rank 0
         return min(m, p.pp - rank + (p.pp - 1) / p.virtual)
+    if p.schedule == "zbh1":  # torch's ZB-H1 order (the runtime's): every rank, the last
+        return min(m, p.pp)  # too, keeps up to pp micro-batches' values until their W
     return min(m, p.pp - rank)
 
 
