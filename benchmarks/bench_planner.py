@@ -180,6 +180,28 @@ def _markdown(results: list[dict], meta: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def _plot(results: list[dict], path: Path) -> None:
+    """Predicted against measured step time and per-rank peak, one marker per case."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.5))
+    for ax, key, unit, scale in ((axes[0], "step_s", "ms", 1e3),
+                                 (axes[1], "peak_bytes", "MiB", 2**-20)):
+        lo, hi = float("inf"), 0.0
+        for r, marker in zip(results, "os^Dvx"):
+            xs = [row[f"measured_{key}"] * scale for row in r["rows"]]
+            ys = [row[f"predicted_{key}"] * scale for row in r["rows"]]
+            ax.scatter(xs, ys, marker=marker, s=22, label=f"{r['case']} x{r['nproc']}")
+            lo, hi = min(lo, *xs, *ys), max(hi, *xs, *ys)
+        ax.plot([lo, hi], [lo, hi], color="grey", lw=0.8)
+        ax.set_xlabel(f"measured {'step' if key == 'step_s' else 'peak per rank'} ({unit})")
+        ax.set_ylabel(f"predicted ({unit})")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
 def repredict(path: Path) -> list[dict]:
     """The measured rows of `path` (a planner.json) with the current model's predictions:
     the runs do not depend on the planner, so a model change is checked without rerunning."""
@@ -243,6 +265,7 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "planner.json").write_text(json.dumps({**meta, "cases": results}, indent=1))
     (RESULTS / "planner.md").write_text(_markdown(results, meta))
+    _plot(results, RESULTS / "planner.svg")
     print(_markdown(results, meta))
 
 
