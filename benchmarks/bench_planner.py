@@ -128,6 +128,12 @@ def run_case(name: str, nproc: int, rounds: int, steps: int, limit: int) -> dict
     return _summary(name, nproc, rows, len(plans))
 
 
+def _data_parallel_only(spelling: str) -> bool:
+    from glmc.parallel.planner import parse_spelling
+    p = parse_spelling(spelling)
+    return p["tp"] == p["pp"] == 1 < p["dp"]
+
+
 def _summary(name: str, nproc: int, rows: list[dict], priced: int) -> dict:
     ps = [r["predicted_step_s"] for r in rows]
     ms = [r["measured_step_s"] for r in rows]
@@ -135,8 +141,7 @@ def _summary(name: str, nproc: int, rows: list[dict], priced: int) -> dict:
     mp = [r["measured_peak_bytes"] for r in rows]
     # exposed data-parallel communication: runs without pipelining whose report measured it
     comm = [(r["predicted_exposed_comm_s"], r["measured_exposed_comm_s"]) for r in rows
-            if r.get("measured_exposed_comm_s") and "tp=1," in r["spelling"]
-            and ",pp=1," in r["spelling"] and not r["spelling"].startswith("dp=1,")]
+            if r.get("measured_exposed_comm_s") and _data_parallel_only(r["spelling"])]
     best = min(rows, key=lambda r: r["measured_step_s"])
     pick = min(rows, key=lambda r: r["glmc_rank"])
     return {"case": name, "nproc": nproc, "priced": priced, "rows": rows,

@@ -103,9 +103,10 @@ def test_memory_follows_zero_and_recompute(tiny: tuple, monkeypatch: pytest.Monk
            for z in range(4)}
     assert mem[1]["optimizer"] * 4 == pytest.approx(mem[0]["optimizer"], rel=0.01)
     # ZeRO-2 reduce-scatters bucket by bucket: a model within one bucket holds its whole
-    # gradients once (as measured: bench_planner's ZeRO-2 peaks are not below ZeRO-1's)
-    assert mem[2]["gradients"] >= mem[1]["gradients"] / 4
+    # gradients once beside its shard (as measured: bench_planner's ZeRO-2 peaks are not
+    # below ZeRO-1's)
     params = sum(c.params for c in work.parts[1])
+    assert mem[2]["gradients"] > params * 4
     monkeypatch.setattr(search_mod, "_BUCKET_BYTES", params * 4 // 16)  # 16 buckets
     small = evaluate(PlanPoint(**{**base.__dict__, "zero": 2}), work, cluster).memory
     assert small["gradients"] < mem[1]["gradients"]

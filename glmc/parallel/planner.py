@@ -291,7 +291,7 @@ def price_workload(model: nn.Module, example_inputs: Any, loss_fn: Any = None,
     graph = capture(work, batch, loss_fn, opt)
     parts, errors, whole = {}, {}, {}
     by_device: dict[str, dict[int, tuple[PartCost, ...]]] = {}
-    fused = _fused(graph, device, notes)
+    fused = _fused(graph, device, notes, sharded=any(t > 1 for t in tps))
     for t in sorted(set(tps) | {1}):
         try:
             local = _shard(graph, t)
@@ -309,22 +309,22 @@ def price_workload(model: nn.Module, example_inputs: Any, loss_fn: Any = None,
                     time.perf_counter() - started, tuple(notes), by_device, whole)
 
 
-def _fused(graph: TrainGraph, device: DeviceKind, notes: list[str]
-           ) -> tuple[TrainGraph, TrainGraph] | None:
+def _fused(graph: TrainGraph, device: DeviceKind, notes: list[str], sharded: bool
+           ) -> list[TrainGraph] | None:
     """The step after the passes `glmc compile` runs on a whole step before its parallel
-    ones (the default pipeline's fusion and cleanup), as one process and as a tensor-parallel
-    group compiles it (`tp_pipeline`: the LM head and the MLP left for the pass to shard).
-    Pipeline stages are captured per stage without them. None where fusion fails on the
-    planning copy (noted; the captured step is priced instead)."""
+    ones (the default pipeline's fusion and cleanup): as one process compiles it and, where
+    `sharded`, as a tensor-parallel group does (`tp_pipeline`: the LM head and the MLP left
+    for the pass to shard), indexed by `t > 1`. Pipeline stages are captured per stage
+    without them. None where fusion fails on the planning copy (noted; the captured step is
+    priced instead)."""
     from glmc.parallel.tensor import tp_pipeline
     from glmc.passes import default_pipeline
     traits = _traits(device)
-    cuda = device.profile.kind == "cuda"
+    base = default_pipeline(device="cuda" if device.profile.kind == "cuda" else "cpu")
+    ctx = PassContext(traits=traits, profile=device.profile)
     out = []
-    for passes in (default_pipeline(device="cuda" if cuda else "cpu"),
-                   tp_pipeline(default_pipeline(device="cuda" if cuda else "cpu"))):
+    for passes in (base, tp_pipeline(base)) if sharded else (base,):
         g = graph.copy()
-        ctx = PassContext(traits=traits, profile=device.profile)
         try:
             for p in passes:  # on a fusing backend attention is timed on real tensors:
                 if p.name == "fusion" and p.attention is None and traits.fuses:
@@ -334,7 +334,7 @@ def _fused(graph: TrainGraph, device: DeviceKind, notes: list[str]
             notes.append(f"whole-step passes not priced ({e}); the captured step is")
             return None
         out.append(g)
-    return out[0], out[1]
+    return out
 
 
 def _fake_copy(model: nn.Module, fake: FakeTensorMode, dtype: torch.dtype,
@@ -448,7 +448,7 @@ def _live(graph: TrainGraph, pred: Any, traits: Any, blocks: list[str]
     nodes = list(pred.program.nodes)
     fusion = traits.fusion(pred.program) if traits.fusion is not None else None
     inside = workspaces(nodes, fusion)
-    timeline = []  # (node, block, live bytes) of the forward and backward nodes
+    timeline = []  # forward and backward nodes: (block, live bytes less workspace, workspace)
     saved = dict.fromkeys(blocks, 0)
     grads = sum(graph.info(ph).spec.nbytes for spec, ph in
                 zip(graph.inputs, graph.placeholders())

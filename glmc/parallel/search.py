@@ -341,7 +341,7 @@ def _memory(p: PlanPoint, chunk_list: list, rank: int, last: tuple, work: Worklo
     return {"parameters": params * pb // (p.dp if p.zero == 3 else 1),
             "gradients": best[3],
             "optimizer": params * ob // (p.dp if p.zero >= 1 else 1),
-            "activations": max(0, best[1]),
+            "activations": best[1],
             "working": best[2]}
 
 
