@@ -361,19 +361,29 @@ def test_plan_auto_reports_its_choice_and_the_runners_up(tmp_path: Path,
 
 def test_processes_that_outnumber_the_cores_share_them(tiny: tuple,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """`--cluster local` with more processes than cores: each gets its share of a core, so
-    its compute and update take proportionally longer (4 processes on 2 cores: twice);
-    the measured 4-process runs on 2 cores were 39% slower than predicted without it."""
+    """`--cluster local` with more processes than cores: the cores are shared fairly, so
+    four busy processes on two cores take twice as long (the measured 4-process runs on 2
+    cores were 39% slower than predicted without it), while a pipeline that runs its stages
+    one at a time (one micro-batch) leaves each a whole core (the bubble frees them)."""
     import dataclasses
 
     from glmc.parallel import cluster as cl
+    from glmc.parallel.search import _shared
     monkeypatch.setattr(cl.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     assert cl._host(2).share == 1.0 and cl._host(4).share == 0.5
+    # four processes on two cores, one with 3 s of work: half a core each until the short
+    # ones are done (2 s), then a whole core for the rest (2 s)
+    assert _shared([1.0, 1.0, 1.0, 3.0], 2) == pytest.approx(4.0)
+    assert _shared([1.0, 1.0], 2) == pytest.approx(1.0)
     work, cluster = tiny
-    point = PlanPoint(4, 1, 1, 0, 2, "1f1b", 1, "none", "bf16")
-    whole = evaluate(point, work, cluster)
     dev = dataclasses.replace(cluster.groups[0].device, share=0.5)
     halved = Cluster((dataclasses.replace(cluster.groups[0], device=dev),))
-    shared = evaluate(point, work, halved)
-    for key in ("compute", "update"):
-        assert shared.breakdown[key] == pytest.approx(2 * whole.breakdown[key])
+    point = PlanPoint(4, 1, 1, 0, 2, "1f1b", 1, "none", "bf16")
+    whole, shared = evaluate(point, work, cluster), evaluate(point, work, halved)
+    busy = whole.breakdown["compute"] + whole.breakdown["update"]
+    assert shared.breakdown["contention"] == pytest.approx(busy)
+    assert whole.breakdown["contention"] == 0
+    assert shared.step_s - whole.step_s >= busy * 0.999
+    sequential = PlanPoint(1, 1, 4, 0, work.sequences, "1f1b", 1, "none", "bf16")
+    assert evaluate(sequential, work, halved).step_s == \
+        pytest.approx(evaluate(sequential, work, cluster).step_s)

@@ -531,9 +531,15 @@ class DataParallel:
                             "check the other ranks' output") from e
 
     def time_waits(self, run: Any) -> tuple[Any, float]:
-        """`run()`'s result and the seconds it spent blocked in collective waits: the
-        communication the step did not hide (glmc.analysis.comm.measure_waits)."""
-        return measure_waits(run)
+        """`run()`'s result and the seconds the step spent blocked in collective waits
+        (glmc.analysis.comm.measure_waits) on the rank that waited least: the one that reached
+        the collectives last waits for the communication the step did not hide alone, the
+        others for it and for that rank (load imbalance, the OS's scheduling). Every rank
+        must call it."""
+        out, waited = measure_waits(run)
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, waited)
+        return out, min(every)
 
     # -- state ----------------------------------------------------------------------------------
 

@@ -85,17 +85,30 @@ def evaluate(p: PlanPoint, work: Workload, cluster: Cluster, overlap: bool = Tru
     ranks = [[c for i, c in enumerate(chunks) if i % p.pp == r] for r in range(p.pp)]
     per_rank = [_rank_costs(p, chunk_list, chunks[-1], devs[r], cluster)
                 for r, chunk_list in enumerate(ranks)]
-    slow = max(range(p.pp), key=lambda r: sum(per_rank[r]))
-    per_mb = sum(per_rank[slow])
-    extra = {"1f1b": p.pp - 1, "gpipe": p.pp - 1, "zbh1": (p.pp - 1) / 3,
-             "interleaved": (p.pp - 1) / p.virtual}[p.schedule] if p.pp > 1 else 0
+    per_mb = [sum(costs) for costs in per_rank]
+    slow = max(range(p.pp), key=lambda r: per_mb[r])
     dev = devs[0]
     dp_link = dev.intra if p.dp * p.tp <= cluster.per_node else dev.inter
-    sync, update = _sync_and_update(p, ranks, dp_link, work, m, per_rank, overlap, cluster,
-                                    min(d.share for d in devs))
     comp, rec, tp, p2p = (m * x for x in per_rank[slow])
+    bubble = _bubble(p, per_mb)
+    updates = [sum(c.update_s for ch in chunk_list for c in ch) / (p.dp if p.zero else 1)
+               for chunk_list in ranks]
+    # processes that outnumber the cores (`share` < 1) wait for one: the computing part of
+    # the step lasts at least as long as the host takes for every rank's busy time under fair
+    # sharing, though the schedule alone may leave cores idle (a pipeline's bubble frees them
+    # for the busy stages); a tensor-parallel group's all-reduces stop all of its ranks at
+    # once, so they absorb nothing
+    share = min(d.share for d in devs)
+    window = comp + rec + p2p + bubble + updates[slow]
+    contention = 0.0
+    if share < 1:
+        busy = [m * (c + r) + u for (c, r, _, _), u in zip(per_rank, updates)]
+        contention = max(0.0, _shared(busy * (p.dp * p.tp), p.devices * share) - window)
+    stretch = (window + contention) / window if window else 1.0
+    sync, update = _sync_and_update(p, ranks, dp_link, work, m, per_rank, overlap, cluster,
+                                    stretch)
     breakdown = {"compute": comp, "recompute": rec, "tp_comm": tp, "p2p": p2p,
-                 "bubble": extra * per_mb, **sync, "update": update}
+                 "bubble": bubble, "contention": contention, **sync, "update": update}
     step = sum(breakdown.values())
     memories = [_memory(p, chunk_list, r, chunks[-1], work, m)
                 for r, chunk_list in enumerate(ranks)]
@@ -114,14 +127,15 @@ def evaluate(p: PlanPoint, work: Workload, cluster: Cluster, overlap: bool = Tru
 
 def _rank_costs(p: PlanPoint, chunk_list: list, last: tuple, dev: DeviceKind,
                 cluster: Cluster) -> tuple[float, float, float, float]:
-    """One micro-batch on one pipeline rank: compute, recompute, tensor-parallel all-reduces
+    """One micro-batch on one pipeline rank: compute, recompute (both at the device's full
+    speed: `evaluate` adds what sharing a host's cores costs), tensor-parallel all-reduces
     (not overlapped) and sends/receives to the neighbouring stages."""
     b = p.microbatch
     pp_link = dev.intra if p.dp * p.tp * p.pp <= cluster.per_node else dev.inter
     comp = sum(b * (c.forward_s + c.backward_s) + c.overhead_s
-               for ch in chunk_list for c in ch) / dev.share
+               for ch in chunk_list for c in ch)
     rec = sum(b * c.forward_s + c.overhead_s / 3 for ch in chunk_list for c in ch
-              if p.recompute == "full" and _is_layer(c)) / dev.share
+              if p.recompute == "full" and _is_layer(c))
     tp = sum(collective_seconds("all_reduce", nbytes * b, p.tp, dev.intra)
              for ch in chunk_list for c in ch for phase, nbytes in c.tp_bytes
              for _ in range(1 + (p.recompute == "full" and _is_layer(c)
@@ -132,6 +146,27 @@ def _rank_costs(p: PlanPoint, chunk_list: list, last: tuple, dev: DeviceKind,
             nbytes = ch[-1].out_bytes * b
             p2p += 2 * (pp_link.latency_s + nbytes / pp_link.bandwidth)
     return comp, rec, tp, p2p
+
+
+def _shared(busy: list[float], cores: float) -> float:
+    """When processes with `busy` seconds of single-core work each, all started together,
+    finish on `cores` cores shared fairly (the OS scheduler's processor sharing): while k run,
+    each gets min(1, cores / k) of a core."""
+    t = done = 0.0
+    for i, w in enumerate(sorted(busy)):
+        t += (w - done) / min(1.0, cores / (len(busy) - i))
+        done = w
+    return t
+
+
+def _bubble(p: PlanPoint, per_mb: list[float]) -> float:
+    """The pipeline's fill and drain on its slowest rank: one micro-batch through every other
+    stage ((pp - 1) x its time where the stages are balanced), a third of that under ZB-H1
+    (weight gradients fill it), 1/virtual interleaved."""
+    if p.pp == 1:
+        return 0.0
+    scale = {"1f1b": 1.0, "gpipe": 1.0, "zbh1": 1 / 3, "interleaved": 1 / p.virtual}
+    return scale[p.schedule] * (sum(per_mb) - max(per_mb))
 
 
 def _stage_devices(p: PlanPoint, cluster: Cluster) -> list[DeviceKind]:
@@ -255,43 +290,106 @@ def _all_reduce(nbytes: int, p: PlanPoint, link: Any, cluster: Cluster) -> float
 
 
 def _sync_and_update(p: PlanPoint, ranks: list, link: Any, work: Workload, m: int,
-                     per_rank: list, overlap: bool, cluster: Cluster, share: float = 1.0
+                     per_rank: list, overlap: bool, cluster: Cluster, stretch: float = 1.0
                      ) -> tuple[dict[str, float], float]:
-    """Exposed data-parallel synchronisation (by collective kind) and the update, on the
-    rank where they take longest."""
+    """Exposed data-parallel synchronisation (by collective kind: what the rank waits for),
+    the compute its overlapped collectives slow (`comm_contention`, where they share the
+    cores: gloo) and the update, on the rank where they take longest. `stretch`: how much
+    sharing the cores lengthens the compute that hides the synchronisation."""
     worst: tuple[float, dict[str, float], float] = (-1.0, {}, 0.0)
-    for r, chunk_list in enumerate(ranks):
-        params = sum(c.params for ch in chunk_list for c in ch)
-        grad_bytes = params * _STATE[work.precision][1]
-        param_bytes = params * _STATE[work.precision][0]
-        kinds: dict[str, float] = {}  # during the last backward (may overlap it)
-        after = 0.0  # after the update: ZeRO-1/2's all-gather of the new parameters
+    pb, gb, _ = _STATE[work.precision]
+    for chunk_list in ranks:
+        blocks = [c for ch in chunk_list for c in ch]
+        kinds: dict[str, float] = {}
+        overlapped = 0.0
         if p.dp > 1:
-            if p.zero <= 1:  # glmc's stage 1 all-reduces too, then updates its shard
-                kinds["all_reduce"] = _all_reduce(grad_bytes, p, link, cluster)
-            else:
-                kinds["reduce_scatter"] = collective_seconds("reduce_scatter_tensor",
-                                                             grad_bytes, p.dp, link)
-            gather = collective_seconds("all_gather_into_tensor", param_bytes, p.dp, link)
-            if p.zero == 3:  # parameters gathered before their forward and backward
-                kinds["all_gather"] = 2 * m * gather
-            elif p.zero:
-                after = gather
-        # the last micro-batch's backward (~2/3 of F + B)
-        window = per_rank[r][0] * 2 / 3 if overlap else 0.0
-        total = sum(kinds.values())
-        # what the backward hides still slows it where collectives share its cores (gloo)
-        exposed = max(0.0, total - window) + link.contention * min(total, window)
-        scale = exposed / total if total else 0.0
-        kinds = {f"dp_{k}": v * scale for k, v in kinds.items()}
-        if after:
-            kinds["dp_all_gather"] = kinds.get("dp_all_gather", 0.0) + after
-            exposed += after
-        update = sum(c.update_s for ch in chunk_list for c in ch) / (p.dp if p.zero else 1) \
-            / share
-        if exposed + update > worst[0]:
-            worst = (exposed + update, kinds, update)
+            kind = "all_reduce" if p.zero <= 1 else "reduce_scatter"  # stage 1 all-reduces too
+
+            def seconds(nbytes: int, kind: str = kind) -> float:
+                if kind == "all_reduce":
+                    return _all_reduce(nbytes, p, link, cluster)
+                return collective_seconds(f"{kind}_tensor", nbytes, p.dp, link)
+            # the last micro-batch's backward produces the buckets, in reverse block order
+            times = [stretch * _backward_s(c, p) for c in reversed(blocks)]
+            jobs = [(sum(times[:i + 1]) if overlap else sum(times), seconds(nbytes))
+                    for i, nbytes in _buckets([c.params for c in reversed(blocks)], gb)]
+            kinds[kind], overlapped = _drain(jobs, sum(times), link.progress)
+            gather = 0.0
+            if p.zero == 3:  # each bucket's parameters gathered before its forward and its
+                for phase in ("forward", "backward"):  # backward, the next one prefetched
+                    order = blocks if phase == "forward" else blocks[::-1]
+                    gather += m * _prefetched(order, p, link, phase, stretch, pb)
+            elif p.zero:  # after the update: the new parameters all-gathered, exposed
+                gather = collective_seconds("all_gather_into_tensor",
+                                            sum(c.params for c in blocks) * pb, p.dp, link)
+            if gather:
+                kinds["all_gather"] = gather
+        kinds = {f"dp_{k}": v for k, v in kinds.items()}
+        if link.contention and overlapped:
+            kinds["comm_contention"] = link.contention * overlapped
+        update = sum(c.update_s for c in blocks) / (p.dp if p.zero else 1)
+        if sum(kinds.values()) + update > worst[0]:
+            worst = (sum(kinds.values()) + update, kinds, update)
     return worst[1], worst[2]
+
+
+def _backward_s(c: PartCost, p: PlanPoint) -> float:
+    """One micro-batch's backward through block `c` (its recomputed forward included)."""
+    rec = p.recompute == "full" and _is_layer(c)
+    return p.microbatch * (c.backward_s + (c.forward_s if rec else 0.0)) + \
+        c.overhead_s * (2 / 3 + (1 / 3 if rec else 0.0))
+
+
+def _buckets(params: list[int], elem: int) -> Iterator[tuple[int, int]]:
+    """(index of the block that closes it, bytes) of each ZeRO bucket (the runtime's
+    `_BUCKET_BYTES` at most, at least one block; a block larger than a bucket fills several)
+    over blocks of `params` elements of `elem` bytes, in the order they are reduced or
+    gathered."""
+    cap, held = _BUCKET_BYTES, 0
+    params = [n * elem for n in params]
+    for i, n in enumerate(params):
+        if held and held + n > cap:
+            yield i - 1, held
+            held = 0
+        while n > cap:
+            yield i, cap
+            n -= cap
+        held += n
+    if held:
+        yield len(params) - 1, held
+
+
+def _drain(jobs: list[tuple[float, float]], window: float, progress: float
+           ) -> tuple[float, float]:
+    """Collectives `jobs` ((ready at, seconds alone), in issue order) on one link while
+    `window` seconds of compute run: one at a time, each at `progress` of its own speed
+    beside the compute (the cores it shares) and at full speed after it. Returns (seconds the
+    rank waits past the window, seconds a collective ran beside the compute)."""
+    t = beside = 0.0
+    for ready, alone in jobs:
+        t = max(t, ready)
+        if t < window:
+            during = min(window - t, alone / progress)
+            beside += during
+            t += during + (alone - during * progress)
+        else:
+            t += alone
+    return max(0.0, t - window), beside
+
+
+def _prefetched(order: list[PartCost], p: PlanPoint, link: Any, phase: str,
+                stretch: float, elem: int) -> float:
+    """Exposed ZeRO-3 all-gathers of one pass over `order`: the first bucket's whole, each
+    later one beyond what the previous bucket's compute hides (at the link's `progress`)."""
+    exposed, prev = 0.0, None
+    for i, nbytes in _buckets([c.params for c in order], elem):
+        g = collective_seconds("all_gather_into_tensor", nbytes, p.dp, link)
+        hidden = 0.0 if prev is None else link.progress * stretch * sum(
+            p.microbatch * (c.forward_s if phase == "forward" else c.backward_s)
+            for c in order[prev + 1:i + 1])
+        exposed += max(0.0, g - hidden)
+        prev = i
+    return exposed
 
 
 def _memory(p: PlanPoint, chunk_list: list, rank: int, last: tuple, work: Workload, m: int

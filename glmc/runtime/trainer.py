@@ -8,6 +8,7 @@ those seen before is captured and compiled again (one cache entry per signature)
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import sys
 import time
 import warnings
@@ -37,6 +38,10 @@ from glmc.runtime.strategy import (SingleProcess, pipeline_plan, pipeline_traine
 from glmc.trace.capture import Batch, batch_leaves, capture_step, describe, split_batch
 from glmc.trace.optim import ensure_state, resolve_optimizer, rule_for
 from glmc.trace.valuestats import record_value_stats
+
+#: the calls (the first compiles, the second measures memory) whose collective waits are
+#: measured; the others are timed
+_WAIT_CALLS = (3, 5, 7)
 
 
 @dataclass
@@ -166,10 +171,13 @@ class Trainer:
             except MeasurementUnavailable as e:  # e.g. the user's own profiler is running
                 entry.record.warnings.append(f"memory not measured: {e}")
         if not measured and self.options.measure and self.strategy.measures_comm and \
-                entry.calls == 3:  # the communication the step waits for, from profiler events
+                entry.calls in _WAIT_CALLS:  # the communication the step waits for, from
+            # profiler events: the median of a few steps (the OS's scheduling varies it)
             outs, waited = self.strategy.time_waits(lambda: _run(entry.step, inputs, batch))
-            entry.record.measured = {**(entry.record.measured or {}),
-                                     "exposed_comm_seconds": waited}
+            meas = entry.record.measured or {}
+            samples = [*meas.get("exposed_comm_samples", []), waited]
+            entry.record.measured = {**meas, "exposed_comm_samples": samples,
+                                     "exposed_comm_seconds": statistics.median(samples)}
             measured = True
         if not measured:
             t0 = time.perf_counter()
