@@ -709,7 +709,7 @@ class _Local:
                        for v in _leaves(v)] if n.op == "call_function" else []
                 mixed = any(owner.is_interleaved(v) for v in ins)
                 out = _local_split(n, self, dm, owner.allowed)
-                if out is None and n.target in _FOREACH:
+                if out is None and (n.target in _FOREACH or _is_foreach_pointwise(n)):
                     out = _foreach(n, self, dm)
                 if out is None:
                     # partial sums that only add up (the gradient of a value several column
@@ -965,27 +965,60 @@ def _rowwise(n: fx.Node, args: Any, kwargs: Any, dm: Any, owner: _Local) -> Any:
 #: optimizer ops over lists of tensors, element by element within each index
 _FOREACH = {aten._fused_adam.default, aten._fused_adamw.default, aten._fused_adam.tensor_lr,
             aten._fused_adamw.tensor_lr}
+#: `_foreach_*` ops that reduce each tensor (not element by element)
+_FOREACH_REDUCING = ("_foreach_norm", "_foreach_max")
+
+
+def _is_foreach_pointwise(n: fx.Node) -> bool:
+    """A torch `_foreach_*` op that is elementwise within each index (the unfused optimizers'
+    update: `_foreach_mul`, `_foreach_addcdiv`, `_foreach_lerp`, ...)."""
+    name = op_name(n)
+    return n.op == "call_function" and name.startswith("_foreach_") and \
+        not name.startswith(_FOREACH_REDUCING)
 
 
 def _foreach(n: fx.Node, interp: fx.Interpreter, dm: Any) -> Any:
-    """A fused optimizer update run on each rank's blocks: the i-th tensor of every list is
-    placed like the i-th parameter (a gradient sliced to a sharded parameter's block)."""
-    from torch.distributed.tensor import DTensor
+    """An update over lists of tensors run on each rank's blocks: the i-th tensor of every
+    list is placed like the i-th tensor of the first list (a parameter; a gradient sliced to
+    a sharded parameter's block); tensors of another shape (step counters, scalars) stay
+    whole. None (DTensor's own rules, or whole values) where a list does not line up so.
+    Without it, DTensor's rules gather a list whose blocks are uneven (a vocabulary that
+    does not divide) and every other tensor of it with them."""
+    from torch.distributed.tensor import DTensor, Replicate
 
     args, kwargs = interp.fetch_args_kwargs_from_env(n)
-    params = args[0]
+    lists = [a for a in (*args, *kwargs.values()) if isinstance(a, (list, tuple)) and a and
+             all(isinstance(t, DTensor) for t in a)]
+    if not lists:
+        return None
+    params = lists[0]
     places = [p.placements for p in params]
+    whole = (Replicate(),) * dm.ndim
 
     def local(a: Any) -> Any:
         if isinstance(a, (list, tuple)) and len(a) == len(params) and \
                 all(isinstance(t, DTensor) for t in a):
-            return [t.redistribute(dm, pl).to_local() if t.shape == p.shape else t.to_local()
-                    for t, p, pl in zip(a, params, places)]  # step counters stay whole
-        return a.to_local() if isinstance(a, DTensor) else a
+            return [t.redistribute(dm, pl).to_local() if t.shape == p.shape else
+                    t.redistribute(dm, whole).to_local()  # step counters stay whole
+                    for t, p, pl in zip(a, params, places)]
+        if isinstance(a, (list, tuple)) and any(isinstance(t, DTensor) for t in a):
+            raise _Unaligned
+        return a.redistribute(dm, whole).to_local() if isinstance(a, DTensor) else a
 
-    out = n.target(*[local(a) for a in args], **{k: local(v) for k, v in kwargs.items()})
-    return tuple([_placed(t, dm, pl, p) for t, pl, p in zip(lst, places, params)]
-                 for lst in out)
+    try:
+        out = n.target(*[local(a) for a in args], **{k: local(v) for k, v in kwargs.items()})
+    except _Unaligned:
+        return None
+    if out is None or not isinstance(out, (list, tuple)):
+        return out
+    if n.target in _FOREACH:  # a tuple of lists
+        return tuple([_placed(t, dm, pl, p) for t, pl, p in zip(lst, places, params)]
+                     for lst in out)
+    return [_placed(t, dm, pl, p) for t, pl, p in zip(out, places, params)]
+
+
+class _Unaligned(Exception):
+    """A list of tensors `_foreach` cannot place index by index."""
 
 
 def _placed(local: torch.Tensor, dm: Any, placements: Any, whole: Any) -> Any:

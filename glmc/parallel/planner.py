@@ -22,11 +22,23 @@ How a plan is priced (the figures are glmc's own programs, not a formula per mod
    `passes.partition.balanced_cut`; a micro-batch of `b` sequences costs `b` times a sequence
    on its stage plus its tensor-parallel all-reduces (alpha-beta on the link inside a node,
    not overlapped, as Megatron-LM runs them) and the send to the next stage; the pipeline
-   takes `(m + (pp - 1) / v)` slowest-stage micro-batches (1F1B and GPipe; interleaved with
-   `v` virtual stages; ZB-H1 a third of 1F1B's bubble); the data-parallel gradient
-   synchronisation (all-reduce, or reduce-scatter and all-gather for ZeRO 1-2, plus ZeRO-3's
-   parameter all-gathers per micro-batch) is exposed beyond the last micro-batch's backward;
-   the update follows (sharded over dp under ZeRO >= 1).
+   takes `m` slowest-stage micro-batches plus its fill and drain, one micro-batch through
+   every other stage (`(pp - 1)` slowest-stage micro-batches where the stages are balanced;
+   divided by `v` interleaved with `v` virtual stages; ZB-H1 a third of 1F1B's). The data-
+   parallel gradient synchronisation is replayed on the link bucket by bucket (25 MB
+   buckets, as `passes.shard` cuts them): each bucket's all-reduce (reduce-scatter under ZeRO
+   2-3) starts when the last micro-batch's backward has produced it, one collective at a time,
+   beside the compute at the link's measured `progress` of its own speed (gloo's threads share
+   the cores) and at full speed after it; what is left when the backward ends is exposed, and
+   the compute loses the link's `contention` per second a collective ran beside it.
+   ZeRO-3's parameter all-gathers (per bucket, the next prefetched while the previous
+   bucket computes) in each micro-batch's forward and backward, and ZeRO 1-2's all-gather
+   of the new parameters after the update, are exposed where nothing hides them. The update
+   follows (sharded over dp under ZeRO >= 1). Processes that outnumber a host's cores
+   (`--cluster local`, 4 processes on 2 cores) share them fairly: the computing part of the
+   step lasts at least as long as every rank's busy time takes under processor sharing (a
+   pipeline's bubble frees cores for the busy stages, so one micro-batch through 4 stages
+   loses nothing; 4 data-parallel ranks take twice as long); the excess is `contention`.
    Memory per device, from the liveness of the program glmc compiles
    (`glmc.analysis.memory.simulate` on the one-sequence step: a whole step after the default
    passes, fusion and cleanup; a pipeline stage as captured, the way stages run): per block
@@ -422,7 +434,7 @@ def _price(graph: TrainGraph, device: DeviceKind, t: int) -> list[PartCost]:
             a["f" if fwd else "b"] += max(0.0, seconds[n.name] - launch)
         a["ff" if fwd else "bf"] += op_cost(n).flops * t  # the whole group's work
         if fwd and info.spec is not None and not is_view(n):  # a view holds no new storage
-            users = [graph.info(u) for u in n.users if u.op == "call_function"]
+            users = [graph.info(u) for u in _readers(n) if u.op == "call_function"]
             if any(u.phase is Phase.FORWARD and owner(u.module, blocks) not in (block, None)
                    for u in users):
                 a["out"] += info.spec.nbytes
@@ -434,6 +446,21 @@ def _price(graph: TrainGraph, device: DeviceKind, t: int) -> list[PartCost]:
                      acc[b]["bf"], acc[b]["o"], peaks[b], rooms[b],
                      update_bytes * params[b] // total)
             for b in blocks]
+
+
+def _readers(n: Any) -> list[Any]:
+    """The nodes that read `n`'s storage: its users, and through views theirs (a layer's
+    output reshaped on its way out is still what it hands on)."""
+    out, todo, seen = [], list(n.users), set()
+    while todo:
+        u = todo.pop()
+        if u in seen:
+            continue
+        seen.add(u)
+        out.append(u)
+        if u.op == "call_function" and is_view(u):
+            todo.extend(u.users)
+    return out
 
 
 def _live(graph: TrainGraph, pred: Any, traits: Any, blocks: list[str]

@@ -309,10 +309,13 @@ def _sync_and_update(p: PlanPoint, ranks: list, link: Any, work: Workload, m: in
                 if kind == "all_reduce":
                     return _all_reduce(nbytes, p, link, cluster)
                 return collective_seconds(f"{kind}_tensor", nbytes, p.dp, link)
-            # the last micro-batch's backward produces the buckets, in reverse block order
+            # the last micro-batch's backward produces the buckets, in reverse block order;
+            # without overlap, one collective on all gradients after it (Megatron-LM's
+            # contiguous buffer of 2021)
             times = [stretch * _backward_s(c, p) for c in reversed(blocks)]
-            jobs = [(sum(times[:i + 1]) if overlap else sum(times), seconds(nbytes))
-                    for i, nbytes in _buckets([c.params for c in reversed(blocks)], gb)]
+            jobs = [(sum(times[:i + 1]), seconds(nbytes))
+                    for i, nbytes in _buckets([c.params for c in reversed(blocks)], gb)] \
+                if overlap else [(sum(times), seconds(sum(c.params for c in blocks) * gb))]
             kinds[kind], overlapped = _drain(jobs, sum(times), link.progress)
             gather = 0.0
             if p.zero == 3:  # each bucket's parameters gathered before its forward and its
