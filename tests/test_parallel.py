@@ -5,6 +5,8 @@ resume; bad input is a typed error, not a hang. One process group runs every par
 start-up dominates); each test reads its part's result."""
 from __future__ import annotations
 
+import contextlib
+
 import copy
 import os
 from pathlib import Path
@@ -215,6 +217,23 @@ def _channels_last_part(rank: int, out: Path) -> dict:
     return found
 
 
+def _profiled_part(rank: int, out: Path) -> dict:
+    """The user profiles rank 0's steps with torch.profiler (a second profiler cannot start
+    on its thread): glmc's measurement of the communication waits steps aside on every rank,
+    with a warning, and training goes on."""
+    from torch.profiler import ProfilerActivity, profile
+    (model, batch, loss_fn, opt), _ = _case("mlp")
+    trainer = glmc.optimize(model, batch, loss_fn=loss_fn, optimizer=opt, backend="eager",
+                            predict=False, parallel={"zero": 1})
+    losses = []
+    with profile(activities=[ProfilerActivity.CPU]) if rank == 0 else contextlib.nullcontext():
+        for _ in range(8):  # the wait-measuring calls 3, 5 and 7 among them
+            losses.append(trainer.step(*batch).item())
+    record = trainer.report.compiles[-1]
+    return {"losses": losses, "warnings": list(record.warnings),
+            "measured": dict(record.measured or {})}
+
+
 def _worker(rank: int, port: int, out: str) -> None:
     parts = [(f"stage{s}", _stage_part(s, fusion=s == 2)) for s in (0, 1, 2, 3)]
     parts += [("stage3_bf16", _stage_part(3, "bf16", measure=False)),
@@ -227,7 +246,7 @@ def _worker(rank: int, port: int, out: str) -> None:
               # max_norm well below the gradients' norm: the clip changes every step
               ("stage0_clip", _stage_part(0, clip=0.05)), ("stage1_clip", _stage_part(1, clip=0.05)),
               ("stage2_clip", _stage_part(2, clip=0.05)),
-              ("errors", _errors_part)]
+              ("errors", _errors_part), ("profiled", _profiled_part)]
     run_parts(rank, port, 2, out, parts)
 
 
@@ -457,6 +476,14 @@ def test_indivisible_batch_and_mismatched_ranks_are_typed_errors(runs: Path) -> 
         r = result(runs, "errors", rank)
         assert "multiple of 2" in r["indivisible"]
         assert "ranks [1]" in r["mismatch"]
+
+
+def test_the_users_profiler_on_one_rank_leaves_the_waits_unmeasured(runs: Path) -> None:
+    for rank in (0, 1):
+        r = result(runs, "profiled", rank)
+        assert len(r["losses"]) == 8 and r["losses"][-1] < r["losses"][0]
+        assert "exposed_comm_seconds" not in r["measured"]
+        assert sum("communication waits not measured" in w for w in r["warnings"]) == 3
 
 
 def _dead_rank_worker(rank: int, port: int, out: str) -> None:

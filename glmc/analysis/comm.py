@@ -510,10 +510,14 @@ def cached_link(backend: str, ranks: int) -> LinkProfile | None:
         return None
 
 
-def measure_waits(run: Any) -> tuple[Any, float]:
+def measure_waits(run: Any) -> tuple[Any, float | None]:
     """`run()`'s result and the seconds it spent blocked in collective waits: the durations
     of `wait_tensor` calls, from the legacy (non-Kineto) profiler's CPU events — quiet, unlike
-    Kineto's start/stop lines — or torch.profiler where that is unavailable."""
+    Kineto's start/stop lines — or torch.profiler where that is unavailable. None where the
+    user's own profiler runs on this thread (a second one cannot start: the step runs
+    unmeasured)."""
+    if torch.autograd._profiler_enabled():
+        return run(), None
     try:
         from torch._C._profiler import _ExperimentalConfig
         from torch.autograd import (ProfilerConfig, ProfilerState, _disable_profiler_legacy,

@@ -530,16 +530,16 @@ class DataParallel:
                             "process group's timeout: glmc's is parallel={'timeout_s': 300}); "
                             "check the other ranks' output") from e
 
-    def time_waits(self, run: Any) -> tuple[Any, float]:
+    def time_waits(self, run: Any) -> tuple[Any, float | None]:
         """`run()`'s result and the seconds the step spent blocked in collective waits
         (glmc.analysis.comm.measure_waits) on the rank that waited least: the one that reached
         the collectives last waits for the communication the step did not hide alone, the
-        others for it and for that rank (load imbalance, the OS's scheduling). Every rank
-        must call it."""
+        others for it and for that rank (load imbalance, the OS's scheduling). None where a
+        rank could not measure (the user's profiler runs there). Every rank must call it."""
         out, waited = measure_waits(run)
         every: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(every, waited)
-        return out, min(every)
+        return out, None if None in every else min(every)
 
     # -- state ----------------------------------------------------------------------------------
 

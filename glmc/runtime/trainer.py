@@ -143,6 +143,17 @@ class Trainer:
         with self.strategy.guard():
             return self._step(args, kwargs)
 
+    def _profiled_anywhere(self, entry: _Entry) -> bool:
+        """Whether the user's own profiler runs on this or another rank, so that the CPU
+        peak (read from profiler events) cannot be measured: every rank measures or none does
+        (the ranks' peaks are compared afterwards, collectively). Warns in the record."""
+        busy = self._device != "cuda" and torch.autograd._profiler_enabled()
+        if self.strategy.largest(int(busy)) == 0:
+            return False
+        entry.record.warnings.append("memory not measured: another profiler runs on this "
+                                     "thread or on another rank's")
+        return True
+
     def _step(self, args: tuple, kwargs: dict) -> torch.Tensor:
         micro = self._micro_batches(self._local(self._normalize(args, kwargs)))
         batch = micro[-1]
@@ -161,9 +172,10 @@ class Trainer:
         leaves = _leaves(batch)
         inputs = [get(leaves) for get in entry.getters]
         entry.calls += 1
-        measured = False
+        measured = ran = False
         step = entry.graphed or entry.step
-        if self.options.measure and entry.calls == 2:
+        if self.options.measure and entry.calls == 2 and \
+                not self._profiled_anywhere(entry):
             try:
                 outs, m = measure_peak(lambda: step(inputs), self._device, state=inputs)
                 entry.record.measured = m.to_dict()
@@ -175,11 +187,16 @@ class Trainer:
             # profiler events: the median of a few steps (the OS's scheduling varies it)
             outs, waited = self.strategy.time_waits(lambda: _run(entry.step, inputs, batch))
             meas = entry.record.measured or {}
-            samples = [*meas.get("exposed_comm_samples", []), waited]
-            entry.record.measured = {**meas, "exposed_comm_samples": samples,
-                                     "exposed_comm_seconds": statistics.median(samples)}
-            measured = True
-        if not measured:
+            if waited is None:  # the user's profiler runs on some rank
+                entry.record.warnings.append(
+                    f"communication waits not measured on call {entry.calls}: another "
+                    "profiler runs on this thread")
+            else:
+                samples = [*meas.get("exposed_comm_samples", []), waited]
+                entry.record.measured = {**meas, "exposed_comm_samples": samples,
+                                         "exposed_comm_seconds": statistics.median(samples)}
+            ran, measured = True, waited is not None and entry.record.measured is not None
+        if not (measured or ran):
             t0 = time.perf_counter()
             outs = _run(step, inputs, batch)
             if self._device == "cuda":
