@@ -473,6 +473,21 @@ def test_bf16_and_fusion_compose_with_tensor_parallelism(runs: Path) -> None:
         assert r["local"]["blocks.0.attn.wo.weight"] == (64, 32)
 
 
+@pytest.mark.slow  # 4 processes on the test machine's cores
+@pytest.mark.parametrize("zero", [0, 2])
+def test_gradient_clipping_on_replicas_of_tensor_parallel_groups(dp_tp_runs: Path,
+                                                                 zero: int) -> None:
+    """`clip_grad_norm=0.5` on dp=2 x tp=2 with SGD: the update reads the shard pass's flat
+    buckets, which mix tp blocks and whole gradients; split as the update splits them, the
+    blocks' squares summed over "tp", and under ZeRO-2 (each replica its rows) both kinds'
+    over "dp" — eager `clip_grad_norm_`'s losses and parameters on one process."""
+    for rank in range(4):
+        r = result(dp_tp_runs, f"clip{zero}", rank)
+        moved = max(float((r["ref_params"][n] - r["init"][n]).abs().max()) for n in r["init"])
+        assert moved > 1e-3
+        _like_one_process(r)
+
+
 def _like_one_process(r: dict, noise: str = "", state: bool = False) -> None:
     """A part's losses (rtol 1e-5) and parameters (rtol 1e-4; with `state`, AdamW's state
     too) equal one process's; names ending in `noise` are skipped (a key bias whose gradient
@@ -598,7 +613,8 @@ def test_inductor_compiles_the_tensor_parallel_step_like_one_process(tmp_path: P
 
 def _dp_tp_worker(rank: int, port: int, out: str) -> None:
     run_parts(rank, port, 4, out, [(f"zero{z}", _tp_part("eager", None, zero=z))
-                                   for z in (0, 1, 2, 3)])
+                                   for z in (0, 1, 2, 3)] +
+              [(f"clip{z}", _tp_part("eager", None, zero=z, clip=0.5)) for z in (0, 2)])
 
 
 @pytest.fixture(scope="module")
