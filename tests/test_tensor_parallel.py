@@ -488,6 +488,19 @@ def test_gradient_clipping_on_replicas_of_tensor_parallel_groups(dp_tp_runs: Pat
         _like_one_process(r)
 
 
+@pytest.mark.slow  # 4 processes on the test machine's cores
+@pytest.mark.parametrize("zero", [0, 3])
+def test_gradient_accumulation_on_replicas_of_tensor_parallel_groups(dp_tp_runs: Path,
+                                                                     zero: int) -> None:
+    """`accumulate=2` on dp=2 x tp=2: each replica's half batch in 2 micro-batches, the shard
+    pass's running sums of its gradient buckets (of tp blocks), one reduction and update per
+    step: the losses, parameters and AdamW state of one process on the whole batch."""
+    for rank in range(4):
+        r = result(dp_tp_runs, f"accumulate{zero}", rank)
+        _like_one_process(r, noise="wk.bias", state=True)
+        assert r["collectives"] == {"all_reduce": 13}
+
+
 def _like_one_process(r: dict, noise: str = "", state: bool = False) -> None:
     """A part's losses (rtol 1e-5) and parameters (rtol 1e-4; with `state`, AdamW's state
     too) equal one process's; names ending in `noise` are skipped (a key bias whose gradient
@@ -614,7 +627,9 @@ def test_inductor_compiles_the_tensor_parallel_step_like_one_process(tmp_path: P
 def _dp_tp_worker(rank: int, port: int, out: str) -> None:
     run_parts(rank, port, 4, out, [(f"zero{z}", _tp_part("eager", None, zero=z))
                                    for z in (0, 1, 2, 3)] +
-              [(f"clip{z}", _tp_part("eager", None, zero=z, clip=0.5)) for z in (0, 2)])
+              [(f"clip{z}", _tp_part("eager", None, zero=z, clip=0.5)) for z in (0, 2)] +
+              [(f"accumulate{z}", _tp_part("eager", None, zero=z, accumulate=2))
+               for z in (0, 3)])
 
 
 @pytest.fixture(scope="module")

@@ -156,7 +156,7 @@ def apply_plan(args: argparse.Namespace, argv: list[str]) -> list[str]:
     rows, _ = _rows(w.example_inputs)
     spelling = args.plan_spelling
     if spelling == "auto":
-        point = _auto(w, world or 1, rows)
+        point = _auto(w, world or 1)
         argv = [point.spelling() if a == "auto" and i and argv[i - 1] == "--plan" else a
                 for i, a in enumerate(argv)]
         argv = [f"--plan={point.spelling()}" if a == "--plan=auto" else a for a in argv]
@@ -193,7 +193,7 @@ def plan_choice(spelling: str | None) -> dict[str, Any] | None:
     return choice if spelling in ("auto", choice["chosen"]["spelling"]) else None
 
 
-def _auto(w: Any, world: int, rows: int) -> Any:
+def _auto(w: Any, world: int) -> Any:
     """The top plan for `world` local processes that fits and that the runtime can run; the
     choice, its rank and the next runnable plans go to PLAN_CHOICE (JSON)."""
     import os
@@ -201,12 +201,8 @@ def _auto(w: Any, world: int, rows: int) -> Any:
     from glmc.errors import ConfigError
     plans = plan(w.model, w.example_inputs, "local", w.loss_fn, w.optimizer, nproc=world)
 
-    def runs(p: Any) -> bool:
-        accumulates = rows // (p.point.dp * p.point.microbatch) > 1
-        return p.fits and not p.point.runtime_gaps() and \
-            not (p.point.tp > 1 and p.point.dp > 1 and accumulates)
-
-    ranked = [(rank, p) for rank, p in enumerate(plans, 1) if runs(p)]
+    ranked = [(rank, p) for rank, p in enumerate(plans, 1)
+              if p.fits and not p.point.runtime_gaps()]
     if not ranked:
         raise ConfigError(f"no plan for {world} local processes fits and runs; see glmc plan "
                           "FILE --cluster local")
@@ -233,9 +229,6 @@ def _set_flags(args: argparse.Namespace, point: Any, rows: int, launched: bool) 
         raise ConfigError(f"the global batch of {rows} sequences does not split into "
                           f"dp={point.dp} x microbatch={point.microbatch}")
     m = rows // (point.dp * point.microbatch)
-    if point.tp > 1 and point.dp > 1 and m > 1:
-        gaps.append("gradient accumulation beside tensor parallelism with data-parallel "
-                    "replicas")
     if gaps:
         raise ConfigError(f"glmc cannot run {point.spelling()} yet: {'; '.join(gaps)} "
                           "(glmc plan prices it; pick a plan marked 'runs')")

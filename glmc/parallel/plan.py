@@ -272,15 +272,12 @@ class ParallelPlan:
             out.append(f"--tp {self.tp} --zero {self.zero} with --nproc {self.nproc}: ZeRO "
                        "shards over data-parallel replicas and there are none; use --nproc "
                        f"{2 * self.tp} (dp=2 x tp={self.tp}) or drop --zero")
-        replicas = self.nproc is not None and isinstance(self.tp, int) and self.nproc > self.tp
         others = [flag for flag, v in (("--pp", self.pp), ("--compress", self.compress),
-                                       ("--accumulate with data-parallel replicas",
-                                        self.accumulate if self.accumulate != 1 and replicas
-                                        else None),
                                        ("--nodes", self.nodes)) if v is not None]
         if others:
             out.append(f"--tp with {', '.join(others)}: not supported yet (tensor "
-                       "parallelism with data-parallel replicas and ZeRO 0-3 only)")
+                       "parallelism with data-parallel replicas, ZeRO 0-3 and accumulation "
+                       "only)")
         return out
 
     def _pipeline_problems(self, step: StepOptions) -> list[str]:

@@ -45,11 +45,9 @@ class TensorParallel(DataParallel):
         if self.world % tp:
             raise ConfigError(f"parallel: tp={tp} does not divide the {self.world} processes; "
                               f"run a multiple of {tp} (the rest are data-parallel replicas)")
-        if options.compress is not None or options.nodes not in (None, 1) or \
-                (options.accumulate > 1 and self.world > tp):
-            raise ConfigError("parallel: with tp, gradient compression, several nodes, and "
-                              "accumulation beside data-parallel replicas are not supported "
-                              "yet (drop compress/nodes, or accumulate on tp ranks alone)")
+        if options.compress is not None or options.nodes not in (None, 1):
+            raise ConfigError("parallel: with tp, gradient compression and several nodes are "
+                              "not supported yet (drop compress/nodes)")
         self.dp = self.world // tp
         if options.zero and self.dp == 1:
             raise ConfigError(f"parallel: zero={options.zero} with tp={tp} on {self.world} "
@@ -72,7 +70,7 @@ class TensorParallel(DataParallel):
         self.plan = None
         self.tp: TpPlan | None = None
         #: micro-batches per step (tp alone: the accumulate pass's running sums of this
-        #: rank's gradient blocks)
+        #: rank's gradient blocks; with replicas, the shard pass's of its buckets)
         self.accumulate = options.accumulate
         self.sums: dict[str, torch.Tensor] = {}
         self.comm_state: dict[str, torch.Tensor] = {}
@@ -89,24 +87,21 @@ class TensorParallel(DataParallel):
         from glmc.passes.accumulate import AccumulatePass
         out: list[Any] = [TensorParallelPass(size=self.tp_size, plan=self.options.tp_plan,
                                              sequence=self.options.tp_sequence)]
-        if self.options.accumulate > 1:  # tp alone (the constructor refuses replicas)
-            out.append(AccumulatePass())
+        if self.options.accumulate > 1 and self.dp == 1:  # with replicas: the shard pass
+            out.append(AccumulatePass())  # sums its buckets (ZeRO's accumulation)
         return out + (self.options.passes(self.link, budgeted) if self.dp > 1 else [])
 
     def pipeline(self, passes: list[Any]) -> list[Any]:
         return tp_pipeline(passes)
 
     def wants_micro_program(self, graph: TrainGraph) -> bool:
-        return bool(graph.meta.get("accumulators"))
+        return bool(_accumulators(graph))
 
     def micro_program(self, graph: TrainGraph) -> TrainGraph:
-        return micro_program(graph, graph.meta["accumulators"])
+        return micro_program(graph, _accumulators(graph))
 
     def start_step(self, graph: TrainGraph) -> None:
-        if graph.meta.get("accumulators"):
-            reset_sums(self.sums, graph.meta["accumulators"], self.accumulate)
-        elif "sharding" in graph.meta:
-            super().start_step(graph)
+        reset_sums(self.sums, _accumulators(graph), self.accumulate)
 
     def local(self, batch: Batch) -> Batch:
         """The rows of this rank's data-parallel replica (the whole batch with tp alone): the
@@ -324,3 +319,12 @@ def tp_pipeline(passes: list[Any]) -> list[Any]:
             p = dataclasses.replace(p, fuse_loss=False)
         out.append(p)
     return out
+
+
+def _accumulators(graph: TrainGraph) -> dict[str, Any]:
+    """The step's running sums: the accumulate pass's (tp alone) or the shard pass's buckets
+    (with data-parallel replicas)."""
+    if graph.meta.get("accumulators"):
+        return graph.meta["accumulators"]
+    plan = graph.meta.get("sharding")
+    return plan.accumulators if plan is not None else {}
