@@ -220,12 +220,14 @@ def repredict(path: Path) -> list[dict]:
         cfg, cls = CASES[case["case"]]
         file.write_text(MODEL.format(cfg=cfg, cls=cls))
         w = load_workload(str(file))
+        # the runs used the runtime's default bucket (spellings before the bucket key omit it)
         plans = glmc.plan(w.model, w.example_inputs, cluster="local", optimizer=w.optimizer,
-                          nproc=case["nproc"])
-        by = {p.point.spelling(): (i + 1, p) for i, p in enumerate(plans)}
+                          nproc=case["nproc"], fix="bucket=25")
+        by = {p.point.spelling().replace(",bucket=25", ""): (i + 1, p)
+              for i, p in enumerate(plans)}
         rows = []
         for row in case["rows"]:
-            rank, p = by[row["spelling"]]
+            rank, p = by[row["spelling"].replace(",bucket=25", "")]
             rows.append({**row, "glmc_rank": rank, "predicted_step_s": p.step_s,
                          "predicted_peak_bytes": p.peak_bytes,
                          "predicted_exposed_comm_s": sum(

@@ -131,7 +131,7 @@ def format_table(plans: list[PricedPlan]) -> str:
 
 # ---- running a plan: glmc compile FILE --plan SPELLING|auto ------------------------------------
 
-_PLAN_FLAGS = ("tp", "pp", "zero", "microbatches", "schedule", "accumulate")
+_PLAN_FLAGS = ("tp", "pp", "zero", "microbatches", "schedule", "accumulate", "bucket_mb")
 
 
 def apply_plan(args: argparse.Namespace, argv: list[str]) -> list[str]:
@@ -169,7 +169,8 @@ def apply_plan(args: argparse.Namespace, argv: list[str]) -> list[str]:
         schedule = fixed.get("schedule", "1f1b")
         point = PlanPoint(dp, tp, pp, fixed.get("zero", 0), fixed.get("microbatch", rows // dp),
                           schedule, fixed.get("virtual", 2 if schedule == "interleaved" else 1),
-                          fixed.get("recompute", "none"), fixed.get("precision", "fp32"))
+                          fixed.get("recompute", "none"), fixed.get("precision", "fp32"),
+                          fixed.get("bucket", PlanPoint.bucket))
         if world is not None and point.devices != world:
             raise ConfigError(f"the plan {point.spelling()} runs on dp x tp x pp = "
                               f"{point.devices} processes, but --nproc is {world}")
@@ -241,6 +242,8 @@ def _set_flags(args: argparse.Namespace, point: Any, rows: int, launched: bool) 
         args.microbatches, args.schedule = m, point.schedule
     elif m > 1:
         args.accumulate = m
+    if point.dp > 1 and point.pp == 1:  # the pipeline runtime all-reduces whole stages
+        args.bucket_mb = point.bucket
     if point.recompute == "full" and getattr(args, "memory_budget", None) is None:
         args.memory_budget = "min"
     if args.precision not in (None, point.precision) and not launched:

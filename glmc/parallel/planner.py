@@ -25,8 +25,9 @@ How a plan is priced (the figures are glmc's own programs, not a formula per mod
    takes `m` slowest-stage micro-batches plus its fill and drain, one micro-batch through
    every other stage (`(pp - 1)` slowest-stage micro-batches where the stages are balanced;
    divided by `v` interleaved with `v` virtual stages; ZB-H1 a third of 1F1B's). The data-
-   parallel gradient synchronisation is replayed on the link bucket by bucket (25 MB
-   buckets, as `passes.shard` cuts them): each bucket's all-reduce (reduce-scatter under ZeRO
+   parallel gradient synchronisation is replayed on the link bucket by bucket (the plan's
+   `bucket` MB, as `passes.shard` cuts them; a ring spanning nodes pays the inter-node
+   latency once per node): each bucket's all-reduce (reduce-scatter under ZeRO
    2-3) starts when the last micro-batch's backward has produced it, one collective at a time,
    beside the compute at the link's measured `progress` of its own speed (gloo's threads share
    the cores) and at full speed after it; what is left when the backward ends is exposed, and
@@ -48,10 +49,10 @@ How a plan is priced (the figures are glmc's own programs, not a formula per mod
    of the micro-batches in flight — 1F1B: `pp - stage`; GPipe: all `m`; interleaved: `pp`
    plus the extra virtual chunks — with that block's peak, and the gradients live by then:
    all of them once micro-batches accumulate) and its update, on top of parameters and
-   optimizer state by precision and ZeRO stage; ZeRO's buckets (`passes.shard`, 25 MB) add
-   stage 3's gathered parameters (a bucket and the prefetched next), stages 2-3's whole
-   gradients of a bucket before its reduce-scatter, and stages 1-2's all-gathered new
-   parameters after the update.
+   optimizer state by precision and ZeRO stage; ZeRO's buckets (`passes.shard`, the plan's
+   `bucket`) add stage 3's gathered parameters (a bucket and the prefetched next), stages
+   2-3's whole gradients of a bucket before its reduce-scatter, and stages 1-2's
+   all-gathered new parameters after the update.
 
 Not priced: dropout (the planning copy sets it to 0; random ops are not sharded yet),
 selective recompute (not in the search yet). Heterogeneous clusters: each pipeline stage is
@@ -94,7 +95,12 @@ _STATE = {"fp32": (4, 4, 8), "bf16": (2, 4, 12), "fp16": (2, 4, 12)}
 MICROBATCHES = (1, 2, 4, 8, 16)
 #: the keys of a plan's spelling, in order
 KEYS = ("dp", "tp", "pp", "zero", "microbatch", "schedule", "virtual", "recompute",
-        "precision")
+        "precision", "bucket")
+#: the data-parallel bucket sizes (MB) the search tries: the runtime's default (25, as
+#: `passes.shard` and DDP cut) up to a transformer layer's worth at 100B+ parameters (FSDP's
+#: unit; DeepSpeed's reduce bucket is 5e8 elements); across many nodes each collective pays a
+#: ring's latency, so small buckets cost there what large ones cost in memory
+BUCKETS = (25, 100, 400, 1600)
 
 
 # ---- the plan point and its spelling -----------------------------------------------------------
@@ -112,9 +118,14 @@ class PlanPoint:
     virtual: int
     recompute: str
     precision: str
+    #: the data-parallel gradient bucket (and ZeRO-3 gather bucket) in MB (`--bucket-mb`);
+    #: spelled only where the runtime buckets: data-parallel replicas without a pipeline (a
+    #: pipeline all-reduces each stage's gradients at once)
+    bucket: int = 25
 
     def spelling(self) -> str:
-        return ",".join(f"{k}={getattr(self, k)}" for k in KEYS)
+        return ",".join(f"{k}={getattr(self, k)}" for k in KEYS
+                        if k != "bucket" or (self.dp > 1 and self.pp == 1))
 
     @property
     def devices(self) -> int:

@@ -8,6 +8,7 @@ schedules; recompute) and ranks the plans that fit by step time. The model of ea
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -15,12 +16,13 @@ from typing import Any, Iterator
 from glmc.analysis.comm import choose_allreduce, collective_seconds
 from glmc.errors import ConfigError
 from glmc.parallel.cluster import Cluster, DeviceKind, dtype_name
-from glmc.parallel.planner import (_STATE, MICROBATCHES, PartCost, PlanPoint, Workload,
-                                   _is_layer)
+from glmc.parallel.planner import (_STATE, BUCKETS, MICROBATCHES, PartCost, PlanPoint,
+                                   Workload, _is_layer)
 from glmc.passes.partition import balanced_cut
 from glmc.passes.shard import ShardPass
 
-_BUCKET_BYTES = int(ShardPass.bucket_mb * 2**20)  #: the runtime's default ZeRO bucket
+_MB = 2**20
+assert ShardPass.bucket_mb == PlanPoint.bucket  # the runtime's default bucket is the plan's
 
 
 @dataclass(frozen=True)
@@ -72,12 +74,14 @@ class PricedPlan:
 # ---- one plan ----------------------------------------------------------------------------------
 
 def evaluate(p: PlanPoint, work: Workload, cluster: Cluster, overlap: bool = True,
-             cut: str | None = None) -> PricedPlan:
+             cut: str | None = None, buckets: tuple[int, ...] = ()) -> PricedPlan:
     """Predict plan `p` of `work` on `cluster` (see glmc.parallel.planner). `overlap`: the
     data-parallel gradient synchronisation overlaps the last micro-batch's backward (glmc's
     runtime buckets it); False: it follows the backward (Megatron-LM of 2021). `cut`:
     "equal" prices an equal split of the layers over heterogeneous stages instead of the cut
-    balanced on each stage's device."""
+    balanced on each stage's device. `buckets`: bucket sizes (MB) to try instead of
+    `p.bucket` where they matter (data-parallel replicas, no pipeline); the fastest that
+    fits is the plan's."""
     _check_point(p, work, cluster)
     devs = _stage_devices(p, cluster)
     m = work.sequences // (p.dp * p.microbatch)
@@ -88,7 +92,7 @@ def evaluate(p: PlanPoint, work: Workload, cluster: Cluster, overlap: bool = Tru
     per_mb = [sum(costs) for costs in per_rank]
     slow = max(range(p.pp), key=lambda r: per_mb[r])
     dev = devs[0]
-    dp_link = dev.intra if p.dp * p.tp <= cluster.per_node else dev.inter
+    dp_link = _ring_link(dev, p, cluster)
     comp, rec, tp, p2p = (m * x for x in per_rank[slow])
     bubble = _bubble(p, per_mb)
     updates = [sum(c.update_s for ch in chunk_list for c in ch) / (p.dp if p.zero else 1)
@@ -105,15 +109,21 @@ def evaluate(p: PlanPoint, work: Workload, cluster: Cluster, overlap: bool = Tru
         busy = [m * (c + r) + u for (c, r, _, _), u in zip(per_rank, updates)]
         contention = max(0.0, _shared(busy * (p.dp * p.tp), p.devices * share) - window)
     stretch = (window + contention) / window if window else 1.0
-    sync, update = _sync_and_update(p, ranks, dp_link, work, m, per_rank, overlap, cluster,
-                                    stretch)
-    breakdown = {"compute": comp, "recompute": rec, "tp_comm": tp, "p2p": p2p,
-                 "bubble": bubble, "contention": contention, **sync, "update": update}
-    step = sum(breakdown.values())
-    memories = [_memory(p, chunk_list, r, chunks[-1], work, m)
-                for r, chunk_list in enumerate(ranks)]
-    fits = all(sum(mem.values()) <= devs[r].memory_bytes for r, mem in enumerate(memories))
-    memory = max(memories, key=lambda mem: sum(mem.values()))
+    tried = []
+    for bucket in (buckets if p.dp > 1 and p.pp == 1 and buckets else (p.bucket,)):
+        q = dataclasses.replace(p, bucket=bucket)
+        sync, update = _sync_and_update(q, ranks, dp_link, work, m, per_rank, overlap,
+                                        cluster, stretch)
+        breakdown = {"compute": comp, "recompute": rec, "tp_comm": tp, "p2p": p2p,
+                     "bubble": bubble, "contention": contention, **sync, "update": update}
+        memories = [_memory(q, chunk_list, r, chunks[-1], work, m)
+                    for r, chunk_list in enumerate(ranks)]
+        fits = all(sum(mem.values()) <= devs[r].memory_bytes
+                   for r, mem in enumerate(memories))
+        memory = max(memories, key=lambda mem: sum(mem.values()))
+        tried.append((not fits, sum(breakdown.values()), sum(memory.values()), bucket, q,
+                      breakdown, memory, fits))
+    _, step, _, _, p, breakdown, memory, fits = min(tried, key=lambda t: t[:4])
     tokens = work.sequences * work.tokens_per_sequence
     model = work.model_flops()
     hardware = model + (work.layer_forward_flops() if p.recompute == "full" else 0.0)
@@ -278,15 +288,31 @@ def _split(parts: tuple[PartCost, ...], chunks: int, recompute: bool, b: int
     return tuple(tuple(parts[i:j]) for i, j in zip(edges, edges[1:]))
 
 
-def _all_reduce(nbytes: int, p: PlanPoint, link: Any, cluster: Cluster) -> float:
-    """A data-parallel all-reduce: one ring, or where the group spans nodes the faster of a
-    flat ring and the hierarchical one (inside each node, across, inside again)."""
+def _ring_link(dev: DeviceKind, p: PlanPoint, cluster: Cluster) -> Any:
+    """The link of a data-parallel ring: inside a node, the node's; spanning nodes, NCCL's
+    ring crosses each node boundary once, so of its dp - 1 steps one per node pays the
+    inter-node latency and the others the intra-node one, at the inter-node bandwidth (one
+    NIC per device, as DGX-class nodes)."""
     if p.dp * p.tp <= cluster.per_node:
-        return collective_seconds("all_reduce", nbytes, p.dp, link)
+        return dev.intra
+    nodes = min(p.dp, -(-p.dp // max(1, cluster.per_node // p.tp)))
+    latency = (nodes * dev.inter.latency_s + (p.dp - nodes) * dev.intra.latency_s) / \
+        max(1, p.dp - 1)
+    return dataclasses.replace(dev.inter, name=f"{dev.inter.name} ring over {nodes} nodes",
+                               latency_s=latency)
+
+
+def _all_reduce(nbytes: int, p: PlanPoint, link: Any, cluster: Cluster) -> float:
+    """A data-parallel all-reduce: one ring (`_ring_link`), or where the group spans nodes
+    the faster of the ring and the hierarchical one (inside each node, across, inside
+    again)."""
+    flat = collective_seconds("all_reduce", nbytes, p.dp, link)
+    if p.dp * p.tp <= cluster.per_node:
+        return flat
     per_node = max(1, cluster.per_node // p.tp)
     dev = _slowest(cluster)
     c = choose_allreduce(nbytes, p.dp // per_node, per_node, dev.intra, dev.inter)
-    return min(c.flat_seconds, c.hierarchical_seconds)
+    return min(flat, c.hierarchical_seconds)
 
 
 def _sync_and_update(p: PlanPoint, ranks: list, link: Any, work: Workload, m: int,
@@ -314,7 +340,8 @@ def _sync_and_update(p: PlanPoint, ranks: list, link: Any, work: Workload, m: in
             # contiguous buffer of 2021)
             times = [stretch * _backward_s(c, p) for c in reversed(blocks)]
             jobs = [(sum(times[:i + 1]), seconds(nbytes))
-                    for i, nbytes in _buckets([c.params for c in reversed(blocks)], gb)] \
+                    for i, nbytes in _buckets([c.params for c in reversed(blocks)], gb,
+                                              int(p.bucket * _MB))] \
                 if overlap else [(sum(times), seconds(sum(c.params for c in blocks) * gb))]
             kinds[kind], overlapped = _drain(jobs, sum(times), link.progress)
             gather = 0.0
@@ -343,12 +370,11 @@ def _backward_s(c: PartCost, p: PlanPoint) -> float:
         c.overhead_s * (2 / 3 + (1 / 3 if rec else 0.0))
 
 
-def _buckets(params: list[int], elem: int) -> Iterator[tuple[int, int]]:
-    """(index of the block that closes it, bytes) of each ZeRO bucket (the runtime's
-    `_BUCKET_BYTES` at most, at least one block; a block larger than a bucket fills several)
-    over blocks of `params` elements of `elem` bytes, in the order they are reduced or
-    gathered."""
-    cap, held = _BUCKET_BYTES, 0
+def _buckets(params: list[int], elem: int, cap: int) -> Iterator[tuple[int, int]]:
+    """(index of the block that closes it, bytes) of each ZeRO bucket (`cap` bytes at most,
+    at least one block; a block larger than a bucket fills several) over blocks of `params`
+    elements of `elem` bytes, in the order they are reduced or gathered."""
+    held = 0
     params = [n * elem for n in params]
     for i, n in enumerate(params):
         if held and held + n > cap:
@@ -385,7 +411,7 @@ def _prefetched(order: list[PartCost], p: PlanPoint, link: Any, phase: str,
     """Exposed ZeRO-3 all-gathers of one pass over `order`: the first bucket's whole, each
     later one beyond what the previous bucket's compute hides (at the link's `progress`)."""
     exposed, prev = 0.0, None
-    for i, nbytes in _buckets([c.params for c in order], elem):
+    for i, nbytes in _buckets([c.params for c in order], elem, int(p.bucket * _MB)):
         g = collective_seconds("all_gather_into_tensor", nbytes, p.dp, link)
         hidden = 0.0 if prev is None else link.progress * stretch * sum(
             p.microbatch * (c.forward_s if phase == "forward" else c.backward_s)
@@ -418,7 +444,7 @@ def _memory(p: PlanPoint, chunk_list: list, rank: int, last: tuple, work: Worklo
     # glmc's ZeRO buckets (passes.shard): stage 3 holds a bucket of whole parameters and
     # prefetches the next; stages 2-3 reduce-scatter each bucket of whole gradients; after a
     # stage 1-2 update the new parameters are all-gathered whole
-    bucket = _BUCKET_BYTES if p.dp > 1 else 0
+    bucket = int(p.bucket * _MB) if p.dp > 1 else 0
     gathered = min(2 * bucket, params * pb) if p.zero == 3 else 0
     unsharded = min(bucket, params * gb) if p.zero >= 2 else 0
     best = (-1, 0, 0, 0)  # (total, activations, working, gradients)
@@ -490,7 +516,8 @@ def points(work: Workload, cluster: Cluster, fixed: dict[str, Any] | None = None
                     for zero in ((0, 1) if pp > 1 else (0, 1, 2, 3)) if dp > 1 else (0,):
                         for rec in ("none", "full"):
                             pt = PlanPoint(dp, tp, pp, zero, b, schedule, virtual, rec,
-                                           work.precision)
+                                           work.precision,
+                                           fixed.get("bucket", PlanPoint.bucket))
                             if all(getattr(pt, k) == v for k, v in fixed.items()):
                                 yield pt
 
@@ -519,7 +546,8 @@ def search(work: Workload, cluster: Cluster, fixed: dict[str, Any] | None = None
     if "precision" in fixed and fixed["precision"] != work.precision:
         raise ConfigError(f"plan: the workload was priced at {work.precision}; price it at "
                           f"{fixed['precision']} (precision=...) to plan that")
-    priced = [evaluate(pt, work, cluster, overlap)
+    buckets = () if "bucket" in fixed else BUCKETS
+    priced = [evaluate(pt, work, cluster, overlap, buckets=buckets)
               for pt in _fixed_points(work, cluster, fixed)]
     if not priced:
         why = "".join(f"; tp={t}: {e}" for t, e in sorted(work.tp_errors.items()))
