@@ -33,11 +33,13 @@ ranks, every rank holding the whole batch. Two steps:
    sharding; any other op (a matmul, a transpose, attention, the loss) reads such a value
    whole, all-gathered once per value and phase (the backward gathers again, so only the
    shard is saved for it). A norm weight's gradient becomes a partial sum, all-reduced
-   (a few KB). The batch must divide by the tp size (blocks of whole sequences).
+   (a few KB). Each rank holds a block of whole sequences where the batch divides by the tp
+   size, else (a batch of one sequence) a block of its positions: `Shard(1)` of [1, seq, ...]
+   values, `Shard(0)` of their flattened views.
 
 Equal to one process up to the order of the reduced sums. Not yet: the cost model choosing
-between placements, random ops (dropout) on sharded values, sharding inside a sequence (a
-batch of 1 under sequence parallelism), padding a vocabulary that does not divide.
+between placements; under sequence parallelism, a batch of several sequences that does not
+divide by the tp size.
 """
 from __future__ import annotations
 
@@ -271,17 +273,20 @@ def _stream(graph: TrainGraph) -> set[fx.Node]:
 def _tokens(graph: TrainGraph, size: int) -> tuple[int, int]:
     """(batch, sequence) of the step's token dims: those of its first batch input with two
     or more dims (the token ids). Sequence parallelism shards the flattened tokens in
-    `size` contiguous blocks, which is a block of sequences per rank: the batch must divide."""
+    `size` contiguous blocks: a block of whole sequences per rank where the batch divides,
+    else (a batch of one sequence, as pipelines and Megatron-LM run micro-batches) a block of
+    the sequence's positions."""
     for ph in graph.placeholders():
         val = ph.meta.get("val")
         if TrainGraph.info(ph).role is Role.INPUT and isinstance(val, torch.Tensor) and \
                 val.dim() >= 2:
             batch, seq = int(val.shape[0]), int(val.shape[1])
-            if batch % size:
+            if batch % size and (batch != 1 or seq % size):
                 raise ConfigError(f"tensor_parallel: sequence=true shards the {batch} x {seq} "
-                                  f"tokens in {size} blocks of whole sequences; the batch "
-                                  f"({batch}) must divide by tp={size} (a batch of 1 and "
-                                  "sharding inside a sequence are not supported yet)")
+                                  f"tokens in {size} contiguous blocks: the batch ({batch}) "
+                                  f"must divide by tp={size}, or be one sequence whose length "
+                                  f"divides by {size} (a block of whole sequences or of one "
+                                  "sequence's positions per rank)")
             return batch, seq
     raise ConfigError("tensor_parallel: sequence=true needs a batch input of shape "
                       "(batch, sequence, ...) (token ids); the step has none")
@@ -608,6 +613,16 @@ class _Tokens:
         return len(shape) >= 2 and (shape[:2] == (self.batch, self.seq)
                                     or shape[0] == self.batch * self.seq)
 
+    def place(self, v: Any) -> Any:
+        """The placement of token-shaped `v` (whole shape): `Shard(0)` — blocks of whole
+        sequences, or of flattened tokens — except a [1, seq, ...] value of a batch of one,
+        cut along its positions (`Shard(1)`: the same tokens as `Shard(0)` of its flattened
+        [seq, ...] view)."""
+        from torch.distributed.tensor import Shard
+        if self.batch % self.dm.size() == 0 or v.shape[0] == self.batch * self.seq:
+            return Shard(0)
+        return Shard(1)
+
     def is_sharded(self, v: Any) -> bool:
         return v in self.marked
 
@@ -618,14 +633,14 @@ class _Tokens:
         """`out` of `n`, marked where `n` made it on token-sharded inputs and it is itself
         sharded on the tokens; the embedding's output sliced (the residual stream starts
         sharded)."""
-        from torch.distributed.tensor import DTensor, Replicate, Shard
+        from torch.distributed.tensor import DTensor, Replicate
         if op_name(n) == "embedding" and isinstance(out, DTensor) and \
                 out.placements == (Replicate(),) and self.shaped(out):
-            out = out.redistribute(self.dm, [Shard(0)])
+            out = out.redistribute(self.dm, [self.place(out)])
             self.mark(out)
         if any(self.is_sharded(v) for v in ins):
             for v in _leaves(out):
-                if v.placements == (Shard(0),) and self.shaped(v):
+                if self.shaped(v) and v.placements == (self.place(v),):
                     self.mark(v)
         return out
 
@@ -770,12 +785,12 @@ class _Local:
         """`r` as the step's value: a partial sum reduced where it is made (unless `keep`),
         over the tokens' blocks under sequence parallelism (a reduce-scatter); a plain tensor
         (a constant made in the step, a mask) replicated."""
-        from torch.distributed.tensor import DTensor, Replicate, Shard
+        from torch.distributed.tensor import DTensor, Replicate
         from torch.distributed.tensor.placement_types import Partial
         if isinstance(r, DTensor):
             if not keep and any(isinstance(p, Partial) for p in r.placements):
                 if self.tokens is not None and self.tokens.shaped(r):
-                    r = r.redistribute(self.dm, [Shard(0)])
+                    r = r.redistribute(self.dm, [self.tokens.place(r)])
                     self.tokens.mark(r)
                     return r
                 return r.redistribute(self.dm, [Replicate()])
@@ -913,9 +928,9 @@ def _replicated(n: fx.Node, interp: fx.Interpreter, dm: Any, owner: _Local) -> A
         place = blocks[0].placements
     elif op_name(n) in _ROWWISE and owner.tokens is not None and \
             owner.tokens.is_sharded(blocks[0] if blocks else None) and \
-            all(a.placements == (Shard(0),) or (a.placements == (Replicate(),) and a.dim() == 1)
+            all(owner.tokens.is_sharded(a) or (a.placements == (Replicate(),) and a.dim() == 1)
                 for a in blocks):
-        return _rowwise(n, args, kwargs, dm, owner)
+        return _rowwise(n, args, kwargs, dm, owner, blocks[0].placements)
     elif n.target in _HEADWISE and any(a.placements == (Shard(1),) for a in blocks) and \
             all(a.placements == (Shard(1),) or (a.placements == (Replicate(),) and
                                                 (a.dim() < 2 or a.shape[1] == 1))
@@ -946,15 +961,16 @@ def _replicated(n: fx.Node, interp: fx.Interpreter, dm: Any, owner: _Local) -> A
 _ROWWISE = {"rms_norm": ("shard", "shard"), "rms_norm_backward": ("shard", "partial")}
 
 
-def _rowwise(n: fx.Node, args: Any, kwargs: Any, dm: Any, owner: _Local) -> Any:
-    from torch.distributed.tensor import DTensor, Shard
+def _rowwise(n: fx.Node, args: Any, kwargs: Any, dm: Any, owner: _Local, rows: Any) -> Any:
+    """`n` on each rank's rows (`rows`: the token-sharded input's placement)."""
+    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.placement_types import Partial
 
     def block(a: Any) -> Any:
         return a.to_local() if isinstance(a, DTensor) else a
     out = n.target(*fx.node.map_aggregate(args, block), **fx.node.map_aggregate(kwargs, block))
     kinds = _ROWWISE[op_name(n)]
-    placed = tuple(DTensor.from_local(r, dm, [Shard(0) if k == "shard" else Partial()],
+    placed = tuple(DTensor.from_local(r, dm, list(rows) if k == "shard" else [Partial()],
                                       run_check=False) for r, k in zip(out, kinds))
     for v, k in zip(placed, kinds):
         if k == "shard":

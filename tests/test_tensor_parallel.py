@@ -128,6 +128,22 @@ def test_pins_override_and_bad_pins_are_typed_errors() -> None:
     assert tiles["blocks.0.mlp.gate_up.weight"] == Tile("column", 0, 2)
 
 
+def test_sequence_parallelism_needs_whole_sequences_or_one_sequence() -> None:
+    """The tokens are cut in tp contiguous blocks: whole sequences, or one sequence's
+    positions; 3 sequences over 2 ranks are a typed error naming the dims."""
+    model, batch, loss_fn, opt = BACKEND_CASES["glm"]()
+    for rows in (1, 3):
+        graph = capture(model, tuple(t[:rows] for t in batch), loss_fn, opt)
+        run = functools.partial(TensorParallelPass(size=2, sequence=True).run, graph,
+                                PassContext(mesh=MeshSpec((2,), ("tp",))))
+        if rows == 3:
+            with pytest.raises(ConfigError, match=r"batch \(3\) must divide by tp=2, or be "
+                               "one sequence"):
+                run()
+        else:
+            assert run().stats.collectives["reduce_scatter_tensor"] >= 8
+
+
 class _Leaky(torch.nn.Module):
     """A fused linear whose output is split in two (gate, up) and also sliced: the slice
     crosses the interleaved parts."""
@@ -221,7 +237,7 @@ def test_tile_blocks_round_trip() -> None:
 
 def _tp_part(backend: str, fusion: bool | None, case: str = "glm", sequence: bool = False,
              zero: int = 0, precision: str | None = None, clip: float | None = None,
-             accumulate: int = 1, sgd: bool = False):
+             accumulate: int = 1, sgd: bool = False, rows: int | None = None):
     def part(rank: int, out: Path) -> dict:
         from glmc.analysis.memory import simulate
         if case in BACKEND_CASES:
@@ -229,6 +245,8 @@ def _tp_part(backend: str, fusion: bool | None, case: str = "glm", sequence: boo
         else:  # the zoo's transformers models
             from tests.zoo import ZOO
             model, batch, loss_fn, opt = ZOO[case].make()
+        if rows is not None:  # the batch's first `rows` sequences
+            batch = tuple(t[:rows] for t in batch)
         ref_model = copy.deepcopy(model)
         init = {n: p.detach().clone() for n, p in ref_model.named_parameters()}
         if clip is not None or sgd:  # SGD: its step scales with the (clipped) gradient;
@@ -342,6 +360,11 @@ def _worker(rank: int, port: int, out: str) -> None:
                                    ("sequence", _tp_part("eager", None, sequence=True)),
                                    ("hf_glm_sequence",
                                     _tp_part("eager", None, "hf_glm", sequence=True)),
+                                   # one sequence, with SGD: under AdamW one weight in
+                                   # 10,000 (a rounding-noise gradient) moved 2e-6 apart
+                                   ("one", _tp_part("eager", None, rows=1, sgd=True)),
+                                   ("one_sequence", _tp_part("eager", None, sequence=True,
+                                                             rows=1, sgd=True)),
                                    ("bf16", _tp_part("eager", None, precision="bf16")),
                                    ("checkpoint", _checkpoint_part),
                                    ("dropout", _dropout_part),
@@ -427,14 +450,16 @@ def test_transformers_glm_trains_like_one_process(runs: Path) -> None:
 
 
 @pytest.mark.parametrize("part,base", [("sequence", "default"),
-                                       ("hf_glm_sequence", "hf_glm")])
+                                       ("hf_glm_sequence", "hf_glm"),
+                                       ("one_sequence", "one")])
 def test_sequence_parallelism_trains_like_one_process(runs: Path, part: str, base: str) -> None:
-    """`tp_sequence` (sequence parallelism) on the GLM example and transformers' GLM: the
-    losses, parameters and AdamW state of one process; each block's all-reduce becomes a
-    reduce-scatter and an all-gather (only norm-weight and loss reductions stay all-reduces,
-    a few KB), nothing runs on gathered operands, and the most activation memory a rank holds
-    (predicted) is 10% or more below plain tp's (norms, residual adds and the linears' saved
-    inputs on half the tokens)."""
+    """`tp_sequence` (sequence parallelism) on the GLM example and transformers' GLM, and on
+    a batch of one sequence (each rank a block of its positions, `Shard(1)` of [1, seq, ...]
+    values): the losses, parameters and AdamW state of one process; each block's all-reduce
+    becomes a reduce-scatter and an all-gather (only norm-weight and loss reductions stay
+    all-reduces, a few KB), nothing runs on gathered operands, and the most activation
+    memory a rank holds (predicted) is 10% or more below plain tp's (norms, residual adds and
+    the linears' saved inputs on half the tokens)."""
     for rank in (0, 1):
         r, plain = result(runs, part, rank), result(runs, base, rank)
         torch.testing.assert_close(r["losses"], r["ref"], rtol=1e-5, atol=0)
