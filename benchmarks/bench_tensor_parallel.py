@@ -1,9 +1,10 @@
 """Tensor parallelism side by side on N processes (gloo on CPU): glmc's `tensor_parallel` pass
 (the Megatron layout found from the step's graph) against torch's hand-written plan
 (`parallelize_module` with ColwiseParallel q/k/v/gate/up and RowwiseParallel o/down on every
-decoder layer), glmc's pass with sequence parallelism (`glmc-tp-sp`; torch's SequenceParallel
-plan is not among the contenders yet), and glmc data parallel (ZeRO-0) on the same global batch
-for reference.
+decoder layer), torch's plan with sequence parallelism (`torch-tp-sp`: SequenceParallel norms,
+the residual stream sharded over the sequence, the embedding row- and the LM head
+column-parallel, as torchtitan writes it), glmc's pass with sequence parallelism
+(`glmc-tp-sp`), and glmc data parallel (ZeRO-0) on the same global batch for reference.
 
 Every rank builds the same model from the same weights (AdamW). Tensor-parallel ranks each run
 the whole batch; data-parallel ranks half of it each. After warm-up, each round runs one step
@@ -40,21 +41,30 @@ from glmc.analysis.memory import measure_peak
 from glmc.trace.capture import LossModule, split_batch
 
 MiB = 1024 * 1024
-CONTENDERS = ("torch-tp", "glmc-tp", "glmc-tp-sp", "glmc-tp-inductor", "glmc-dp")
+CONTENDERS = ("torch-tp", "torch-tp-sp", "glmc-tp", "glmc-tp-sp", "glmc-tp-inductor",
+              "glmc-dp")
 COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROWWISE = ("o_proj", "down_proj")
 
 
-def _torch_tp(model: torch.nn.Module) -> torch.nn.Module:
-    """torch's hand-written Megatron plan on every decoder layer (transformers' names)."""
+def _torch_tp(model: torch.nn.Module, sequence: bool = False) -> torch.nn.Module:
+    """torch's hand-written Megatron plan on every decoder layer (transformers' names); with
+    `sequence`, torchtitan's sequence-parallel plan: the norms `SequenceParallel`, each
+    block's input all-gathered (`PrepareModuleInput`) and its output reduce-scattered
+    (`RowwiseParallel(output_layouts=Shard(1))`), the embedding row-parallel into the
+    sequence-sharded residual stream, the LM head column-parallel from it."""
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
+        PrepareModuleInput,
         RowwiseParallel,
+        SequenceParallel,
         parallelize_module,
     )
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
     layers = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    seq = {"output_layouts": Shard(1), "use_local_output": False} if sequence else {}
     for layer in max(layers, key=len):
         plan = {}
         for name, _ in layer.named_modules():
@@ -62,8 +72,24 @@ def _torch_tp(model: torch.nn.Module) -> torch.nn.Module:
             if leaf in COLWISE:
                 plan[name] = ColwiseParallel()
             elif leaf in ROWWISE:
-                plan[name] = RowwiseParallel()
+                plan[name] = RowwiseParallel(**seq)
+            elif sequence and leaf.endswith("layernorm"):
+                plan[name] = SequenceParallel()
+            elif sequence and leaf == "self_attn":
+                plan[name] = PrepareModuleInput(
+                    input_kwarg_layouts={"hidden_states": Shard(1)},
+                    desired_input_kwarg_layouts={"hidden_states": Replicate()})
+            elif sequence and leaf == "mlp":
+                plan[name] = PrepareModuleInput(input_layouts=(Shard(1),),
+                                                desired_input_layouts=(Replicate(),))
         parallelize_module(layer, mesh, plan)
+    if sequence:  # the residual stream between the layers stays a sequence-sharded DTensor
+        parallelize_module(model, mesh, {
+            "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(),
+                                                  output_layouts=Shard(1),
+                                                  use_local_output=False),
+            "model.norm": SequenceParallel(),
+            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
     return model
 
 
@@ -83,7 +109,7 @@ class Contender:
             self.fn = lambda: self.trainer.step(*args, **kwargs)
             self.leaves = [*args, *kwargs.values()]
             return
-        _torch_tp(self.model)
+        _torch_tp(self.model, sequence=name == "torch-tp-sp")
         self.opt = _adamw(self.model, opt)
         loss_module = LossModule(self.model, loss_fn)
         args, kwargs = split_batch(batch)

@@ -73,6 +73,8 @@ GROUPS: list[tuple[str, list[tuple[str, str, str]]]] = [
          "(`bench_planner.py`)"), "planner.md"),
         ("megatron-picks", ("glmc's own plans for Megatron-LM's published runs, predicted "
          "(`megatron_picks.py`)"), "planner.md"),
+        ("megatron-table2", ("Megatron-LM's Table 2, ZeRO-3 against PTD-P, predicted "
+         "(`megatron_table2.py`)"), "planner.md"),
     ]),
     ("Model zoo", [
         ("zoo", "Model zoo, one process (`zoo_table.py`)", "capabilities.md"),

@@ -336,6 +336,23 @@ def test_every_row_of_table_2() -> None:
         assert all(p > z for p, z in zip(ptdp, zero3))
 
 
+def test_tensor_parallelism_across_nodes_is_priced_with_a_warning(tiny: tuple) -> None:
+    """`--fix tp=4` on nodes of 2 devices: priced (its all-reduces on the inter-node ring,
+    slower than inside a node of 4) with a warning; the search alone keeps tp in a node, and
+    a group that splits nodes unevenly is a typed error."""
+    work, inside = tiny
+    across = Cluster.parse("2x2:h100-80g")
+    with pytest.warns(UserWarning, match="tp=4 spans nodes of 2 devices"):
+        plans = search(work, across, {"tp": 4})
+    assert plans and all(p.point.tp == 4 for p in plans)
+    point = plans[0].point
+    assert plans[0].breakdown["tp_comm"] > evaluate(point, work, inside).breakdown["tp_comm"]
+    assert all(p.point.tp <= 2 for p in search(work, across))
+    with pytest.raises(ConfigError, match="unevenly"):
+        evaluate(PlanPoint(3, 4, 1, 0, 1, "1f1b", 1, "none", "bf16"), work,
+                 Cluster.parse("4x3:h100-80g"))
+
+
 def test_a_heterogeneous_cluster_gets_an_uneven_split_faster_than_an_even_one() -> None:
     """Half H100, half A100-40GB: the stage on the faster devices takes more layers."""
     model, batch = _llama(layers=8, hidden=1024, heads=8, batch=8, seq=1024)

@@ -146,7 +146,8 @@ def _rank_costs(p: PlanPoint, chunk_list: list, last: tuple, dev: DeviceKind,
                for ch in chunk_list for c in ch)
     rec = sum(b * c.forward_s + c.overhead_s / 3 for ch in chunk_list for c in ch
               if p.recompute == "full" and _is_layer(c))
-    tp = sum(collective_seconds("all_reduce", nbytes * b, p.tp, dev.intra)
+    tp_link = _spanning(dev, p.tp, cluster.per_node)
+    tp = sum(collective_seconds("all_reduce", nbytes * b, p.tp, tp_link)
              for ch in chunk_list for c in ch for phase, nbytes in c.tp_bytes
              for _ in range(1 + (p.recompute == "full" and _is_layer(c)
                                  and phase == "forward")))
@@ -252,9 +253,10 @@ def _check_point(p: PlanPoint, work: Workload, cluster: Cluster) -> None:
     if p.tp not in work.parts:
         why = work.tp_errors.get(p.tp, f"tp={p.tp} was not priced")
         raise ConfigError(f"plan: tp={p.tp} cannot shard this model: {why}")
-    if p.tp > cluster.per_node:
-        raise ConfigError(f"plan: tp={p.tp} spans nodes of {cluster.per_node} devices; a "
-                          "tensor-parallel group stays inside one node")
+    if p.tp > cluster.per_node and p.tp % cluster.per_node:
+        raise ConfigError(f"plan: tp={p.tp} spans nodes of {cluster.per_node} devices "
+                          "unevenly; use a multiple of the devices per node, or at most "
+                          f"{cluster.per_node}")
     if work.sequences % (p.dp * p.microbatch):
         raise ConfigError(f"plan: the global batch of {work.sequences} sequences does not "
                           f"split into dp={p.dp} x microbatch={p.microbatch}")
@@ -289,15 +291,22 @@ def _split(parts: tuple[PartCost, ...], chunks: int, recompute: bool, b: int
 
 
 def _ring_link(dev: DeviceKind, p: PlanPoint, cluster: Cluster) -> Any:
-    """The link of a data-parallel ring: inside a node, the node's; spanning nodes, NCCL's
-    ring crosses each node boundary once, so of its dp - 1 steps one per node pays the
-    inter-node latency and the others the intra-node one, at the inter-node bandwidth (one
-    NIC per device, as DGX-class nodes)."""
+    """The link of a data-parallel ring (its ranks `cluster.per_node // tp` to a node)."""
     if p.dp * p.tp <= cluster.per_node:
         return dev.intra
-    nodes = min(p.dp, -(-p.dp // max(1, cluster.per_node // p.tp)))
-    latency = (nodes * dev.inter.latency_s + (p.dp - nodes) * dev.intra.latency_s) / \
-        max(1, p.dp - 1)
+    return _spanning(dev, p.dp, max(1, cluster.per_node // p.tp))
+
+
+def _spanning(dev: DeviceKind, ranks: int, per_node: int) -> Any:
+    """The link of a ring of `ranks`, `per_node` of them to a node: inside a node, the
+    node's; spanning nodes, NCCL's ring crosses each node boundary once, so of its ranks - 1
+    steps one per node pays the inter-node latency and the others the intra-node one, at the
+    inter-node bandwidth (one NIC per device, as DGX-class nodes)."""
+    if ranks <= per_node:
+        return dev.intra
+    nodes = min(ranks, -(-ranks // per_node))
+    latency = (nodes * dev.inter.latency_s + (ranks - nodes) * dev.intra.latency_s) / \
+        max(1, ranks - 1)
     return dataclasses.replace(dev.inter, name=f"{dev.inter.name} ring over {nodes} nodes",
                                latency_s=latency)
 
@@ -497,8 +506,8 @@ def points(work: Workload, cluster: Cluster, fixed: dict[str, Any] | None = None
     fixed = fixed or {}
     n = cluster.devices
     blocks = {t: len(parts) for t, parts in work.parts.items()}
-    for tp in sorted(work.parts):
-        if n % tp or tp > cluster.per_node:
+    for tp in sorted(work.parts):  # a tensor-parallel group across nodes only where fixed
+        if n % tp or (tp > cluster.per_node and fixed.get("tp") != tp):
             continue
         for pp in _divisors(n // tp):
             dp = n // (tp * pp)
@@ -546,6 +555,11 @@ def search(work: Workload, cluster: Cluster, fixed: dict[str, Any] | None = None
     if "precision" in fixed and fixed["precision"] != work.precision:
         raise ConfigError(f"plan: the workload was priced at {work.precision}; price it at "
                           f"{fixed['precision']} (precision=...) to plan that")
+    if fixed.get("tp", 0) > cluster.per_node:
+        import warnings
+        warnings.warn(f"glmc plan: tp={fixed['tp']} spans nodes of {cluster.per_node} devices: "
+                      "its all-reduces, on the critical path, cross the inter-node link "
+                      "(priced so: expect it slow; keep tp within a node)", stacklevel=3)
     buckets = () if "bucket" in fixed else BUCKETS
     priced = [evaluate(pt, work, cluster, overlap, buckets=buckets)
               for pt in _fixed_points(work, cluster, fixed)]
