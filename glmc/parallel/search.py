@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -110,7 +111,7 @@ def evaluate(p: PlanPoint, work: Workload, cluster: Cluster, overlap: bool = Tru
         contention = max(0.0, _shared(busy * (p.dp * p.tp), p.devices * share) - window)
     stretch = (window + contention) / window if window else 1.0
     tried = []
-    for bucket in (buckets if p.dp > 1 and p.pp == 1 and buckets else (p.bucket,)):
+    for bucket in _bucket_choices(p, buckets, overlap, ranks, work):
         q = dataclasses.replace(p, bucket=bucket)
         sync, update = _sync_and_update(q, ranks, dp_link, work, m, per_rank, overlap,
                                         cluster, stretch)
@@ -290,6 +291,22 @@ def _split(parts: tuple[PartCost, ...], chunks: int, recompute: bool, b: int
     return tuple(tuple(parts[i:j]) for i, j in zip(edges, edges[1:]))
 
 
+def _bucket_choices(p: PlanPoint, buckets: tuple[int, ...], overlap: bool, ranks: list,
+                    work: Workload) -> tuple[int, ...]:
+    """The bucket sizes (MB) worth pricing for `p`: several only where the bucket changes
+    something — data-parallel replicas without a pipeline, synchronised bucket by bucket
+    (overlapped) or holding a bucket whole (ZeRO 2-3) — and of those only the ones below the
+    busiest rank's gradient bytes and the first that holds them all (the larger ones cut the
+    same single bucket)."""
+    if not buckets or p.dp == 1 or p.pp > 1 or (not overlap and p.zero < 2):
+        return (p.bucket,)
+    _, gb, _ = _STATE[work.precision]
+    total = max(sum(c.params for ch in chunk_list for c in ch) for chunk_list in ranks) * gb
+    below = tuple(b for b in sorted(buckets) if b * _MB < total)
+    rest = [b for b in sorted(buckets) if b * _MB >= total]
+    return below + tuple(rest[:1]) or (p.bucket,)
+
+
 def _ring_link(dev: DeviceKind, p: PlanPoint, cluster: Cluster) -> Any:
     """The link of a data-parallel ring (its ranks `cluster.per_node // tp` to a node)."""
     if p.dp * p.tp <= cluster.per_node:
@@ -340,6 +357,7 @@ def _sync_and_update(p: PlanPoint, ranks: list, link: Any, work: Workload, m: in
         if p.dp > 1:
             kind = "all_reduce" if p.zero <= 1 else "reduce_scatter"  # stage 1 all-reduces too
 
+            @functools.lru_cache(maxsize=None)  # buckets but the last are one size
             def seconds(nbytes: int, kind: str = kind) -> float:
                 if kind == "all_reduce":
                     return _all_reduce(nbytes, p, link, cluster)
@@ -348,7 +366,8 @@ def _sync_and_update(p: PlanPoint, ranks: list, link: Any, work: Workload, m: in
             # without overlap, one collective on all gradients after it (Megatron-LM's
             # contiguous buffer of 2021)
             times = [stretch * _backward_s(c, p) for c in reversed(blocks)]
-            jobs = [(sum(times[:i + 1]), seconds(nbytes))
+            done = list(itertools.accumulate(times))  # backward seconds when block i is done
+            jobs = [(done[i], seconds(nbytes))
                     for i, nbytes in _buckets([c.params for c in reversed(blocks)], gb,
                                               int(p.bucket * _MB))] \
                 if overlap else [(sum(times), seconds(sum(c.params for c in blocks) * gb))]
@@ -420,8 +439,10 @@ def _prefetched(order: list[PartCost], p: PlanPoint, link: Any, phase: str,
     """Exposed ZeRO-3 all-gathers of one pass over `order`: the first bucket's whole, each
     later one beyond what the previous bucket's compute hides (at the link's `progress`)."""
     exposed, prev = 0.0, None
+    gather = functools.lru_cache(maxsize=None)(
+        lambda nbytes: collective_seconds("all_gather_into_tensor", nbytes, p.dp, link))
     for i, nbytes in _buckets([c.params for c in order], elem, int(p.bucket * _MB)):
-        g = collective_seconds("all_gather_into_tensor", nbytes, p.dp, link)
+        g = gather(nbytes)
         hidden = 0.0 if prev is None else link.progress * stretch * sum(
             p.microbatch * (c.forward_s if phase == "forward" else c.backward_s)
             for c in order[prev + 1:i + 1])
