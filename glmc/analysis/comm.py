@@ -351,7 +351,8 @@ def measure_link(group: Any = None, device: str = "cpu", reps: int = 5,
         return dataclasses.replace(cached[0], source=cached[0].source.split("; cached")[0]
                                    + "; reused from this host's last run")
     # nothing fresh: every rank times the collectives together, rank 0's figures are kept
-    timed = _timed_all(n, group, device, reps)
+    timed = {kind: [_timed(kind, nbytes, n, group, device, reps) for nbytes in _SIZES]
+             for kind in _KINDS}
     contention, progress = _contention(timed["all_reduce"][-1], group, device)
     backend = dist.get_backend(group)
     kinds = tuple((kind, *_fit(kind, n, list(_SIZES), timed[kind])) for kind in _KINDS)
@@ -387,23 +388,8 @@ def _timed(kind: str, nbytes: int, n: int, group: Any, device: str, reps: int) -
     return statistics.median(timed_collective(kind, nbytes, n, group, device, reps))
 
 
-def _timed_all(n: int, group: Any, device: str, reps: int) -> dict[str, list[float]]:
-    """Per kind, the median seconds at each of `_SIZES`, the `reps` samples of every point
-    taken in `reps` passes over all kinds and sizes: a transient slowdown of the host (a
-    neighbour's burst on shared cores) then costs one sample of many points, not every
-    sample of one point (timed point by point, a 16 MiB all-reduce once took as long as a
-    32 MiB one)."""
-    samples: dict[tuple[str, int], list[float]] = {(k, b): [] for k in _KINDS for b in _SIZES}
-    for r in range(reps):
-        for kind in _KINDS:
-            for nbytes in _SIZES:
-                samples[(kind, nbytes)] += timed_collective(kind, nbytes, n, group, device, 1,
-                                                            warmup=r == 0)
-    return {k: [statistics.median(samples[(k, b)]) for b in _SIZES] for k in _KINDS}
-
-
 def timed_collective(kind: str, nbytes: int, n: int, group: Any, device: str,
-                     reps: int, warmup: bool = True) -> list[float]:
+                     reps: int) -> list[float]:
     """Seconds of each of `reps` `kind` collectives on an `nbytes` full buffer (after one
     warm-up), each started together on every rank (a barrier before it). Timed as the
     compiled step runs them: torch's functional collectives, each allocating its output
@@ -422,8 +408,7 @@ def timed_collective(kind: str, nbytes: int, n: int, group: Any, device: str,
 
     def call() -> None:
         fc.wait_tensor(collective())
-    if warmup:
-        call()  # connections, buffers
+    call()  # warm-up: connections, buffers
     times = []
     for _ in range(reps):
         dist.barrier(group=group)
