@@ -272,12 +272,17 @@ class ParallelPlan:
             out.append(f"--tp {self.tp} --zero {self.zero} with --nproc {self.nproc}: ZeRO "
                        "shards over data-parallel replicas and there are none; use --nproc "
                        f"{2 * self.tp} (dp=2 x tp={self.tp}) or drop --zero")
-        others = [flag for flag, v in (("--pp", self.pp), ("--compress", self.compress),
-                                       ("--nodes", self.nodes)) if v is not None]
+        if self.compress is not None and self.nproc is not None and \
+                isinstance(self.tp, int) and self.nproc <= self.tp:
+            out.append(f"--tp {self.tp} --compress with --nproc {self.nproc}: compression "
+                       "applies to the gradients sent between data-parallel replicas and "
+                       f"there are none; use --nproc {2 * self.tp} or drop --compress")
+        others = [flag for flag, v in (("--pp", self.pp), ("--nodes", self.nodes))
+                  if v is not None]
         if others:
             out.append(f"--tp with {', '.join(others)}: not supported yet (tensor "
-                       "parallelism with data-parallel replicas, ZeRO 0-3 and accumulation "
-                       "only)")
+                       "parallelism with data-parallel replicas, ZeRO 0-3, accumulation and "
+                       "compression only)")
         return out
 
     def _pipeline_problems(self, step: StepOptions) -> list[str]:

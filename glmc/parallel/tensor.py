@@ -45,9 +45,14 @@ class TensorParallel(DataParallel):
         if self.world % tp:
             raise ConfigError(f"parallel: tp={tp} does not divide the {self.world} processes; "
                               f"run a multiple of {tp} (the rest are data-parallel replicas)")
-        if options.compress is not None or options.nodes not in (None, 1):
-            raise ConfigError("parallel: with tp, gradient compression and several nodes are "
-                              "not supported yet (drop compress/nodes)")
+        if options.nodes not in (None, 1):
+            raise ConfigError("parallel: with tp, several nodes are not supported yet (drop "
+                              "nodes)")
+        if options.compress is not None and self.world == tp:
+            raise ConfigError(f"parallel: compress with tp={tp} on {self.world} processes: it "
+                              "compresses the gradients sent between data-parallel replicas "
+                              f"and there are none; run {2 * tp} or more processes or drop "
+                              "compress")
         self.dp = self.world // tp
         if options.zero and self.dp == 1:
             raise ConfigError(f"parallel: zero={options.zero} with tp={tp} on {self.world} "
