@@ -28,7 +28,7 @@ def main() -> None:
     rows = []
     extra = (529.6, 20480, 105, 128, 1, 1, 560, 2240, 4, 3, None)  # did not fit (paper)
     for r in [*MEGATRON_ZERO3, extra]:
-        predicted, plan = zero3_row(r if r[-1] else (*r[:-1], 0))
+        predicted, plan = zero3_row(r)
         rows.append({"params_b": r[0], "scheme": "ZeRO-3" if r[9] == 3 else "PTD-P",
                      "tp": r[4], "pp": r[5], "gpus": r[6], "global_batch": r[7],
                      "microbatch": r[8], "published_tflops": r[-1],

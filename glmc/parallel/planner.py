@@ -81,6 +81,7 @@ from glmc.errors import ConfigError, GlmcError
 from glmc.ir.graph import MeshSpec, Phase, Role, TrainGraph, is_comm, is_view
 from glmc.parallel.cluster import DeviceKind
 from glmc.passes.partition import block_names, owner, step_blocks
+from glmc.passes.shard import ShardPass
 from glmc.passes.tensor_parallel import TensorParallelPass
 from glmc.trace.capture import capture, split_batch
 from glmc.trace.optim import resolve_optimizer
@@ -121,7 +122,7 @@ class PlanPoint:
     #: the data-parallel gradient bucket (and ZeRO-3 gather bucket) in MB (`--bucket-mb`);
     #: spelled only where the runtime buckets: data-parallel replicas without a pipeline (a
     #: pipeline all-reduces each stage's gradients at once)
-    bucket: int = 25
+    bucket: int = int(ShardPass.bucket_mb)  #: the runtime's default
 
     def spelling(self) -> str:
         return ",".join(f"{k}={getattr(self, k)}" for k in KEYS

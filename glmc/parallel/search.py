@@ -20,10 +20,8 @@ from glmc.parallel.cluster import Cluster, DeviceKind, dtype_name
 from glmc.parallel.planner import (_STATE, BUCKETS, MICROBATCHES, PartCost, PlanPoint,
                                    Workload, _is_layer)
 from glmc.passes.partition import balanced_cut
-from glmc.passes.shard import ShardPass
 
 _MB = 2**20
-assert ShardPass.bucket_mb == PlanPoint.bucket  # the runtime's default bucket is the plan's
 
 
 @dataclass(frozen=True)
@@ -302,15 +300,13 @@ def _bucket_choices(p: PlanPoint, buckets: tuple[int, ...], overlap: bool, ranks
         return (p.bucket,)
     _, gb, _ = _STATE[work.precision]
     total = max(sum(c.params for ch in chunk_list for c in ch) for chunk_list in ranks) * gb
-    below = tuple(b for b in sorted(buckets) if b * _MB < total)
-    rest = [b for b in sorted(buckets) if b * _MB >= total]
-    return below + tuple(rest[:1]) or (p.bucket,)
+    sizes = sorted(buckets)
+    holding = [b for b in sizes if b * _MB >= total][:1]
+    return tuple(b for b in sizes if b * _MB < total) + tuple(holding)
 
 
 def _ring_link(dev: DeviceKind, p: PlanPoint, cluster: Cluster) -> Any:
     """The link of a data-parallel ring (its ranks `cluster.per_node // tp` to a node)."""
-    if p.dp * p.tp <= cluster.per_node:
-        return dev.intra
     return _spanning(dev, p.dp, max(1, cluster.per_node // p.tp))
 
 
@@ -321,7 +317,7 @@ def _spanning(dev: DeviceKind, ranks: int, per_node: int) -> Any:
     inter-node bandwidth (one NIC per device, as DGX-class nodes)."""
     if ranks <= per_node:
         return dev.intra
-    nodes = min(ranks, -(-ranks // per_node))
+    nodes = -(-ranks // per_node)
     latency = (nodes * dev.inter.latency_s + (ranks - nodes) * dev.intra.latency_s) / \
         max(1, ranks - 1)
     return dataclasses.replace(dev.inter, name=f"{dev.inter.name} ring over {nodes} nodes",
