@@ -56,8 +56,9 @@ from torch import fx
 
 from glmc.compiler.passmanager import Effect, Need, Pass, PassContext, PassResult
 from glmc.errors import ConfigError, Offense, PassError
-from glmc.ir.graph import (RANDOM_OPS, RANK_ARG, CommInfo, MeshSpec, NodeInfo, Phase, Role,
-                           TensorSpec, TrainGraph, comm_ops, op_name)
+from glmc.ir.graph import (RANDOM_OPS, RANK_ARG, CommInfo, InputSpec, MeshSpec, NodeInfo,
+                           OutputKind, OutputSpec, Phase, Role, TensorSpec, TrainGraph, comm_ops,
+                           op_name)
 from glmc.ir.kernels import POINTWISE
 from glmc.ir.plans import DIM, TP, Tile, TpPlan, block_rows
 from glmc.ir.program import UNBOUND, SpmdProgram
@@ -143,9 +144,7 @@ class TensorParallelPass(Pass):
         return out
 
     def run(self, graph: TrainGraph, ctx: PassContext) -> PassResult:
-        if not isinstance(self.size, int) or self.size < 2:
-            raise ConfigError(f"tensor_parallel: size must be a whole number >= 2, got "
-                              f"{self.size!r}")
+        _check_size(self.size)
         mesh = ctx.mesh
         if mesh is None:
             raise ConfigError("tensor_parallel: the step is not compiled for a tensor-parallel "
@@ -182,6 +181,106 @@ class TensorParallelPass(Pass):
         return PassResult(True, dataclasses.replace(stats, whole_ops={
             op: names.count(op) for op in sorted(set(names))},
             whole_at=tuple(str(o) for o in offenses)))
+
+
+    def run_joint(self, joint: fx.GraphModule, inputs: list[InputSpec],
+                  outputs: list[OutputSpec | None], mesh: MeshSpec, device_mesh: Any = None
+                  ) -> tuple[fx.GraphModule, TpPlan, "TensorParallelStats"]:
+        """The pass on a pipeline stage's joint graph (AOTAutograd's forward + backward of the
+        stage, before the partition; `glmc.trace.stages.capture_stage`): `inputs` name its
+        placeholders in order (parameters, buffers, batch leaves and received values as
+        `Role.INPUT`, then the cotangents of its outputs as `Role.GRADIENT`), `outputs` its
+        outputs (the stage's loss or sent values, then a gradient per input, None where there
+        is none). Seeds and propagation as on a whole step; the sent values and the gradients
+        of received ones are made whole (`Replicate`), so the stages exchange whole values
+        between peers of the same tp index. Returns the local joint graph (its placeholders
+        still AOTAutograd's `primals_*`/`tangents_*`, collectives bound to "tp" later), the
+        parameters' tiles and the stats. The stage's update runs on the blocks as it is."""
+        _check_size(self.size)
+        if TP not in mesh.dim_names or mesh.size(TP) != self.size:
+            raise ConfigError(f"tensor_parallel: the stage runs on mesh {mesh.dim_names}="
+                              f"{mesh.shape}; size={self.size} needs a mesh dim 'tp' of "
+                              f"{self.size} ranks")
+        graph = _joint_graph(joint, inputs, outputs)
+        tiles = seed_tiles(graph, self.size, self.pins())
+        whole_shapes = {TrainGraph.info(p).target: TrainGraph.info(p).spec.shape
+                        for p in graph.placeholders() if TrainGraph.info(p).spec is not None}
+        tokens = _tokens(graph, self.size) if self.sequence else None
+        names = [p.target for p in graph.placeholders()]
+        traced, whole = _propagate(graph, mesh, tiles, tokens, device_mesh)
+        offenses = [_offense(n) for n in whole]
+        if self.strict and offenses:
+            raise ConfigError("\n".join(
+                [f"tensor_parallel: {len(offenses)} op(s) have no sharding rule (strict=true)"]
+                + [str(o) for o in offenses]))
+        plan = TpPlan(self.size, dict(tiles))
+        _adopt(graph, traced, mesh, plan)
+        for ph, name in zip(graph.placeholders(), names):  # the partition's primals/tangents
+            ph.target = name
+            ph._rename(name)
+        for n in graph.compute_nodes():  # AOTAutograd's tag: a mutating op of the backward
+            if TrainGraph.info(n).phase is Phase.BACKWARD:  # stays there (the partition's
+                n.meta["partitioner_tag"] = "is_backward"  # rule)
+        graph.gm.recompile()
+        ops = [op_name(n) for n in whole]
+        stats = dataclasses.replace(_stats(graph, plan, self.size, whole_shapes), whole_ops={
+            op: ops.count(op) for op in sorted(set(ops))},
+            whole_at=tuple(str(o) for o in offenses))
+        return graph.gm, plan, stats
+
+
+def _flat(v: Any) -> list[Any]:
+    """Nested tuples and lists of nodes, flat in order, None kept."""
+    if isinstance(v, (tuple, list)):
+        return [x for item in v for x in _flat(item)]
+    return [v]
+
+
+def _check_size(size: Any) -> None:
+    if not isinstance(size, int) or size < 2:
+        raise ConfigError(f"tensor_parallel: size must be a whole number >= 2, got {size!r}")
+
+
+def _joint_graph(joint: fx.GraphModule, inputs: list[InputSpec],
+                 outputs: list[OutputSpec | None]) -> TrainGraph:
+    """A stage's joint graph as a TrainGraph for the pass (`TensorParallelPass.run_joint`):
+    glmc metadata on every node (the forward: what the stage's loss or sent values are
+    computed from; the rest backward) and a signature (a gradient output that is None keeps
+    a spec no input matches)."""
+    phs = [n for n in joint.graph.nodes if n.op == "placeholder"]
+    if len(phs) != len(inputs):
+        raise PassError(f"tensor_parallel: the stage's joint graph takes {len(phs)} inputs, "
+                        f"its signature names {len(inputs)}")
+    out = next(n for n in reversed(joint.graph.nodes) if n.op == "output")
+    results = _flat(out.args[0])
+    out.args = (results,)  # AOTAutograd's (outputs, gradients), flat
+    joint.graph._codegen = fx.graph.CodeGen()  # flat in, flat out (no pytree calling form)
+    joint.recompile()
+    n_fwd = sum(1 for o in outputs if o is not None and o.kind in (OutputKind.LOSS,
+                                                                    OutputKind.SEND)
+                and not o.target.startswith("grad:"))
+    forward: set[fx.Node] = set()
+    stack = [r for r in results[:n_fwd] if isinstance(r, fx.Node)]
+    while stack:
+        n = stack.pop()
+        if n not in forward:
+            forward.add(n)
+            stack.extend(n.all_input_nodes)
+    for n, spec in zip(phs, inputs):
+        n.meta["glmc"] = NodeInfo(Phase.INPUT, spec.role, TensorSpec.of(n.meta.get("val")),
+                                  target=spec.target)
+    for n in joint.graph.nodes:
+        if n.op == "get_attr":
+            n.meta["glmc"] = NodeInfo(Phase.INPUT, Role.CONSTANT,
+                                      TensorSpec.of(n.meta.get("val")))
+        elif n.op == "call_function":
+            fwd = n in forward
+            n.meta["glmc"] = NodeInfo(Phase.FORWARD if fwd else Phase.BACKWARD,
+                                      Role.ACTIVATION if fwd else Role.GRADIENT,
+                                      TensorSpec.of(n.meta.get("val")), created_by="stage")
+    specs = [o if o is not None else OutputSpec(OutputKind.GRADIENT, f"none:{k}")
+             for k, o in enumerate(outputs)]
+    return TrainGraph(joint, list(inputs), specs, meta={"joint": True})
 
 
 TP_META = "tensor_parallel"
@@ -499,13 +598,17 @@ def _placement(tile: Tile | None) -> Any:
 
 
 @contextlib.contextmanager
-def _device_mesh(mesh: MeshSpec) -> Iterator[Any]:
-    """A DeviceMesh to trace on: the running processes' when torch.distributed is up (every
-    rank compiles the step together), else a fake process group of `mesh`'s size, taken down
-    afterwards (tracing issues no real communication)."""
+def _device_mesh(mesh: MeshSpec, given: Any = None) -> Iterator[Any]:
+    """A DeviceMesh to trace on: `given` (the runtime's, e.g. a pipeline's ("pp", "tp")
+    mesh), else the running processes' when torch.distributed is up (every rank compiles the
+    step together), else a fake process group of `mesh`'s size, taken down afterwards
+    (tracing issues no real communication)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    if given is not None:
+        yield given[TP]
+        return
     made = False
     if not dist.is_initialized():
         from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -523,9 +626,11 @@ def _device_mesh(mesh: MeshSpec) -> Iterator[Any]:
 
 
 def _propagate(graph: TrainGraph, mesh: MeshSpec, tiles: dict[str, Tile],
-               tokens: tuple[int, int] | None = None) -> tuple[fx.GraphModule, list[str]]:
+               tokens: tuple[int, int] | None = None, device_mesh: Any = None
+               ) -> tuple[fx.GraphModule, list[str]]:
     """The local program of `graph` with `tiles` (see the module docstring); with `tokens`
-    (batch, sequence), sequence-parallel (`_Tokens`)."""
+    (batch, sequence), sequence-parallel (`_Tokens`); `device_mesh`: the DeviceMesh to trace
+    on (default: `_device_mesh`'s)."""
     import torch.fx.traceback as fx_traceback
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.tensor.parallel import loss_parallel
@@ -533,7 +638,7 @@ def _propagate(graph: TrainGraph, mesh: MeshSpec, tiles: dict[str, Tile],
 
     state = _state_tiles(graph, tiles)
     phs = graph.placeholders()
-    with _device_mesh(mesh) as dm:
+    with _device_mesh(mesh, device_mesh) as dm:
         places = [[_placement(state.get(TrainGraph.info(p).target))] for p in phs]
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         with fake:
@@ -804,14 +909,19 @@ class _Local:
     def settle(self, outs: list[Any]) -> list[Any]:
         """Each new parameter or state placed as the input it replaces (the runtime writes
         it back into that input's block)."""
-        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor import DTensor, Replicate
         where = {spec.target: pl for spec, pl in zip(self.graph.inputs, self.places)}
         settled = []
         for spec, o in zip(self.graph.outputs, outs):
             want = where.get(spec.target) if spec.target else None
+            if want is None and spec.kind is OutputKind.SEND and isinstance(o, DTensor):
+                want = (Replicate(),)  # a pipeline stage's sent value: the next one's whole
             if isinstance(o, DTensor) and want is not None and tuple(o.placements) != \
                     tuple(want):
-                if self.is_interleaved(o) or self.state.get(spec.target, Tile("", 0)).groups > 1:
+                tokens = self.tokens is not None and self.tokens.is_sharded(o)  # not a
+                # weight's interleaved parts: blocks of tokens (sequence parallelism)
+                if (self.is_interleaved(o) and not tokens) or \
+                        self.state.get(spec.target, Tile("", 0)).groups > 1:
                     raise PassError(f"tensor_parallel: the step's new {spec.target} is "
                                     f"{o.placements}, its input {tuple(want)} in interleaved "
                                     "parts; pin the weight with plan='name:replicate'")

@@ -121,6 +121,12 @@ def test_pins_override_and_bad_pins_are_typed_errors() -> None:
     with pytest.raises(ConfigError, match="--zero 1 with --nproc 2"):
         ParallelPlan(tp=2, zero=1, nproc=2).validate()  # no replicas to shard over
     ParallelPlan(tp=2, zero=3, nproc=4).validate()  # dp=2 x tp=2
+    ParallelPlan(tp=2, pp=2, nproc=4).validate()  # pp=2 x tp=2
+    assert ParallelPlan(tp=2, pp=2, nproc=4).degrees(4) == {"pp": 2, "dp": 1, "tp": 2}
+    with pytest.raises(ConfigError, match="dp x pp x tp"):
+        ParallelPlan(tp=2, pp=2, nproc=8).validate()
+    with pytest.raises(ConfigError, match="--zero / --compress"):
+        ParallelPlan(tp=2, pp=2, nproc=4, zero=1).validate()
     with pytest.raises(ConfigError, match="not compiled for a tensor-parallel mesh"):
         TensorParallelPass(size=2).run(graph, PassContext())
     # a pinned fused gate/up keeps its interleaved parts
@@ -704,3 +710,110 @@ def test_two_replicas_of_two_tensor_parallel_ranks_train_like_one_process(dp_tp_
         state = (32, 32) if zero else (64, 32)
         assert r["local"]["exp_avg:blocks.0.attn.wo.weight"] == state
         assert r["local"]["blocks.0.attn.wo.weight"] == ((32, 32) if zero == 3 else (64, 32))
+
+
+# ---- tensor-parallel pipeline stages (pp x tp) ---------------------------------------------
+
+def _pp_tp_part(case: str = "glm", schedule: str = "1f1b", sequence: bool = False,
+                sgd: bool = False):
+    """pp=2 x tp=2 on 4 processes: the model cut in 2 stages, each on a tensor-parallel pair
+    (`pipeline_trainer(..., tp=2)`), 4 microbatches; against eager PyTorch on the whole
+    batch in one process."""
+    def part(rank: int, out: Path) -> dict:
+        from glmc.parallel.pipeline import pipeline_trainer
+        if case in BACKEND_CASES:
+            model, batch, loss_fn, opt = BACKEND_CASES[case]()
+        else:
+            from tests.zoo import ZOO
+            model, batch, loss_fn, opt = ZOO[case].make()
+        ref_model = copy.deepcopy(model)
+        if sgd:
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1)
+        else:
+            ref_opt = type(opt)(ref_model.parameters(), **{
+                k: opt.param_groups[0][k] for k in ("lr", "betas", "eps", "weight_decay")})
+        ref = eager_losses(ref_model, batch, loss_fn, ref_opt, STEPS)
+        from glmc.trace.capture import batch_leaves
+        rows = batch_leaves(split_batch(batch))[0].shape[0]
+        trainer = pipeline_trainer(model, opt, loss_fn, batch, min(rows, 4), schedule, tp=2,
+                                   sequence=sequence, timeout_s=120)
+        args, kwargs = split_batch(batch)
+        losses = [trainer.step(*args, **kwargs) for _ in range(STEPS)]
+        stages = {s: trainer.pipeline.stages[s].module for s in trainer.local}
+        local = {n: tuple(p.shape) for m in stages.values() for n, p in m.named_parameters()}
+        with trainer.full_parameters():
+            params = {n: p.detach().clone() for m in stages.values()
+                      for n, p in m.named_parameters()}
+        refs = dict(ref_model.named_parameters(remove_duplicate=False))  # a tied head too
+        return {"losses": [float(v) for v in losses] if trainer.last else None, "ref": ref,
+                "params": params, "local": local, "tp_rank": trainer.tp_rank,
+                "ref_params": {n: refs[n].detach() for n in params},
+                "collectives": {r.stage: r.stats.collectives for r in trainer.pipeline.passes
+                                if r.name == "tensor_parallel"},
+                "whole_ops": {r.stage: r.stats.whole_ops for r in trainer.pipeline.passes
+                              if r.name == "tensor_parallel"}}
+    return part
+
+
+def _pp_tp_worker(rank: int, port: int, out: str, slow: bool, only: str = "") -> None:
+    parts = [("glm", _pp_tp_part())] + ([
+        ("gpipe", _pp_tp_part(schedule="gpipe")),
+        ("sequence", _pp_tp_part(sequence=True)),
+        ("hf_glm", _pp_tp_part("hf_glm")),
+        ("llama", _pp_tp_part("llama", sgd=True)),
+        ("qwen2_tied", _pp_tp_part("qwen2_tied", sgd=True))] if slow else [])
+    run_parts(rank, port, 4, out, [p for p in parts if p[0] == only or not only])
+
+
+@pytest.fixture(scope="module")
+def pp_tp_runs(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+               ) -> Path:
+    out = tmp_path_factory.mktemp("pp_tp")
+    # the slow parts only where a slow test that reads them was selected
+    slow = any(item.get_closest_marker("slow") and "pp_tp_runs" in item.fixturenames
+               for item in request.session.items)
+    spawn(_pp_tp_worker, str(out), slow, nprocs=4)
+    return out
+
+
+def test_tensor_parallel_pipeline_stages_train_like_one_process(pp_tp_runs: Path) -> None:
+    """3-D parallelism's pp x tp: the GLM example in 2 stages under 1F1B, each stage on 2
+    tensor-parallel ranks (the pass on each stage's joint graph: its attention heads, MLP
+    and vocabulary sharded, whole values sent between peers of the same tp index). The
+    losses of one process on the whole batch, every parameter after 3 AdamW steps (each
+    rank's stage, gathered), each rank holding half of the sharded weights."""
+    _pp_tp_like_one_process(pp_tp_runs, "glm")
+    for rank in range(4):
+        r = result(pp_tp_runs, "glm", rank)
+        # stage 0: embedding (vocab-parallel), one block; stage 1: one block, norm, head
+        assert r["collectives"] == {0: {"all_reduce": 5}, 1: {"all_reduce": 8}}
+        assert r["whole_ops"] == {0: {}, 1: {}}
+        block = "blocks.0" if rank < 2 else "blocks.1"
+        assert r["local"][f"{block}.attn.wo.weight"] == (64, 32)
+        assert r["local"][f"{block}.mlp.gate_up.weight"] == (172, 64)
+        assert r["local"]["embed.weight" if rank < 2 else "head.weight"] == (128, 64)
+
+
+def _pp_tp_like_one_process(runs: Path, part: str, noise: str = "") -> None:
+    for rank in range(4):
+        r = result(runs, part, rank)
+        if r["losses"] is not None:  # the last stage's ranks
+            torch.testing.assert_close(r["losses"], r["ref"], rtol=1e-5, atol=0)
+        assert r["params"], "each rank trains its stage's parameters"
+        for name, ref in r["ref_params"].items():
+            if noise and name.endswith(noise):  # a rounding-noise gradient under Adam
+                continue
+            torch.testing.assert_close(r["params"][name], ref, rtol=1e-4, atol=1e-6, msg=name)
+    assert sum(result(runs, part, rank)["losses"] is not None for rank in range(4)) == 2
+
+
+@pytest.mark.slow  # 4 processes, five more models and plans
+@pytest.mark.parametrize("part", ["gpipe", "sequence", "hf_glm", "llama", "qwen2_tied"])
+def test_tensor_parallel_stages_of_more_models_and_schedules(pp_tp_runs: Path,
+                                                             part: str) -> None:
+    """pp=2 x tp=2 with GPipe, with sequence parallelism inside the stages, and on
+    transformers' GLM, Llama and Qwen2 with a tied embedding (one table read by the first
+    and the last stage, vocab-parallel in both, its gradient summed over the two stages'
+    ranks of the same tp index): the losses and parameters of one process."""
+    _pp_tp_like_one_process(pp_tp_runs, part, noise="k_proj.bias")

@@ -13,9 +13,11 @@ source of truth.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -69,6 +71,8 @@ class Pipeline:
     loss_scaling: Any = None
     #: what glmc's passes did to each stage (`PassRecord`s with their stage), in order
     passes: list[Any] = field(default_factory=list)
+    #: tensor-parallel stages (`glmc.parallel.stage_tp.StageTensorParallel`), else None
+    tp: Any = None
 
 
 @dataclass(frozen=True)
@@ -103,7 +107,8 @@ def build_program(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: A
                   schedule: str = "1f1b", virtual: int = 1,
                   budgets: Sequence[StageBudget | None] | None = None,
                   precision: str | None = None, fusion: bool = False,
-                  backend: str = "eager", loss_scaling: Any = None) -> Pipeline:
+                  backend: str = "eager", loss_scaling: Any = None,
+                  tp: Any = None) -> Pipeline:
     """Capture every stage of `model` cut at `stage_blocks` on one microbatch of
     `example_inputs`, link them and attach the schedule (torch's generator for `schedule`).
     Each stage runs glmc's passes through its own pass manager (`stage_passes`: the default
@@ -112,11 +117,18 @@ def build_program(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: A
     partition (cleanup, recompute); their records are `Pipeline.passes`, per stage.
     `budgets[s]`: stage s's memory budget, planned by the recompute pass with the microbatches
     its schedule keeps in flight (None: it saves all the backward reads); `loss_scaling`
-    (fp16): a `glmc.trace.scaler.LossScaling`, default GradScaler's."""
+    (fp16): a `glmc.trace.scaler.LossScaling`, default GradScaler's. `tp`: every stage
+    tensor-parallel (`glmc.parallel.stage_tp.StageTensorParallel`; the stages' joint graphs
+    then go through the tensor_parallel pass instead of the joint passes, and this rank's
+    blocks of the sharded parameters are installed at the end)."""
     if loss_scaling is not None and precision != "fp16":
         raise ConfigError(f"pipeline: loss_scaling is for fp16 stages; precision is "
                           f"{precision or 'fp32'}: drop loss_scaling or use precision='fp16'")
     budgeted = budgets is not None and any(b is not None for b in budgets)
+    if tp is not None and budgeted:
+        raise ConfigError("pipeline: a memory budget with tensor-parallel stages is not "
+                          "supported yet (the recompute pass plans a stage's joint graph "
+                          "before tensor parallelism rewrites it); drop the budget or tp")
     leaves = microbatch_leaves(example_inputs, microbatches)[0]
     blocks = [b for bs in stage_blocks for b in bs]
     gm = trace_blocks(model, blocks, loss_fn, like(example_inputs, leaves))
@@ -131,21 +143,25 @@ def build_program(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: A
         manager = PassManager(stage_passes(budget, precision, fusion, budgeted))
         stage = capture_stage(sm.index, sm.module, opt, args, send=sm.send,
                               partition=_joint_passes(manager, sm.index, budget, ctx),
-                              rewrites=[_forward_passes(manager, sm.index, ctx)])
+                              rewrites=[_forward_passes(manager, sm.index, ctx)], tp=tp)
         found = [r.stats for r in manager.history if r.name == "recompute"]
         stats.append(found[-1] if found else None)
         records += manager.history
+        if tp is not None:
+            records.append(tp.record(sm.index))
         if schedule == "zbh1":
             stage = split_backward(stage)
         stages.append(stage)
         opts.append(opt)
+    if tp is not None:  # after every stage is captured: a tied parameter is read whole
+        tp.install([sm.module for sm in mods], opts)
     stages_t = tuple(stages)
     sched = from_torch(schedule, len(stages) // virtual, microbatches, virtual)
     program = StagedProgram(stages_t, link(stages_t), sched, shared_parameters(mods))
     program.verify()
     return Pipeline(program, mods, opts, budgets=list(budgets) if budgets else None,
                     recompute=stats, loss_scaling=(loss_scaling or scaler.LossScaling())
-                    if precision == "fp16" else None, passes=records)
+                    if precision == "fp16" else None, passes=records, tp=tp)
 
 
 def stage_passes(budget: StageBudget | None, precision: str | None, fusion: bool,
@@ -338,14 +354,24 @@ class PipelineTrainer:
         self.pipeline = pipeline
         sched = pipeline.program.schedule
         self.rank, world = dist.get_rank(), dist.get_world_size()
-        if world != sched.num_ranks * dp:
+        #: tensor-parallel stages: ranks per stage and this rank's index among them
+        self.tp = pipeline.tp.size if pipeline.tp is not None else 1
+        self.tp_rank = pipeline.tp.rank if pipeline.tp is not None else 0
+        if world != sched.num_ranks * dp * self.tp:
+            tp = f" x {self.tp} tensor-parallel ranks" if self.tp > 1 else ""
             raise ConfigError(f"pipeline: {sched.num_ranks} pipeline ranks x {dp} data-parallel "
-                              f"replicas need {sched.num_ranks * dp} processes, got {world}")
-        self.dp, self.replica = dp, self.rank // sched.num_ranks
-        self.pp_rank = self.rank % sched.num_ranks
-        #: global rank of every stage in this replica
-        self.ranks = [self.replica * sched.num_ranks + sched.rank_of(s)
-                      for s in range(sched.num_stages)]
+                              f"replicas{tp} need {sched.num_ranks * dp * self.tp} processes, "
+                              f"got {world}")
+        if self.tp > 1 and dp > 1:
+            raise ConfigError(f"pipeline: {dp} data-parallel replicas of a pipeline with "
+                              f"tensor-parallel stages (dp x pp x tp) are not supported yet; "
+                              f"run {sched.num_ranks * self.tp} processes (pp x tp)")
+        unit = self.rank // self.tp  #: this rank's place in the pipelines (tp groups)
+        self.dp, self.replica = dp, unit // sched.num_ranks
+        self.pp_rank = unit % sched.num_ranks
+        #: global rank of every stage in this replica (the peer of this rank's tp index)
+        self.ranks = [(self.replica * sched.num_ranks + sched.rank_of(s)) * self.tp
+                      + self.tp_rank for s in range(sched.num_stages)]
         # every rank creates every group, in the same order (torch.distributed's rule)
         groups = [dist.new_group([d * sched.num_ranks + r for d in range(dp)])
                   for r in range(sched.num_ranks)] if dp > 1 else []
@@ -356,11 +382,12 @@ class PipelineTrainer:
         #: group of every rank (all replicas) holding a copy, which sums their gradients
         self.ties: list[tuple[dict[int, str], Any]] = []
         for copies in pipeline.program.shared:
-            members = sorted({d * sched.num_ranks + sched.rank_of(s)
-                              for d in range(dp) for s, _ in copies})
-            group = dist.new_group(members)
-            if self.rank in members:
-                self.ties.append(({s: n for s, n in copies if s in self.local}, group))
+            for t in range(self.tp):  # tensor-parallel stages: the copies' blocks of index t
+                members = sorted({(d * sched.num_ranks + sched.rank_of(s)) * self.tp + t
+                                  for d in range(dp) for s, _ in copies})
+                group = dist.new_group(members)
+                if self.rank in members:
+                    self.ties.append(({s: n for s, n in copies if s in self.local}, group))
         self.traces: list[StepTrace] = []
         self.zero = zero if dp > 1 else 0
         self.scaling = pipeline.loss_scaling
@@ -371,6 +398,8 @@ class PipelineTrainer:
         self.runnable = pipeline.program
         if self.zero:
             self._shard_updates()
+        if pipeline.tp is not None:
+            self._bind_tp()
         self.backend = backend
         self.compile_seconds = self._compile(compiler)
 
@@ -427,6 +456,18 @@ class PipelineTrainer:
                 bound.append(stages[-1])
         self.pipeline.program = dataclasses.replace(program, stages=tuple(stages))
         self.runnable = dataclasses.replace(program, stages=tuple(bound))
+
+    def _bind_tp(self) -> None:
+        """This rank's stages' graphs with their tensor-parallel collectives on its group."""
+        from glmc.ir.program import bind_mesh
+        mesh = self.pipeline.tp.device_mesh
+        stages = list(self.runnable.stages)
+        for s in self.local:
+            st = stages[s]
+            stages[s] = dataclasses.replace(
+                st, forward=bind_mesh(st.forward, mesh), backward=bind_mesh(st.backward, mesh),
+                split=tuple(bind_mesh(g, mesh) for g in st.split) if st.split else st.split)
+        self.runnable = dataclasses.replace(self.runnable, stages=tuple(stages))
 
     def _install(self, stage: int, plan: Any) -> None:
         """Stage `stage`'s per-element optimizer state as this replica's padded rows."""
@@ -549,6 +590,18 @@ class PipelineTrainer:
             loss /= self.dp
         return loss
 
+    @contextlib.contextmanager
+    def full_parameters(self) -> Iterator[None]:
+        """This rank's stages' whole parameters and optimizer state for the duration (with
+        tensor-parallel stages: their blocks gathered over each stage's group, every rank
+        enters; otherwise they are whole already)."""
+        if self.pipeline.tp is None:
+            yield
+            return
+        with self.pipeline.tp.gathered({s: self.pipeline.stages[s].module for s in self.local},
+                                       {s: self.pipeline.optimizers[s] for s in self.local}):
+            yield
+
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
         """The optimizers of this rank's stages (what an LR schedule sets)."""
@@ -559,6 +612,9 @@ class PipelineTrainer:
         them in place: {"model": {"S/name": t}, "optim": {"S/key:name": t}, "layout": ...}
         (S the stage; replicas hold the same keys, DCP writes one copy)."""
         from glmc.trace.optim import ensure_state
+        if self.tp > 1:
+            raise ConfigError("pipeline: checkpoints of pipelines with tensor-parallel stages "
+                              "are not supported yet")
         if self.zero:
             raise ConfigError("pipeline: checkpoints of ZeRO-1 pipelines (optimizer state "
                               "sharded over replicas) are not supported yet; use --zero 0")
@@ -616,7 +672,7 @@ class PipelineTrainer:
         every: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
         ranks = self.pipeline.program.schedule.num_ranks
-        every = every[:ranks]  # replica 0
+        every = every[:ranks * self.tp:self.tp]  # replica 0, tp index 0
         timeline = measured_timeline([StepTrace(r, e["spans"]) for r, e in enumerate(every)],
                                      ranks)
         return PipelineMeasurement(timeline, max(e["period"] for e in every),
@@ -663,7 +719,8 @@ def plan_trainer(plan: ParallelPlan, model: nn.Module, optimizer: torch.optim.Op
                             2 if plan.schedule == "interleaved" else 1,
                             timeout_s=plan.timeout_s, dp=dims["dp"],
                             memory_budget=memory_budget, zero=plan.zero or 0, backend=backend,
-                            precision=precision, fusion=fusion)
+                            precision=precision, fusion=fusion, tp=plan.tp,
+                            tp_plan=plan.tp_plan or "", sequence=bool(plan.sequence_parallel))
 
 
 def plan_stages(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any,
@@ -732,7 +789,8 @@ def pipeline_trainer(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
                      virtual: int = 1, timeout_s: float = 300.0, dp: int = 1,
                      memory_budget: Any = None, cut: Any = None, zero: int = 0,
                      backend: str = "eager", precision: str | None = None,
-                     fusion: bool = False) -> PipelineTrainer:
+                     fusion: bool = False, tp: int | None = None, tp_plan: str = "",
+                     sequence: bool = False) -> PipelineTrainer:
     """A PipelineTrainer over every process of the default group (from torchrun's env):
     world / dp pipeline ranks, `dp` replicas. Rank 0 plans the cut for one replica's slice of
     the batch (the cost model may be calibrated differently per process, so one process
@@ -744,17 +802,26 @@ def pipeline_trainer(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
     the fx graphs; "inductor": each compiled once, in its write-back form). `precision`:
     "bf16" or "fp16" (with dynamic loss scaling across the stages) runs every stage's
     forward under glmc's dtype assignment, `fusion` fuses its
-    attention, norms and gated MLPs (`stage_passes`)."""
+    attention, norms and gated MLPs (`stage_passes`). `tp`: every stage tensor-parallel
+    over that many consecutive ranks (`glmc.parallel.stage_tp`; `tp_plan` pins weights,
+    `sequence` sequence parallelism inside the stages): world = dp x stages x tp."""
     from glmc.analysis.comm import measure_link
     from glmc.parallel.data import init_distributed
     from glmc.passes.partition import with_sync
     optimizer = resolve_optimizer(model, optimizer)  # None: the default, as on one process
     init_distributed("cpu", timeout_s)
     world = dist.get_world_size()
-    if dp < 1 or world % dp:
-        raise ConfigError(f"pipeline: {dp} data-parallel replicas do not divide the {world} "
-                          "processes")
-    stages = world // dp * virtual
+    tp_size = tp or 1
+    if dp < 1 or world % (dp * tp_size):
+        raise ConfigError(f"pipeline: {dp} data-parallel replicas"
+                          + (f" of {tp_size} tensor-parallel ranks" if tp else "")
+                          + f" do not divide the {world} processes")
+    stages = world // dp // tp_size * virtual
+    if tp and dp > 1:
+        raise ConfigError(f"pipeline: {dp} data-parallel replicas of a pipeline with "
+                          "tensor-parallel stages (dp x pp x tp) are not supported yet; run "
+                          f"{world // dp} processes (pp x tp)")
+    stage_tp = _stage_tp(tp, world // dp // tp_size, tp_plan, sequence) if tp else None
     leaves = batch_leaves(split_batch(example_inputs))
     example = like(example_inputs, replica_slices(tuple(leaves), dp)[0])
     link = measure_link(reps=21)  # every rank takes part; the same figures everywhere
@@ -767,10 +834,23 @@ def pipeline_trainer(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
     budgets = stage_budgets(plan, memory_budget, stages // virtual)
     pipe = build_program(model, optimizer, loss_fn, example,
                          [s.blocks for s in plan.stages], microbatches, schedule, virtual,
-                         budgets, precision, fusion, backend)
+                         budgets, precision, fusion, backend, tp=stage_tp)
     pipe.plan = with_sync(plan, sync_seconds(pipe, dp, zero, link), virtual, link)
     pipe.rank_budget_bytes = _rank_budget_bytes(memory_budget)
     return PipelineTrainer(pipe, timeout_s, dp, zero, backend)
+
+
+def _stage_tp(size: int, ranks: int, plan: str, sequence: bool) -> Any:
+    """This process's side of tensor-parallel stages: a ("pp", "tp") mesh of `ranks`
+    pipeline ranks x `size` (tp innermost: a group is consecutive ranks)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from glmc.ir.plans import TP
+    from glmc.parallel.stage_tp import StageTensorParallel
+    if not isinstance(size, int) or size < 2:
+        raise ConfigError(f"pipeline: tp must be a whole number >= 2, got {size!r}")
+    mesh = init_device_mesh("cpu", (ranks, size), mesh_dim_names=("pp", TP))
+    return StageTensorParallel(size, mesh.get_local_rank(TP), mesh, plan, sequence)
 
 
 def _fused_patterns(pipe: Pipeline) -> str:
@@ -804,7 +884,7 @@ def train_cli(work: Any, steps: int, plan: ParallelPlan, report_dir: str | None 
                            memory_budget=memory_budget, backend=backend, precision=precision,
                            fusion=fusion)
     args, kwargs = split_batch(work.example_inputs)
-    printer = trainer.last and trainer.replica == 0
+    printer = trainer.last and trainer.replica == 0 and trainer.tp_rank == 0
     for i in range(steps):
         loss = trainer.step(*args, **kwargs)
         if printer:

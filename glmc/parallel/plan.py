@@ -12,7 +12,7 @@ per field, the same name) and a spelling that parses back to an equal plan:
 
 The runtime picks its strategy from `plan.strategy` ("single", "data" or "pipeline"); the
 degrees of the mesh come from `plan.degrees(world)` (`{"pp": S, "dp": world // S}`; tensor
-parallelism adds its own dim there). The planner of later work returns a plan object too.
+parallelism adds its own dim there, inside the pipeline's). The planner of later work returns a plan object too.
 """
 from __future__ import annotations
 
@@ -67,7 +67,8 @@ class ParallelPlan:
     tp: int | None = field(default=None, metadata=_cli(
         "tensor parallel over T processes (with --nproc T): attention heads and the MLP's "
         "hidden dim sharded Megatron-style, found from the step's graph (the tensor_parallel "
-        "pass); --nproc k*T: k data-parallel replicas (ZeRO-0); not yet with --pp", "T", int))
+        "pass); --nproc k*T: k data-parallel replicas (ZeRO 0-3); with --pp S: every "
+        "pipeline stage on T processes (--nproc S*T)", "T", int))
     tp_plan: str | None = field(default=None, metadata=_cli(
         "with --tp: pin weights by name, GLOB:column|row|replicate;... (fnmatch globs)",
         "PINS", str))
@@ -135,10 +136,11 @@ class ParallelPlan:
             raise ConfigError(f"plan: {world} processes do not divide into {pp} pipeline "
                               f"stages; use a multiple of {pp}")
         if self.tp is not None:
-            if world % self.tp:
-                raise ConfigError(f"plan: {world} processes do not divide into tensor-parallel "
-                                  f"groups of {self.tp}; use a multiple of {self.tp}")
-            return {"pp": 1, "dp": world // self.tp, "tp": self.tp}
+            if world % (self.tp * pp):
+                raise ConfigError(f"plan: {world} processes do not divide into {pp} pipeline "
+                                  f"stage(s) of tensor-parallel groups of {self.tp}; use a "
+                                  f"multiple of {self.tp * pp}")
+            return {"pp": pp, "dp": world // (pp * self.tp), "tp": self.tp}
         return {"pp": pp, "dp": world // pp}
 
     def for_rank(self) -> "ParallelPlan":
@@ -277,12 +279,19 @@ class ParallelPlan:
             out.append(f"--tp {self.tp} --compress with --nproc {self.nproc}: compression "
                        "applies to the gradients sent between data-parallel replicas and "
                        f"there are none; use --nproc {2 * self.tp} or drop --compress")
-        others = [flag for flag, v in (("--pp", self.pp), ("--nodes", self.nodes))
-                  if v is not None]
-        if others:
-            out.append(f"--tp with {', '.join(others)}: not supported yet (tensor "
-                       "parallelism with data-parallel replicas, ZeRO 0-3, accumulation and "
-                       "compression only)")
+        if self.nodes is not None:
+            out.append("--tp with --nodes: not supported yet (tensor parallelism with "
+                       "data-parallel replicas, ZeRO 0-3, accumulation and compression, or "
+                       "inside pipeline stages)")
+        if self.pp is not None and isinstance(self.tp, int) and isinstance(self.pp, int):
+            if self.nproc is not None and self.nproc != self.pp * self.tp:
+                out.append(f"--tp {self.tp} --pp {self.pp}: tensor-parallel pipeline stages "
+                           f"run on --nproc {self.pp * self.tp} (pp x tp); data-parallel "
+                           "replicas of them (dp x pp x tp) are not supported yet")
+            if self.zero or self.compress is not None:
+                out.append(f"--tp {self.tp} --pp {self.pp}: --zero / --compress act between "
+                           "data-parallel replicas, which tensor-parallel pipelines do not "
+                           "have yet; drop them")
         return out
 
     def _pipeline_problems(self, step: StepOptions) -> list[str]:

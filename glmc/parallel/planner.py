@@ -135,8 +135,11 @@ class PlanPoint:
     def runtime_gaps(self) -> list[str]:
         """What glmc's runtime cannot run of this plan yet (empty: it runs as spelled)."""
         gaps = []
-        if self.tp > 1 and self.pp > 1:
-            gaps.append("tensor parallelism inside pipeline stages (3-D)")
+        if self.tp > 1 and self.pp > 1 and self.dp > 1:
+            gaps.append("data-parallel replicas of tensor-parallel pipeline stages "
+                        "(dp x pp x tp)")
+        if self.tp > 1 and self.pp > 1 and self.recompute != "none":
+            gaps.append("recomputation in tensor-parallel pipeline stages")
         if self.tp > 1 and self.zero and self.dp == 1:
             gaps.append(f"ZeRO-{self.zero} beside tensor parallelism without data-parallel "
                         "replicas")

@@ -81,7 +81,7 @@ class TensorParallel(DataParallel):
         self.comm_state: dict[str, torch.Tensor] = {}
         self.link = measure_link(device=device)
         self.store: dict[str, torch.Tensor] = {}  #: this rank's blocks by input target
-        #: the whole shape of every sharded tensor (its blocks' extents follow: `_extents`)
+        #: the whole shape of every sharded tensor (`gather_block` cuts by it)
         self.shapes: dict[str, tuple[int, ...]] = {}
         self._owners: dict[str, tuple[Any, str]] = {}
 
@@ -179,24 +179,8 @@ class TensorParallel(DataParallel):
             return optimizer.state[params[name]], key
         return params[target], None
 
-    def _extents(self, target: str, tile: Tile) -> list[int]:
-        """Every rank's extent of its block of `target` along the tile's dim: `Tile.local`'s
-        cut of each of its parts (uneven where a vocabulary does not divide by tp)."""
-        part = self.shapes[target][tile.dim] // tile.groups
-        return [block_rows(part, r, self.tp_size)[1] * tile.groups
-                for r in range(self.tp_size)]
-
     def _full(self, target: str, block: torch.Tensor, tile: Tile) -> torch.Tensor:
-        extents = self._extents(target, tile)
-        longest, d = max(extents), tile.dim
-        padded = block
-        if block.shape[d] < longest:  # all_gather takes equal shapes: pad, then trim
-            shape = list(block.shape)
-            shape[d] = longest - block.shape[d]
-            padded = torch.cat([block, block.new_zeros(shape)], d)
-        shards = [torch.empty_like(padded) for _ in range(self.tp_size)]
-        dist.all_gather(shards, padded.contiguous(), group=self.tp_group)
-        return tile.full([s.narrow(d, 0, e) for s, e in zip(shards, extents)])
+        return gather_block(block, tile, self.shapes[target], self.tp_size, self.tp_group)
 
     @contextlib.contextmanager
     def full_parameters(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
@@ -305,6 +289,24 @@ class TensorParallel(DataParallel):
                     else:
                         key, _, name = target.partition(":")
                         optimizer.state[params[name]][key].copy_(src)
+
+
+def gather_block(block: torch.Tensor, tile: Tile, whole: tuple[int, ...], size: int,
+                 group: Any) -> torch.Tensor:
+    """The whole tensor (shape `whole`) from every rank's `block` over the tensor-parallel
+    `group` of `size` ranks (every rank calls it). Each rank's extent along the tile's dim is
+    `Tile.local`'s cut of each part (uneven where a vocabulary does not divide by tp)."""
+    part = whole[tile.dim] // tile.groups
+    extents = [block_rows(part, r, size)[1] * tile.groups for r in range(size)]
+    longest, d = max(extents), tile.dim
+    padded = block
+    if block.shape[d] < longest:  # all_gather takes equal shapes: pad, then trim
+        shape = list(block.shape)
+        shape[d] = longest - block.shape[d]
+        padded = torch.cat([block, block.new_zeros(shape)], d)
+    shards = [torch.empty_like(padded) for _ in range(size)]
+    dist.all_gather(shards, padded.contiguous(), group=group)
+    return tile.full([s.narrow(d, 0, e) for s, e in zip(shards, extents)])
 
 
 def tp_pipeline(passes: list[Any]) -> list[Any]:

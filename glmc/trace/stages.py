@@ -27,8 +27,8 @@ def capture_stage(index: int, module: nn.Module, optimizer: torch.optim.Optimize
                   target: tuple[int, torch.Tensor] | None = None,
                   partition: Callable[[fx.GraphModule], Any] | None = None,
                   update: str = "fused",
-                  rewrites: Sequence[Callable[[fx.GraphModule, list[InputSpec]], Any]] = ()
-                  ) -> Stage:
+                  rewrites: Sequence[Callable[[fx.GraphModule, list[InputSpec]], Any]] = (),
+                  tp: Any = None) -> Stage:
     """Stage `index` of a pipeline: `module(*args)` then either sends its outputs under the
     names `send`, or (last stage) computes `loss_fn(output, target)` — or, without `loss_fn`,
     returns the loss itself. An arg is `(i, example)` for leaf `i` of the microbatch, or
@@ -50,7 +50,10 @@ def capture_stage(index: int, module: nn.Module, optimizer: torch.optim.Optimize
     specs, received values as activations) and rewritten in place (e.g. the fusion pass's
     forward patterns, `glmc.passes.fusion.fuse_stage`, then the bf16 dtype assignment,
     `glmc.passes.precision.assign_stage`); the result is differentiated again, so the
-    backward follows the rewrites."""
+    backward follows the rewrites. `tp` (tensor parallelism inside the stage,
+    `glmc.parallel.stage_tp.StageTensorParallel`): its `shard(index, joint, inputs, outputs)`
+    rewrites the stage's joint graph into this rank's local program (`partition` is then not
+    run), and the update is captured on the blocks' shapes (`tp.local_shape`)."""
     if update not in ("fused", "foreach", "single"):
         raise ConfigError(f"capture_stage: update={update!r}; use 'fused', 'foreach' or "
                           "'single'")
@@ -85,7 +88,11 @@ def capture_stage(index: int, module: nn.Module, optimizer: torch.optim.Optimize
     fn: Callable = step
     for rewrite in rewrites:  # each traced afresh: a rewrite sees its input's values
         fn = _rewritten(fn, examples, ins, rewrite)
-    fw, bw, n_out = _aot_graphs(fn, examples, partition, index, send)
+    if tp is not None:
+        fw, bw, n_out = _sharded_graphs(fn, examples, ins, names, len(buffers), leaves, send,
+                                        index, tp)
+    else:
+        fw, bw, n_out = _aot_graphs(fn, examples, partition, index, send)
     if n_out != max(len(send), 1):
         raise ConfigError(f"capture_stage: stage {index} returns {n_out} values but send= "
                           f"names {len(send)} (a stage that writes a buffer returns more)")
@@ -94,7 +101,9 @@ def capture_stage(index: int, module: nn.Module, optimizer: torch.optim.Optimize
     forward = _retype(fw, ins, [*outs, *(OutputSpec(OutputKind.SAVED, f"saved:{k}")
                                          for k in range(n_saved))], Phase.FORWARD, index)
     backward = _backward(index, bw, names, len(buffers), leaves, send, n_saved)
-    return Stage(index, forward, backward, _update_graph(index, module, optimizer, update))
+    shapes = tp.local_shapes(index, module) if tp is not None else None
+    return Stage(index, forward, backward, _update_graph(index, module, optimizer, update,
+                                                         shapes))
 
 
 def _rewritten(step: Callable, examples: list[torch.Tensor], inputs: list[InputSpec],
@@ -152,7 +161,13 @@ def _aot_graphs(fn: Callable, examples: list[torch.Tensor],
     compiled = aot_function(fn, fw_compiler=keep("F"), bw_compiler=keep("B"), partition_fn=split)
     out = compiled(*examples)
     outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
-    inert = [name for name, o in zip(send or [""], outs) if not o.requires_grad]
+    _check_gradients([name for name, o in zip(send or [""], outs) if not o.requires_grad],
+                     index)
+    torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+    return got["F"], got["B"], len(outs)
+
+
+def _check_gradients(inert: list[str], index: int) -> None:
     if inert:
         raise CaptureError(
             f"capture_stage: stage {index} sends {inert} across the cut, which carries no "
@@ -160,8 +175,39 @@ def _aot_graphs(fn: Callable, examples: list[torch.Tensor],
             "read by every block, as in T5); glmc's pipeline "
             "sends a gradient back for every value it passes on. Not supported yet: cut "
             "elsewhere (cut=), or train this model data-parallel (--zero)")
-    torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
-    return got["F"], got["B"], len(outs)
+
+
+def _sharded_graphs(fn: Callable, examples: list[torch.Tensor], inputs: list[InputSpec],
+                    names: list[str], n_buffers: int, leaves: list, send: Sequence[str],
+                    index: int, tp: Any) -> tuple[fx.GraphModule, fx.GraphModule, int]:
+    """The forward and backward graphs of `fn` as this rank of a tensor-parallel stage runs
+    them: AOTAutograd's joint graph (exported, not run), rewritten by `tp.shard` into the
+    local program with its collectives, then split by the default partition (which keeps
+    the backward's collectives and mutations in the backward)."""
+    from torch._functorch.aot_autograd import aot_export_joint_simple
+    from torch._functorch.partitioners import default_partition
+
+    def flat(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = fn(*args)
+        return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+    n_out = max(len(send), 1)
+    joint = aot_export_joint_simple(flat, examples, trace_joint=True)
+    tangents = [n for n in joint.graph.nodes if n.op == "placeholder"][len(examples):]
+    if len(tangents) != n_out:  # an output without a gradient has no cotangent input
+        _check_gradients(list(send), index)
+    # the joint's signature: received values are activations to the pass, then cotangents
+    ins = [InputSpec(Role.INPUT, s.target) if s.role is Role.BOUNDARY else s for s in inputs]
+    ins += [InputSpec(Role.GRADIENT, f"grad:{n}") for n in send] or \
+        [InputSpec(Role.GRADIENT, "seed:loss")]
+    outs: list[OutputSpec | None] = [OutputSpec(OutputKind.SEND, n) for n in send] or \
+        [OutputSpec(OutputKind.LOSS, "")]
+    outs += [OutputSpec(OutputKind.GRADIENT, n) for n in names] + [None] * n_buffers
+    outs += [OutputSpec(OutputKind.SEND, f"grad:{k}") if isinstance(k, str) else None
+             for k, _ in leaves]
+    local = tp.shard(index, joint, ins, outs)
+    fw, bw = default_partition(local, examples, num_fwd_outputs=n_out)
+    return fw, bw, n_out
 
 
 def _output_args(gm: fx.GraphModule) -> list[Any]:
@@ -208,7 +254,9 @@ def _retype(gm: fx.GraphModule, inputs: list[InputSpec], outputs: Sequence[Outpu
             break
         else:
             env[n] = g.node_copy(n, lambda a: env[a])
-            info = NodeInfo(phase, role, created_by="capture_stage", stage=stage)
+            old = n.meta.get("glmc")  # a collective keeps what it is (tensor parallelism)
+            info = NodeInfo(phase, role, created_by="capture_stage", stage=stage,
+                            comm=old.comm if isinstance(old, NodeInfo) else None)
         env[n].meta = {"val": n.meta.get("val"),
                        "glmc": info.replace(spec=TensorSpec.of(n.meta.get("val")))}
     graph = TrainGraph(fx.GraphModule(gm, g), list(inputs), [o for o, _ in picked],
@@ -218,9 +266,11 @@ def _retype(gm: fx.GraphModule, inputs: list[InputSpec], outputs: Sequence[Outpu
 
 
 def _update_graph(index: int, module: nn.Module, optimizer: torch.optim.Optimizer,
-                  update: str = "fused") -> TrainGraph:
+                  update: str = "fused", shapes: dict[str, tuple[int, ...]] | None = None
+                  ) -> TrainGraph:
     """(lr per group, then per parameter: param, gradient, state...) -> (param, state...);
-    `update` as `capture_stage` says."""
+    `update` as `capture_stage` says; `shapes`: parameters updated as blocks of these shapes
+    (tensor parallelism; their gradients and same-shaped state alike)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     rule = rule_for(optimizer)
@@ -240,7 +290,11 @@ def _update_graph(index: int, module: nn.Module, optimizer: torch.optim.Optimize
             name = names[id(p)]
             ins += [InputSpec(Role.PARAMETER, name), InputSpec(Role.GRADIENT, name)]
             ins += [InputSpec(Role.OPTIMIZER_STATE, f"{k}:{name}") for k in keys]
-            examples += [p.detach(), torch.zeros_like(p), *(optimizer.state[p][k] for k in keys)]
+            block = shapes.get(name) if shapes else None
+            examples += [p.detach(), torch.zeros_like(p),
+                         *(optimizer.state[p][k] for k in keys)] if block is None else \
+                [p.new_empty(block), p.new_empty(block),
+                 *(_block_like(optimizer.state[p][k], p, block) for k in keys)]
             outs += [OutputSpec(OutputKind.PARAM, name)]
             outs += [OutputSpec(OutputKind.STATE, f"{k}:{name}") for k in keys]
 
@@ -263,3 +317,10 @@ def _update_graph(index: int, module: nn.Module, optimizer: torch.optim.Optimize
     # shard pass under ZeRO-1 over pipeline replicas) see what it is
     graph.meta["optimizer"] = OptimizerSpec.of(optimizer, names)
     return graph
+
+
+def _block_like(state: torch.Tensor, param: torch.Tensor, block: tuple[int, ...]
+                ) -> torch.Tensor:
+    """An optimizer state's example for a parameter updated as a block: the block's shape
+    where the state has the parameter's (moments), as it is otherwise (a step count)."""
+    return state.new_empty(block) if state.shape == param.shape else state

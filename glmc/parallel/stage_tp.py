@@ -1,0 +1,138 @@
+"""Tensor parallelism inside pipeline stages (3-D parallelism, `dp x pp x tp`).
+
+Each pipeline stage runs on a tensor-parallel group of `size` ranks: the `tensor_parallel`
+pass rewrites the stage's joint graph (AOTAutograd's forward + backward of the stage, before
+the partition) into the local program of one rank (`TensorParallelPass.run_joint`: the same
+seeds and sharding propagation as on a whole step), the partition then splits it into the
+stage's forward and backward, and the update is captured on the blocks' shapes. Values cross
+the cuts whole (`Replicate`): the rank of tp index t of stage s sends to the rank of tp index
+t of stage s + 1, as Megatron-LM's pipeline does without its scatter-gather optimisation.
+
+Global ranks are `(replica * S + pipeline rank) * size + tp index` (a tensor-parallel group is
+consecutive ranks, inside one node). Every rank captures every stage (the same programs on
+every rank); `install` then keeps this rank's blocks of the sharded parameters and their
+optimizer state in the user's tensors, as the whole-step tensor parallelism does
+(`glmc.parallel.tensor`), and `gathered` makes them whole again for a while.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from glmc.errors import ConfigError
+from glmc.ir.graph import InputSpec, MeshSpec, OutputSpec
+from glmc.ir.plans import TP, Tile, TpPlan
+
+
+@dataclass
+class StageTensorParallel:
+    """The tensor-parallel side of a pipeline's stages for this rank (see the module
+    docstring): `size` ranks per stage, this rank's `rank` among them, the `device_mesh`
+    (dims "pp", "tp") the collectives run on; `plan`/`sequence`: the pass's pins and sequence
+    parallelism. `plans[s]`: stage s's tiles; `stats[s]`: the pass's record of it."""
+
+    size: int
+    rank: int
+    device_mesh: Any
+    plan: str = ""
+    sequence: bool = False
+    plans: dict[int, TpPlan] = field(default_factory=dict)
+    stats: dict[int, Any] = field(default_factory=dict)
+    #: whole shape of every sharded tensor (by id of the parameter), kept when installed
+    _whole: dict[int, tuple[int, ...]] = field(default_factory=dict)
+
+    @property
+    def mesh(self) -> MeshSpec:
+        return MeshSpec.of(self.device_mesh)
+
+    def shard(self, index: int, joint: fx.GraphModule, inputs: list[InputSpec],
+              outputs: list[OutputSpec | None]) -> fx.GraphModule:
+        """`capture_stage`'s hook: stage `index`'s joint graph as this rank runs it."""
+        from glmc.passes.tensor_parallel import TensorParallelPass
+        p = TensorParallelPass(size=self.size, plan=self.plan, sequence=self.sequence)
+        local, plan, stats = p.run_joint(joint, inputs, outputs, self.mesh, self.device_mesh)
+        self.plans[index], self.stats[index] = plan, stats
+        return local
+
+    def record(self, index: int) -> Any:
+        """The pass's record on stage `index` (for the pipeline's pass history)."""
+        from glmc.compiler.passmanager import PassRecord
+        return PassRecord("tensor_parallel", {"size": self.size, "plan": self.plan,
+                                              "sequence": self.sequence}, True,
+                          self.stats[index], 0.0, 0, 0, stage=index, form="joint")
+
+    def local_shapes(self, index: int, module: nn.Module) -> dict[str, tuple[int, ...]]:
+        """`capture_stage`'s hook: the shape of this rank's block of each sharded parameter
+        of stage `index` (what its update runs on)."""
+        tiles = self.plans[index].tiles
+        return {name: tuple(tiles[name].local(torch.empty(p.shape, device="meta"), self.rank,
+                                              self.size).shape)
+                for name, p in module.named_parameters() if name in tiles}
+
+    def install(self, modules: list[nn.Module], optimizers: list[torch.optim.Optimizer]
+                ) -> None:
+        """Every stage's sharded parameters (and their optimizer state of the same shape)
+        replaced by this rank's block, in place in the user's tensors; a parameter tied
+        across stages (one tensor read by two stages) must be sharded alike in both."""
+        seen: dict[int, Tile] = {}
+        for index, (module, opt) in enumerate(zip(modules, optimizers)):
+            tiles = self.plans[index].tiles
+            for name, p in module.named_parameters():
+                tile = tiles.get(name)
+                if id(p) in seen:
+                    if seen[id(p)] != tile:
+                        raise ConfigError(
+                            f"pipeline: the parameter {name!r} of stage {index} is shared "
+                            f"with another stage that shards it as {seen[id(p)]}, here "
+                            f"{tile}; pin it alike with tp_plan='{name}:replicate' (or "
+                            "column/row)")
+                    continue
+                seen[id(p)] = tile
+                if tile is None:
+                    continue
+                whole = tuple(p.shape)
+                with torch.no_grad():
+                    p.data = tile.local(p.detach(), self.rank, self.size)
+                    for key, v in opt.state.get(p, {}).items():
+                        if isinstance(v, torch.Tensor) and tuple(v.shape) == whole:
+                            opt.state[p][key] = tile.local(v, self.rank, self.size)
+                self._whole[id(p)] = whole
+
+    @contextlib.contextmanager
+    def gathered(self, modules: dict[int, nn.Module],
+                 optimizers: dict[int, torch.optim.Optimizer]) -> Iterator[None]:
+        """The whole parameters and optimizer state of the given stages (by index) for the
+        duration (every rank of each stage's tensor-parallel group enters with them)."""
+        from glmc.parallel.tensor import gather_block
+        group = self.device_mesh.get_group(TP)
+        saved: list[tuple[Any, Any, torch.Tensor]] = []
+        done: set[int] = set()
+        for index, module in modules.items():
+            opt = optimizers[index]
+            tiles = self.plans[index].tiles
+            for name, p in module.named_parameters():
+                if name not in tiles or id(p) in done:
+                    continue
+                done.add(id(p))
+                whole, block = self._whole[id(p)], p.data
+                saved.append((p, None, block))
+                p.data = gather_block(block, tiles[name], whole, self.size, group)
+                for key, v in opt.state.get(p, {}).items():
+                    if isinstance(v, torch.Tensor) and v.shape == block.shape:
+                        saved.append((opt.state[p], key, v))
+                        opt.state[p][key] = gather_block(v, tiles[name], whole, self.size,
+                                                         group)
+        try:
+            yield
+        finally:
+            for owner, key, block in saved:
+                if key is None:
+                    owner.data = block
+                else:
+                    owner[key] = block
