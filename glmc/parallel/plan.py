@@ -12,7 +12,8 @@ per field, the same name) and a spelling that parses back to an equal plan:
 
 The runtime picks its strategy from `plan.strategy` ("single", "data" or "pipeline"); the
 degrees of the mesh come from `plan.degrees(world)` (`{"pp": S, "dp": world // S}`; tensor
-parallelism adds its own dim there, inside the pipeline's). The planner of later work returns a plan object too.
+parallelism adds its own dim there, inside the pipeline's). The planner returns a plan
+object too.
 """
 from __future__ import annotations
 
