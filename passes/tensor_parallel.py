@@ -254,6 +254,9 @@ def _joint_graph(joint: fx.GraphModule, inputs: list[InputSpec],
     out = next(n for n in reversed(joint.graph.nodes) if n.op == "output")
     results = _flat(out.args[0])
     out.args = (results,)  # AOTAutograd's (outputs, gradients), flat
+    for n in list(joint.graph.nodes):  # metadata asserts (a `.to()`'s): on sharded values
+        if n.op == "call_function" and op_name(n).startswith("_assert") and not n.users:
+            joint.graph.erase_node(n)  # they would gather them first (checked when traced)
     joint.graph._codegen = fx.graph.CodeGen()  # flat in, flat out (no pytree calling form)
     joint.recompile()
     n_fwd = sum(1 for o in outputs if o is not None and o.kind in (OutputKind.LOSS,

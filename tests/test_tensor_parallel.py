@@ -123,8 +123,9 @@ def test_pins_override_and_bad_pins_are_typed_errors() -> None:
     ParallelPlan(tp=2, zero=3, nproc=4).validate()  # dp=2 x tp=2
     ParallelPlan(tp=2, pp=2, nproc=4).validate()  # pp=2 x tp=2
     assert ParallelPlan(tp=2, pp=2, nproc=4).degrees(4) == {"pp": 2, "dp": 1, "tp": 2}
-    with pytest.raises(ConfigError, match="dp x pp x tp"):
-        ParallelPlan(tp=2, pp=2, nproc=8).validate()
+    ParallelPlan(tp=2, pp=2, nproc=8).validate()  # dp=2 x pp=2 x tp=2
+    with pytest.raises(ConfigError, match="multiple of 4 processes"):
+        ParallelPlan(tp=2, pp=2, nproc=6).validate()
     with pytest.raises(ConfigError, match="--zero / --compress"):
         ParallelPlan(tp=2, pp=2, nproc=4, zero=1).validate()
     with pytest.raises(ConfigError, match="not compiled for a tensor-parallel mesh"):
@@ -715,7 +716,7 @@ def test_two_replicas_of_two_tensor_parallel_ranks_train_like_one_process(dp_tp_
 # ---- tensor-parallel pipeline stages (pp x tp) ---------------------------------------------
 
 def _pp_tp_part(case: str = "glm", schedule: str = "1f1b", sequence: bool = False,
-                sgd: bool = False):
+                sgd: bool = False, dp: int = 1):
     """pp=2 x tp=2 on 4 processes: the model cut in 2 stages, each on a tensor-parallel pair
     (`pipeline_trainer(..., tp=2)`), 4 microbatches; against eager PyTorch on the whole
     batch in one process."""
@@ -736,8 +737,8 @@ def _pp_tp_part(case: str = "glm", schedule: str = "1f1b", sequence: bool = Fals
         ref = eager_losses(ref_model, batch, loss_fn, ref_opt, STEPS)
         from glmc.trace.capture import batch_leaves
         rows = batch_leaves(split_batch(batch))[0].shape[0]
-        trainer = pipeline_trainer(model, opt, loss_fn, batch, min(rows, 4), schedule, tp=2,
-                                   sequence=sequence, timeout_s=120)
+        trainer = pipeline_trainer(model, opt, loss_fn, batch, min(rows // dp, 4), schedule,
+                                   tp=2, sequence=sequence, timeout_s=120, dp=dp)
         args, kwargs = split_batch(batch)
         losses = [trainer.step(*args, **kwargs) for _ in range(STEPS)]
         stages = {s: trainer.pipeline.stages[s].module for s in trainer.local}
@@ -795,17 +796,20 @@ def test_tensor_parallel_pipeline_stages_train_like_one_process(pp_tp_runs: Path
         assert r["local"]["embed.weight" if rank < 2 else "head.weight"] == (128, 64)
 
 
-def _pp_tp_like_one_process(runs: Path, part: str, noise: str = "") -> None:
-    for rank in range(4):
+def _pp_tp_like_one_process(runs: Path, part: str, noise: str = "", world: int = 4) -> None:
+    for rank in range(world):
         r = result(runs, part, rank)
         if r["losses"] is not None:  # the last stage's ranks
             torch.testing.assert_close(r["losses"], r["ref"], rtol=1e-5, atol=0)
         assert r["params"], "each rank trains its stage's parameters"
+        assert all(not ops for ops in r["whole_ops"].values()), r["whole_ops"]  # no gathers
         for name, ref in r["ref_params"].items():
             if noise and name.endswith(noise):  # a rounding-noise gradient under Adam
                 continue
             torch.testing.assert_close(r["params"][name], ref, rtol=1e-4, atol=1e-6, msg=name)
-    assert sum(result(runs, part, rank)["losses"] is not None for rank in range(4)) == 2
+    # the last stage's ranks: its tp pair in every replica
+    assert sum(result(runs, part, rank)["losses"] is not None for rank in range(world)) == \
+        world // 2
 
 
 @pytest.mark.slow  # 4 processes, five more models and plans
@@ -817,3 +821,21 @@ def test_tensor_parallel_stages_of_more_models_and_schedules(pp_tp_runs: Path,
     and the last stage, vocab-parallel in both, its gradient summed over the two stages'
     ranks of the same tp index): the losses and parameters of one process."""
     _pp_tp_like_one_process(pp_tp_runs, part, noise="k_proj.bias")
+
+
+def _dp_pp_tp_worker(rank: int, port: int, out: str) -> None:
+    run_parts(rank, port, 8, out, [("dp_pp_tp", _pp_tp_part(dp=2))])
+
+
+@pytest.mark.slow  # 8 processes
+def test_replicas_of_tensor_parallel_pipelines_train_like_one_process(
+        tmp_path: Path) -> None:
+    """The 3-D mesh dp=2 x pp=2 x tp=2 on 8 processes (global rank = (replica x 2 + stage)
+    x 2 + tp index): each replica's 2 rows of the batch through its pipeline of
+    tensor-parallel stages, each stage's gradient blocks averaged over the replicas of the
+    same stage and tp index. The losses and parameters of one process on the whole batch."""
+    spawn(_dp_pp_tp_worker, str(tmp_path), nprocs=8)
+    _pp_tp_like_one_process(tmp_path, "dp_pp_tp", world=8)
+    for rank in range(8):
+        r = result(tmp_path, "dp_pp_tp", rank)
+        assert r["local"]["embed.weight" if rank % 4 < 2 else "head.weight"] == (128, 64)

@@ -3,7 +3,7 @@
     plan = partition pass on the captured step          (passes/partition.py: the cut)
     stage modules = the model's fx graph cut at the plan's blocks   (`split_module`)
     StagedProgram = capture_stage per stage + link + schedule       (`build_program`)
-    PipelineTrainer.step(batch): this rank's stages run the schedule (glmc.parallel.executor.run_rank)
+    PipelineTrainer.step(batch): this rank's stages run the schedule (executor.run_rank)
 
 How the model is cut into stage modules is `glmc.parallel.stage_modules`; the report of a
 pipelined run is `glmc.parallel.pipeline_report`. A value crossing a cut is sent once per
@@ -362,10 +362,9 @@ class PipelineTrainer:
             raise ConfigError(f"pipeline: {sched.num_ranks} pipeline ranks x {dp} data-parallel "
                               f"replicas{tp} need {sched.num_ranks * dp * self.tp} processes, "
                               f"got {world}")
-        if self.tp > 1 and dp > 1:
-            raise ConfigError(f"pipeline: {dp} data-parallel replicas of a pipeline with "
-                              f"tensor-parallel stages (dp x pp x tp) are not supported yet; "
-                              f"run {sched.num_ranks * self.tp} processes (pp x tp)")
+        if self.tp > 1 and zero and dp > 1:
+            raise ConfigError("pipeline: ZeRO-1 over the replicas of a pipeline with "
+                              "tensor-parallel stages is not supported yet; use zero 0")
         unit = self.rank // self.tp  #: this rank's place in the pipelines (tp groups)
         self.dp, self.replica = dp, unit // sched.num_ranks
         self.pp_rank = unit % sched.num_ranks
@@ -373,9 +372,9 @@ class PipelineTrainer:
         self.ranks = [(self.replica * sched.num_ranks + sched.rank_of(s)) * self.tp
                       + self.tp_rank for s in range(sched.num_stages)]
         # every rank creates every group, in the same order (torch.distributed's rule)
-        groups = [dist.new_group([d * sched.num_ranks + r for d in range(dp)])
-                  for r in range(sched.num_ranks)] if dp > 1 else []
-        self.dp_group = groups[self.pp_rank] if groups else None
+        groups = [dist.new_group([(d * sched.num_ranks + r) * self.tp + t for d in range(dp)])
+                  for r in range(sched.num_ranks) for t in range(self.tp)] if dp > 1 else []
+        self.dp_group = groups[self.pp_rank * self.tp + self.tp_rank] if groups else None
         self.local = [s for s in range(sched.num_stages) if sched.rank_of(s) == self.pp_rank]
         self.last = (sched.num_stages - 1) in self.local
         #: per shared parameter (`program.shared`): its copies on this rank's stages, and the
@@ -817,11 +816,10 @@ def pipeline_trainer(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
                           + (f" of {tp_size} tensor-parallel ranks" if tp else "")
                           + f" do not divide the {world} processes")
     stages = world // dp // tp_size * virtual
-    if tp and dp > 1:
-        raise ConfigError(f"pipeline: {dp} data-parallel replicas of a pipeline with "
-                          "tensor-parallel stages (dp x pp x tp) are not supported yet; run "
-                          f"{world // dp} processes (pp x tp)")
-    stage_tp = _stage_tp(tp, world // dp // tp_size, tp_plan, sequence) if tp else None
+    if tp and zero and dp > 1:
+        raise ConfigError("pipeline: ZeRO-1 over the replicas of a pipeline with "
+                          "tensor-parallel stages is not supported yet; use zero 0")
+    stage_tp = _stage_tp(tp, dp, world // dp // tp_size, tp_plan, sequence) if tp else None
     leaves = batch_leaves(split_batch(example_inputs))
     example = like(example_inputs, replica_slices(tuple(leaves), dp)[0])
     link = measure_link(reps=21)  # every rank takes part; the same figures everywhere
@@ -840,16 +838,19 @@ def pipeline_trainer(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
     return PipelineTrainer(pipe, timeout_s, dp, zero, backend)
 
 
-def _stage_tp(size: int, ranks: int, plan: str, sequence: bool) -> Any:
+def _stage_tp(size: int, dp: int, ranks: int, plan: str, sequence: bool) -> Any:
     """This process's side of tensor-parallel stages: a ("pp", "tp") mesh of `ranks`
-    pipeline ranks x `size` (tp innermost: a group is consecutive ranks)."""
+    pipeline ranks x `size`, ("dp", "pp", "tp") with `dp` > 1 replicas (tp innermost: a
+    group is consecutive ranks)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from glmc.ir.plans import TP
+    from glmc.ir.plans import DIM, TP
     from glmc.parallel.stage_tp import StageTensorParallel
     if not isinstance(size, int) or size < 2:
         raise ConfigError(f"pipeline: tp must be a whole number >= 2, got {size!r}")
-    mesh = init_device_mesh("cpu", (ranks, size), mesh_dim_names=("pp", TP))
+    shape, names = ((ranks, size), ("pp", TP)) if dp == 1 else \
+        ((dp, ranks, size), (DIM, "pp", TP))
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     return StageTensorParallel(size, mesh.get_local_rank(TP), mesh, plan, sequence)
 
 

@@ -285,14 +285,13 @@ class ParallelPlan:
                        "data-parallel replicas, ZeRO 0-3, accumulation and compression, or "
                        "inside pipeline stages)")
         if self.pp is not None and isinstance(self.tp, int) and isinstance(self.pp, int):
-            if self.nproc is not None and self.nproc != self.pp * self.tp:
+            if self.nproc is not None and self.nproc % (self.pp * self.tp):
                 out.append(f"--tp {self.tp} --pp {self.pp}: tensor-parallel pipeline stages "
-                           f"run on --nproc {self.pp * self.tp} (pp x tp); data-parallel "
-                           "replicas of them (dp x pp x tp) are not supported yet")
+                           f"run on a multiple of {self.pp * self.tp} processes (pp x tp, "
+                           f"times the data-parallel replicas); got --nproc {self.nproc}")
             if self.zero or self.compress is not None:
-                out.append(f"--tp {self.tp} --pp {self.pp}: --zero / --compress act between "
-                           "data-parallel replicas, which tensor-parallel pipelines do not "
-                           "have yet; drop them")
+                out.append(f"--tp {self.tp} --pp {self.pp}: --zero / --compress with "
+                           "tensor-parallel pipeline stages are not supported yet; drop them")
         return out
 
     def _pipeline_problems(self, step: StepOptions) -> list[str]:

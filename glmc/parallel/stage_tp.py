@@ -46,6 +46,8 @@ class StageTensorParallel:
     stats: dict[int, Any] = field(default_factory=dict)
     #: whole shape of every sharded tensor (by id of the parameter), kept when installed
     _whole: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    #: per stage: the pass's seconds, and the joint graph's nodes before and after
+    _timing: dict[int, tuple[float, int, int]] = field(default_factory=dict)
 
     @property
     def mesh(self) -> MeshSpec:
@@ -54,18 +56,23 @@ class StageTensorParallel:
     def shard(self, index: int, joint: fx.GraphModule, inputs: list[InputSpec],
               outputs: list[OutputSpec | None]) -> fx.GraphModule:
         """`capture_stage`'s hook: stage `index`'s joint graph as this rank runs it."""
+        import time
+
         from glmc.passes.tensor_parallel import TensorParallelPass
         p = TensorParallelPass(size=self.size, plan=self.plan, sequence=self.sequence)
+        t0, before = time.perf_counter(), len(joint.graph.nodes)
         local, plan, stats = p.run_joint(joint, inputs, outputs, self.mesh, self.device_mesh)
         self.plans[index], self.stats[index] = plan, stats
+        self._timing[index] = (time.perf_counter() - t0, before, len(local.graph.nodes))
         return local
 
     def record(self, index: int) -> Any:
         """The pass's record on stage `index` (for the pipeline's pass history)."""
         from glmc.compiler.passmanager import PassRecord
+        seconds, before, after = self._timing[index]
         return PassRecord("tensor_parallel", {"size": self.size, "plan": self.plan,
                                               "sequence": self.sequence}, True,
-                          self.stats[index], 0.0, 0, 0, stage=index, form="joint")
+                          self.stats[index], seconds, before, after, stage=index, form="joint")
 
     def local_shapes(self, index: int, module: nn.Module) -> dict[str, tuple[int, ...]]:
         """`capture_stage`'s hook: the shape of this rank's block of each sharded parameter
