@@ -88,6 +88,9 @@ class TensorParallelStats:
     tensors: tuple[tuple[str, str, str, str], ...] = ()
     #: the ops run on whole operands, with their source lines
     whole_at: tuple[str, ...] = ()
+    #: per unit the seeds found: (unit, "sharded"|"whole", predicted ms the shards save, ms
+    #: their collectives cost, MiB per rank sharding saves) — the cost model's view
+    units: tuple[tuple[str, str, str, str, str], ...] = ()
 
     def report_section(self, ctx: Any) -> Any:
         """The report's section: the layout (the largest parameters' placements and
@@ -102,6 +105,9 @@ class TensorParallelStats:
         blocks.append(Table(("collective", "per step", "MiB per rank per step"), tuple(
             (k, n, f"{self.volume.get(k, 0) / 2**20:.3f}") for k, n in
             self.collectives.items()), "lrr"))
+        if self.units:
+            blocks.append(Table(("unit", "layout", "compute saved (ms)", "collectives (ms)",
+                                 "MiB saved per rank"), self.units, "llrrr"))
         if self.whole_at:
             blocks.append(Text(f"{len(self.whole_at)} op(s) without a sharding rule run on "
                                "whole operands:", "warn"))
@@ -126,6 +132,13 @@ class TensorParallelPass(Pass):
     #: an op without a sharding rule that must run on whole (gathered) operands is a typed
     #: error naming it and its source line, instead of running replicated
     strict: bool = False
+    #: "layout": shard every unit the seeds find (Megatron's layout); "time": keep a unit
+    #: whole (replicated) where the cost model predicts sharding it makes the step slower —
+    #: its collectives cost more than the compute it splits (memory is not weighed); pins win
+    choose: str = "layout"
+    #: the link tp's collectives cross, for the cost model (`glmc.analysis.comm.get_link`:
+    #: a profile name or "ALPHAus:BETAGBps[:CALLus]"); "" NVLink 4, inside a DGX node
+    link: str = ""
 
     def needs(self) -> frozenset[Need]:
         return frozenset({Need.STEP})
@@ -160,7 +173,8 @@ class TensorParallelPass(Pass):
                               "parallelism are not supported yet")
         if "sharding" in graph.meta or TP_META in graph.meta:
             raise PassError("tensor_parallel: the step is already sharded")
-        tiles = seed_tiles(graph, self.size, self.pins())
+        costs, keep = self._costs(graph, ctx)
+        tiles = seed_tiles(graph, self.size, self.pins(), keep)
         whole_shapes = {TrainGraph.info(p).target: TrainGraph.info(p).spec.shape
                         for p in graph.placeholders() if TrainGraph.info(p).spec is not None}
         tokens = _tokens(graph, mesh.size(TP)) if self.sequence else None
@@ -180,11 +194,26 @@ class TensorParallelPass(Pass):
         stats = _stats(graph, plan, self.size, whole_shapes)
         return PassResult(True, dataclasses.replace(stats, whole_ops={
             op: names.count(op) for op in sorted(set(names))},
-            whole_at=tuple(str(o) for o in offenses)))
+            whole_at=tuple(str(o) for o in offenses), units=_unit_rows(costs, plan)))
+
+    def _costs(self, graph: TrainGraph, ctx: PassContext | None
+               ) -> tuple[list["UnitCost"], Any]:
+        """The cost model's view of every unit (`unit_costs`), and the `keep` predicate of
+        `seed_tiles` that `choose` asks for (None: every unit)."""
+        if self.choose not in ("layout", "time"):
+            raise ConfigError(f"tensor_parallel: choose={self.choose!r}; use 'layout' (shard "
+                              "every unit the seeds find) or 'time' (keep whole the units the "
+                              "cost model predicts slower sharded)")
+        costs = unit_costs(graph, self.size, ctx, self.link)
+        if self.choose == "layout":
+            return costs, None
+        faster = {c.name for c in costs if c.saved_s >= c.comm_s}
+        return costs, lambda u: u.name in faster
 
 
     def run_joint(self, joint: fx.GraphModule, inputs: list[InputSpec],
-                  outputs: list[OutputSpec | None], mesh: MeshSpec, device_mesh: Any = None
+                  outputs: list[OutputSpec | None], mesh: MeshSpec, device_mesh: Any = None,
+                  ctx: PassContext | None = None
                   ) -> tuple[fx.GraphModule, TpPlan, "TensorParallelStats"]:
         """The pass on a pipeline stage's joint graph (AOTAutograd's forward + backward of the
         stage, before the partition; `glmc.trace.stages.capture_stage`): `inputs` name its
@@ -202,7 +231,8 @@ class TensorParallelPass(Pass):
                               f"{mesh.shape}; size={self.size} needs a mesh dim 'tp' of "
                               f"{self.size} ranks")
         graph = _joint_graph(joint, inputs, outputs)
-        tiles = seed_tiles(graph, self.size, self.pins())
+        costs, keep = self._costs(graph, ctx)
+        tiles = seed_tiles(graph, self.size, self.pins(), keep)
         whole_shapes = {TrainGraph.info(p).target: TrainGraph.info(p).spec.shape
                         for p in graph.placeholders() if TrainGraph.info(p).spec is not None}
         tokens = _tokens(graph, self.size) if self.sequence else None
@@ -225,7 +255,7 @@ class TensorParallelPass(Pass):
         ops = [op_name(n) for n in whole]
         stats = dataclasses.replace(_stats(graph, plan, self.size, whole_shapes), whole_ops={
             op: ops.count(op) for op in sorted(set(ops))},
-            whole_at=tuple(str(o) for o in offenses))
+            whole_at=tuple(str(o) for o in offenses), units=_unit_rows(costs, plan))
         return graph.gm, plan, stats
 
 
@@ -336,11 +366,13 @@ def _source(n: fx.Node) -> fx.Node:
 
 
 def _group_walk(graph: TrainGraph, starts: list[fx.Node], linears: dict[fx.Node, str],
-                stream: set[fx.Node]) -> set[str]:
+                stream: set[fx.Node]) -> tuple[set[str], set[fx.Node], list[fx.Node]]:
     """The linears reached from `starts` through forward ops fed only from inside (see the
-    module docstring; one pass in program order)."""
+    module docstring; one pass in program order): their names, the ops walked through, and
+    the reached linears' nodes."""
     inside: set[fx.Node] = set(starts)
     reached: set[str] = set()
+    rows: list[fx.Node] = []
     for u in graph.compute_nodes():
         if u in inside or TrainGraph.info(u).phase is not Phase.FORWARD:
             continue
@@ -350,13 +382,14 @@ def _group_walk(graph: TrainGraph, starts: list[fx.Node], linears: dict[fx.Node,
         if u in linears:
             if u.args[-2] in inside:
                 reached.add(linears[u])
+                rows.append(u)
             continue
         name = op_name(u)
         if name in _STOP or name in _LINEAR or \
                 any(a not in inside and a in stream for a in ins):
             continue
         inside.add(u)
-    return reached
+    return reached, inside, rows
 
 
 def _stream(graph: TrainGraph) -> set[fx.Node]:
@@ -451,31 +484,76 @@ def interleaved_ops(graph: TrainGraph, tiles: dict[str, Tile]) -> dict[fx.Node, 
     return out
 
 
-def seed_tiles(graph: TrainGraph, size: int, pins: list[tuple[str, str]]) -> dict[str, Tile]:
-    """Parameter name -> its tile: column/row linears found by the walk, then the pins."""
+@dataclass(frozen=True)
+class Unit:
+    """What the seeds shard together: a group of column linears with the row linears its
+    walk reaches (a block's attention or MLP), an LM head, or an embedding table."""
+
+    name: str  #: the common prefix of its weights' names
+    params: tuple[str, ...]
+    forward: tuple[fx.Node, ...]  #: the forward ops that run on shards when it is sharded
+    #: the values sharding it all-reduces once per step: partial sums of the forward (row
+    #: outputs, a vocab-parallel lookup) and values whose gradient is one (its input)
+    reduced: tuple[fx.Node, ...]
+
+
+def seed_units(graph: TrainGraph, size: int) -> list[tuple[Unit, dict[str, Tile]]]:
+    """The units the walk finds (see the module docstring), each with the tiles it gives
+    its weights: column groups with their row linears, then the LM heads into
+    cross-entropy and the embedding tables whose rows divide among the ranks
+    (vocab-parallel, Megatron's)."""
     linears = _linears(graph)
     stream = _stream(graph)
     groups: dict[fx.Node, list[fx.Node]] = {}
     for mm in linears:
         groups.setdefault(_source(mm.args[-2]), []).append(mm)
-    tiles: dict[str, Tile] = {}
-    for members in groups.values():
+    taken: dict[str, Tile] = {}
+    out: list[tuple[Unit, dict[str, Tile]]] = []
+    for source, members in groups.items():
         outs = [_output(mm) for mm in members]
-        reached = _group_walk(graph, outs, linears, stream)
+        reached, inside, rows = _group_walk(graph, outs, linears, stream)
         if not reached:
             continue
-        for mm in members:
-            tiles[linears[mm]] = Tile("column", 0, _split_of(mm)[1])
-        for name in reached:
-            tiles.setdefault(name, Tile("row", 1, 1))
+        mine = {linears[mm]: Tile("column", 0, _split_of(mm)[1]) for mm in members}
+        mine.update({name: Tile("row", 1, 1) for name in reached
+                     if name not in taken and name not in mine})
+        taken.update(mine)
+        out.append((Unit(_prefix(list(mine)), tuple(mine), tuple(
+            [*members, *rows, *(n for n in graph.compute_nodes() if n in inside)]),
+            (*(_output(mm) for mm in rows), source)), mine))
+    for mm, name in linears.items():  # the LM head: vocab-parallel into the loss
+        if _feeds_log_softmax(mm) and name not in taken:
+            taken[name] = Tile("column", 0, 1)
+            out.append((Unit(name, (name,), (mm,), (_source(mm.args[-2]),)),
+                        {name: taken[name]}))
+    for n, name, rows in _embeddings(graph):  # vocab-parallel tables
+        if name not in taken and rows >= size:
+            taken[name] = Tile("column", 0, 1)
+            out.append((Unit(name, (name,), (n,), (n,)), {name: taken[name]}))
+    return out
+
+
+def _prefix(names: list[str]) -> str:
+    """The common dotted prefix of parameter names (a block's attention: "blocks.0.attn")."""
+    parts = [n.split(".") for n in names]
+    common = []
+    for level in zip(*parts):
+        if len(set(level)) > 1:
+            break
+        common.append(level[0])
+    return ".".join(common) or names[0]
+
+
+def seed_tiles(graph: TrainGraph, size: int, pins: list[tuple[str, str]],
+               keep: Any = None) -> dict[str, Tile]:
+    """Parameter name -> its tile: column/row linears found by the walk (the units `keep`
+    accepts, default all: `seed_units`), then the pins."""
+    tiles = {name: tile for u, unit_tiles in seed_units(graph, size)
+             if keep is None or keep(u) for name, tile in unit_tiles.items()}
+    linears = _linears(graph)
+    tables = {name for _, name, _ in _embeddings(graph)}
     heads = {name for mm, name in linears.items() if _feeds_log_softmax(mm)}
-    tables = {name: rows for _, name, rows in _embeddings(graph)}
-    for name in heads:  # the LM head: vocab-parallel into the loss
-        tiles.setdefault(name, Tile("column", 0, 1))
-    for name, rows in tables.items():  # vocab-parallel (Megatron's)
-        if name not in tiles and rows >= size:
-            tiles[name] = Tile("column", 0, 1)
-    vocab = heads | set(tables)  #: cut on their rows unevenly where the vocabulary must
+    vocab = heads | tables  #: cut on their rows unevenly where the vocabulary must
     shapes = {TrainGraph.info(ph).target: TrainGraph.info(ph).spec.shape
               for ph in graph.placeholders()
               if TrainGraph.info(ph).role is Role.PARAMETER and TrainGraph.info(ph).spec}
@@ -509,6 +587,60 @@ def seed_tiles(graph: TrainGraph, size: int, pins: list[tuple[str, str]]) -> dic
                               f"by {size} ranks{parts}"
                               f"; pin it with plan='{name}:replicate' or choose another size")
     return tiles
+
+
+@dataclass(frozen=True)
+class UnitCost:
+    """The cost model's view of sharding one unit over tp ranks, per step: the compute its
+    shards save (forward and backward: three times the forward's predicted time, less its
+    1/tp share), what its all-reduces cost on the link, and the state bytes per rank it
+    saves (its parameters, their gradients and optimizer state, less 1/tp)."""
+
+    name: str
+    params: tuple[str, ...]
+    saved_s: float
+    comm_s: float
+    state_bytes: int
+
+
+def unit_costs(graph: TrainGraph, size: int, ctx: PassContext | None = None,
+               link: str = "") -> list[UnitCost]:
+    """`UnitCost` of every unit `seed_units` finds, on `ctx`'s device profile (default:
+    this host) and `link` (`TensorParallelPass.link`). The compute is the ops' roofline
+    time without per-launch overhead (a shard launches as many kernels as the whole).
+    Under sequence parallelism an all-reduce becomes a reduce-scatter and an all-gather of
+    the same bytes in all: priced alike."""
+    from glmc.analysis.comm import collective_seconds, get_link
+    from glmc.analysis.cost import get_profile, node_time
+    from glmc.analysis.opcost import op_cost, value_bytes
+
+    prof = get_profile(ctx.profile if ctx is not None else None)
+    wire = get_link(link or "nvlink4")
+    state: dict[str, int] = {}
+    for ph in graph.placeholders():
+        info = TrainGraph.info(ph)
+        if info.role in (Role.PARAMETER, Role.OPTIMIZER_STATE) and info.spec is not None:
+            name = info.target.partition(":")[2] if info.role is Role.OPTIMIZER_STATE \
+                else info.target
+            grad = 2 if info.role is Role.PARAMETER else 1  # a parameter and its gradient
+            state[name] = state.get(name, 0) + grad * info.spec.nbytes
+    out = []
+    for unit, _ in seed_units(graph, size):
+        forward = sum(node_time(op_cost(n), prof, 0.0) for n in unit.forward)
+        comm = sum(collective_seconds("all_reduce", value_bytes(v.meta.get("val")), size, wire)
+                   for v in unit.reduced)
+        kept = sum(state.get(n, 0) for n in unit.params)
+        out.append(UnitCost(unit.name, unit.params, 3 * forward * (1 - 1 / size), comm,
+                            int(kept * (1 - 1 / size))))
+    return out
+
+
+def _unit_rows(costs: list[UnitCost], plan: TpPlan) -> tuple[tuple[str, ...], ...]:
+    """The report's rows of `UnitCost`s under `plan` (a unit is sharded where any of its
+    weights is: a pin may keep part of it whole)."""
+    return tuple((c.name, "sharded" if any(n in plan.tiles for n in c.params) else "whole",
+                  f"{c.saved_s * 1e3:.3f}", f"{c.comm_s * 1e3:.3f}",
+                  f"{c.state_bytes / 2**20:.2f}") for c in costs)
 
 
 def _embeddings(graph: TrainGraph) -> list[tuple[fx.Node, str, int]]:
@@ -651,8 +783,11 @@ def _propagate(graph: TrainGraph, mesh: MeshSpec, tiles: dict[str, Tile],
                      _Tokens(*tokens, dm) if tokens is not None else None)
         try:
             # cross-entropy on vocab-sharded logits without gathering them (torch's
-            # loss-parallel rules for _log_softmax / nll_loss and their backward)
-            with fx_traceback.preserve_node_meta(), loss_parallel():
+            # loss-parallel rules for _log_softmax / nll_loss and their backward), where
+            # the LM head is vocab-parallel (they refuse whole logits)
+            heads = {name for mm, name in _linears(graph).items() if _feeds_log_softmax(mm)}
+            vocab = loss_parallel() if heads & set(tiles) else contextlib.nullcontext()
+            with fx_traceback.preserve_node_meta(), vocab:
                 traced = make_fx(run, tracing_mode="fake", _allow_non_fake_inputs=True)(*local)
         except ConfigError:
             raise

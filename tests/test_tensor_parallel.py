@@ -62,7 +62,11 @@ def test_the_megatron_layout_is_found_from_the_graph() -> None:
     from glmc.compiler.report_parts import ReportSection
     from glmc.report.html import _block
     section = ReportSection.from_dict(res.stats.report_section(None).to_dict())
-    text, tensors, comm = section.blocks
+    text, tensors, comm, units = section.blocks
+    # the cost model's view of each unit: 2 blocks x (attention, MLP), the head, the table
+    assert [row[:2] for row in units.rows] == [
+        ("blocks.0.attn", "sharded"), ("blocks.0.mlp", "sharded"), ("blocks.1.attn", "sharded"),
+        ("blocks.1.mlp", "sharded"), ("head.weight", "sharded"), ("embed.weight", "sharded")]
     assert ("head.weight", "(256, 64)", "(128, 64)", "column Shard(0)") in tensors.rows
     assert ("blocks.0.mlp.down.weight", "(64, 172)", "(64, 86)", "row Shard(1)") in \
         tensors.rows
@@ -79,6 +83,50 @@ def test_the_megatron_layout_is_found_from_the_graph() -> None:
     assert local["exp_avg:blocks.0.attn.wo.weight"] == (64, 32)
     assert local["head.weight"] == (128, 64)
     assert local["embed.weight"] == local["exp_avg:embed.weight"] == (128, 64)
+
+
+def test_mixed_layouts_train_like_one_process(runs: Path) -> None:
+    """Units kept whole beside sharded ones: the LM head and the embedding pinned whole with
+    the blocks sharded (cross-entropy on whole logits: no loss-parallel rules), and the
+    layout `choose=time` takes on this host's measured gloo link (whatever it is: the
+    report's units say which): the losses, parameters and AdamW state of one process."""
+    for rank in (0, 1):
+        r = result(runs, "whole_vocab", rank)
+        _like_one_process(r, state=True)
+        assert r["local"]["head.weight"] == tuple(r["ref_params"]["head.weight"].shape)
+        assert r["local"]["blocks.0.attn.wo.weight"] == (64, 32)
+        # 4 per block, the head input's gradient stays whole: no loss or embedding reduction
+        assert r["collectives"] == {"all_reduce": 8}
+        assert [u[1] for u in r["units"]][-2:] == ["whole", "whole"]
+        r = result(runs, "choose_time", rank)
+        _like_one_process(r, state=True)
+        sharded = {u[0] for u in r["units"] if u[1] == "sharded"}
+        for unit, _, saved, comm, _ in r["units"]:
+            assert (unit in sharded) == (float(saved) >= float(comm)), r["units"]
+
+
+def test_the_cost_model_keeps_whole_the_units_sharding_would_slow() -> None:
+    """`choose=time`: a unit is sharded only where the compute its shards save is predicted
+    above its all-reduces on the tp link. On a link of 1 ms and 1 MB/s no unit pays (nothing
+    sharded, no collective); on a link that costs nothing every unit does (Megatron's layout);
+    the default (`layout`) shards every unit whatever the link. The cost model's figures are
+    those of `unit_costs`."""
+    from glmc.passes.tensor_parallel import unit_costs
+    slow, free = "1000us:0.001GBps", "0.000001us:1000000GBps"
+    costs = {c.name: c for c in unit_costs(_glm_graph(), 2, None, slow)}
+    assert all(c.comm_s > c.saved_s > 0 for c in costs.values())
+    assert costs["blocks.0.mlp"].state_bytes > 0  # half its weights and their gradients
+    assert costs["embed.weight"].saved_s < costs["head.weight"].saved_s  # a lookup
+    for link, choose, collectives in ((slow, "time", {}), (free, "time", {"all_reduce": 13}),
+                                      (slow, "layout", {"all_reduce": 13})):
+        graph = _glm_graph()
+        res = TensorParallelPass(size=2, choose=choose, link=link).run(graph,
+                                                                       PassContext(mesh=TP2))
+        assert res.stats.collectives == collectives, (link, choose)
+        layouts = {row[1] for row in res.stats.units}
+        assert layouts == ({"whole"} if not collectives else {"sharded"})
+    with pytest.raises(ConfigError, match="choose="):
+        TensorParallelPass(size=2, choose="memory").run(_glm_graph(), PassContext(mesh=TP2))
 
 
 def test_a_foreach_update_runs_on_each_ranks_blocks() -> None:
@@ -211,6 +259,11 @@ def test_check_tp_lists_ops_without_a_sharding_rule(tmp_path: Path,
     out = capsys.readouterr().out
     assert "every op has a sharding rule" in out and "blocks.0.attn.wo.weight: row Shard(1)" \
         in out
+    assert re.search(r"blocks\.0\.mlp: sharded, saves [\d.]+ ms, costs [\d.]+ ms", out), out
+    assert main(["check", str(root / "examples" / "glm.py"), "--backend", "eager", "--tp",
+                 "2", "--tp-choose", "time", "--tp-link", "1000us:0.001GBps"]) == 0
+    out = capsys.readouterr().out  # every unit kept whole on so slow a link
+    assert "0 column- and 0 row-parallel" in out and "blocks.0.mlp: whole" in out, out
     (tmp_path / "cm.py").write_text(_CUMMAX)
     assert main(["check", str(tmp_path / "cm.py"), "--backend", "eager", "--tp", "2"]) == 0
     out = capsys.readouterr().out
@@ -245,7 +298,7 @@ def test_tile_blocks_round_trip() -> None:
 def _tp_part(backend: str, fusion: bool | None, case: str = "glm", sequence: bool = False,
              zero: int = 0, precision: str | None = None, clip: float | None = None,
              accumulate: int = 1, sgd: bool = False, rows: int | None = None,
-             compress: Any = None):
+             compress: Any = None, tp_plan: str = "", tp_choose: str = "layout"):
     def part(rank: int, out: Path) -> dict:
         from glmc.analysis.memory import simulate
         if case in BACKEND_CASES:
@@ -269,7 +322,8 @@ def _tp_part(backend: str, fusion: bool | None, case: str = "glm", sequence: boo
                                 fusion=fusion, predict=False, precision=precision,
                                 clip_grad_norm=clip,
                                 parallel={"tp": 2, "tp_sequence": sequence, "zero": zero,
-                                          "accumulate": accumulate, "compress": compress})
+                                          "accumulate": accumulate, "compress": compress,
+                                          "tp_plan": tp_plan, "tp_choose": tp_choose})
         args, kwargs = split_batch(batch)
         losses = [trainer.step(*args, **kwargs).item() for _ in range(STEPS)]
         local = {n: tuple(p.shape) for n, p in model.named_parameters()}
@@ -285,7 +339,7 @@ def _tp_part(backend: str, fusion: bool | None, case: str = "glm", sequence: boo
         return {"losses": losses, "ref": ref, "params": params, "local": local,
                 "passes": [h.name for h in trainer.report.compiles[-1].history],
                 "mm_dtypes": dtypes, "init": init,
-                "collectives": tp.collectives, "whole_ops": tp.whole_ops,
+                "collectives": tp.collectives, "whole_ops": tp.whole_ops, "units": tp.units,
                 "volume": tp.volume,
                 # the most activation bytes (saved for the backward) live at once
                 "activations": max(live.get("activations", 0) for _, live in
@@ -382,7 +436,11 @@ def _worker(rank: int, port: int, out: str) -> None:
                                    ("llama", _tp_part("eager", None, "llama", sgd=True)),
                                    ("qwen2_tied", _tp_part("eager", None, "qwen2_tied",
                                                            sgd=True)),
-                                   ("odd_vocab", functools.partial(_dropout_part, vocab=257))])
+                                   ("odd_vocab", functools.partial(_dropout_part, vocab=257)),
+                                   ("whole_vocab", _tp_part(
+                                       "eager", None,
+                                       tp_plan="head.weight:replicate;embed.weight:replicate")),
+                                   ("choose_time", _tp_part("eager", None, tp_choose="time"))])
 
 
 @pytest.fixture(scope="module")

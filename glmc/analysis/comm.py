@@ -144,6 +144,13 @@ _NUMBER = r"\d+(?:\.\d*)?(?:e[-+]?\d+)?"
 _FIGURES = re.compile(rf"(?P<alpha>{_NUMBER})us:(?P<beta>{_NUMBER})GBps(?::(?P<call>{_NUMBER})us)?")
 
 
+def link_figures(link: LinkProfile) -> str:
+    """`link`'s alpha-beta figures as `get_link` reads them back ("ALPHAus:BETAGBps:CALLus";
+    its timed points are not carried): how a pass option names a measured link."""
+    return (f"{link.latency_s * 1e6:.6f}us:{link.bandwidth / 1e9:.6f}GBps:"
+            f"{link.call_s * 1e6:.6f}us")
+
+
 def get_link(spec: Any) -> LinkProfile:
     """A link profile: a LinkProfile, a name from LINKS, or figures spelled
     "ALPHAus:BETAGBps[:CALLus]" (latency per ring step, bandwidth, cost of one collective

@@ -550,6 +550,12 @@ def _check_tp_args(k: argparse.ArgumentParser) -> None:
                    help="with --tp: parameter pins (column|row|replicate)")
     k.add_argument("--strict", action="store_true",
                    help="with --tp: ops without a sharding rule fail the check (exit 1)")
+    k.add_argument("--tp-choose", default="layout", choices=("layout", "time"),
+                   help="with --tp: shard every unit the pass finds (layout), or only those "
+                        "the cost model predicts faster sharded on --tp-link (time)")
+    k.add_argument("--tp-link", default="nvlink4", metavar="LINK",
+                   help="with --tp: the link tp's collectives cross, for the cost model (a "
+                        "profile name or ALPHAus:BETAGBps; default nvlink4)")
 
 
 def _check_tp(args: argparse.Namespace, work: Workload) -> bool:
@@ -563,13 +569,18 @@ def _check_tp(args: argparse.Namespace, work: Workload) -> bool:
 
     graph = capture(work.model, work.example_inputs, work.loss_fn, work.optimizer)
     result = TensorParallelPass(size=args.tp, plan=args.tp_plan,
-                                sequence=args.sequence_parallel).run(
+                                sequence=args.sequence_parallel, choose=args.tp_choose,
+                                link=args.tp_link).run(
         graph, PassContext(mesh=MeshSpec((args.tp,), ("tp",))))
     st = result.stats
     print(f"{args.file}: tp={args.tp}: {st.column} column- and {st.row} row-parallel weights, "
           f"{st.replicated} parameters replicated; collectives per step {st.collectives}")
     for name, placement in st.placements.items():
         print(f"  {name}: {placement}")
+    print(f"cost model (this host's profile, link {args.tp_link}; per step): unit, layout, "
+          "compute the shards save, their collectives, MiB saved per rank")
+    for unit, layout, saved, comm, mib in st.units:
+        print(f"  {unit}: {layout}, saves {saved} ms, costs {comm} ms, {mib} MiB")
     whole = graph.meta[WHOLE_META]
     if not whole:
         print(f"{args.file}: every op has a sharding rule")

@@ -73,6 +73,8 @@ class Parallel:
     tp_plan: str = ""
     #: sequence parallelism beside tp (the tensor_parallel pass's `sequence`)
     tp_sequence: bool = False
+    #: the tensor_parallel pass's `choose`: "layout" (every unit sharded) or "time"
+    tp_choose: str = "layout"
 
     @staticmethod
     def of(value: Any) -> "Parallel | None":
@@ -107,6 +109,9 @@ class Parallel:
         if not isinstance(p.tp_plan, str) or (p.tp_plan and p.tp == 1):
             raise ConfigError(f"parallel: tp_plan must be a string of pins and needs tp > 1, "
                               f"got tp_plan={p.tp_plan!r} with tp={p.tp}")
+        if p.tp_choose not in ("layout", "time") or (p.tp_choose != "layout" and p.tp == 1):
+            raise ConfigError(f"parallel: tp_choose is 'layout' or 'time' and needs tp > 1, "
+                              f"got tp_choose={p.tp_choose!r} with tp={p.tp}")
         if not isinstance(p.tp_sequence, bool) or (p.tp_sequence and p.tp == 1):
             raise ConfigError(f"parallel: tp_sequence (sequence parallelism) is true or false "
                               f"and needs tp > 1, got tp_sequence={p.tp_sequence!r} with "
@@ -135,10 +140,10 @@ class Parallel:
         finds room, and gathers again the rest (shard reshard=budget)."""
         # compressed buckets travel flat (compress rewrites one collective per bucket)
         hierarchical = "off" if self.compress is not None else self.hierarchical
+        from glmc.analysis.comm import link_figures
         figures = ""
         if budgeted and link is not None and 0 < link.bandwidth < float("inf"):
-            figures = (f"{link.latency_s * 1e6:.6f}us:{link.bandwidth / 1e9:.6f}GBps:"
-                       f"{link.call_s * 1e6:.6f}us")
+            figures = link_figures(link)
         out: list[Any] = [ShardPass(stage=self.zero, bucket_mb=self.bucket_mb,
                                     overlap=self.overlap, accumulate=self.accumulate > 1,
                                     hierarchical=hierarchical, intra_link=self.intra_link,

@@ -719,7 +719,8 @@ def plan_trainer(plan: ParallelPlan, model: nn.Module, optimizer: torch.optim.Op
                             timeout_s=plan.timeout_s, dp=dims["dp"],
                             memory_budget=memory_budget, zero=plan.zero or 0, backend=backend,
                             precision=precision, fusion=fusion, tp=plan.tp,
-                            tp_plan=plan.tp_plan or "", sequence=bool(plan.sequence_parallel))
+                            tp_plan=plan.tp_plan or "", sequence=bool(plan.sequence_parallel),
+                            tp_choose=plan.tp_choose or "layout")
 
 
 def plan_stages(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any,
@@ -789,7 +790,7 @@ def pipeline_trainer(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
                      memory_budget: Any = None, cut: Any = None, zero: int = 0,
                      backend: str = "eager", precision: str | None = None,
                      fusion: bool = False, tp: int | None = None, tp_plan: str = "",
-                     sequence: bool = False) -> PipelineTrainer:
+                     sequence: bool = False, tp_choose: str = "layout") -> PipelineTrainer:
     """A PipelineTrainer over every process of the default group (from torchrun's env):
     world / dp pipeline ranks, `dp` replicas. Rank 0 plans the cut for one replica's slice of
     the batch (the cost model may be calibrated differently per process, so one process
@@ -803,7 +804,8 @@ def pipeline_trainer(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
     forward under glmc's dtype assignment, `fusion` fuses its
     attention, norms and gated MLPs (`stage_passes`). `tp`: every stage tensor-parallel
     over that many consecutive ranks (`glmc.parallel.stage_tp`; `tp_plan` pins weights,
-    `sequence` sequence parallelism inside the stages): world = dp x stages x tp."""
+    `sequence` sequence parallelism inside the stages, `tp_choose` the pass's `choose`,
+    on the measured link): world = dp x stages x tp."""
     from glmc.analysis.comm import measure_link
     from glmc.parallel.data import init_distributed
     from glmc.passes.partition import with_sync
@@ -819,10 +821,11 @@ def pipeline_trainer(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
     if tp and zero and dp > 1:
         raise ConfigError("pipeline: ZeRO-1 over the replicas of a pipeline with "
                           "tensor-parallel stages is not supported yet; use zero 0")
-    stage_tp = _stage_tp(tp, dp, world // dp // tp_size, tp_plan, sequence) if tp else None
     leaves = batch_leaves(split_batch(example_inputs))
     example = like(example_inputs, replica_slices(tuple(leaves), dp)[0])
     link = measure_link(reps=21)  # every rank takes part; the same figures everywhere
+    stage_tp = _stage_tp(tp, dp, world // dp // tp_size, tp_plan, sequence, tp_choose,
+                         link) if tp else None
     box: list[Any] = [None]
     if dist.get_rank() == 0:
         box[0] = plan_stages(model, optimizer, loss_fn, example, stages, microbatches,
@@ -838,11 +841,14 @@ def pipeline_trainer(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
     return PipelineTrainer(pipe, timeout_s, dp, zero, backend)
 
 
-def _stage_tp(size: int, dp: int, ranks: int, plan: str, sequence: bool) -> Any:
+def _stage_tp(size: int, dp: int, ranks: int, plan: str, sequence: bool, choose: str,
+              link: Any) -> Any:
     """This process's side of tensor-parallel stages: a ("pp", "tp") mesh of `ranks`
     pipeline ranks x `size`, ("dp", "pp", "tp") with `dp` > 1 replicas (tp innermost: a
-    group is consecutive ranks)."""
+    group is consecutive ranks); the pass's options, `link` the measured one."""
     from torch.distributed.device_mesh import init_device_mesh
+
+    from glmc.analysis.comm import link_figures
 
     from glmc.ir.plans import DIM, TP
     from glmc.parallel.stage_tp import StageTensorParallel
@@ -851,7 +857,8 @@ def _stage_tp(size: int, dp: int, ranks: int, plan: str, sequence: bool) -> Any:
     shape, names = ((ranks, size), ("pp", TP)) if dp == 1 else \
         ((dp, ranks, size), (DIM, "pp", TP))
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    return StageTensorParallel(size, mesh.get_local_rank(TP), mesh, plan, sequence)
+    return StageTensorParallel(size, mesh.get_local_rank(TP), mesh, plan, sequence, choose,
+                               link_figures(link))
 
 
 def _fused_patterns(pipe: Pipeline) -> str:

@@ -73,6 +73,10 @@ class ParallelPlan:
     tp_plan: str | None = field(default=None, metadata=_cli(
         "with --tp: pin weights by name, GLOB:column|row|replicate;... (fnmatch globs)",
         "PINS", str))
+    tp_choose: str | None = field(default=None, metadata=_cli(
+        "with --tp: layout (shard every attention, MLP, LM head and embedding the pass "
+        "finds; default) or time (keep whole the ones the cost model predicts slower "
+        "sharded on this link)", "HOW", str, choices=("layout", "time")))
     sequence_parallel: bool = field(default=False, metadata=_cli(
         "with --tp: sequence parallelism, activations between the blocks (norms, residual "
         "adds) sharded over the tokens, reduce-scatter/all-gather instead of all-reduce",
@@ -169,7 +173,7 @@ class ParallelPlan:
         out: dict[str, Any] = {"zero": self.zero or 0, "accumulate": self.accumulate,
                                "overlap": self.overlap, "timeout_s": self.timeout_s}
         for key in ("bucket_mb", "nodes", "hierarchical", "intra_link", "inter_link", "tp",
-                    "tp_plan"):
+                    "tp_plan", "tp_choose"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         if self.sequence_parallel:
@@ -259,12 +263,15 @@ class ParallelPlan:
     def _tensor_problems(self) -> list[str]:
         if self.tp is None:
             return [f"{flag} needs --tp" for flag, v in (("--tp-plan", self.tp_plan),
+                                                          ("--tp-choose", self.tp_choose),
                                                           ("--sequence-parallel",
                                                            self.sequence_parallel or None))
                     if v is not None]
         out = []
         if isinstance(self.tp, int) and self.tp < 2:
             out.append(f"--tp: must be 2 or more processes, got {self.tp}")
+        if self.tp_choose not in (None, "layout", "time"):
+            out.append(f"--tp-choose: {self.tp_choose!r}; use layout or time")
         if self.nproc is not None and isinstance(self.tp, int) and self.tp > 0 and \
                 self.nproc % self.tp:
             out.append(f"--tp {self.tp} with --nproc {self.nproc}: the processes form groups "

@@ -35,13 +35,16 @@ class StageTensorParallel:
     """The tensor-parallel side of a pipeline's stages for this rank (see the module
     docstring): `size` ranks per stage, this rank's `rank` among them, the `device_mesh`
     (dims "pp", "tp") the collectives run on; `plan`/`sequence`: the pass's pins and sequence
-    parallelism. `plans[s]`: stage s's tiles; `stats[s]`: the pass's record of it."""
+    parallelism, `choose` and `link` its cost-model choice. `plans[s]`: stage s's tiles;
+    `stats[s]`: the pass's record of it."""
 
     size: int
     rank: int
     device_mesh: Any
     plan: str = ""
     sequence: bool = False
+    choose: str = "layout"  #: the pass's `choose`
+    link: str = ""  #: the pass's `link`: the tp collectives' (measured) link
     plans: dict[int, TpPlan] = field(default_factory=dict)
     stats: dict[int, Any] = field(default_factory=dict)
     #: whole shape of every sharded tensor (by id of the parameter), kept when installed
@@ -59,7 +62,8 @@ class StageTensorParallel:
         import time
 
         from glmc.passes.tensor_parallel import TensorParallelPass
-        p = TensorParallelPass(size=self.size, plan=self.plan, sequence=self.sequence)
+        p = TensorParallelPass(size=self.size, plan=self.plan, sequence=self.sequence,
+                               choose=self.choose, link=self.link)
         t0, before = time.perf_counter(), len(joint.graph.nodes)
         local, plan, stats = p.run_joint(joint, inputs, outputs, self.mesh, self.device_mesh)
         self.plans[index], self.stats[index] = plan, stats
@@ -71,7 +75,8 @@ class StageTensorParallel:
         from glmc.compiler.passmanager import PassRecord
         seconds, before, after = self._timing[index]
         return PassRecord("tensor_parallel", {"size": self.size, "plan": self.plan,
-                                              "sequence": self.sequence}, True,
+                                              "sequence": self.sequence,
+                                              "choose": self.choose}, True,
                           self.stats[index], seconds, before, after, stage=index, form="joint")
 
     def local_shapes(self, index: int, module: nn.Module) -> dict[str, tuple[int, ...]]:

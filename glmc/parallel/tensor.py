@@ -90,8 +90,11 @@ class TensorParallel(DataParallel):
         gradient all-reduce over "dp"."""
         from glmc.passes.tensor_parallel import TensorParallelPass
         from glmc.passes.accumulate import AccumulatePass
+        from glmc.analysis.comm import link_figures
         out: list[Any] = [TensorParallelPass(size=self.tp_size, plan=self.options.tp_plan,
-                                             sequence=self.options.tp_sequence)]
+                                             sequence=self.options.tp_sequence,
+                                             choose=self.options.tp_choose,
+                                             link=link_figures(self.link))]
         if self.options.accumulate > 1 and self.dp == 1:  # with replicas: the shard pass
             out.append(AccumulatePass())  # sums its buckets (ZeRO's accumulation)
         return out + (self.options.passes(self.link, budgeted) if self.dp > 1 else [])
