@@ -815,8 +815,52 @@ def _pp_tp_part(case: str = "glm", schedule: str = "1f1b", sequence: bool = Fals
     return part
 
 
+def _pp_tp_checkpoint_part(rank: int, out: Path) -> dict:
+    """pp=2 x tp=2: 2 steps, a DCP checkpoint of the trainer's `sharded_state_dict`, a third
+    step; then a trainer over a perturbed copy of the model loads the checkpoint and takes
+    the third step again."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from glmc.parallel.pipeline import pipeline_trainer
+
+    def trainer(perturb: float) -> Any:
+        model, batch, loss_fn, opt = BACKEND_CASES["glm"]()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(perturb)
+        return pipeline_trainer(model, opt, loss_fn, batch, 4, "1f1b", tp=2,
+                                timeout_s=120), batch
+
+    def params(tr: Any) -> dict:
+        with tr.full_parameters():
+            return {n: p.detach().clone() for s in tr.local
+                    for n, p in tr.pipeline.stages[s].module.named_parameters()}
+
+    path = out / "pp_tp_ckpt"
+    first, batch = trainer(0.0)
+    for _ in range(2):
+        first.step(*batch)
+    state = first.sharded_state_dict()
+    layout = state.pop("layout")
+    dcp.save(state, checkpoint_id=str(path))
+    loss = first.step(*batch)
+    dist.barrier()
+    second, _ = trainer(0.01)
+    state = second.sharded_state_dict()
+    kinds = sorted({type(v).__name__ for v in state["model"].values()})
+    assert state.pop("layout") == layout
+    dcp.load(state, checkpoint_id=str(path))
+    second.load_sharded(state)
+    again = second.step(*batch)
+    return {"loss": None if loss is None else float(loss),
+            "again": None if again is None else float(again),
+            "params": params(first), "params_again": params(second), "kinds": kinds,
+            "layout": layout}
+
+
 def _pp_tp_worker(rank: int, port: int, out: str, slow: bool, only: str = "") -> None:
-    parts = [("glm", _pp_tp_part())] + ([
+    parts = [("glm", _pp_tp_part()), ("checkpoint", _pp_tp_checkpoint_part)] + ([
         ("gpipe", _pp_tp_part(schedule="gpipe")),
         ("sequence", _pp_tp_part(sequence=True)),
         ("hf_glm", _pp_tp_part("hf_glm")),
@@ -852,6 +896,21 @@ def test_tensor_parallel_pipeline_stages_train_like_one_process(pp_tp_runs: Path
         assert r["local"][f"{block}.attn.wo.weight"] == (64, 32)
         assert r["local"][f"{block}.mlp.gate_up.weight"] == (172, 64)
         assert r["local"]["embed.weight" if rank < 2 else "head.weight"] == (128, 64)
+
+
+def test_a_checkpoint_of_tensor_parallel_stages_resumes_the_run(pp_tp_runs: Path) -> None:
+    """A DCP checkpoint of pp=2 x tp=2 holds each rank's blocks as DTensors (Shard over
+    "tp"; the fused gate/up weight, stored in interleaved parts, whole) and loads into a
+    trainer whose parameters differ: its next step's loss and parameters are the run's."""
+    for rank in range(4):
+        r = result(pp_tp_runs, "checkpoint", rank)
+        assert r["layout"] == "pipeline 2 stages x 1 replicas x tp 2"
+        assert "DTensor" in r["kinds"] and "Tensor" in r["kinds"]
+        assert r["again"] == r["loss"]  # None on the first stage's ranks
+        for name, value in r["params"].items():
+            torch.testing.assert_close(r["params_again"][name], value, rtol=0, atol=0,
+                                       msg=name)
+    assert sum(result(pp_tp_runs, "checkpoint", k)["loss"] is not None for k in range(4)) == 2
 
 
 def _pp_tp_like_one_process(runs: Path, part: str, noise: str = "", world: int = 4) -> None:

@@ -392,12 +392,15 @@ def _dcp_tensors(path: Path, out: Path) -> dict:
 
 
 @pytest.mark.parametrize("plan", [("--zero", "1"), ("--pp", "2"),
-                                  pytest.param(("--tp", "2"), marks=pytest.mark.slow)],
-                         ids=["zero1", "pipeline", "tensor"])
+                                  pytest.param(("--tp", "2"), marks=pytest.mark.slow),
+                                  pytest.param(("--pp", "2", "--tp", "2", "--nproc", "4"),
+                                               marks=pytest.mark.slow)],
+                         ids=["zero1", "pipeline", "tensor", "pipeline_tensor"])
 def test_a_killed_two_process_run_resumes_exactly(tmp_path: Path, plan: tuple) -> None:
     """The same on 2 processes, data parallel with ZeRO-1 (sharded optimizer state through DCP),
-    a 2-stage pipeline (each rank its stage's state through DCP) and tensor parallelism (each
-    rank's blocks gathered into whole tensors), every rank's RNG states
+    a 2-stage pipeline (each rank its stage's state through DCP), tensor parallelism (each
+    rank's blocks gathered into whole tensors) and, on 4 processes, a pipeline of 2
+    tensor-parallel stages (each rank's blocks as DTensors), every rank's RNG states
     and the data position: the whole torchrun job killed with SIGKILL after step 9 and resumed
     prints the losses of an uninterrupted run and ends with the same saved state."""
     data = _tokens(tmp_path / "t.bin")

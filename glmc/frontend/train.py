@@ -230,8 +230,8 @@ class _Run:
         from glmc.runtime.checkpoint import Checkpointer, ShardedCheckpointer
         self.args, self.trainer, self.source = args, trainer, source
         self.kind = args.plan.strategy  # "single", "data" or "pipeline"
-        self.lead = (trainer.last and trainer.replica == 0) if self.kind == "pipeline" else \
-            _rank() == 0
+        self.lead = (trainer.last and trainer.replica == 0 and trainer.tp_rank == 0) \
+            if self.kind == "pipeline" else _rank() == 0
         self.ckpt: Any = None
         if args.checkpoint_dir:
             self.ckpt = Checkpointer(args.checkpoint_dir, args.keep, not args.sync_checkpoints) \
@@ -337,6 +337,8 @@ class _Run:
             if self.kind == "data":
                 self.trainer.parallel.load_sharded(sharded, self.trainer.model,
                                                    self.trainer.optimizer)
+            else:  # a pipeline: tensor-parallel stages' interleaved blocks
+                self.trainer.load_sharded(sharded)
             if state.get("glmc"):
                 self.trainer.load_state_dict(state["glmc"])
         self.source.load_state_dict(state["data"])

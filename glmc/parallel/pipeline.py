@@ -388,6 +388,8 @@ class PipelineTrainer:
                 if self.rank in members:
                     self.ties.append(({s: n for s, n in copies if s in self.local}, group))
         self.traces: list[StepTrace] = []
+        #: what `load_sharded` writes back after a checkpoint load (`sharded_state_dict`)
+        self._copy_back: list[Callable[[], None]] = []
         self.zero = zero if dp > 1 else 0
         self.scaling = pipeline.loss_scaling
         #: fp16: the loss scale and growth tracker (glmc.trace.scaler), alike on every rank
@@ -611,25 +613,43 @@ class PipelineTrainer:
         them in place: {"model": {"S/name": t}, "optim": {"S/key:name": t}, "layout": ...}
         (S the stage; replicas hold the same keys, DCP writes one copy)."""
         from glmc.trace.optim import ensure_state
-        if self.tp > 1:
-            raise ConfigError("pipeline: checkpoints of pipelines with tensor-parallel stages "
-                              "are not supported yet")
         if self.zero:
             raise ConfigError("pipeline: checkpoints of ZeRO-1 pipelines (optimizer state "
                               "sharded over replicas) are not supported yet; use --zero 0")
         model: dict[str, Any] = {}
         optim: dict[str, Any] = {}
+        self._copy_back = []
         for s in self.local:
             module, opt = self.pipeline.stages[s].module, self.pipeline.optimizers[s]
             ensure_state(opt)
             names = {id(p): n for n, p in module.named_parameters()}
-            model.update({f"{s}/{k}": v for k, v in module.state_dict().items()})
-            optim.update({f"{s}/{k}:{names[id(p)]}": v for p, st in opt.state.items()
-                          if id(p) in names for k, v in st.items()
-                          if isinstance(v, torch.Tensor)})
+            model.update({f"{s}/{k}": self._saved(s, k, v)
+                          for k, v in module.state_dict().items()})
+            optim.update({f"{s}/{k}:{names[id(p)]}": self._saved(s, names[id(p)], v)
+                          for p, st in opt.state.items() if id(p) in names
+                          for k, v in st.items() if isinstance(v, torch.Tensor)})
         sched = self.pipeline.program.schedule
+        tp = f" x tp {self.tp}" if self.tp > 1 else ""
         return {"model": model, "optim": optim,
-                "layout": f"pipeline {sched.num_stages} stages x {self.dp} replicas"}
+                "layout": f"pipeline {sched.num_stages} stages x {self.dp} replicas{tp}"}
+
+    def _saved(self, stage: int, name: str, value: torch.Tensor) -> Any:
+        """`value` as the checkpoint holds it (tensor-parallel stages: `StageTensorParallel.
+        saved`, whose copies back `load_sharded` runs)."""
+        if self.pipeline.tp is None:
+            return value
+        out, back = self.pipeline.tp.saved(stage, name, value)
+        if back is not None:
+            self._copy_back.append(back)
+        return out
+
+    def load_sharded(self, state: dict[str, Any]) -> None:
+        """After DCP loaded `state` (this trainer's `sharded_state_dict`, in place): the
+        blocks of interleaved parts cut from the whole tensors it loaded (everything else
+        was loaded into the live tensors themselves)."""
+        del state  # loaded in place; only the gathered copies need writing back
+        for back in self._copy_back:
+            back()
 
     def state_dict(self) -> dict[str, Any]:
         """glmc's own state: the fp16 loss scale and the count of skipped updates."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -51,6 +51,8 @@ class StageTensorParallel:
     _whole: dict[int, tuple[int, ...]] = field(default_factory=dict)
     #: per stage: the pass's seconds, and the joint graph's nodes before and after
     _timing: dict[int, tuple[float, int, int]] = field(default_factory=dict)
+    #: (stage, parameter name) -> whole shape of each sharded parameter
+    _shapes: dict[tuple[int, str], tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def mesh(self) -> MeshSpec:
@@ -98,6 +100,8 @@ class StageTensorParallel:
             for name, p in module.named_parameters():
                 tile = tiles.get(name)
                 if id(p) in seen:
+                    if tile is not None:  # a tied copy: the same whole shape
+                        self._shapes[(index, name)] = self._whole[id(p)]
                     if seen[id(p)] != tile:
                         raise ConfigError(
                             f"pipeline: the parameter {name!r} of stage {index} is shared "
@@ -109,6 +113,7 @@ class StageTensorParallel:
                 if tile is None:
                     continue
                 whole = tuple(p.shape)
+                self._shapes[(index, name)] = whole
                 with torch.no_grad():
                     p.data = tile.local(p.detach(), self.rank, self.size)
                     for key, v in opt.state.get(p, {}).items():
@@ -148,3 +153,30 @@ class StageTensorParallel:
                     owner.data = block
                 else:
                     owner[key] = block
+
+    def saved(self, index: int, name: str, value: torch.Tensor
+              ) -> tuple[Any, Callable[[], None] | None]:
+        """`value` (stage `index`'s parameter `name`, or an optimizer state of it) as a
+        checkpoint holds it: a sharded block as a DTensor (`Shard(dim)` over "tp": each rank
+        writes its block, DCP loads in place and reshards), a block of interleaved parts
+        whole (gathered: no placement says "interleaved"; every rank of the group calls
+        this alike) with the copy back into the block to run after a load; anything else
+        as it is. Returns (what to save, the copy back or None)."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        from glmc.parallel.tensor import gather_block
+        tile = self.plans[index].tiles.get(name)
+        whole = self._shapes.get((index, name))
+        if tile is None or whole is None or value.dim() != len(whole):  # a step count
+            return value, None
+        if tile.groups > 1:
+            full = gather_block(value, tile, whole, self.size, self.device_mesh.get_group(TP))
+
+            def back() -> None:
+                with torch.no_grad():
+                    value.copy_(tile.local(full, self.rank, self.size))
+            return full, back
+        stride = torch.empty(whole, device="meta").stride()
+        return DTensor.from_local(value, self.device_mesh[TP], [Shard(tile.dim)],
+                                  run_check=False, shape=torch.Size(whole),
+                                  stride=stride), None
