@@ -207,8 +207,13 @@ class TensorParallelPass(Pass):
         costs = unit_costs(graph, self.size, ctx, self.link)
         if self.choose == "layout":
             return costs, None
-        faster = {c.name for c in costs if c.saved_s >= c.comm_s}
-        return costs, lambda u: u.name in faster
+        faster = {c.params for c in costs if c.saved_s >= c.comm_s}
+        import torch.distributed as dist
+        if dist.is_initialized():  # every rank compiles together: rank 0's host profile
+            box = [faster]  # decides for all (each calibrates its own; they may differ)
+            dist.broadcast_object_list(box, src=0)
+            faster = box[0]
+        return costs, lambda u: u.params in faster
 
 
     def run_joint(self, joint: fx.GraphModule, inputs: list[InputSpec],
@@ -232,7 +237,7 @@ class TensorParallelPass(Pass):
                               f"{self.size} ranks")
         graph = _joint_graph(joint, inputs, outputs)
         costs, keep = self._costs(graph, ctx)
-        tiles = seed_tiles(graph, self.size, self.pins(), keep)
+        tiles = seed_tiles(graph, self.size, self.pins(), keep, every_pin=False)
         whole_shapes = {TrainGraph.info(p).target: TrainGraph.info(p).spec.shape
                         for p in graph.placeholders() if TrainGraph.info(p).spec is not None}
         tokens = _tokens(graph, self.size) if self.sequence else None
@@ -518,9 +523,10 @@ def seed_units(graph: TrainGraph, size: int) -> list[tuple[Unit, dict[str, Tile]
         mine.update({name: Tile("row", 1, 1) for name in reached
                      if name not in taken and name not in mine})
         taken.update(mine)
-        out.append((Unit(_prefix(list(mine)), tuple(mine), tuple(
-            [*members, *rows, *(n for n in graph.compute_nodes() if n in inside)]),
-            (*(_output(mm) for mm in rows), source)), mine))
+        rows = [mm for mm in rows if linears[mm] in mine]  # not another unit's
+        ops = [n for n in graph.compute_nodes() if n in inside or n in members or n in rows]
+        out.append((Unit(_prefix(list(mine)), tuple(mine), tuple(ops),
+                         (*(_output(mm) for mm in rows), source)), mine))
     for mm, name in linears.items():  # the LM head: vocab-parallel into the loss
         if _feeds_log_softmax(mm) and name not in taken:
             taken[name] = Tile("column", 0, 1)
@@ -545,9 +551,11 @@ def _prefix(names: list[str]) -> str:
 
 
 def seed_tiles(graph: TrainGraph, size: int, pins: list[tuple[str, str]],
-               keep: Any = None) -> dict[str, Tile]:
+               keep: Any = None, every_pin: bool = True) -> dict[str, Tile]:
     """Parameter name -> its tile: column/row linears found by the walk (the units `keep`
-    accepts, default all: `seed_units`), then the pins."""
+    accepts, default all: `seed_units`), then the pins. `every_pin`: a pin that matches no
+    parameter is a ConfigError (a pipeline stage holds some of the parameters: the
+    pipeline checks its pins against every stage)."""
     tiles = {name: tile for u, unit_tiles in seed_units(graph, size)
              if keep is None or keep(u) for name, tile in unit_tiles.items()}
     linears = _linears(graph)
@@ -559,7 +567,7 @@ def seed_tiles(graph: TrainGraph, size: int, pins: list[tuple[str, str]],
               if TrainGraph.info(ph).role is Role.PARAMETER and TrainGraph.info(ph).spec}
     for glob, kind in pins:
         hit = [n for n in shapes if fnmatch.fnmatchcase(n, glob)]
-        if not hit:
+        if not hit and every_pin:
             raise ConfigError(f"tensor_parallel: plan pin {glob!r} matches no parameter; "
                               f"parameters are e.g. {sorted(shapes)[:4]}")
         for n in hit:
@@ -594,7 +602,8 @@ class UnitCost:
     """The cost model's view of sharding one unit over tp ranks, per step: the compute its
     shards save (forward and backward: three times the forward's predicted time, less its
     1/tp share), what its all-reduces cost on the link, and the state bytes per rank it
-    saves (its parameters, their gradients and optimizer state, less 1/tp)."""
+    saves (its parameters, their gradients and the optimizer state the graph holds — a
+    pipeline stage's joint graph holds none — less 1/tp)."""
 
     name: str
     params: tuple[str, ...]
@@ -611,7 +620,7 @@ def unit_costs(graph: TrainGraph, size: int, ctx: PassContext | None = None,
     Under sequence parallelism an all-reduce becomes a reduce-scatter and an all-gather of
     the same bytes in all: priced alike."""
     from glmc.analysis.comm import collective_seconds, get_link
-    from glmc.analysis.cost import get_profile, node_time
+    from glmc.analysis.cost import get_profile, roofline_time
     from glmc.analysis.opcost import op_cost, value_bytes
 
     prof = get_profile(ctx.profile if ctx is not None else None)
@@ -626,7 +635,7 @@ def unit_costs(graph: TrainGraph, size: int, ctx: PassContext | None = None,
             state[name] = state.get(name, 0) + grad * info.spec.nbytes
     out = []
     for unit, _ in seed_units(graph, size):
-        forward = sum(node_time(op_cost(n), prof, 0.0) for n in unit.forward)
+        forward = sum(roofline_time(op_cost(n), prof) for n in unit.forward)
         comm = sum(collective_seconds("all_reduce", value_bytes(v.meta.get("val")), size, wire)
                    for v in unit.reduced)
         kept = sum(state.get(n, 0) for n in unit.params)

@@ -113,10 +113,15 @@ class CostEstimate:
                 "profile_provenance_record": self.provenance_record}
 
 
+def roofline_time(c: OpCost, prof: DeviceProfile) -> float:
+    """Seconds of one op's work (its roofline, or its parts'), without any overhead."""
+    return sum(k * _roofline(p, prof) for p, k in c.parts) if c.parts else _roofline(c, prof)
+
+
 def node_time(c: OpCost, prof: DeviceProfile, overhead: float) -> float:
     """Seconds of one op or kernel: its roofline (or its parts'), plus `overhead` per launch,
     the custom-op dispatch of a Python op and the profile's call overhead per ATen call."""
-    body = sum(k * _roofline(p, prof) for p, k in c.parts) if c.parts else _roofline(c, prof)
+    body = roofline_time(c, prof)
     own = prof.custom_op_overhead_s if c.python_op else overhead * c.launches
     return body + own + c.calls * prof.call_overhead_s
 

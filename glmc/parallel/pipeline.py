@@ -362,9 +362,6 @@ class PipelineTrainer:
             raise ConfigError(f"pipeline: {sched.num_ranks} pipeline ranks x {dp} data-parallel "
                               f"replicas{tp} need {sched.num_ranks * dp * self.tp} processes, "
                               f"got {world}")
-        if self.tp > 1 and zero and dp > 1:
-            raise ConfigError("pipeline: ZeRO-1 over the replicas of a pipeline with "
-                              "tensor-parallel stages is not supported yet; use zero 0")
         unit = self.rank // self.tp  #: this rank's place in the pipelines (tp groups)
         self.dp, self.replica = dp, unit // sched.num_ranks
         self.pp_rank = unit % sched.num_ranks
@@ -430,8 +427,9 @@ class PipelineTrainer:
         on it (gradients reduce-scattered in buckets, this replica's rows of the optimizer
         state updated, the new parameters all-gathered; `ShardPass(stage=2)` on an update
         alone); the program records the sharded updates (predicted memory), this rank binds
-        its own to its replicas' group (a ("dp", "pp") DeviceMesh) and keeps its optimizer
-        state as its padded rows."""
+        its own to its replicas' group (a ("dp", "pp") DeviceMesh; with tensor-parallel
+        stages the ("dp", "pp", "tp") one, each rank's blocks cut in rows) and keeps its
+        optimizer state as its padded rows."""
         from torch.distributed.device_mesh import init_device_mesh
 
         from glmc.ir.graph import MeshSpec
@@ -441,7 +439,8 @@ class PipelineTrainer:
 
         program = self.pipeline.program
         ranks = program.schedule.num_ranks
-        mesh = init_device_mesh("cpu", (self.dp, ranks), mesh_dim_names=(DIM, "pp"))[DIM]
+        mesh = self.pipeline.tp.device_mesh[DIM] if self.pipeline.tp is not None else \
+            init_device_mesh("cpu", (self.dp, ranks), mesh_dim_names=(DIM, "pp"))[DIM]
         stages, bound = [], []
         for st in program.stages:
             update = st.update.copy()
@@ -838,9 +837,6 @@ def pipeline_trainer(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
                           + (f" of {tp_size} tensor-parallel ranks" if tp else "")
                           + f" do not divide the {world} processes")
     stages = world // dp // tp_size * virtual
-    if tp and zero and dp > 1:
-        raise ConfigError("pipeline: ZeRO-1 over the replicas of a pipeline with "
-                          "tensor-parallel stages is not supported yet; use zero 0")
     leaves = batch_leaves(split_batch(example_inputs))
     example = like(example_inputs, replica_slices(tuple(leaves), dp)[0])
     link = measure_link(reps=21)  # every rank takes part; the same figures everywhere

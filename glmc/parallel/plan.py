@@ -296,9 +296,9 @@ class ParallelPlan:
                 out.append(f"--tp {self.tp} --pp {self.pp}: tensor-parallel pipeline stages "
                            f"run on a multiple of {self.pp * self.tp} processes (pp x tp, "
                            f"times the data-parallel replicas); got --nproc {self.nproc}")
-            if self.zero or self.compress is not None:
-                out.append(f"--tp {self.tp} --pp {self.pp}: --zero / --compress with "
-                           "tensor-parallel pipeline stages are not supported yet; drop them")
+            if self.compress is not None:
+                out.append(f"--tp {self.tp} --pp {self.pp}: --compress with tensor-parallel "
+                           "pipeline stages is not supported yet; drop it")
         return out
 
     def _pipeline_problems(self, step: StepOptions) -> list[str]:

@@ -135,8 +135,6 @@ class PlanPoint:
     def runtime_gaps(self) -> list[str]:
         """What glmc's runtime cannot run of this plan yet (empty: it runs as spelled)."""
         gaps = []
-        if self.tp > 1 and self.pp > 1 and self.zero:
-            gaps.append(f"ZeRO-{self.zero} with tensor-parallel pipeline stages")
         if self.tp > 1 and self.pp > 1 and self.recompute != "none":
             gaps.append("recomputation in tensor-parallel pipeline stages")
         if self.tp > 1 and self.zero and self.dp == 1:

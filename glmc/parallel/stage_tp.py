@@ -9,14 +9,16 @@ the cuts whole (`Replicate`): the rank of tp index t of stage s sends to the ran
 t of stage s + 1, as Megatron-LM's pipeline does without its scatter-gather optimisation.
 
 Global ranks are `(replica * S + pipeline rank) * size + tp index` (a tensor-parallel group is
-consecutive ranks, inside one node). Every rank captures every stage (the same programs on
-every rank); `install` then keeps this rank's blocks of the sharded parameters and their
+consecutive ranks, inside one node). Every rank captures every stage, each as its own tp
+index runs it (a vocab-parallel table's row offset and a dropout mask's block are that
+rank's); `install` then keeps this rank's blocks of the sharded parameters and their
 optimizer state in the user's tensors, as the whole-step tensor parallelism does
 (`glmc.parallel.tensor`), and `gathered` makes them whole again for a while.
 """
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -34,7 +36,7 @@ from glmc.ir.plans import TP, Tile, TpPlan
 class StageTensorParallel:
     """The tensor-parallel side of a pipeline's stages for this rank (see the module
     docstring): `size` ranks per stage, this rank's `rank` among them, the `device_mesh`
-    (dims "pp", "tp") the collectives run on; `plan`/`sequence`: the pass's pins and sequence
+    (dims "pp", "tp"; "dp", "pp", "tp" with replicas) the collectives run on; `plan`/`sequence`: the pass's pins and sequence
     parallelism, `choose` and `link` its cost-model choice. `plans[s]`: stage s's tiles;
     `stats[s]`: the pass's record of it."""
 
@@ -91,35 +93,41 @@ class StageTensorParallel:
 
     def install(self, modules: list[nn.Module], optimizers: list[torch.optim.Optimizer]
                 ) -> None:
-        """Every stage's sharded parameters (and their optimizer state of the same shape)
-        replaced by this rank's block, in place in the user's tensors; a parameter tied
-        across stages (one tensor read by two stages) must be sharded alike in both."""
-        seen: dict[int, Tile] = {}
+        """Every stage's sharded parameters (and each stage optimizer's state of the same
+        shape) replaced by this rank's block, in place in the user's tensors; a parameter
+        tied across stages (one tensor read by two stages, each with its own optimizer
+        state) must be sharded alike in both. Every pin (`plan`) must name a parameter of
+        some stage."""
+        from glmc.passes.tensor_parallel import TensorParallelPass
+        names = {n for m in modules for n, _ in m.named_parameters()}
+        for glob, _ in TensorParallelPass(size=self.size, plan=self.plan).pins():
+            if not any(fnmatch.fnmatchcase(n, glob) for n in names):
+                raise ConfigError(f"pipeline: tp plan pin {glob!r} matches no parameter of "
+                                  f"any stage; parameters are e.g. {sorted(names)[:4]}")
+        seen: dict[int, tuple[Tile | None, int, str]] = {}
         for index, (module, opt) in enumerate(zip(modules, optimizers)):
             tiles = self.plans[index].tiles
             for name, p in module.named_parameters():
                 tile = tiles.get(name)
-                if id(p) in seen:
-                    if tile is not None:  # a tied copy: the same whole shape
-                        self._shapes[(index, name)] = self._whole[id(p)]
-                    if seen[id(p)] != tile:
-                        raise ConfigError(
-                            f"pipeline: the parameter {name!r} of stage {index} is shared "
-                            f"with another stage that shards it as {seen[id(p)]}, here "
-                            f"{tile}; pin it alike with tp_plan='{name}:replicate' (or "
-                            "column/row)")
-                    continue
-                seen[id(p)] = tile
+                if id(p) in seen and seen[id(p)][0] != tile:
+                    other, first, there = seen[id(p)]
+                    raise ConfigError(
+                        f"pipeline: the parameter {name!r} of stage {index} is {there!r} of "
+                        f"stage {first}, sharded there as {other} and here as {tile}; pin "
+                        f"both names alike, e.g. tp_plan='{there}:replicate;{name}:replicate'")
                 if tile is None:
+                    seen.setdefault(id(p), (None, index, name))
                     continue
-                whole = tuple(p.shape)
+                if id(p) not in seen:  # the tensor itself, once
+                    seen[id(p)] = (tile, index, name)
+                    self._whole[id(p)] = tuple(p.shape)
+                    with torch.no_grad():
+                        p.data = tile.local(p.detach(), self.rank, self.size)
+                whole = self._whole[id(p)]
                 self._shapes[(index, name)] = whole
-                with torch.no_grad():
-                    p.data = tile.local(p.detach(), self.rank, self.size)
-                    for key, v in opt.state.get(p, {}).items():
-                        if isinstance(v, torch.Tensor) and tuple(v.shape) == whole:
-                            opt.state[p][key] = tile.local(v, self.rank, self.size)
-                self._whole[id(p)] = whole
+                for key, v in opt.state.get(p, {}).items():  # this stage's optimizer's state
+                    if isinstance(v, torch.Tensor) and tuple(v.shape) == whole:
+                        opt.state[p][key] = tile.local(v.detach(), self.rank, self.size)
 
     @contextlib.contextmanager
     def gathered(self, modules: dict[int, nn.Module],
@@ -129,19 +137,20 @@ class StageTensorParallel:
         from glmc.parallel.tensor import gather_block
         group = self.device_mesh.get_group(TP)
         saved: list[tuple[Any, Any, torch.Tensor]] = []
-        done: set[int] = set()
+        blocks: dict[int, torch.Tensor] = {}  #: a tied parameter's block, gathered once
         for index, module in modules.items():
             opt = optimizers[index]
             tiles = self.plans[index].tiles
             for name, p in module.named_parameters():
-                if name not in tiles or id(p) in done:
+                if name not in tiles:
                     continue
-                done.add(id(p))
-                whole, block = self._whole[id(p)], p.data
-                saved.append((p, None, block))
-                p.data = gather_block(block, tiles[name], whole, self.size, group)
-                for key, v in opt.state.get(p, {}).items():
-                    if isinstance(v, torch.Tensor) and v.shape == block.shape:
+                whole = self._whole[id(p)]
+                if id(p) not in blocks:
+                    blocks[id(p)] = p.data
+                    saved.append((p, None, p.data))
+                    p.data = gather_block(p.data, tiles[name], whole, self.size, group)
+                for key, v in opt.state.get(p, {}).items():  # each stage optimizer's own
+                    if isinstance(v, torch.Tensor) and v.shape == blocks[id(p)].shape:
                         saved.append((opt.state[p], key, v))
                         opt.state[p][key] = gather_block(v, tiles[name], whole, self.size,
                                                          group)

@@ -53,7 +53,7 @@ def capture_stage(index: int, module: nn.Module, optimizer: torch.optim.Optimize
     backward follows the rewrites. `tp` (tensor parallelism inside the stage,
     `glmc.parallel.stage_tp.StageTensorParallel`): its `shard(index, joint, inputs, outputs)`
     rewrites the stage's joint graph into this rank's local program (`partition` is then not
-    run), and the update is captured on the blocks' shapes (`tp.local_shape`)."""
+    run), and the update is captured on the blocks' shapes (`tp.local_shapes`)."""
     if update not in ("fused", "foreach", "single"):
         raise ConfigError(f"capture_stage: update={update!r}; use 'fused', 'foreach' or "
                           "'single'")
@@ -195,7 +195,11 @@ def _sharded_graphs(fn: Callable, examples: list[torch.Tensor], inputs: list[Inp
     joint = aot_export_joint_simple(flat, examples, trace_joint=True)
     tangents = [n for n in joint.graph.nodes if n.op == "placeholder"][len(examples):]
     if len(tangents) != n_out:  # an output without a gradient has no cotangent input
-        _check_gradients(list(send), index)
+        if not send:
+            raise CaptureError(f"capture_stage: the loss of stage {index} carries no "
+                               "gradient (it does not depend on any parameter or received "
+                               "value)")
+        _check_gradients([f"one of {list(send)}"], index)
     # the joint's signature: received values are activations to the pass, then cotangents
     ins = [InputSpec(Role.INPUT, s.target) if s.role is Role.BOUNDARY else s for s in inputs]
     ins += [InputSpec(Role.GRADIENT, f"grad:{n}") for n in send] or \
