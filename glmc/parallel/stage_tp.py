@@ -36,9 +36,9 @@ from glmc.ir.plans import TP, Tile, TpPlan
 class StageTensorParallel:
     """The tensor-parallel side of a pipeline's stages for this rank (see the module
     docstring): `size` ranks per stage, this rank's `rank` among them, the `device_mesh`
-    (dims "pp", "tp"; "dp", "pp", "tp" with replicas) the collectives run on; `plan`/`sequence`: the pass's pins and sequence
-    parallelism, `choose` and `link` its cost-model choice. `plans[s]`: stage s's tiles;
-    `stats[s]`: the pass's record of it."""
+    (dims "pp", "tp"; "dp", "pp", "tp" with replicas) the collectives run on;
+    `plan`/`sequence`: the pass's pins and sequence parallelism, `choose` and `link` its
+    cost-model choice. `plans[s]`: stage s's tiles; `stats[s]`: the pass's record of it."""
 
     size: int
     rank: int
