@@ -797,8 +797,9 @@ def _pp_tp_part(case: str = "glm", schedule: str = "1f1b", sequence: bool = Fals
         from glmc.trace.capture import batch_leaves
         rows = batch_leaves(split_batch(batch))[0].shape[0]
         trainer = pipeline_trainer(model, opt, loss_fn, batch, min(rows // dp, 4), schedule,
-                                   tp=2, sequence=sequence, timeout_s=120, dp=dp,
-                                   tp_plan=tp_plan, zero=zero)
+                                   2 if schedule == "interleaved" else 1, tp=2,
+                                   sequence=sequence, timeout_s=120, dp=dp, tp_plan=tp_plan,
+                                   zero=zero)
         args, kwargs = split_batch(batch)
         losses = [trainer.step(*args, **kwargs) for _ in range(STEPS)]
         stages = {s: trainer.pipeline.stages[s].module for s in trainer.local}
@@ -875,7 +876,8 @@ def _pp_tp_worker(rank: int, port: int, out: str, slow: bool, only: str = "") ->
         ("llama", _pp_tp_part("llama", sgd=True)),
         ("qwen2_tied", _pp_tp_part("qwen2_tied", sgd=True)),
         ("qwen2_tied_adamw", _pp_tp_part("qwen2_tied")),
-        ("pinned", _pp_tp_part(tp_plan="head.weight:replicate"))] if slow else [])
+        ("pinned", _pp_tp_part(tp_plan="head.weight:replicate")),
+        ("hf_glm_interleaved", _pp_tp_part("hf_glm", schedule="interleaved"))] if slow else [])
     run_parts(rank, port, 4, out, [p for p in parts if p[0] == only or not only])
 
 
@@ -941,15 +943,16 @@ def _pp_tp_like_one_process(runs: Path, part: str, noise: str = "", world: int =
 
 @pytest.mark.slow  # 4 processes, more models and plans
 @pytest.mark.parametrize("part", ["gpipe", "sequence", "hf_glm", "llama", "qwen2_tied",
-                                  "qwen2_tied_adamw", "pinned"])
+                                  "qwen2_tied_adamw", "pinned", "hf_glm_interleaved"])
 def test_tensor_parallel_stages_of_more_models_and_schedules(pp_tp_runs: Path,
                                                              part: str) -> None:
     """pp=2 x tp=2 with GPipe, with sequence parallelism inside the stages, on transformers'
     GLM, Llama and Qwen2 with a tied embedding (one table read by the first and the last
     stage, vocab-parallel in both, its gradient summed over the two stages' ranks of the
     same tp index; with SGD, and with AdamW: each stage's optimizer its own moments of the
-    table's block), and with a pin naming a parameter of the last stage only (the LM head
-    kept whole): the losses and parameters of one process."""
+    table's block), with a pin naming a parameter of the last stage only (the LM head
+    kept whole), and transformers' GLM interleaved (4 stages on 2 pipeline ranks): the
+    losses and parameters of one process."""
     if part == "qwen2_tied_adamw":  # the tied table to rtol 1e-4; elsewhere AdamW turns a
         # rounding-noise gradient into a step of up to lr either way (2 of 4,096 elements of
         # a q_proj 4.4e-6 apart in a run here): every element within 3 steps of lr
@@ -991,3 +994,40 @@ def test_replicas_of_tensor_parallel_pipelines_train_like_one_process(
             if rank % 4 < 2:  # a (64, 32) block of stage 0's output projection: its AdamW
                 moment = r["local"]["exp_avg:blocks.0.attn.wo.weight"]  # moment's rows
                 assert moment == (64 * 32 // 2 if part.endswith("zero1") else 64 * 32)
+
+
+def test_a_tensor_parallel_stage_that_sends_a_view_is_captured() -> None:
+    """A stage whose sent value is a view of one it computed (a reshape of the MLP's output;
+    transformers' GLM cut between its layers does this): AOTAutograd's joint export takes no
+    output that aliases another tensor, so the stage copies it and is captured, its MLP
+    column/row parallel (on a fake process group of 2; no processes)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from glmc.parallel.stage_tp import StageTensorParallel
+    from glmc.trace.stages import capture_stage
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = x + self.down(torch.nn.functional.gelu(self.up(x)))
+            return h.view(-1, 16)  # a view of a value the stage made
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "tp"))
+        block = Block()
+        opt = torch.optim.AdamW(block.parameters())
+        tp = StageTensorParallel(2, 0, mesh)
+        stage = capture_stage(0, block, opt, [(0, torch.randn(2, 8, 16))], send=["h"], tp=tp)
+        assert tp.plans[0].tiles == {"up.weight": Tile("column", 0), "up.bias":
+                                     Tile("column", 0), "down.weight": Tile("row", 1)}
+        # down's output (the batch input x needs no gradient)
+        assert tp.stats[0].collectives == {"all_reduce": 1}
+        assert [s.target for s in stage.forward.outputs][:1] == ["h"]
+    finally:
+        dist.destroy_process_group()

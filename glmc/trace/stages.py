@@ -189,7 +189,10 @@ def _sharded_graphs(fn: Callable, examples: list[torch.Tensor], inputs: list[Inp
 
     def flat(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         out = fn(*args)
-        return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        # a sent value that is a view (of an input or of a value made here) is copied:
+        # the export takes no output that aliases another tensor
+        return tuple(o.clone() if o._is_view() else o for o in outs)
 
     n_out = max(len(send), 1)
     joint = aot_export_joint_simple(flat, examples, trace_joint=True)
