@@ -404,7 +404,8 @@ def test_a_plan_spelling_becomes_the_flags_it_stands_for(monkeypatch: pytest.Mon
     assert (a.nproc, a.tp, a.pp, a.microbatches, a.zero) == (4, 2, 2, 4, 0)
     for argv, match in ((("--nproc", "4", "--plan", "dp=2"), "--nproc is 4"),
                         (("--zero", "1", "--plan", "dp=2"), "not both"),
-                        (("--plan", "dp=2,tp=2,pp=2,zero=1,microbatch=1"), "cannot run"),
+                        (("--plan", "dp=1,tp=2,pp=2,recompute=full,microbatch=1"),
+                         "cannot run"),
                         (("--plan", "dp=8"), "smaller than dp=8"),
                         (("--plan", "dp=2,precision=fp16", "--precision", "bf16"),
                          "trains in fp16")):

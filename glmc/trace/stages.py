@@ -72,19 +72,7 @@ def capture_stage(index: int, module: nn.Module, optimizer: torch.optim.Optimize
                                          tuple(flat[n_state:n_state + len(args)]))
         return loss_fn(out, flat[-1]) if loss_fn is not None else out
 
-    frozen = [n for n, p in module.named_parameters() if not p.requires_grad]
-    if frozen:  # Whisper's positions: the stage programs would train them (KeyError before)
-        raise ConfigError(f"capture_stage: stage {index} holds frozen parameters {frozen} "
-                          "(requires_grad=False); glmc's pipeline does not support them yet "
-                          "(a stage updates every parameter it holds): train this model "
-                          "data-parallel (--zero), which does")
-    examples = [p.detach().requires_grad_() for p in module.parameters()]
-    examples += [b.detach() for b in module.buffers()]
-    examples += [t.detach().requires_grad_(isinstance(k, str)) for k, t in leaves]
-    ins = [InputSpec(Role.PARAMETER, n) for n in names]
-    ins += [InputSpec(Role.BUFFER, n) for n in buffers]
-    ins += [InputSpec(Role.BOUNDARY, k) if isinstance(k, str) else InputSpec(Role.INPUT,
-            f"input:{k}") for k, _ in leaves]
+    examples, ins = _stage_inputs(index, module, leaves)
     fn: Callable = step
     for rewrite in rewrites:  # each traced afresh: a rewrite sees its input's values
         fn = _rewritten(fn, examples, ins, rewrite)
@@ -104,6 +92,26 @@ def capture_stage(index: int, module: nn.Module, optimizer: torch.optim.Optimize
     shapes = tp.local_shapes(index, module) if tp is not None else None
     return Stage(index, forward, backward, _update_graph(index, module, optimizer, update,
                                                          shapes))
+
+
+def _stage_inputs(index: int, module: nn.Module, leaves: list
+                  ) -> tuple[list[torch.Tensor], list[InputSpec]]:
+    """The stage step's example inputs and their specs: parameters (trainable: a frozen one
+    is a ConfigError), buffers, then the batch leaves and received values."""
+    frozen = [n for n, p in module.named_parameters() if not p.requires_grad]
+    if frozen:  # Whisper's positions: the stage programs would train them (KeyError before)
+        raise ConfigError(f"capture_stage: stage {index} holds frozen parameters {frozen} "
+                          "(requires_grad=False); glmc's pipeline does not support them yet "
+                          "(a stage updates every parameter it holds): train this model "
+                          "data-parallel (--zero), which does")
+    examples = [p.detach().requires_grad_() for p in module.parameters()]
+    examples += [b.detach() for b in module.buffers()]
+    examples += [t.detach().requires_grad_(isinstance(k, str)) for k, t in leaves]
+    ins = [InputSpec(Role.PARAMETER, n) for n, _ in module.named_parameters()]
+    ins += [InputSpec(Role.BUFFER, n) for n, _ in module.named_buffers()]
+    ins += [InputSpec(Role.BOUNDARY, k) if isinstance(k, str) else InputSpec(Role.INPUT,
+            f"input:{k}") for k, _ in leaves]
+    return examples, ins
 
 
 def _rewritten(step: Callable, examples: list[torch.Tensor], inputs: list[InputSpec],
