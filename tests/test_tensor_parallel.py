@@ -87,9 +87,8 @@ def test_the_megatron_layout_is_found_from_the_graph() -> None:
 
 def test_mixed_layouts_train_like_one_process(runs: Path) -> None:
     """Units kept whole beside sharded ones: the LM head and the embedding pinned whole with
-    the blocks sharded (cross-entropy on whole logits: no loss-parallel rules), and the
-    layout `choose=time` takes on this host's measured gloo link (whatever it is: the
-    report's units say which): the losses, parameters and AdamW state of one process."""
+    the blocks sharded (cross-entropy on whole logits: no loss-parallel rules): the losses,
+    parameters and AdamW state of one process."""
     for rank in (0, 1):
         r = result(runs, "whole_vocab", rank)
         _like_one_process(r, state=True)
@@ -98,6 +97,13 @@ def test_mixed_layouts_train_like_one_process(runs: Path) -> None:
         # 4 per block, the head input's gradient stays whole: no loss or embedding reduction
         assert r["collectives"] == {"all_reduce": 8}
         assert [u[1] for u in r["units"]][-2:] == ["whole", "whole"]
+
+
+@pytest.mark.slow  # the layout depends on this host's link; the choice is unit-tested above
+def test_the_layout_choose_time_takes_trains_like_one_process(runs: Path) -> None:
+    """The layout `choose=time` takes on this host's measured gloo link (whatever it is: the
+    report's units say which): the losses, parameters and AdamW state of one process."""
+    for rank in (0, 1):
         r = result(runs, "choose_time", rank)
         _like_one_process(r, state=True)
         sharded = {u[0] for u in r["units"] if u[1] == "sharded"}
@@ -113,20 +119,21 @@ def test_the_cost_model_keeps_whole_the_units_sharding_would_slow() -> None:
     those of `unit_costs`."""
     from glmc.passes.tensor_parallel import unit_costs
     slow, free = "1000us:0.001GBps", "0.000001us:1000000GBps"
-    costs = {c.name: c for c in unit_costs(_glm_graph(), 2, None, slow)}
+    captured = _glm_graph()  # captured once; each run rewrites a copy
+    costs = {c.name: c for c in unit_costs(captured, 2, None, slow)}
     assert all(c.comm_s > c.saved_s > 0 for c in costs.values())
     assert costs["blocks.0.mlp"].state_bytes > 0  # half its weights and their gradients
     assert costs["embed.weight"].saved_s < costs["head.weight"].saved_s  # a lookup
     for link, choose, collectives in ((slow, "time", {}), (free, "time", {"all_reduce": 13}),
                                       (slow, "layout", {"all_reduce": 13})):
-        graph = _glm_graph()
-        res = TensorParallelPass(size=2, choose=choose, link=link).run(graph,
+        res = TensorParallelPass(size=2, choose=choose, link=link).run(captured.copy(),
                                                                        PassContext(mesh=TP2))
         assert res.stats.collectives == collectives, (link, choose)
         layouts = {row[1] for row in res.stats.units}
         assert layouts == ({"whole"} if not collectives else {"sharded"})
     with pytest.raises(ConfigError, match="choose="):
-        TensorParallelPass(size=2, choose="memory").run(_glm_graph(), PassContext(mesh=TP2))
+        TensorParallelPass(size=2, choose="memory").run(captured.copy(),
+                                                        PassContext(mesh=TP2))
 
 
 def test_a_foreach_update_runs_on_each_ranks_blocks() -> None:
@@ -417,7 +424,7 @@ def _checkpoint_part(rank: int, out: Path) -> dict:
             "dp_loss": dp.step(*args, **kwargs).item()}
 
 
-def _worker(rank: int, port: int, out: str) -> None:
+def _worker(rank: int, port: int, out: str, slow: bool = False) -> None:
     run_parts(rank, port, 2, out, [("eager", _tp_part("eager", False)),
                                    ("default", _tp_part("eager", None)),
                                    ("hf_glm", _tp_part("eager", None, "hf_glm")),
@@ -440,15 +447,21 @@ def _worker(rank: int, port: int, out: str) -> None:
                                    ("odd_vocab", functools.partial(_dropout_part, vocab=257)),
                                    ("whole_vocab", _tp_part(
                                        "eager", None,
-                                       tp_plan="head.weight:replicate;embed.weight:replicate")),
-                                   ("choose_time", _tp_part("eager", None, tp_choose="time"))])
+                                       tp_plan="head.weight:replicate;embed.weight:replicate"))]
+              + ([("choose_time", _tp_part("eager", None, tp_choose="time"))] if slow else []))
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def runs(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
     out = tmp_path_factory.mktemp("tp")
-    spawn(_worker, str(out))
+    spawn(_worker, str(out), _slow_readers(request, "runs"))
     return out
+
+
+def _slow_readers(request: pytest.FixtureRequest, fixture: str) -> bool:
+    """Whether a selected slow test reads `fixture` (its slow parts run only then)."""
+    return any(item.get_closest_marker("slow") and fixture in item.fixturenames
+               for item in request.session.items)
 
 
 @pytest.mark.parametrize("part", ["eager", "default"])  # default: glmc's default passes too
@@ -885,9 +898,7 @@ def _pp_tp_worker(rank: int, port: int, out: str, slow: bool, only: str = "") ->
 def pp_tp_runs(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
                ) -> Path:
     out = tmp_path_factory.mktemp("pp_tp")
-    # the slow parts only where a slow test that reads them was selected
-    slow = any(item.get_closest_marker("slow") and "pp_tp_runs" in item.fixturenames
-               for item in request.session.items)
+    slow = _slow_readers(request, "pp_tp_runs")
     spawn(_pp_tp_worker, str(out), slow, nprocs=4)
     return out
 
