@@ -169,42 +169,53 @@ class TensorParallelPass(Pass):
                               f"{self.size} ranks")
         if set(mesh.dim_names) - {TP, DIM} or mesh.flattened:
             raise ConfigError(f"tensor_parallel: the mesh {mesh.dim_names} has dims beside 'tp' "
-                              "and 'dp'; pipeline stages or several nodes with tensor "
-                              "parallelism are not supported yet")
+                              "and 'dp'; several nodes with tensor parallelism are not "
+                              "supported yet (pipeline stages are sharded by run_joint)")
         if "sharding" in graph.meta or TP_META in graph.meta:
             raise PassError("tensor_parallel: the step is already sharded")
-        costs, keep = self._costs(graph, ctx)
-        tiles = seed_tiles(graph, self.size, self.pins(), keep)
+        plan, stats, offenses = self._shard(graph, mesh, ctx)
+        graph.meta[TP_META] = plan
+        SpmdProgram(graph, mesh).verify()
+        graph.meta[WHOLE_META] = offenses
+        return PassResult(True, stats)
+
+    def _shard(self, graph: TrainGraph, mesh: MeshSpec, ctx: PassContext | None,
+               device_mesh: Any = None, every_pin: bool = True
+               ) -> tuple[TpPlan, "TensorParallelStats", list[Offense]]:
+        """What `run` and `run_joint` share: the seeds (the units `choose` keeps, then the
+        pins), the propagation into the local program adopted as `graph` (`strict`: ops on
+        whole operands are a ConfigError), the plan, the stats and the ops run whole."""
+        units = seed_units(graph, self.size)
+        costs, keep = self._costs(graph, units, ctx)
+        tiles = seed_tiles(graph, self.size, self.pins(), keep, every_pin, units)
         whole_shapes = {TrainGraph.info(p).target: TrainGraph.info(p).spec.shape
                         for p in graph.placeholders() if TrainGraph.info(p).spec is not None}
-        tokens = _tokens(graph, mesh.size(TP)) if self.sequence else None
-        traced, whole = _propagate(graph, mesh, tiles, tokens)
+        tokens = _tokens(graph, self.size) if self.sequence else None
+        traced, whole = _propagate(graph, mesh, tiles, tokens, device_mesh)
         offenses = [_offense(n) for n in whole]
         if self.strict and offenses:
             raise ConfigError("\n".join(
                 [f"tensor_parallel: {len(offenses)} op(s) have no sharding rule and would run "
                  "on whole (gathered) operands (strict=true); pin the parameters they read "
                  "with plan='name:replicate' or drop strict"] + [str(o) for o in offenses]))
-        plan = TpPlan(self.size, {t: tile for t, tile in _state_tiles(graph, tiles).items()})
+        plan = TpPlan(self.size, _state_tiles(graph, tiles))
         _adopt(graph, traced, mesh, plan)
-        graph.meta[TP_META] = plan
-        SpmdProgram(graph, mesh).verify()
-        graph.meta[WHOLE_META] = offenses
         names = [op_name(n) for n in whole]
-        stats = _stats(graph, plan, self.size, whole_shapes)
-        return PassResult(True, dataclasses.replace(stats, whole_ops={
-            op: names.count(op) for op in sorted(set(names))},
-            whole_at=tuple(str(o) for o in offenses), units=_unit_rows(costs, plan)))
+        stats = dataclasses.replace(
+            _stats(graph, plan, self.size, whole_shapes),
+            whole_ops={op: names.count(op) for op in sorted(set(names))},
+            whole_at=tuple(str(o) for o in offenses), units=_unit_rows(costs, plan))
+        return plan, stats, offenses
 
-    def _costs(self, graph: TrainGraph, ctx: PassContext | None
-               ) -> tuple[list["UnitCost"], Any]:
+    def _costs(self, graph: TrainGraph, units: list[tuple["Unit", Any]],
+               ctx: PassContext | None) -> tuple[list["UnitCost"], Any]:
         """The cost model's view of every unit (`unit_costs`), and the `keep` predicate of
         `seed_tiles` that `choose` asks for (None: every unit)."""
         if self.choose not in ("layout", "time"):
             raise ConfigError(f"tensor_parallel: choose={self.choose!r}; use 'layout' (shard "
                               "every unit the seeds find) or 'time' (keep whole the units the "
                               "cost model predicts slower sharded)")
-        costs = unit_costs(graph, self.size, ctx, self.link)
+        costs = unit_costs(graph, self.size, ctx, self.link, units)
         if self.choose == "layout":
             return costs, None
         faster = {c.params for c in costs if c.saved_s >= c.comm_s}
@@ -214,7 +225,6 @@ class TensorParallelPass(Pass):
             dist.broadcast_object_list(box, src=0)
             faster = box[0]
         return costs, lambda u: u.params in faster
-
 
     def run_joint(self, joint: fx.GraphModule, inputs: list[InputSpec],
                   outputs: list[OutputSpec | None], mesh: MeshSpec, device_mesh: Any = None,
@@ -236,20 +246,8 @@ class TensorParallelPass(Pass):
                               f"{mesh.shape}; size={self.size} needs a mesh dim 'tp' of "
                               f"{self.size} ranks")
         graph = _joint_graph(joint, inputs, outputs)
-        costs, keep = self._costs(graph, ctx)
-        tiles = seed_tiles(graph, self.size, self.pins(), keep, every_pin=False)
-        whole_shapes = {TrainGraph.info(p).target: TrainGraph.info(p).spec.shape
-                        for p in graph.placeholders() if TrainGraph.info(p).spec is not None}
-        tokens = _tokens(graph, self.size) if self.sequence else None
         names = [p.target for p in graph.placeholders()]
-        traced, whole = _propagate(graph, mesh, tiles, tokens, device_mesh)
-        offenses = [_offense(n) for n in whole]
-        if self.strict and offenses:
-            raise ConfigError("\n".join(
-                [f"tensor_parallel: {len(offenses)} op(s) have no sharding rule (strict=true)"]
-                + [str(o) for o in offenses]))
-        plan = TpPlan(self.size, dict(tiles))
-        _adopt(graph, traced, mesh, plan)
+        plan, stats, _ = self._shard(graph, mesh, ctx, device_mesh, every_pin=False)
         for ph, name in zip(graph.placeholders(), names):  # the partition's primals/tangents
             ph.target = name
             ph._rename(name)
@@ -257,10 +255,6 @@ class TensorParallelPass(Pass):
             if TrainGraph.info(n).phase is Phase.BACKWARD:  # stays there (the partition's
                 n.meta["partitioner_tag"] = "is_backward"  # rule)
         graph.gm.recompile()
-        ops = [op_name(n) for n in whole]
-        stats = dataclasses.replace(_stats(graph, plan, self.size, whole_shapes), whole_ops={
-            op: ops.count(op) for op in sorted(set(ops))},
-            whole_at=tuple(str(o) for o in offenses), units=_unit_rows(costs, plan))
         return graph.gm, plan, stats
 
 
@@ -551,12 +545,14 @@ def _prefix(names: list[str]) -> str:
 
 
 def seed_tiles(graph: TrainGraph, size: int, pins: list[tuple[str, str]],
-               keep: Any = None, every_pin: bool = True) -> dict[str, Tile]:
+               keep: Any = None, every_pin: bool = True,
+               units: list[tuple[Unit, dict[str, Tile]]] | None = None) -> dict[str, Tile]:
     """Parameter name -> its tile: column/row linears found by the walk (the units `keep`
-    accepts, default all: `seed_units`), then the pins. `every_pin`: a pin that matches no
-    parameter is a ConfigError (a pipeline stage holds some of the parameters: the
-    pipeline checks its pins against every stage)."""
-    tiles = {name: tile for u, unit_tiles in seed_units(graph, size)
+    accepts, default all: `seed_units`, or `units` if given), then the pins. `every_pin`: a
+    pin that matches no parameter is a ConfigError (a pipeline stage holds some of the
+    parameters: the pipeline checks its pins against every stage)."""
+    units = seed_units(graph, size) if units is None else units
+    tiles = {name: tile for u, unit_tiles in units
              if keep is None or keep(u) for name, tile in unit_tiles.items()}
     linears = _linears(graph)
     tables = {name for _, name, _ in _embeddings(graph)}
@@ -613,8 +609,10 @@ class UnitCost:
 
 
 def unit_costs(graph: TrainGraph, size: int, ctx: PassContext | None = None,
-               link: str = "") -> list[UnitCost]:
-    """`UnitCost` of every unit `seed_units` finds, on `ctx`'s device profile (default:
+               link: str = "", units: list[tuple[Unit, Any]] | None = None
+               ) -> list[UnitCost]:
+    """`UnitCost` of every unit `seed_units` finds (or of `units`), on `ctx`'s device
+    profile (default:
     this host) and `link` (`TensorParallelPass.link`). The compute is the ops' roofline
     time without per-launch overhead (a shard launches as many kernels as the whole).
     Under sequence parallelism an all-reduce becomes a reduce-scatter and an all-gather of
@@ -634,7 +632,7 @@ def unit_costs(graph: TrainGraph, size: int, ctx: PassContext | None = None,
             grad = 2 if info.role is Role.PARAMETER else 1  # a parameter and its gradient
             state[name] = state.get(name, 0) + grad * info.spec.nbytes
     out = []
-    for unit, _ in seed_units(graph, size):
+    for unit, _ in seed_units(graph, size) if units is None else units:
         forward = sum(roofline_time(op_cost(n), prof) for n in unit.forward)
         comm = sum(collective_seconds("all_reduce", value_bytes(v.meta.get("val")), size, wire)
                    for v in unit.reduced)

@@ -298,6 +298,35 @@ def rows_of(batch: Batch, index: int, parts: int, what: str) -> Batch:
     return tuple(cut(t) for t in args), {k: cut(v) for k, v in kwargs.items()}
 
 
+class Swaps:
+    """Tensors replaced for a while (the whole parameters and optimizer state of a sharded
+    run, gathered): `put` replaces a parameter's `.data` (slot None) or a dict entry (an
+    optimizer state's `slot`) and remembers what was there; `restored()` puts every one back
+    when its block ends."""
+
+    def __init__(self) -> None:
+        self.saved: list[tuple[Any, Any, torch.Tensor]] = []
+
+    def put(self, container: Any, slot: Any, value: torch.Tensor) -> None:
+        if slot is None:
+            self.saved.append((container, None, container.data))
+            container.data = value
+        else:
+            self.saved.append((container, slot, container[slot]))
+            container[slot] = value
+
+    @contextlib.contextmanager
+    def restored(self) -> Iterator[None]:
+        try:
+            yield
+        finally:
+            for container, slot, data in self.saved:
+                if slot is None:
+                    container.data = data
+                else:
+                    container[slot] = data
+
+
 class DataParallel:
     """One rank's view of a data-parallel trainer (see the module docstring)."""
 
@@ -493,26 +522,17 @@ class DataParallel:
             yield
             return
         params = dict(model.named_parameters())
-        saved = []
+        swaps = Swaps()
         for target, lay in self.plan.layouts.items():
             if ":" in target:
                 if optimizer is None:
                     continue
                 key, _, name = target.partition(":")
-                container, slot = optimizer.state[params[name]], key
-                saved.append((container, slot, container[slot]))
-                container[slot] = self._gather(target, lay)
+                swaps.put(optimizer.state[params[name]], key, self._gather(target, lay))
             else:
-                saved.append((params[target], None, params[target].data))
-                params[target].data = self._gather(target, lay)
-        try:
+                swaps.put(params[target], None, self._gather(target, lay))
+        with swaps.restored():
             yield
-        finally:
-            for container, slot, data in saved:
-                if slot is None:
-                    container.data = data
-                else:
-                    container[slot] = data
 
     def _gather(self, target: str, lay: Layout) -> torch.Tensor:
         shards = [torch.empty_like(self.store[target]) for _ in range(self.shard_world)]

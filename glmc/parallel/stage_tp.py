@@ -49,11 +49,9 @@ class StageTensorParallel:
     link: str = ""  #: the pass's `link`: the tp collectives' (measured) link
     plans: dict[int, TpPlan] = field(default_factory=dict)
     stats: dict[int, Any] = field(default_factory=dict)
-    #: whole shape of every sharded tensor (by id of the parameter), kept when installed
-    _whole: dict[int, tuple[int, ...]] = field(default_factory=dict)
     #: per stage: the pass's seconds, and the joint graph's nodes before and after
     _timing: dict[int, tuple[float, int, int]] = field(default_factory=dict)
-    #: (stage, parameter name) -> whole shape of each sharded parameter
+    #: (stage, parameter name) -> whole shape of each sharded parameter, kept when installed
     _shapes: dict[tuple[int, str], tuple[int, ...]] = field(default_factory=dict)
 
     @property
@@ -120,10 +118,10 @@ class StageTensorParallel:
                     continue
                 if id(p) not in seen:  # the tensor itself, once
                     seen[id(p)] = (tile, index, name)
-                    self._whole[id(p)] = tuple(p.shape)
+                    self._shapes[(index, name)] = tuple(p.shape)
                     with torch.no_grad():
                         p.data = tile.local(p.detach(), self.rank, self.size)
-                whole = self._whole[id(p)]
+                whole = self._shapes[seen[id(p)][1:]]  # the first copy's: a tied one's too
                 self._shapes[(index, name)] = whole
                 for key, v in opt.state.get(p, {}).items():  # this stage's optimizer's state
                     if isinstance(v, torch.Tensor) and tuple(v.shape) == whole:
@@ -134,9 +132,10 @@ class StageTensorParallel:
                  optimizers: dict[int, torch.optim.Optimizer]) -> Iterator[None]:
         """The whole parameters and optimizer state of the given stages (by index) for the
         duration (every rank of each stage's tensor-parallel group enters with them)."""
+        from glmc.parallel.data import Swaps
         from glmc.parallel.tensor import gather_block
         group = self.device_mesh.get_group(TP)
-        saved: list[tuple[Any, Any, torch.Tensor]] = []
+        swaps = Swaps()
         blocks: dict[int, torch.Tensor] = {}  #: a tied parameter's block, gathered once
         for index, module in modules.items():
             opt = optimizers[index]
@@ -144,24 +143,17 @@ class StageTensorParallel:
             for name, p in module.named_parameters():
                 if name not in tiles:
                     continue
-                whole = self._whole[id(p)]
+                whole = self._shapes[(index, name)]
                 if id(p) not in blocks:
                     blocks[id(p)] = p.data
-                    saved.append((p, None, p.data))
-                    p.data = gather_block(p.data, tiles[name], whole, self.size, group)
+                    swaps.put(p, None, gather_block(p.data, tiles[name], whole, self.size,
+                                                    group))
                 for key, v in opt.state.get(p, {}).items():  # each stage optimizer's own
                     if isinstance(v, torch.Tensor) and v.shape == blocks[id(p)].shape:
-                        saved.append((opt.state[p], key, v))
-                        opt.state[p][key] = gather_block(v, tiles[name], whole, self.size,
-                                                         group)
-        try:
+                        swaps.put(opt.state[p], key,
+                                  gather_block(v, tiles[name], whole, self.size, group))
+        with swaps.restored():
             yield
-        finally:
-            for owner, key, block in saved:
-                if key is None:
-                    owner.data = block
-                else:
-                    owner[key] = block
 
     def saved(self, index: int, name: str, value: torch.Tensor
               ) -> tuple[Any, Callable[[], None] | None]:
@@ -171,12 +163,12 @@ class StageTensorParallel:
         whole (gathered: no placement says "interleaved"; every rank of the group calls
         this alike) with the copy back into the block to run after a load; anything else
         as it is. Returns (what to save, the copy back or None)."""
-        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor import Shard
 
-        from glmc.parallel.tensor import gather_block
+        from glmc.parallel.tensor import block_dtensor, gather_block
         tile = self.plans[index].tiles.get(name)
-        whole = self._shapes.get((index, name))
-        if tile is None or whole is None or value.dim() != len(whole):  # a step count
+        whole = self._shapes.get((index, name), ())
+        if tile is None or value.dim() != len(whole):  # a replicated tensor, a step count
             return value, None
         if tile.groups > 1:
             full = gather_block(value, tile, whole, self.size, self.device_mesh.get_group(TP))
@@ -185,7 +177,4 @@ class StageTensorParallel:
                 with torch.no_grad():
                     value.copy_(tile.local(full, self.rank, self.size))
             return full, back
-        stride = torch.empty(whole, device="meta").stride()
-        return DTensor.from_local(value, self.device_mesh[TP], [Shard(tile.dim)],
-                                  run_check=False, shape=torch.Size(whole),
-                                  stride=stride), None
+        return block_dtensor(value, self.device_mesh[TP], [Shard(tile.dim)], whole), None

@@ -23,8 +23,8 @@ from torch import nn
 from glmc.errors import ConfigError
 from glmc.ir.graph import MeshSpec, TrainGraph
 from glmc.ir.plans import DIM, TP, Tile, TpPlan, block_rows
-from glmc.parallel.data import (DataParallel, Parallel, init_distributed, micro_program,
-                                reset_sums, rows_of, split_micro_batches)
+from glmc.parallel.data import (DataParallel, Parallel, Swaps, init_distributed,
+                                micro_program, reset_sums, rows_of, split_micro_batches)
 from glmc.trace.capture import Batch
 
 
@@ -199,27 +199,15 @@ class TensorParallel(DataParallel):
         if self.tp is None:
             yield
             return
-        saved = []
+        swaps = Swaps()
         for target, tile in self.tp.tiles.items():
             if ":" in target and optimizer is None:
                 continue
             container, slot = self._owner(target, model, optimizer)
             block = container[slot] if slot is not None else container.detach()
-            full = self._full(target, block, tile)
-            if slot is None:
-                saved.append((container, None, container.data))
-                container.data = full
-            else:
-                saved.append((container, slot, container[slot]))
-                container[slot] = full
-        try:
+            swaps.put(container, slot, self._full(target, block, tile))
+        with swaps.restored():
             yield
-        finally:
-            for container, slot, data in saved:
-                if slot is None:
-                    container.data = data
-                else:
-                    container[slot] = data
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -241,7 +229,7 @@ class TensorParallel(DataParallel):
         to another tp); a fused weight stored in interleaved parts (no DTensor placement
         says that) and the replicated tensors whole. Under ZeRO each rank's rows are
         gathered over "dp" into its block first."""
-        from torch.distributed.tensor import DTensor, Replicate, Shard
+        from torch.distributed.tensor import Replicate, Shard
 
         tiles = self.tp.tiles if self.tp is not None else {}
         with DataParallel.full_parameters(self, model, optimizer):  # ZeRO rows -> tp blocks
@@ -258,12 +246,10 @@ class TensorParallel(DataParallel):
                     if tile.groups > 1:
                         table[target] = self._full(target, block, tile)
                         continue
-                    shape = self.shapes[target]
                     placements = [Shard(tile.dim) if d == TP else Replicate()
                                   for d in self.root.mesh_dim_names]
-                    table[target] = DTensor.from_local(
-                        block, self.root, placements, run_check=False,
-                        shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
+                    table[target] = block_dtensor(block, self.root, placements,
+                                                  self.shapes[target])
         return {"model": model_sd, "optim": optim, "comm": {}}
 
     def load_sharded(self, state: dict[str, dict[str, Any]], model: nn.Module,
@@ -292,6 +278,17 @@ class TensorParallel(DataParallel):
                     else:
                         key, _, name = target.partition(":")
                         optimizer.state[params[name]][key].copy_(src)
+
+
+def block_dtensor(block: torch.Tensor, mesh: Any, placements: list[Any],
+                  whole: tuple[int, ...]) -> Any:
+    """`block` (this rank's, sharing its storage) as a DTensor of the contiguous `whole`
+    shape: DTensor would otherwise take the global extent as ranks x this block's (wrong
+    for a vocabulary cut unevenly)."""
+    from torch.distributed.tensor import DTensor
+    return DTensor.from_local(block, mesh, placements, run_check=False,
+                              shape=torch.Size(whole),
+                              stride=torch.empty(whole, device="meta").stride())
 
 
 def gather_block(block: torch.Tensor, tile: Tile, whole: tuple[int, ...], size: int,

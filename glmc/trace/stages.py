@@ -217,10 +217,7 @@ def _sharded_graphs(fn: Callable, examples: list[torch.Tensor], inputs: list[Inp
         [InputSpec(Role.GRADIENT, "seed:loss")]
     outs: list[OutputSpec | None] = [OutputSpec(OutputKind.SEND, n) for n in send] or \
         [OutputSpec(OutputKind.LOSS, "")]
-    outs += [OutputSpec(OutputKind.GRADIENT, n) for n in names] + [None] * n_buffers
-    outs += [OutputSpec(OutputKind.SEND, f"grad:{k}") if isinstance(k, str) else None
-             for k, _ in leaves]
-    local = tp.shard(index, joint, ins, outs)
+    local = tp.shard(index, joint, ins, outs + _gradient_outputs(names, n_buffers, leaves))
     fw, bw = default_partition(local, examples, num_fwd_outputs=n_out)
     return fw, bw, n_out
 
@@ -239,11 +236,19 @@ def _backward(index: int, bw: fx.GraphModule, names: list[str], n_buffers: int, 
         if g is None:
             raise CaptureError(f"capture_stage: parameter {n!r} of stage {index} gets no "
                                "gradient; drop it from the stage")
+    return _retype(bw, ins, _gradient_outputs(names, n_buffers, leaves), Phase.BACKWARD,
+                   index)
+
+
+def _gradient_outputs(names: list[str], n_buffers: int, leaves: list
+                      ) -> list[OutputSpec | None]:
+    """What the backward returns, one per forward input: each parameter's gradient, None
+    for a buffer, the gradient of a received value sent back (None for a batch leaf)."""
     outs: list[OutputSpec | None] = [OutputSpec(OutputKind.GRADIENT, n) for n in names]
     outs += [None] * n_buffers
     outs += [OutputSpec(OutputKind.SEND, f"grad:{k}") if isinstance(k, str) else None
              for k, _ in leaves]
-    return _retype(bw, ins, outs, Phase.BACKWARD, index)
+    return outs
 
 
 def _retype(gm: fx.GraphModule, inputs: list[InputSpec], outputs: Sequence[OutputSpec | None],
