@@ -882,7 +882,8 @@ def _pp_tp_checkpoint_part(rank: int, out: Path) -> dict:
 
 
 def _pp_tp_worker(rank: int, port: int, out: str, slow: bool, only: str = "") -> None:
-    parts = [("glm", _pp_tp_part()), ("checkpoint", _pp_tp_checkpoint_part)] + ([
+    parts = [("glm", _pp_tp_part())] + ([
+        ("checkpoint", _pp_tp_checkpoint_part),
         ("gpipe", _pp_tp_part(schedule="gpipe")),
         ("sequence", _pp_tp_part(sequence=True)),
         ("hf_glm", _pp_tp_part("hf_glm")),
@@ -921,6 +922,7 @@ def test_tensor_parallel_pipeline_stages_train_like_one_process(pp_tp_runs: Path
         assert r["local"]["embed.weight" if rank < 2 else "head.weight"] == (128, 64)
 
 
+@pytest.mark.slow  # 4 processes; the default run keeps the default test time in bounds
 def test_a_checkpoint_of_tensor_parallel_stages_resumes_the_run(pp_tp_runs: Path) -> None:
     """A DCP checkpoint of pp=2 x tp=2 holds each rank's blocks as DTensors (Shard over
     "tp"; the fused gate/up weight, stored in interleaved parts, whole) and loads into a
