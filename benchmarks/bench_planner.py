@@ -124,7 +124,8 @@ def run_case(name: str, nproc: int, rounds: int, steps: int, limit: int) -> dict
                      "measured_peak_bytes": statistics.median(x["peak_bytes"] for x in runs),
                      "measured_exposed_comm_s": statistics.median(
                          x["exposed_comm_s"] for x in runs)
-                     if all(x["exposed_comm_s"] is not None for x in runs) else None})
+                     if all(x["exposed_comm_s"] is not None for x in runs) else None,
+                     "runs": runs})  # each round's figures: the spread between rounds
     return _summary(name, nproc, rows, len(plans))
 
 
