@@ -253,14 +253,15 @@ class RecomputePass(Pass):
         if plan is None or (target is not None and plan.peak > target):
             chosen, plan, shortfall = self._floor(placements, target, baseline_peak)
             problem, units = chosen.problem, chosen.units
-        chosen.apply(graph)  # the same transform as the plan's scratch copy
+        form = graph.copy()  # the chosen form, applied to `graph` once the ranks agree
+        chosen.apply(form)
         # check against the full simulation; tighten on disagreement
         notes = list(plan.notes)
         notes += [c.note for c in placements if c.note]
         if shortfall is not None:
             notes.append(f"the measured retry's target is {_mib(shortfall)} below the lowest "
                          "reachable peak: using the lowest")
-        predicted = _simulate_with(graph, problem, units, plan.recompute, backend)
+        predicted = _simulate_with(form, problem, units, plan.recompute, backend)
         for _ in range(3):
             if target is None or predicted <= target or shortfall is not None:
                 break
@@ -270,19 +271,22 @@ class RecomputePass(Pass):
             if tighter is None:
                 break
             plan = tighter
-            predicted = _simulate_with(graph, problem, units, plan.recompute, backend)
+            predicted = _simulate_with(form, problem, units, plan.recompute, backend)
         solve_seconds = time.perf_counter() - start
         pareto = self._pareto(problem, baseline_peak) if self.pareto else []
-        changed = bool(plan.recompute) or chosen.name == "early" or bool(chosen.head_rows)
         prefetch = False
-        if changed and budget.kind != "min" and target is not None:
-            ahead = _simulate_with(graph, problem, units, plan.recompute, backend, True)
+        if plan.recompute and budget.kind != "min" and target is not None:
+            ahead = _simulate_with(form, problem, units, plan.recompute, backend, True)
             prefetch = ahead <= target and ahead != predicted  # fits, and something moved
             if prefetch:
                 notes.append(f"gathers made again prefetched one ahead: {_mib(ahead)}")
                 predicted = ahead
-        if plan.recompute:
-            rewrite(graph, {units[i] for i in plan.recompute}, backend, prefetch)
+        chosen, names, prefetch = _agreed(ctx, chosen, {units[i] for i in plan.recompute},
+                                          prefetch, notes)
+        chosen.apply(graph)
+        if names:
+            rewrite(graph, names, backend, prefetch)
+        changed = bool(names) or chosen.name == "early" or bool(chosen.head_rows)
         rec = sorted(plan.recompute, key=lambda i: -problem.units[i].size)
         kept = sorted((i for i, u in enumerate(problem.units)
                        if u.needed and i not in plan.recompute),
@@ -471,6 +475,22 @@ class _Placement:
         if self.head_rows:
             for n in _heads(graph.graph):
                 n.args = (*n.args[:6], self.head_rows)
+
+
+def _agreed(ctx: Any, chosen: _Placement, names: set[str], prefetch: bool, notes: list[str]
+            ) -> tuple[_Placement, set[str], bool]:
+    """Rank 0's decision — the step's form, the values made again, the prefetch — where
+    every rank compiles the same program (`PassContext.agree`): each rank prices with its own
+    timings and the solver stops at its time limit, so their plans may differ, and with them
+    the collectives a ZeRO-3 or tensor-parallel step issues. One process: its own."""
+    if getattr(ctx, "agree", None) is None:
+        return chosen, names, prefetch
+    mine = (chosen.name, chosen.head_rows, sorted(names), prefetch)
+    name, rows, agreed, prefetch = ctx.agree(mine)
+    if (name, rows, agreed) != mine[:3]:
+        notes.append(f"rank 0's plan adopted ({len(agreed)} values made again; this rank's "
+                     f"own: {len(names)}); the figures above are this rank's own plan's")
+    return dataclasses.replace(chosen, name=name, head_rows=rows), set(agreed), prefetch
 
 
 def _heads(g: fx.Graph) -> list[fx.Node]:

@@ -301,3 +301,31 @@ def test_planner_chooses_the_update_placement_and_says_why_not() -> None:
     with pytest.raises(ConfigError, match="update=early does not apply.*loss scaling"):
         glmc.optimize(model, x, loss_fn=loss_fn, optimizer=opt, backend="eager",
                       passes="precision{policy=fp16},cleanup,recompute{budget=min,update=early}")
+
+
+def test_ranks_adopt_rank_0s_plan() -> None:
+    """Where every rank compiles the same program (`PassContext.agree`), the pass applies
+    rank 0's decision, not its own (per-rank timings and the solver's time limit could make
+    them differ, and with them a sharded step's collectives): here "rank 0" makes nothing
+    again, and this rank's graph is the one without recomputation."""
+    from glmc.compiler.passmanager import PassContext
+    from glmc.passes.recompute import RecomputePass
+    from glmc.trace.capture import capture
+    model, x, loss_fn, opt = CASES["glm"].make()
+    graph = capture(model, x, loss_fn, opt)
+    asked = []
+
+    def agree(mine):
+        asked.append(mine)
+        return mine if len(asked) == 1 else (mine[0], mine[1], [], False)
+    runs = []
+    for _ in range(2):
+        g = graph.copy()
+        res = RecomputePass(budget="min", solver="greedy").run(g, PassContext(agree=agree))
+        runs.append((g, res.stats))
+    (own, own_stats), (adopted, adopted_stats) = runs
+    assert asked[0] == asked[1] and asked[0][2], "this rank's own plan makes values again"
+    assert own_stats.recomputed > 0 and not any("rank 0" in n for n in own_stats.notes)
+    assert any("rank 0's plan adopted (0 values" in n for n in adopted_stats.notes)
+    n_own, n_adopted = len(own.graph.nodes), len(adopted.graph.nodes)
+    assert n_adopted < n_own, (n_adopted, n_own)  # no recomputed copies

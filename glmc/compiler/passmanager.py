@@ -60,6 +60,11 @@ class PassContext:
     traits: BackendTraits = EAGER
     profile: Any = None  #: cost-model device profile (see glmc.analysis.cost.get_profile)
     mesh: Any = None  #: the MeshSpec a data-parallel step runs on (None: one device)
+    #: where every rank compiles the same program (data and tensor parallelism): rank 0's
+    #: value of a decision, for all ranks (`agree(value) -> rank 0's value`). A pass whose
+    #: choice rests on this rank's timings or a solver's time limit asks it, so the ranks'
+    #: programs (and their collectives) stay the same. None: one process.
+    agree: Any = None
 
     @property
     def backend(self) -> str:

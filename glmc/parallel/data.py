@@ -428,6 +428,13 @@ class DataParallel:
         if odd:
             raise ConfigError(f"parallel: ranks {odd} {differ} (fingerprints {every}); {fix}")
 
+    def agree(self, value: Any) -> Any:
+        """Rank 0's `value` on every rank (`PassContext.agree`): every rank compiles the same
+        program, and a decision made from one rank's timings holds for all."""
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
     def largest(self, value: int) -> int:
         """The largest of every rank's `value`."""
         t = torch.tensor([value], dtype=torch.int64)

@@ -57,6 +57,9 @@ class SingleProcess:
     def largest(self, value: int) -> int:
         return value
 
+    #: rank 0's value of a per-rank decision (PassContext.agree); one process decides alone
+    agree = None
+
     def check_same(self, model: nn.Module, batch: Batch, options: Any) -> None:
         pass
 

@@ -427,7 +427,8 @@ class Trainer:
         if pipeline:
             self._say(f"captured {nodes_captured} nodes in {t1 - t0:.1f} s; running passes "
                       f"{', '.join(p.spelling() for p in pipeline)} ...")
-        manager.run(graph, PassContext(self._traits, self.options.profile, self.strategy.spec))
+        manager.run(graph, PassContext(self._traits, self.options.profile, self.strategy.spec,
+                                       self.strategy.agree))
         if cache is not None and not cache.startswith("hit "):
             from glmc.runtime.stepcache import store
             why = store(self._cache_dir(), cache, graph)
