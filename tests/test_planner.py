@@ -377,6 +377,62 @@ def test_a_heterogeneous_cluster_gets_an_uneven_split_faster_than_an_even_one() 
                  work, Cluster.parse("1x1:h100-80g+3x1:a100-40g"))
 
 
+def test_compression_is_searched_and_priced(tiny: tuple) -> None:
+    """The search tries dense and bf16 gradients for data-parallel replicas: bf16 sends half
+    the bytes, adds its casts and error feedback's residual (an fp32 copy of the gradients)
+    on each rank; sign (1 bit, all-gathered) is priced where a spelling fixes it, never
+    picked; the low-rank and sparse methods are typed errors (not priced)."""
+    work, _ = tiny
+    cluster = Cluster.parse("4x1:h100-80g")  # data parallelism across nodes
+    plans = search(work, cluster)
+    assert {p.point.compress for p in plans if p.point.dp > 1 and p.point.pp == 1} == \
+        {"none", "bf16"}
+    assert {p.point.compress for p in plans if p.point.dp == 1 or p.point.pp > 1} == {"none"}
+    base = PlanPoint(4, 1, 1, 0, 2, "1f1b", 1, "none", "bf16")
+    dense, half, sign = (evaluate(PlanPoint(**{**base.__dict__, "compress": c}), work,
+                                  cluster, overlap=False) for c in ("none", "bf16", "sign"))
+    params = sum(c.params for c in work.parts[1])
+    assert half.breakdown["dp_all_reduce"] < dense.breakdown["dp_all_reduce"]
+    assert half.breakdown["compress"] > 0 and "compress" not in dense.breakdown
+    assert half.memory["compression"] == params * 4 and "compression" not in dense.memory
+    assert sign.breakdown["dp_all_gather"] > 0 and "dp_all_reduce" not in sign.breakdown
+    assert sign.breakdown["compress"] > half.breakdown["compress"]  # 4 ranks' signs unpacked
+    fixed = search(work, cluster, parse_spelling("compress=sign"))
+    assert fixed and {p.point.compress for p in fixed} == {"sign"}
+    assert all(p.point.dp > 1 for p in fixed)
+    with pytest.raises(ConfigError, match="compress=powersgd is not priced"):
+        search(work, cluster, parse_spelling("dp=4,tp=1,pp=1,microbatch=2,compress=powersgd"))
+    piped = search(work, cluster, parse_spelling("dp=2,pp=2,compress=bf16"))
+    assert piped and all("compression with pipelining" in " ".join(p.point.runtime_gaps())
+                         for p in piped)
+
+
+def test_precision_is_searched_where_the_device_offers_several() -> None:
+    """On GPUs the search prices bf16 and fp16 from one capture (same bytes, same matmul
+    rate) and fp16 pays its loss scaling's overflow check; a given precision is the only
+    one priced; CPUs train in fp32."""
+    from glmc.parallel.planner import price_precisions
+    model, batch = _llama(layers=3)
+    cluster = Cluster.parse("1x2:a100-80g")
+    device = cluster.groups[0].device
+    works = price_precisions(model, batch, device=device, precisions=device.searched, tps=(1,))
+    assert [w.precision for w in works] == ["fp16", "bf16"] and works[0].parts is works[1].parts
+    plans = search(works, cluster)
+    assert {p.point.precision for p in plans} == {"bf16", "fp16"}
+    by = {p.point.spelling(): p for p in plans}
+    for p in plans:
+        if p.point.precision == "bf16":
+            twin = by[p.point.spelling().replace("precision=bf16", "precision=fp16")]
+            assert twin.breakdown["update"] > p.breakdown["update"]
+            assert twin.peak_bytes == p.peak_bytes
+    assert plans[0].point.precision == "bf16"
+    assert {p.point.precision for p in search(works, cluster, {"precision": "fp16"})} == \
+        {"fp16"}
+    with pytest.raises(ConfigError, match="priced at fp16, bf16"):
+        search(works, cluster, {"precision": "fp32"})
+    assert Cluster.parse("1x2:kunpeng920").groups[0].device.searched == ("fp32",)
+
+
 def test_a_plan_spelling_becomes_the_flags_it_stands_for(monkeypatch: pytest.MonkeyPatch
                                                          ) -> None:
     """`glmc compile FILE --plan SPELLING`: the launcher's flags (the GLM example's global
@@ -402,11 +458,15 @@ def test_a_plan_spelling_becomes_the_flags_it_stands_for(monkeypatch: pytest.Mon
     assert (a.nproc, a.tp, a.zero, a.accumulate) == (4, 2, 1, 2)
     a = flags("--plan", "dp=1,tp=2,pp=2,microbatch=1")  # tensor-parallel pipeline stages
     assert (a.nproc, a.tp, a.pp, a.microbatches, a.zero) == (4, 2, 2, 4, 0)
+    a = flags("--plan", "dp=2,zero=1,microbatch=2,compress=bf16")
+    assert (a.nproc, a.zero, a.compress) == (2, 1, "bf16")
     for argv, match in ((("--nproc", "4", "--plan", "dp=2"), "--nproc is 4"),
                         (("--zero", "1", "--plan", "dp=2"), "not both"),
                         (("--plan", "dp=1,tp=2,pp=2,recompute=full,microbatch=1"),
                          "cannot run"),
                         (("--plan", "dp=8"), "smaller than dp=8"),
+                        (("--plan", "dp=1,pp=2,microbatch=1,compress=bf16"),
+                         "compression with pipelining"),
                         (("--plan", "dp=2,precision=fp16", "--precision", "bf16"),
                          "trains in fp16")):
         with pytest.raises(ConfigError, match=match):

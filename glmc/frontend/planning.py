@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from glmc.parallel.cluster import DEVICE_KINDS, Cluster
-from glmc.parallel.planner import PRECISIONS, parse_spelling, price_workload
+from glmc.parallel.planner import PRECISIONS, parse_spelling, price_precisions
 from glmc.parallel.search import PricedPlan, explain, search
 
 GiB = 1024 ** 3
@@ -31,10 +31,10 @@ def add_plan_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--fix", default=None, metavar="SPELLING",
                    help="price only the plans matching this partial spelling "
                         "(dp=..,tp=..,pp=..,zero=..,microbatch=..,schedule=..,virtual=..,"
-                        "recompute=..,precision=..)")
+                        "recompute=..,precision=..,compress=..)")
     p.add_argument("--precision", choices=PRECISIONS, default=None,
-                   help="training precision (default: the device's fastest: fp16 on A100, "
-                        "bf16 on H100/H200, fp32 on CPUs)")
+                   help="training precision (default: the planner chooses between bf16 and "
+                        "fp16 on GPUs; fp32 on CPUs)")
     p.add_argument("--intra-link", default=None, metavar="LINK",
                    help="link inside a node (as in glmc comm; default per device)")
     p.add_argument("--inter-link", default=None, metavar="LINK",
@@ -70,10 +70,14 @@ def _plan(model: Any, example_inputs: Any, cluster: str, loss_fn: Any, optimizer
     tps = [t for t in (1, 2, 4, 8, 16) if t <= cl.per_node and cl.devices % t == 0]
     if "tp" in fixed:
         tps = [fixed["tp"]]
-    work = price_workload(model, example_inputs, loss_fn, optimizer, device,
-                          precision or fixed.get("precision"), tps,
-                          others=[g.device for g in cl.groups[1:]])
-    return search(work, cl, fixed, overlap), work, cl
+    given = precision or fixed.get("precision")
+    others = [g.device for g in cl.groups[1:]]
+    # the precisions every device kind of the cluster offers, the first kind's order
+    choices = [c for c in device.searched if all(c in d.searched for d in others)] or \
+        [device.dtype]
+    works = price_precisions(model, example_inputs, loss_fn, optimizer, device,
+                             [given] if given else choices, tps, others)
+    return search(works, cl, fixed, overlap), works[0], cl
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -85,7 +89,8 @@ def run_plan(args: argparse.Namespace) -> int:
                            args.intra_link, args.inter_link)
     took = time.perf_counter() - started
     print(f"glmc plan: {cl.spelling()} ({cl.devices} devices), global batch "
-          f"{work.sequences} x {work.tokens_per_sequence} tokens, {work.precision}; "
+          f"{work.sequences} x {work.tokens_per_sequence} tokens, "
+          f"{' or '.join(dict.fromkeys(p.point.precision for p in plans))}; "
           f"{len(plans)} plans priced in {took:.1f} s (capture and pricing {work.capture_s:.1f} s)")
     for note in work.notes:
         print(f"  note: {note}")
@@ -131,7 +136,8 @@ def format_table(plans: list[PricedPlan]) -> str:
 
 # ---- running a plan: glmc compile FILE --plan SPELLING|auto ------------------------------------
 
-_PLAN_FLAGS = ("tp", "pp", "zero", "microbatches", "schedule", "accumulate", "bucket_mb")
+_PLAN_FLAGS = ("tp", "pp", "zero", "microbatches", "schedule", "accumulate", "bucket_mb",
+               "compress")
 
 
 def apply_plan(args: argparse.Namespace, argv: list[str]) -> list[str]:
@@ -170,7 +176,7 @@ def apply_plan(args: argparse.Namespace, argv: list[str]) -> list[str]:
         point = PlanPoint(dp, tp, pp, fixed.get("zero", 0), fixed.get("microbatch", rows // dp),
                           schedule, fixed.get("virtual", 2 if schedule == "interleaved" else 1),
                           fixed.get("recompute", "none"), fixed.get("precision", "fp32"),
-                          fixed.get("bucket", PlanPoint.bucket))
+                          fixed.get("bucket", PlanPoint.bucket), fixed.get("compress", "none"))
         if world is not None and point.devices != world:
             raise ConfigError(f"the plan {point.spelling()} runs on dp x tp x pp = "
                               f"{point.devices} processes, but --nproc is {world}")
@@ -244,6 +250,8 @@ def _set_flags(args: argparse.Namespace, point: Any, rows: int, launched: bool) 
         args.accumulate = m
     if point.dp > 1 and point.pp == 1:  # the pipeline runtime all-reduces whole stages
         args.bucket_mb = point.bucket
+    if point.compress != "none":
+        args.compress = point.compress
     if point.recompute == "full" and getattr(args, "memory_budget", None) is None:
         args.memory_budget = "min"
     if args.precision not in (None, point.precision) and not launched:

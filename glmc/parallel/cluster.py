@@ -45,6 +45,14 @@ class DeviceKind:
     #: the part of its profile's compute each process gets: processes that outnumber a
     #: host's cores share them (4 processes on 2 cores: 0.5)
     share: float = 1.0
+    #: the training precisions the planner chooses from where none is given (`dtype` first);
+    #: fp32 is not among a GPU's: without TF32 its matmuls run at a sixteenth of the half-
+    #: precision rate; CPUs train in fp32 (bf16 is fast only on some)
+    precisions: tuple[str, ...] = ()
+
+    @property
+    def searched(self) -> tuple[str, ...]:
+        return self.precisions or (self.dtype,)
 
     @property
     def torch_dtype(self) -> str:
@@ -59,13 +67,17 @@ class DeviceKind:
 def _kinds() -> dict[str, DeviceKind]:
     return {
         "a100-40g": DeviceKind("a100-40g", get_profile("a100-40g"), 40 * GiB, LINKS["nvlink3"],
-                               LINKS["infiniband-hdr"], "fp16", "NVIDIA A100 datasheet"),
+                               LINKS["infiniband-hdr"], "fp16", "NVIDIA A100 datasheet",
+                               precisions=("fp16", "bf16")),
         "a100-80g": DeviceKind("a100-80g", get_profile("a100"), 80 * GiB, LINKS["nvlink3"],
-                               LINKS["infiniband-hdr"], "fp16", "NVIDIA A100 datasheet"),
+                               LINKS["infiniband-hdr"], "fp16", "NVIDIA A100 datasheet",
+                               precisions=("fp16", "bf16")),
         "h100-80g": DeviceKind("h100-80g", get_profile("h100"), 80 * GiB, LINKS["nvlink4"],
-                               LINKS["infiniband-ndr"], "bf16", "NVIDIA H100 datasheet"),
+                               LINKS["infiniband-ndr"], "bf16", "NVIDIA H100 datasheet",
+                               precisions=("bf16", "fp16")),
         "h200": DeviceKind("h200", get_profile("h200"), 141 * 10 ** 9, LINKS["nvlink4"],
-                           LINKS["infiniband-ndr"], "bf16", "NVIDIA H200 datasheet (141 GB)"),
+                           LINKS["infiniband-ndr"], "bf16", "NVIDIA H200 datasheet (141 GB)",
+                           precisions=("bf16", "fp16")),
         "kunpeng920": DeviceKind("kunpeng920", get_profile("kunpeng920"), 256 * GiB,
                                  LINKS["hccs"], LINKS["roce-200g"], "fp32",
                                  "Kunpeng 920-6426 (WikiChip); one socket per device, "

@@ -96,7 +96,14 @@ _STATE = {"fp32": (4, 4, 8), "bf16": (2, 4, 12), "fp16": (2, 4, 12)}
 MICROBATCHES = (1, 2, 4, 8, 16)
 #: the keys of a plan's spelling, in order
 KEYS = ("dp", "tp", "pp", "zero", "microbatch", "schedule", "virtual", "recompute",
-        "precision", "bucket")
+        "precision", "compress", "bucket")
+#: data-parallel gradient compression (`passes.compress`'s methods); "none": dense
+COMPRESS = ("none", "bf16", "fp16", "sign", "topk", "powersgd")
+#: the ones the search tries: rounding the gradients to 16 bits for the wire changes them no
+#: more than a half-precision all-reduce does (DDP's bf16 hook); the 1-bit, sparse and low-
+#: rank methods change convergence, so the planner prices them only where a spelling fixes
+#: them (`--fix compress=sign`), never picks them for the user
+SEARCHED_COMPRESS = ("none", "bf16")
 #: the data-parallel bucket sizes (MB) the search tries: the runtime's default (25, as
 #: `passes.shard` and DDP cut) up to a transformer layer's worth at 100B+ parameters (FSDP's
 #: unit; DeepSpeed's reduce bucket is 5e8 elements); across many nodes each collective pays a
@@ -123,10 +130,14 @@ class PlanPoint:
     #: spelled only where the runtime buckets: data-parallel replicas without a pipeline (a
     #: pipeline all-reduces each stage's gradients at once)
     bucket: int = int(ShardPass.bucket_mb)  #: the runtime's default
+    #: the data-parallel gradients' compression (`COMPRESS`); spelled where there are
+    #: data-parallel replicas
+    compress: str = "none"
 
     def spelling(self) -> str:
         return ",".join(f"{k}={getattr(self, k)}" for k in KEYS
-                        if k != "bucket" or (self.dp > 1 and self.pp == 1))
+                        if (k != "bucket" or (self.dp > 1 and self.pp == 1))
+                        and (k != "compress" or self.dp > 1))
 
     @property
     def devices(self) -> int:
@@ -144,6 +155,11 @@ class PlanPoint:
             gaps.append(f"ZeRO-{self.zero} with pipelining")
         if self.schedule == "interleaved" and self.virtual != 2:
             gaps.append(f"{self.virtual} virtual stages (the runtime interleaves 2)")
+        if self.compress != "none" and self.pp > 1:
+            gaps.append("gradient compression with pipelining")
+        if self.compress in ("sign", "topk", "powersgd") and self.zero > 1:
+            gaps.append(f"compress={self.compress} with ZeRO-{self.zero} (it all-gathers or "
+                        "all-reduces; stages 2-3 reduce-scatter)")
         return gaps
 
 
@@ -157,9 +173,9 @@ def parse_spelling(text: str) -> dict[str, Any]:
             raise ConfigError(f"plan: cannot read {part!r} in {text!r}; spell a plan as "
                               f"KEY=VALUE,... with keys {', '.join(KEYS)}")
         value = value.strip()
-        if key in ("schedule", "recompute", "precision"):
+        if key in ("schedule", "recompute", "precision", "compress"):
             allowed = {"schedule": SCHEDULES, "recompute": RECOMPUTE,
-                       "precision": PRECISIONS}[key]
+                       "precision": PRECISIONS, "compress": COMPRESS}[key]
             if value not in allowed:
                 raise ConfigError(f"plan: {key}={value!r}; use one of {', '.join(allowed)}")
             out[key] = value
@@ -331,6 +347,29 @@ def price_workload(model: nn.Module, example_inputs: Any, loss_fn: Any = None,
                     _price(local, other, t), list_name, layers, keep_layers)
     return Workload(layers, list_name, rows, tokens, parts, errors, precision, device.name,
                     time.perf_counter() - started, tuple(notes), by_device, whole)
+
+
+def price_precisions(model: nn.Module, example_inputs: Any, loss_fn: Any = None,
+                     optimizer: Any = None, device: DeviceKind | None = None,
+                     precisions: Iterable[str] = (), tps: Iterable[int] = (1, 2, 4, 8),
+                     others: Iterable[DeviceKind] = ()) -> list[Workload]:
+    """The step priced at each training precision the search may choose (`search` takes the
+    list). bf16 and fp16 share one capture where every device runs both at one rate (the
+    same bytes, the same matmul peak): they differ only in fp16's loss scaling, which the
+    search prices (the overflow check reads every gradient)."""
+    if device is None:
+        from glmc.parallel.cluster import device_kind
+        device = device_kind("host")
+    others = list(others)
+    out: list[Workload] = []
+    for precision in dict.fromkeys(precisions or (device.dtype,)):
+        twin = next((w for w in out if {w.precision, precision} <= {"bf16", "fp16"} and all(
+            d.profile.peak("bfloat16") == d.profile.peak("float16")
+            for d in [device, *others])), None)
+        out.append(dataclasses.replace(twin, precision=precision) if twin is not None else
+                   price_workload(model, example_inputs, loss_fn, optimizer, device, precision,
+                                  tps, others=others))
+    return out
 
 
 def _fused(graph: TrainGraph, device: DeviceKind, notes: list[str], sharded: bool

@@ -17,8 +17,8 @@ from typing import Any, Iterator
 from glmc.analysis.comm import choose_allreduce, collective_seconds
 from glmc.errors import ConfigError
 from glmc.parallel.cluster import Cluster, DeviceKind, dtype_name
-from glmc.parallel.planner import (_STATE, BUCKETS, MICROBATCHES, PartCost, PlanPoint,
-                                   Workload, _is_layer)
+from glmc.parallel.planner import (_STATE, BUCKETS, MICROBATCHES, SEARCHED_COMPRESS, PartCost,
+                                   PlanPoint, Workload, _is_layer)
 from glmc.passes.partition import balanced_cut
 
 _MB = 2**20
@@ -112,7 +112,7 @@ def evaluate(p: PlanPoint, work: Workload, cluster: Cluster, overlap: bool = Tru
     for bucket in _bucket_choices(p, buckets, overlap, ranks, work):
         q = dataclasses.replace(p, bucket=bucket)
         sync, update = _sync_and_update(q, ranks, dp_link, work, m, per_rank, overlap,
-                                        cluster, stretch)
+                                        cluster, dev, stretch)
         breakdown = {"compute": comp, "recompute": rec, "tp_comm": tp, "p2p": p2p,
                      "bubble": bubble, "contention": contention, **sync, "update": update}
         memories = [_memory(q, chunk_list, r, chunks[-1], work, m)
@@ -338,36 +338,49 @@ def _all_reduce(nbytes: int, p: PlanPoint, link: Any, cluster: Cluster) -> float
 
 
 def _sync_and_update(p: PlanPoint, ranks: list, link: Any, work: Workload, m: int,
-                     per_rank: list, overlap: bool, cluster: Cluster, stretch: float = 1.0
-                     ) -> tuple[dict[str, float], float]:
+                     per_rank: list, overlap: bool, cluster: Cluster, dev: DeviceKind,
+                     stretch: float = 1.0) -> tuple[dict[str, float], float]:
     """Exposed data-parallel synchronisation (by collective kind: what the rank waits for),
     the compute its overlapped collectives slow (`comm_contention`, where they share the
-    cores: gloo) and the update, on the rank where they take longest. `stretch`: how much
-    sharing the cores lengthens the compute that hides the synchronisation."""
+    cores: gloo), the compression's own ops (`compress`) and the update (fp16's loss
+    scaling included), on the rank where they take longest. `stretch`: how much sharing the
+    cores lengthens the compute that hides the synchronisation."""
     worst: tuple[float, dict[str, float], float] = (-1.0, {}, 0.0)
     pb, gb, _ = _STATE[work.precision]
+    wire, traffic, gathers = _compression(p, gb)
     for chunk_list in ranks:
         blocks = [c for ch in chunk_list for c in ch]
         kinds: dict[str, float] = {}
-        overlapped = 0.0
+        overlapped = squeeze = 0.0
         if p.dp > 1:
             kind = "all_reduce" if p.zero <= 1 else "reduce_scatter"  # stage 1 all-reduces too
+            kind = "all_gather" if gathers else kind
 
             @functools.lru_cache(maxsize=None)  # buckets but the last are one size
             def seconds(nbytes: int, kind: str = kind) -> float:
+                sent = int(nbytes * wire / gb)  # a bucket of dense gradients, compressed
                 if kind == "all_reduce":
-                    return _all_reduce(nbytes, p, link, cluster)
-                return collective_seconds(f"{kind}_tensor", nbytes, p.dp, link)
-            # the last micro-batch's backward produces the buckets, in reverse block order;
-            # without overlap, one collective on all gradients after it (Megatron-LM's
-            # contiguous buffer of 2021)
+                    return _all_reduce(sent, p, link, cluster)
+                if kind == "all_gather":  # every rank's compressed bucket, to every rank
+                    return collective_seconds("all_gather_into_tensor", sent * p.dp, p.dp,
+                                              link)
+                return collective_seconds(f"{kind}_tensor", sent, p.dp, link)
+
+            def packing(nbytes: int) -> float:  # the compress pass's ops on one bucket
+                return stretch * traffic * (nbytes / gb) / dev.profile.bandwidth_at(nbytes) \
+                    if traffic else 0.0
+            # the last micro-batch's backward produces the buckets, in reverse block order,
+            # each compressed (where asked) before its collective; without overlap, one
+            # collective on all gradients after it (Megatron-LM's contiguous buffer of 2021)
             times = [stretch * _backward_s(c, p) for c in reversed(blocks)]
             done = list(itertools.accumulate(times))  # backward seconds when block i is done
-            jobs = [(done[i], seconds(nbytes))
-                    for i, nbytes in _buckets([c.params for c in reversed(blocks)], gb,
-                                              int(p.bucket * _MB))] \
-                if overlap else [(sum(times), seconds(sum(c.params for c in blocks) * gb))]
-            kinds[kind], overlapped = _drain(jobs, sum(times), link.progress)
+            jobs = []
+            for i, nbytes in (_buckets([c.params for c in reversed(blocks)], gb,
+                                       int(p.bucket * _MB)) if overlap else
+                              [(len(blocks) - 1, sum(c.params for c in blocks) * gb)]):
+                squeeze += packing(nbytes)
+                jobs.append((done[i] + squeeze, seconds(nbytes)))
+            kinds[kind], overlapped = _drain(jobs, sum(times) + squeeze, link.progress)
             gather = 0.0
             if p.zero == 3:  # each bucket's parameters gathered before its forward and its
                 for phase in ("forward", "backward"):  # backward, the next one prefetched
@@ -381,10 +394,31 @@ def _sync_and_update(p: PlanPoint, ranks: list, link: Any, work: Workload, m: in
         kinds = {f"dp_{k}": v for k, v in kinds.items()}
         if link.contention and overlapped:
             kinds["comm_contention"] = link.contention * overlapped
+        if squeeze:
+            kinds["compress"] = squeeze
         update = sum(c.update_s for c in blocks) / (p.dp if p.zero else 1)
+        if p.precision == "fp16":  # loss scaling: the overflow check reads every gradient
+            grads = sum(c.params for c in blocks) * gb // (p.dp if p.zero >= 2 else 1)
+            update += grads / dev.profile.bandwidth_at(grads) + dev.profile.op_overhead_s
         if sum(kinds.values()) + update > worst[0]:
             worst = (sum(kinds.values()) + update, kinds, update)
     return worst[1], worst[2]
+
+
+def _compression(p: PlanPoint, gb: int) -> tuple[float, float, bool]:
+    """Per dense gradient element (`gb` bytes): the bytes compression `p.compress` sends, the
+    bytes its ops move in memory (`passes.compress`: error feedback's add and residual, the
+    cast or the packing, and back), and whether its collective is an all-gather (sign: the
+    ranks' packed signs and scales, unpacked and summed by each)."""
+    if p.compress == "none" or p.dp == 1:
+        return float(gb), 0.0, False
+    if p.compress in ("bf16", "fp16"):  # e = g + r (12), e -> 16 bits (6), r = e - low (10),
+        return 2.0, 34.0, False  # low -> fp32 after the all-reduce (6)
+    if p.compress == "sign":  # e = g + r (12), |e| mean and packed signs (4 + 4), r (8);
+        return 1 / 8, 28.0 + 12.0 * p.dp, True  # each rank's signs unpacked, scaled, summed
+    raise ConfigError(f"plan: compress={p.compress} is not priced yet (its wire size depends "
+                      "on each matrix's shape or the top-k ratio, which the plan's blocks do "
+                      "not carry); price none, bf16, fp16 or sign")
 
 
 def _backward_s(c: PartCost, p: PlanPoint) -> float:
@@ -491,11 +525,14 @@ def _memory(p: PlanPoint, chunk_list: list, rank: int, last: tuple, work: Worklo
     grads = params * gb // grad_shard
     if update + grads > best[0]:
         best = (update + grads, 0, update, grads)
-    return {"parameters": params * pb // (p.dp if p.zero == 3 else 1),
-            "gradients": best[3],
-            "optimizer": params * ob // (p.dp if p.zero >= 1 else 1),
-            "activations": best[1],
-            "working": best[2]}
+    out = {"parameters": params * pb // (p.dp if p.zero == 3 else 1),
+           "gradients": best[3],
+           "optimizer": params * ob // (p.dp if p.zero >= 1 else 1),
+           "activations": best[1],
+           "working": best[2]}
+    if p.compress != "none" and p.dp > 1:  # error feedback: each bucket's fp32 residual
+        out["compression"] = params * 4
+    return out
 
 
 def _in_flight(p: PlanPoint, rank: int, m: int) -> float:
@@ -523,6 +560,7 @@ def points(work: Workload, cluster: Cluster, fixed: dict[str, Any] | None = None
     fixed = fixed or {}
     n = cluster.devices
     blocks = {t: len(parts) for t, parts in work.parts.items()}
+    compress = (fixed["compress"],) if "compress" in fixed else SEARCHED_COMPRESS
     for tp in sorted(work.parts):  # a tensor-parallel group across nodes only where fixed
         if n % tp or (tp > cluster.per_node and fixed.get("tp") != tp):
             continue
@@ -540,10 +578,13 @@ def points(work: Workload, cluster: Cluster, fixed: dict[str, Any] | None = None
                     if virtual > 1 and cluster.heterogeneous:
                         continue
                     for zero in ((0, 1) if pp > 1 else (0, 1, 2, 3)) if dp > 1 else (0,):
-                        for rec in ("none", "full"):
+                        for rec, squeeze in itertools.product(
+                                ("none", "full"),
+                                compress if dp > 1 and (pp == 1 or "compress" in fixed)
+                                else ("none",)):
                             pt = PlanPoint(dp, tp, pp, zero, b, schedule, virtual, rec,
                                            work.precision,
-                                           fixed.get("bucket", PlanPoint.bucket))
+                                           fixed.get("bucket", PlanPoint.bucket), squeeze)
                             if all(getattr(pt, k) == v for k, v in fixed.items()):
                                 yield pt
 
@@ -565,13 +606,22 @@ def _schedules(pp: int, m: int, layers: int) -> list[tuple[str, int]]:
     return out
 
 
-def search(work: Workload, cluster: Cluster, fixed: dict[str, Any] | None = None,
-           overlap: bool = True) -> list[PricedPlan]:
-    """Every allowed plan priced, those that fit first, each group by step time."""
+def search(work: Workload | list[Workload], cluster: Cluster,
+           fixed: dict[str, Any] | None = None, overlap: bool = True) -> list[PricedPlan]:
+    """Every allowed plan priced, those that fit first, each group by step time. `work`: the
+    step priced at one precision, or at each the search may choose (`price_precisions`)."""
     fixed = dict(fixed or {})
-    if "precision" in fixed and fixed["precision"] != work.precision:
-        raise ConfigError(f"plan: the workload was priced at {work.precision}; price it at "
-                          f"{fixed['precision']} (precision=...) to plan that")
+    works = work if isinstance(work, list) else [work]
+    priced_at = ", ".join(w.precision for w in works)
+    if "precision" in fixed:
+        works = [w for w in works if w.precision == fixed["precision"]]
+        if not works:
+            raise ConfigError(f"plan: the workload was priced at {priced_at}; price it at "
+                              f"{fixed['precision']} (precision=...) to plan that")
+    if len(works) > 1:
+        return sorted((p for w in works for p in search(w, cluster, fixed, overlap)),
+                      key=lambda r: (not r.fits, r.step_s, r.peak_bytes))
+    work = works[0]
     if fixed.get("tp", 0) > cluster.per_node:
         import warnings
         warnings.warn(f"glmc plan: tp={fixed['tp']} spans nodes of {cluster.per_node} devices: "
@@ -595,7 +645,7 @@ def _fixed_points(work: Workload, cluster: Cluster, fixed: dict[str, Any]
     found = list(points(work, cluster, fixed))
     if not found and set(fixed) >= {"dp", "tp", "pp", "microbatch"}:
         defaults = {"zero": 0, "schedule": "1f1b", "virtual": 1, "recompute": "none",
-                    "precision": work.precision}
+                    "precision": work.precision, "compress": "none"}
         pt = PlanPoint(**{**defaults, **fixed})
         evaluate(pt, work, cluster)  # raises a typed error where the plan is impossible
         found = [pt]
