@@ -157,14 +157,16 @@ def _summary(name: str, nproc: int, rows: list[dict], priced: int) -> dict:
 
 def _markdown(results: list[dict], meta: dict) -> str:
     out = [f"# Planner: predicted vs measured ({meta['date']})", "",
-           f"{meta['machine']}; `python benchmarks/bench_planner.py {meta['argv']}`; eager "
+           f"This run: {meta['machine']}; `python benchmarks/bench_planner.py {meta['argv']}` "
+           "(each case's date and CPU in its row); eager "
            "backend; median over rounds of each run's median step; peak: c10 allocator, the "
            "busiest rank.", "",
            "| case | plans run | Spearman step | Spearman peak | median step error | "
            "median peak error | median exposed-comm error (runs) | glmc's pick / measured best |",
            "|---|---|---|---|---|---|---|---|"]
     for r in results:
-        out.append(f"| {r['case']} x{r['nproc']} (run {r.get('date', meta['date'])}) | "
+        out.append(f"| {r['case']} x{r['nproc']} (run {r.get('date', meta['date'])}, "
+                   f"{r.get('machine', 'AMD EPYC').split(',')[0]}) | "
                    f"{len(r['rows'])} of {r['priced']} | "
                    f"{r['spearman_step']:.2f} | {r['spearman_peak']:.2f} | "
                    f"{r['median_abs_step_error']:.1%} | {r['median_abs_peak_error']:.1%} | "
@@ -234,7 +236,7 @@ def repredict(path: Path) -> list[dict]:
                          "predicted_exposed_comm_s": sum(
                              v for k, v in p.breakdown.items() if k.startswith("dp_"))})
         results.append({**_summary(case["case"], case["nproc"], rows, len(plans)),
-                        **{k: case[k] for k in ("date", "argv") if k in case}})
+                        **{k: case[k] for k in ("date", "argv", "machine") if k in case}})
     return results
 
 
@@ -247,6 +249,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--limit", type=int, default=12, help="plans run per case")
     a = ap.parse_args()
+    from glmc.analysis.calibration import machine_info
+    m = machine_info()
+    machine = (f"{m['cpu']}, {m['logical_cpus']} logical CPUs, {platform.machine()}, "
+               f"torch {m['torch']}")
     results = []
     if a.repredict:
         old = json.loads((RESULTS / "planner.json").read_text())
@@ -256,20 +262,16 @@ def main() -> None:
             name, n = case.split(":")
             results.append({**run_case(name, int(n), a.rounds, a.steps, a.limit),
                             "date": datetime.date.today().isoformat(),
-                            "argv": " ".join(sys.argv[1:])})
+                            "machine": machine, "argv": " ".join(sys.argv[1:])})
         # one result file: the cases not run now keep their last run (each with its date)
         path = RESULTS / "planner.json"
         done = {(r["case"], r["nproc"]) for r in results}
         old_data = json.loads(path.read_text()) if path.exists() else {"cases": []}
         kept = [{"date": old_data.get("date"), **c} for c in old_data["cases"]]
         results = [c for c in kept if (c["case"], c["nproc"]) not in done] + results
-    from glmc.analysis.calibration import machine_info
-    m = machine_info()
     argv = old["argv"].split(" (predictions")[0] + " (predictions: --repredict)" \
         if a.repredict else " ".join(sys.argv[1:])
-    meta = {"date": datetime.date.today().isoformat(), "argv": argv,
-            "machine": f"{m['cpu']}, {m['logical_cpus']} logical CPUs, {platform.machine()}, "
-                       f"torch {m['torch']}"}
+    meta = {"date": datetime.date.today().isoformat(), "argv": argv, "machine": machine}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "planner.json").write_text(json.dumps({**meta, "cases": results}, indent=1))
     (RESULTS / "planner.md").write_text(_markdown(results, meta))
