@@ -210,15 +210,20 @@ def _plot(results: list[dict], path: Path) -> None:
     fig.savefig(path)
 
 
-def repredict(path: Path) -> list[dict]:
+def repredict(path: Path, machine: str) -> list[dict]:
     """The measured rows of `path` (a planner.json) with the current model's predictions:
-    the runs do not depend on the planner, so a model change is checked without rerunning."""
+    the runs do not depend on the planner, so a model change is checked without rerunning.
+    Only the cases run on this `machine` (the predictions use its calibration and links);
+    the others are kept as they are."""
     import glmc
     from glmc.frontend.workload import load_workload
     results = []
     data = json.loads(path.read_text())
     for case in data["cases"]:
         case.setdefault("date", data["date"])  # files before per-case dates: the run's
+        if case.get("machine", data.get("machine")) != machine:
+            results.append(case)
+            continue
         file = Path(tempfile.mkdtemp(prefix="glmc-planner-")) / f"{case['case']}.py"
         cfg, cls = CASES[case["case"]]
         file.write_text(MODEL.format(cfg=cfg, cls=cls))
@@ -256,7 +261,7 @@ def main() -> None:
     results = []
     if a.repredict:
         old = json.loads((RESULTS / "planner.json").read_text())
-        results = repredict(RESULTS / "planner.json")
+        results = repredict(RESULTS / "planner.json", machine)
     else:
         for case in a.cases.split(","):
             name, n = case.split(":")
@@ -267,7 +272,8 @@ def main() -> None:
         path = RESULTS / "planner.json"
         done = {(r["case"], r["nproc"]) for r in results}
         old_data = json.loads(path.read_text()) if path.exists() else {"cases": []}
-        kept = [{"date": old_data.get("date"), **c} for c in old_data["cases"]]
+        kept = [{"date": old_data.get("date"), "machine": old_data.get("machine"), **c}
+                for c in old_data["cases"]]
         results = [c for c in kept if (c["case"], c["nproc"]) not in done] + results
     argv = old["argv"].split(" (predictions")[0] + " (predictions: --repredict)" \
         if a.repredict else " ".join(sys.argv[1:])
