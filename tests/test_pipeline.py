@@ -704,6 +704,7 @@ def test_trainer_measures_its_pipeline_and_writes_a_report(distributed: Path,
     assert got[1]["losses"] == pytest.approx(eager[0], rel=RTOL)
     data = got[1]["data"]
     assert data["link"]["name"] == "measured-gloo"  # transfers priced on this host's link
+    assert data["link"]["corun"] >= 1.0  # measured with it: ranks computing at once
     pred = {e["action"]: e for e in data["predicted_timeline"]}
     assert pred["1RECV_F0"]["end_s"] > pred["1RECV_F0"]["start_s"]
     assert {e["action"] for e in data["measured_timeline"]} == set(pred)

@@ -563,3 +563,23 @@ def test_processes_that_outnumber_the_cores_share_them(tiny: tuple,
     sequential = PlanPoint(1, 1, 4, 0, work.sequences, "1f1b", 1, "none", "bf16")
     assert evaluate(sequential, work, halved).step_s == \
         pytest.approx(evaluate(sequential, work, cluster).step_s)
+
+
+def test_processes_computing_at_once_slow_each_other(tiny: tuple) -> None:
+    """A host whose processes slow each other when they compute at once (`corun`, measured
+    with the link: shared caches and memory bandwidth, a virtual machine's cores): replicas
+    compute together all the time and pay it on all their compute; a pipeline that runs one
+    micro-batch through its stages, one stage at a time, pays little (its stages compute
+    apart); a device of its own (corun 1) pays nothing."""
+    import dataclasses
+    work, cluster = tiny
+    dev = dataclasses.replace(cluster.groups[0].device, corun=1.2)
+    slowed = Cluster((dataclasses.replace(cluster.groups[0], device=dev),))
+    point = PlanPoint(4, 1, 1, 0, 2, "1f1b", 1, "none", "bf16")
+    alone, together = evaluate(point, work, cluster), evaluate(point, work, slowed)
+    busy = alone.breakdown["compute"] + alone.breakdown["update"]
+    assert together.breakdown["contention"] == pytest.approx(0.2 * busy, rel=0.05)
+    assert alone.breakdown["contention"] == 0
+    sequential = PlanPoint(1, 1, 4, 0, work.sequences, "1f1b", 1, "none", "bf16")
+    a, b = evaluate(sequential, work, cluster), evaluate(sequential, work, slowed)
+    assert 0 < b.step_s / a.step_s - 1 < 0.1  # a quarter of the step computing together

@@ -63,6 +63,10 @@ class LinkProfile:
     #: the share of its own speed a collective keeps while compute runs beside it (1: a GPU's
     #: copy engines; gloo's threads on cores the processes' compute also wants get less)
     progress: float = 1.0
+    #: how much longer a rank's compute takes while the other ranks of its host compute at
+    #: once, one core each (their shared caches, memory bandwidth, a virtual machine's cores):
+    #: 1 for devices of their own (GPUs)
+    corun: float = 1.0
 
     def timed(self, kind: str, nbytes: int, ranks: int) -> float | None:
         """The time of `kind` on `nbytes` read off the timed points (None: not timed at
@@ -96,7 +100,7 @@ class LinkProfile:
                           for k, a, b in self.kinds},
                 "timed_ms": {k: {str(b): t * 1e3 for b, t in pts} for k, pts in self.points},
                 "ranks": self.ranks, "contention": self.contention,
-                "progress": self.progress}
+                "progress": self.progress, "corun": self.corun}
 
 
 #: per-direction figures from the vendors' datasheets (bus bandwidth a ring can use)
@@ -361,12 +365,13 @@ def measure_link(group: Any = None, device: str = "cpu", reps: int = 5,
     timed = {kind: [_timed(kind, nbytes, n, group, device, reps) for nbytes in _SIZES]
              for kind in _KINDS}
     contention, progress = _contention(timed["all_reduce"][-1], group, device)
+    corun = _corun(group, device)
     backend = dist.get_backend(group)
     kinds = tuple((kind, *_fit(kind, n, list(_SIZES), timed[kind])) for kind in _KINDS)
     link = [LinkProfile(f"measured-{backend}", kinds[0][1], kinds[0][2],
                         f"timed {', '.join(_KINDS)} of {', '.join(map(str, _SIZES))} B on {n} "
                         f"ranks ({backend}), median of {reps}", kinds=kinds,
-                        contention=contention, progress=progress,
+                        contention=contention, progress=progress, corun=corun,
                         points=tuple((k, tuple(zip(_SIZES, timed[k]))) for k in _KINDS),
                         ranks=n)]
     dist.broadcast_object_list(link, src=src, group=group)
@@ -473,9 +478,49 @@ def _contention(comm_s: float, group: Any, device: str) -> tuple[float, float]:
     return min(1.0, lost), min(1.0, max(0.05, progress))  # lost 1: overlap hides nothing
 
 
+def _corun(group: Any, device: str) -> float:
+    """How much longer rank 0's compute takes while other ranks compute at once (`corun`):
+    a probe of matmuls and an elementwise pass over 4 MB, timed with rank 0 running it alone
+    (the others wait in a barrier) and with as many ranks as the host has cores running it
+    together (more would measure their sharing of cores, which the planner models apart);
+    the ratio of the medians, at least 1. CPU ranks only."""
+    import os
+
+    import torch.distributed as dist
+    if device != "cpu":
+        return 1.0
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        (os.cpu_count() or 1)
+    a = torch.full((256, 256), 0.5, device=device)  # no draw from the user's generator
+    x = torch.zeros(2**20, device=device)
+
+    def probe() -> float:
+        t0 = time.perf_counter()
+        for _ in range(16):
+            a @ a
+            x.add_(1.0)
+        return time.perf_counter() - t0
+
+    def rounds(runs: bool) -> list[float]:
+        out = []
+        for _ in range(7):
+            dist.barrier(group=group)
+            if runs:
+                out.append(probe())
+            dist.barrier(group=group)
+        return out
+    probe()  # warm-up
+    alone = rounds(rank == 0)
+    together = rounds(rank < min(n, cores))
+    if rank != 0:
+        return 1.0  # rank 0's figure is the link's (broadcast with it)
+    return max(1.0, statistics.median(together) / statistics.median(alone))
+
+
 #: how links are timed; a cache written another way is measured again (2: functional
-#: collectives allocating their output, as the step runs them)
-_LINK_METHOD = 2
+#: collectives allocating their output, as the step runs them; 3: with `corun`)
+_LINK_METHOD = 3
 
 
 def _link_path(backend: str, ranks: int) -> Any:
@@ -495,6 +540,7 @@ def _save_link(link: LinkProfile, backend: str, ranks: int) -> None:
                                     "call_s": link.call_s, "kinds": link.kinds,
                                     "contention": link.contention,
                                     "progress": link.progress, "points": link.points,
+                                    "corun": link.corun,
                                     "ranks": link.ranks,
                                     "date": time.strftime("%Y-%m-%d")}))
     except OSError:
@@ -512,7 +558,7 @@ def cached_link(backend: str, ranks: int) -> LinkProfile | None:
                            points=tuple((k, tuple((int(b), float(t)) for b, t in pts))
                                         for k, pts in d.get("points", ())),
                            ranks=int(d.get("ranks", 0)), contention=d.get("contention", 0.0),
-                           progress=d.get("progress", 1.0))
+                           progress=d.get("progress", 1.0), corun=d.get("corun", 1.0))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

@@ -49,6 +49,9 @@ class DeviceKind:
     #: fp32 is not among a GPU's: without TF32 its matmuls run at a sixteenth of the half-
     #: precision rate; CPUs train in fp32 (bf16 is fast only on some)
     precisions: tuple[str, ...] = ()
+    #: how much longer its compute takes while the other processes of its host compute too
+    #: (`LinkProfile.corun`, measured with the link); 1: a device of its own
+    corun: float = 1.0
 
     @property
     def searched(self) -> tuple[str, ...]:
@@ -125,8 +128,10 @@ def _host(per_node: int) -> DeviceKind:
                       "this machine, calibrated (glmc.analysis.calibration); link "
                       + (measured.source if measured else "not measured yet (a guess: run "
                          "glmc compile --nproc N once to measure it)")
-                      + (f"; {per_node} processes share {cores} cores" if share < 1 else ""),
-                      share)
+                      + (f"; {per_node} processes share {cores} cores" if share < 1 else "")
+                      + (f"; computing together slows each {measured.corun:.2f}x"
+                         if measured and measured.corun > 1 else ""),
+                      share, corun=measured.corun if measured else 1.0)
 
 
 @dataclass(frozen=True)

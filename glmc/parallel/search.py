@@ -104,9 +104,15 @@ def evaluate(p: PlanPoint, work: Workload, cluster: Cluster, overlap: bool = Tru
     share = min(d.share for d in devs)
     window = comp + rec + p2p + bubble + updates[slow]
     contention = 0.0
+    busy = [m * (c + r) + u for (c, r, _, _), u in zip(per_rank, updates)]
     if share < 1:
-        busy = [m * (c + r) + u for (c, r, _, _), u in zip(per_rank, updates)]
         contention = max(0.0, _shared(busy * (p.dp * p.tp), p.devices * share) - window)
+    corun = max(d.corun for d in devs)
+    if corun > 1 and p.devices > 1:  # a host's processes computing at once slow each other
+        # (caches, memory bandwidth): the slowest rank's compute, for the share of the step
+        # the ranks compute (replicas all of it, a pipeline's stages less its bubble)
+        together = min(1.0, sum(busy) / len(busy) / window) if window else 0.0
+        contention += (corun - 1) * together * (comp + rec + updates[slow] + contention)
     stretch = (window + contention) / window if window else 1.0
     tried = []
     for bucket in _bucket_choices(p, buckets, overlap, ranks, work):
