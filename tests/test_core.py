@@ -357,7 +357,7 @@ def test_lr_scheduler_sees_compiled_steps_without_warnings() -> None:
 def test_passes_get_only_target_facts_from_the_context() -> None:
     from glmc.compiler.passmanager import PassContext
     fields = {f.name for f in dataclasses.fields(PassContext)}
-    assert fields == {"traits", "profile", "mesh"}
+    assert fields == {"traits", "profile", "mesh", "agree"}
 
 
 def test_runtime_reads_no_pass_stats_or_options() -> None:
