@@ -535,13 +535,20 @@ def test_gradient_buckets_overlap_the_backward_that_produces_them(tiny: tuple) -
         assert (beside < 0.5 * after) if hidden else beside == pytest.approx(after, rel=0.05)
 
 
+def _with_device(cluster: Cluster, **changes: object) -> Cluster:
+    """`cluster` (one group) with its device's fields `changes` replaced."""
+    import dataclasses
+    group = cluster.groups[0]
+    return Cluster((dataclasses.replace(group, device=dataclasses.replace(group.device,
+                                                                          **changes)),))
+
+
 def test_processes_that_outnumber_the_cores_share_them(tiny: tuple,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """`--cluster local` with more processes than cores: the cores are shared fairly, so
     four busy processes on two cores take twice as long (the measured 4-process runs on 2
     cores were 39% slower than predicted without it), while a pipeline that runs its stages
     one at a time (one micro-batch) leaves each a whole core (the bubble frees them)."""
-    import dataclasses
 
     from glmc.parallel import cluster as cl
     from glmc.parallel.search import _shared
@@ -552,8 +559,7 @@ def test_processes_that_outnumber_the_cores_share_them(tiny: tuple,
     assert _shared([1.0, 1.0, 1.0, 3.0], 2) == pytest.approx(4.0)
     assert _shared([1.0, 1.0], 2) == pytest.approx(1.0)
     work, cluster = tiny
-    dev = dataclasses.replace(cluster.groups[0].device, share=0.5)
-    halved = Cluster((dataclasses.replace(cluster.groups[0], device=dev),))
+    halved = _with_device(cluster, share=0.5)
     point = PlanPoint(4, 1, 1, 0, 2, "1f1b", 1, "none", "bf16")
     whole, shared = evaluate(point, work, cluster), evaluate(point, work, halved)
     busy = whole.breakdown["compute"] + whole.breakdown["update"]
@@ -571,10 +577,8 @@ def test_processes_computing_at_once_slow_each_other(tiny: tuple) -> None:
     compute together all the time and pay it on all their compute; a pipeline that runs one
     micro-batch through its stages, one stage at a time, pays little (its stages compute
     apart); a device of its own (corun 1) pays nothing."""
-    import dataclasses
     work, cluster = tiny
-    dev = dataclasses.replace(cluster.groups[0].device, corun=1.2)
-    slowed = Cluster((dataclasses.replace(cluster.groups[0], device=dev),))
+    slowed = _with_device(cluster, corun=1.2)
     point = PlanPoint(4, 1, 1, 0, 2, "1f1b", 1, "none", "bf16")
     alone, together = evaluate(point, work, cluster), evaluate(point, work, slowed)
     busy = alone.breakdown["compute"] + alone.breakdown["update"]
