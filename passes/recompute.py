@@ -9,6 +9,11 @@ optimizer; the program the backend runs) staying within the budget.
     budget=2GiB    the whole step's peak in bytes (also MiB, GB, MB, plain integers)
     budget=min     the smallest peak this pass can reach
     budget=+64MiB  weights, optimizer state and batch plus this many bytes
+    budget=selective  the peak of selective recomputation (Korthikanti et al. 2022: the
+                   outputs of matmuls, attention, collectives and random ops kept, the cheap
+                   values made from them — pointwise ops, norms, softmax — recomputed), at
+                   the least recompute time the solvers find for that peak (the rule's own
+                   plan where they find none cheaper)
 
 With `multiplicity=k` (a pipeline stage's joint graph, `RecomputePass.run_stage`) the peak counts the
 values k - 1 other in-flight microbatches keep for their backward (`glmc.planning.remat`).
@@ -41,12 +46,13 @@ import operator
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
 
 from glmc.analysis.cost import get_profile, is_view, node_time, op_cost, value_bytes
+from glmc.analysis.opcost import selective_keeps
 from glmc.analysis.memory import simulate
 from glmc.analysis.predict import graph_device
 from glmc.compiler.passmanager import (Effect, Need, Pass, PassContext, PassResult, StageForm,
@@ -55,7 +61,9 @@ from glmc.errors import BudgetError, ConfigError
 from glmc.ir.graph import RANDOM_OPS, REGATHER_S, Phase, TrainGraph, is_collective, is_comm, op_name
 from glmc.ir.target import BackendTraits, FusionModel
 from glmc.ir.writeback import lower_writeback
-from glmc.planning.remat import Plan, Problem, Unit, evaluate, greedy, milp, plan_cost, stored_bytes
+from glmc.planning.remat import (Plan, Problem, Unit, evaluate, greedy, milp, plan_cost, selective,
+                                 stored_bytes)
+from glmc.passes.partition import owner, step_blocks
 from glmc.planning.updates import (early_update_blocker, place_updates_early, split_fused_updates,
                                    split_overhead_s)
 from glmc.trace.step import joint_to_traingraph
@@ -68,7 +76,7 @@ _UNITS = {"k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 1 << 10, "mi": 1 << 20,
 
 @dataclass(frozen=True)
 class Budget:
-    kind: str  #: "fraction" | "bytes" | "min" | "above" (persistent + value bytes)
+    kind: str  #: "fraction" | "bytes" | "min" | "above" (persistent + value bytes) | "selective"
     value: float = 0.0
 
     @staticmethod
@@ -78,8 +86,8 @@ class Budget:
         if isinstance(spec, (int, float)) and not isinstance(spec, bool):
             return Budget("fraction", float(spec)) if spec <= 1 else Budget("bytes", float(spec))
         text = str(spec).strip().lower()
-        if text == "min":
-            return Budget("min")
+        if text in ("min", "selective"):
+            return Budget(text)
         if text.startswith("+"):
             above = Budget.parse(text[1:])
             if above.kind != "bytes":
@@ -89,7 +97,7 @@ class Budget:
         m = re.fullmatch(r"([0-9.]+(?:e[0-9]+)?)\s*([kmgt]i?)?b?", text)
         if not m:
             raise ConfigError(f"recompute: budget {spec!r} is not a fraction (0.5), a size "
-                              "(2GiB, 500MB, 1e9) or 'min'")
+                              "(2GiB, 500MB, 1e9), 'min' or 'selective'")
         number = float(m.group(1))
         if m.group(2) is None and number <= 1 and not text.endswith("b"):  # "1B": a byte
             if number <= 0:
@@ -98,7 +106,7 @@ class Budget:
         return Budget("bytes", number * _UNITS.get(m.group(2) or "", 1))
 
     def target(self, baseline_peak: int, persistent: int) -> int | None:
-        if self.kind == "min":
+        if self.kind in ("min", "selective"):
             return None
         if self.kind == "fraction":
             return int(persistent + self.value * (baseline_peak - persistent))
@@ -240,7 +248,8 @@ class RecomputePass(Pass):
         backend = ctx.traits
         profile = get_profile(ctx.profile, graph_device(graph))
         lowered = lower_writeback(graph, backend.early_writeback, backend.inplace).graph
-        problem, units = build_problem(lowered, backend, profile, self.multiplicity)
+        problem, units = build_problem(lowered, backend, profile, self.multiplicity,
+                                       step_blocks(graph))
         baseline_peak = evaluate(problem, ())[0]
         budget_bytes = target = budget.target(baseline_peak, problem.persistent)
         if target is not None and self.margin:
@@ -336,7 +345,9 @@ class RecomputePass(Pass):
         placements = self._placements(graph, backend, profile, problem, units)
         chosen = self._choose(placements, target)
         plan = chosen[1]
-        if plan is None or target is None or plan.peak > target:
+        selective_rule = Budget.parse(self.budget).kind == "selective"
+        if plan is None or (target is None and not selective_rule) or \
+                (target is not None and plan.peak > target):
             # smaller fused-head chunks hold less while the logits of a chunk exist
             narrow = self._narrow_heads(graph, backend, profile, chosen[0], plan, target)
             if narrow:
@@ -365,7 +376,8 @@ class RecomputePass(Pass):
         if not place_updates_early(early):
             return [end]
         lowered = lower_writeback(early, backend.early_writeback, backend.inplace).graph
-        e_problem, e_units = build_problem(lowered, backend, profile, self.multiplicity)
+        e_problem, e_units = build_problem(lowered, backend, profile, self.multiplicity,
+                                           step_blocks(graph))
         placed = _Placement("early", e_problem, e_units,
                             split_overhead_s(early, profile.op_overhead_s))
         return [placed] if self.update == "early" else [end, placed]
@@ -391,7 +403,8 @@ class RecomputePass(Pass):
             narrowed = dataclasses.replace(base, head_rows=rows)
             narrowed.apply(form)
             lowered = lower_writeback(form, backend.early_writeback, backend.inplace).graph
-            problem, units = build_problem(lowered, backend, profile, self.multiplicity)
+            problem, units = build_problem(lowered, backend, profile, self.multiplicity,
+                                           step_blocks(graph))
             extra = sum(node_time(op_cost(n), profile, profile.op_overhead_s)
                         for n in _heads(form.graph)) - base_time
             narrowed = dataclasses.replace(narrowed, problem=problem, units=units,
@@ -423,6 +436,21 @@ class RecomputePass(Pass):
         return min(fits, key=lambda s: s[1].cost + s[0].overhead)
 
     def _solve(self, problem: Problem, target: int | None) -> tuple[Plan | None, Plan | None]:
+        if Budget.parse(self.budget).kind == "selective":  # the rule's peak, at the least
+            rule = selective(problem)  # recompute time the solvers find for it (never more
+            solved, heuristic = self._search(problem, rule.peak)  # than the rule's own)
+            cheaper = solved is not None and solved.peak <= rule.peak and \
+                solved.cost < rule.cost
+            best = solved if cheaper else rule
+            best.notes.append(f"selective rule: {len(rule.recompute)} values recomputed, "
+                              f"peak {_mib(rule.peak)}, {rule.cost * 1e3:.3f} ms of recompute; "
+                              + ("the solver's plan at that peak is cheaper" if cheaper
+                                 else "kept"))
+            return best, heuristic
+        return self._search(problem, target)
+
+    def _search(self, problem: Problem, target: int | None
+                ) -> tuple[Plan | None, Plan | None]:
         deadline = time.perf_counter() + self.time_limit
         heuristic = greedy(problem, target, deadline=deadline)
         if target is None:
@@ -533,10 +561,16 @@ def _key_name(key: tuple[fx.Node, int | None]) -> str:
 
 
 def build_problem(lowered: fx.Graph, traits: BackendTraits, profile: Any,
-                  multiplicity: int = 1) -> tuple[Problem, list[str]]:
+                  multiplicity: int = 1, blocks: Sequence[str] = ()
+                  ) -> tuple[Problem, list[str]]:
     """Units (forward values owning storage; each output of a multi-output op is its own unit)
     of the lowered step, with sizes, recompute seconds, read times, and the baseline liveness
-    timeline. Returns the problem and the unit names (`node` or `node#k`)."""
+    timeline. Returns the problem and the unit names (`node` or `node#k`). `blocks` (the
+    step's, `passes.partition.step_blocks`): a value one block hands to another's forward
+    (the residual stream) is a checkpoint selective recomputation keeps."""
+    def block(n: fx.Node) -> str | None:
+        info = n.meta.get("glmc")
+        return owner(getattr(info, "module", None), blocks) if blocks else None
     groups = traits.fusion(lowered) if traits.fusion is not None else None
     nodes = list(lowered.nodes)
     index = {n: i for i, n in enumerate(nodes)}
@@ -565,6 +599,7 @@ def build_problem(lowered: fx.Graph, traits: BackendTraits, profile: Any,
     fwd_last = {k: index[k[0]] for k in keys}
     bwd: dict[Key, list[int]] = {k: [] for k in keys}
     blocked: set[fx.Node] = set()
+    handed: set[fx.Node] = set()  # read by another block's forward
     for n in nodes:
         if _transparent(n, groups):
             continue
@@ -577,6 +612,8 @@ def build_problem(lowered: fx.Graph, traits: BackendTraits, profile: Any,
                 continue
             if ph is Phase.FORWARD:
                 fwd_last[key] = max(fwd_last[key], index[n])
+                if blocks and block(key[0]) not in (None, block(n)) and block(n) is not None:
+                    handed.add(key[0])
             else:
                 bwd[key].append(index[n])
                 if ph is not Phase.BACKWARD:
@@ -601,7 +638,9 @@ def build_problem(lowered: fx.Graph, traits: BackendTraits, profile: Any,
             name=_key_name(key), size=size, cost=cost,
             produced=index[n], last_fwd=fwd_last[key], bwd_reads=tuple(sorted(set(bwd[key]))),
             inputs=tuple(sorted(kidx[u] for u in inputs if u[0] is not n)),
-            recomputable=recomputable, source=getattr(info, "source", None)))
+            recomputable=recomputable, source=getattr(info, "source", None),
+            selective=recomputable and REGATHER_S not in n.meta and n not in handed
+            and not selective_keeps(n)))
     mem = simulate(lowered, traits)
     base = [sum(v.values()) for _, v in mem.timeline]
     return Problem(units, base, mem.persistent_bytes, multiplicity), [u.name for u in units]

@@ -219,12 +219,9 @@ class TensorParallelPass(Pass):
         if self.choose == "layout":
             return costs, None
         faster = {c.params for c in costs if c.saved_s >= c.comm_s}
-        import torch.distributed as dist
-        if dist.is_initialized():  # every rank compiles together: rank 0's host profile
-            box = [faster]  # decides for all (each calibrates its own; they may differ)
-            dist.broadcast_object_list(box, src=0)
-            faster = box[0]
-        return costs, lambda u: u.params in faster
+        if ctx is not None and ctx.agree is not None:  # the ranks that shard these units
+            faster = ctx.agree(faster)  # together take the first one's choice (each prices
+        return costs, lambda u: u.params in faster  # with its own calibrated profile)
 
     def run_joint(self, joint: fx.GraphModule, inputs: list[InputSpec],
                   outputs: list[OutputSpec | None], mesh: MeshSpec, device_mesh: Any = None,

@@ -118,6 +118,20 @@ def test_memory_follows_zero_and_recompute(tiny: tuple) -> None:
                     ).memory["activations"] < evaluate(staged, work, cluster
                                                        ).memory["activations"]
     assert full.breakdown["recompute"] > 0 == none.breakdown["recompute"]
+    # selective: between the two in memory and in recompute time (the layers' matmul
+    # outputs kept, their pointwise ops, norms and softmax made again)
+    sel = {k: evaluate(PlanPoint(**{**staged.__dict__, "recompute": k}), work, cluster)
+           for k in ("none", "selective", "full")}
+    acts = {k: v.memory["activations"] for k, v in sel.items()}
+    rec = {k: v.breakdown["recompute"] for k, v in sel.items()}
+    assert acts["full"] < acts["selective"] < acts["none"], acts
+    assert rec["none"] == 0 < rec["selective"] < rec["full"], rec
+    assert sel["none"].hardware_tflops * sel["none"].step_s < \
+        sel["selective"].hardware_tflops * sel["selective"].step_s < \
+        sel["full"].hardware_tflops * sel["full"].step_s
+    layer = next(c for c in work.parts[1] if c.name.startswith("layer "))
+    assert layer.out_bytes < layer.selective_bytes < layer.saved_bytes
+    assert 0 < layer.selective_flops < 0.2 * layer.forward_flops  # no matmul made again
     gpipe = evaluate(PlanPoint(1, 1, 4, 0, 1, "gpipe", 1, "none", "bf16"), work, cluster)
     f1b1 = evaluate(PlanPoint(1, 1, 4, 0, 1, "1f1b", 1, "none", "bf16"), work, cluster)
     assert gpipe.memory["activations"] > f1b1.memory["activations"]
@@ -214,9 +228,11 @@ def megatron_workload(row: tuple) -> tuple[object, dict, str]:
 
 
 def published_plan(row: tuple) -> str:
-    """The row's published configuration as a partial plan spelling (`--fix`)."""
+    """The row's published configuration as a partial plan spelling (`--fix`): fp16, no
+    gradient compression, full recompute, interleaved where pipelined."""
     tp, pp = row[4], row[5]
-    return f"tp={tp},pp={pp},zero=0,recompute=full" + (",schedule=interleaved" if pp > 1 else "")
+    return f"tp={tp},pp={pp},zero=0,recompute=full,precision=fp16,compress=none" + \
+        (",schedule=interleaved" if pp > 1 else "")
 
 
 def megatron_flops(row: tuple) -> float:
@@ -233,7 +249,7 @@ def megatron_picks(row: tuple) -> dict:
     model, batch, cluster = megatron_workload(row)
     plans = glmc.plan(model, batch, cluster=cluster, fix="precision=fp16", overlap=False)
     out = {}
-    for key, fix in (("published", published_plan(row) + ",precision=fp16"),
+    for key, fix in (("published", published_plan(row)),
                      ("pick", "precision=fp16"), ("pick_full", "recompute=full,precision=fp16")):
         want = parse_spelling(fix)  # the best plan that matches, of one search
         found = [p for p in plans if all(getattr(p.point, k) == v for k, v in want.items())]
@@ -452,6 +468,8 @@ def test_a_plan_spelling_becomes_the_flags_it_stands_for(monkeypatch: pytest.Mon
     a = flags("--plan", "dp=1,tp=1,pp=2,microbatch=1,schedule=zbh1,recompute=full")
     assert (a.nproc, a.pp, a.microbatches, a.schedule, a.memory_budget) == \
         (2, 2, 4, "zbh1", "min")
+    a = flags("--plan", "dp=2,microbatch=2,recompute=selective")
+    assert (a.nproc, a.memory_budget) == (2, "selective")
     a = flags("--plan", "dp=2,zero=1,microbatch=1,precision=bf16")
     assert (a.nproc, a.zero, a.accumulate, a.precision) == (2, 1, 2, "bf16")
     a = flags("--plan", "dp=2,tp=2,zero=1,microbatch=1")

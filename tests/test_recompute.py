@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import re
 
 import numpy as np
 import pytest
@@ -54,6 +55,32 @@ def test_recompute_keeps_parity_and_meets_budget(case: str, backend: str, budget
         measured = rec["predicted"]["memory"]["persistent_bytes"] + rec["measured"]["peak_bytes"]
         assert measured <= stats.budget_bytes * 1.01, (measured, stats.budget_bytes,
                                                        rec["warnings"])
+
+
+def test_selective_recomputes_the_cheap_values_and_keeps_the_matmuls() -> None:
+    """`budget=selective`: the peak of the rule that recomputes the values of pointwise ops,
+    norms and softmax and keeps those of matmuls and attention, at no more recompute time
+    than the rule's (the solvers' plan for that peak where cheaper). Losses and state as
+    eager PyTorch; the peak between no recompute and `min`."""
+    (m, x, loss_fn, opt), (m2, _, _, opt2) = twin(CASES["glm"].make)
+    trainer = glmc.optimize(m, x, loss_fn=loss_fn, optimizer=opt, backend="eager",
+                            memory_budget="selective", fusion=False)
+    got = glmc_losses(trainer, x, 3)
+    want = eager_losses(m2, x, loss_fn, opt2, 3)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=ATOL)
+    assert_state_close(m, m2, opt, opt2)
+    stats, _ = _recompute_stats(trainer)
+    assert stats.solver in ("selective", "milp", "greedy") and stats.budget_bytes is None
+    assert stats.recomputed > 0 and stats.predicted_peak < stats.baseline_peak
+    (rule,) = [n for n in stats.notes if n.startswith("selective rule")]
+    rule_ms = float(re.search(r"([0-9.]+) ms of recompute", rule).group(1))
+    assert stats.extra_seconds * 1e3 <= rule_ms + 1e-3, (stats.extra_seconds, rule)
+    m3, x3, loss3, opt3 = CASES["glm"].make()
+    low = glmc.optimize(m3, x3, loss_fn=loss3, optimizer=opt3, backend="eager",
+                        memory_budget="min", fusion=False)
+    glmc_losses(low, x3, 1)
+    low_stats, _ = _recompute_stats(low)
+    assert low_stats.predicted_peak <= stats.predicted_peak
 
 
 def _glm_1024_tokens():
@@ -131,6 +158,8 @@ def test_budget_forms() -> None:
     assert Budget.parse("500MB") == Budget("bytes", 5e8)
     assert Budget.parse(3e9) == Budget("bytes", 3e9)
     assert Budget.parse("min").kind == "min"
+    assert Budget.parse("selective").kind == "selective"
+    assert Budget.parse("selective").target(300, 100) is None
     assert Budget("fraction", 0.5).target(300, 100) == 200
     assert Budget.parse("+64MiB") == Budget("above", 64 * 2 ** 20)  # above the state
     assert Budget.parse("+1B") == Budget("above", 1) and Budget.parse("1B").kind == "bytes"

@@ -899,8 +899,16 @@ def _pp_tp_checkpoint_part(rank: int, out: Path) -> dict:
             "layout": layout}
 
 
+def _stage_agree_part(rank: int, out: Path) -> dict:
+    """pp=2 x tp=2's `StageTensorParallel.agree`: each value a rank offers."""
+    from glmc.analysis.comm import LINKS
+    from glmc.parallel.pipeline import _stage_tp
+    stage_tp = _stage_tp(2, 1, 2, "", False, "time", LINKS["loopback"])
+    return {"agreed": stage_tp.agree({f"unit of rank {rank}"})}
+
+
 def _pp_tp_worker(rank: int, port: int, out: str, slow: bool, only: str = "") -> None:
-    parts = [("glm", _pp_tp_part())] + ([
+    parts = [("glm", _pp_tp_part()), ("agree", _stage_agree_part)] + ([
         ("checkpoint", _pp_tp_checkpoint_part),
         ("gpipe", _pp_tp_part(schedule="gpipe")),
         ("sequence", _pp_tp_part(sequence=True)),
@@ -938,6 +946,14 @@ def test_tensor_parallel_pipeline_stages_train_like_one_process(pp_tp_runs: Path
         assert r["local"][f"{block}.attn.wo.weight"] == (64, 32)
         assert r["local"][f"{block}.mlp.gate_up.weight"] == (172, 64)
         assert r["local"]["embed.weight" if rank < 2 else "head.weight"] == (128, 64)
+
+
+def test_every_rank_takes_rank_0s_choice_for_each_stage(pp_tp_runs: Path) -> None:
+    """`choose=time` in pipeline stages: every rank captures every stage, and each stage's
+    choice is rank 0's on all of them (`PassContext.agree`), so a stage's tp ranks and its
+    replicas shard it alike whatever each one's own calibration says."""
+    for rank in range(4):
+        assert result(pp_tp_runs, "agree", rank)["agreed"] == {"unit of rank 0"}
 
 
 @pytest.mark.slow  # 4 processes; the default run keeps the default test time in bounds

@@ -24,10 +24,10 @@ import torch
 import torch.fx as fx
 
 from glmc.analysis.profiles import ATTENTION_BACKWARD_FACTOR, attention_flops
-from glmc.ir.graph import comm_ops, is_view, op_name
+from glmc.ir.graph import RANDOM_OPS, comm_ops, is_view, op_name
 from glmc.ir.kernels import CHUNK_ELEMENTS, head_rows, mlp_rows
 
-__all__ = ["OpCost", "op_cost", "kind_of", "is_view", "value_bytes"]
+__all__ = ["OpCost", "op_cost", "kind_of", "is_view", "value_bytes", "selective_keeps"]
 
 aten = torch.ops.aten
 
@@ -96,6 +96,24 @@ def kind_of(node: fx.Node) -> str:
     if name in _KNOWN:
         return "known"
     return "unknown"
+
+
+def selective_keeps(node: fx.Node) -> bool:
+    """Whether selective recomputation keeps `node`'s value for the backward rather than
+    making it again (Korthikanti et al. 2022's rule, by op kind): the outputs of matmuls and
+    attention (costly to make again), of collectives (their peers would have to join in) and
+    of random ops (their draws must repeat) are kept, and of any op doing more than
+    `_SELECTIVE_FLOPS` per element it makes (glmc's fused kernels that run matmuls inside);
+    pointwise ops, norms, softmax, reductions and copies, cheap per byte they hold, are
+    recomputed from them."""
+    if kind_of(node) in ("matmul", "comm", "input") or op_name(node) in RANDOM_OPS:
+        return True
+    return op_cost(node).flops > _SELECTIVE_FLOPS * max(1, _val_numel(node.meta.get("val")))
+
+
+#: FLOPs per element made above which selective recomputation keeps a value: above every
+#: pointwise op, norm and softmax (at most 16, GELU), far below a matmul's 2 x its inner size
+_SELECTIVE_FLOPS = 32
 
 
 def _flop_registry() -> dict:

@@ -21,9 +21,11 @@ if TYPE_CHECKING:
 
 _BUDGET_HELP = ("adds the recompute pass with this budget for the step's peak memory: a fraction "
                 "(0.5: state + half of the memory the step needs on top of it), a size of the "
-                "whole peak (2GiB, 500MB, 1e9 bytes), a size above the state (+64MiB) or min "
-                "(the smallest reachable peak); with --pp the peak per rank, each stage planned "
-                "with the microbatches its schedule keeps in flight")
+                "whole peak (2GiB, 500MB, 1e9 bytes), a size above the state (+64MiB), min "
+                "(the smallest reachable peak) or selective (the peak of keeping matmul, "
+                "attention and collective outputs and recomputing the cheap ops between "
+                "them); with --pp the peak per rank, each stage planned with the "
+                "microbatches its schedule keeps in flight")
 
 
 def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:

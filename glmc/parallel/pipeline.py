@@ -78,7 +78,8 @@ class Pipeline:
 @dataclass(frozen=True)
 class StageBudget:
     """A stage's memory budget for glmc's recompute pass on its joint graph (`stage_budgets`):
-    `spec` a fraction or "min" in the pass's spelling, or None with `activation_bytes`, the
+    `spec` a fraction, "min" or "selective" in the pass's spelling, or None with
+    `activation_bytes`, the
     bytes its in-flight microbatches' activations may take on its rank; `multiplicity`: the
     microbatches the schedule keeps in flight on it."""
 
@@ -95,8 +96,8 @@ class StageBudget:
         return self.spec if self.spec is not None else f"+{int(self.activation_bytes)}B"
 
     def describe(self) -> str:
-        if self.spec == "min":
-            return "min"
+        if self.spec in ("min", "selective"):
+            return self.spec
         if self.spec is not None:
             return f"{float(self.spec):.0%}"
         return f"{self.activation_bytes / 2**20:.1f} MiB of activations"
@@ -781,8 +782,8 @@ def stage_budgets(plan: Any, budget: Any, ranks: int) -> list[StageBudget | None
     if budget is None:
         return [None] * len(plan.stages)
     b = Budget.parse(budget)
-    if b.kind in ("min", "fraction"):
-        spec = "min" if b.kind == "min" else str(b.value)
+    if b.kind in ("min", "selective", "fraction"):
+        spec = b.kind if b.kind != "fraction" else str(b.value)
         return [StageBudget(spec, s.in_flight) for s in plan.stages]
     out: list[StageBudget | None] = [None] * len(plan.stages)
     for r in range(ranks):

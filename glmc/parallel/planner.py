@@ -54,8 +54,12 @@ How a plan is priced (the figures are glmc's own programs, not a formula per mod
    2-3's whole gradients of a bucket before its reduce-scatter, and stages 1-2's
    all-gathered new parameters after the update.
 
-Not priced: dropout (the planning copy sets it to 0; random ops are not sharded yet),
-selective recompute (not in the search yet). Heterogeneous clusters: each pipeline stage is
+Recompute: `full` makes every layer's forward again in its backward and keeps the layer's
+output (the recompute pass at `min` runs it); `selective` keeps the outputs of matmuls,
+attention and collectives and makes the cheap ops between them again (Korthikanti et al.
+2022; `PartCost.selective_*`, priced as the rule: the recompute pass at `selective` runs the
+rule's peak at no more recompute time). Not priced: dropout (the planning copy sets it to 0;
+random ops are not sharded yet). Heterogeneous clusters: each pipeline stage is
 priced on its own device kind (`glmc.parallel.search`).
 """
 from __future__ import annotations
@@ -87,7 +91,7 @@ from glmc.trace.capture import capture, split_batch
 from glmc.trace.optim import resolve_optimizer
 
 SCHEDULES = ("1f1b", "interleaved", "gpipe", "zbh1")
-RECOMPUTE = ("none", "full")
+RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("fp32", "bf16", "fp16")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: bytes per parameter: (parameter, gradient, optimizer state incl. an fp32 master copy)
@@ -218,6 +222,31 @@ class PartCost:
     #: what the update allocates beyond the gradients (new parameters and optimizer state
     #: before the old ones are freed, temporaries), this block's share (batch-independent)
     update_bytes: int = 0
+    #: under selective recomputation (`glmc.analysis.opcost.selective_keeps`: matmul,
+    #: attention and collective outputs kept, the cheap ops between them made again in the
+    #: backward): the forward values the backward still reads (`saved_bytes` scaled by the
+    #: rule's share of the saved bytes), the recomputed ops' seconds per sequence, their
+    #: dispatch per micro-batch, and their FLOPs (the whole group's)
+    selective_bytes: int = 0
+    selective_s: float = 0.0
+    selective_overhead_s: float = 0.0
+    selective_flops: float = 0.0
+
+    def recompute(self, how: str) -> tuple[float, float]:
+        """(seconds per sequence, seconds per micro-batch) this block's backward spends
+        making forward values again under recompute `how` (only the repeated layers are
+        recomputed, as Megatron-LM does)."""
+        if how == "none" or not _is_layer(self):
+            return 0.0, 0.0
+        if how == "full":
+            return self.forward_s, self.overhead_s / 3
+        return self.selective_s, self.selective_overhead_s
+
+    def kept(self, how: str) -> int:
+        """Bytes per sequence this block holds for its backward under recompute `how`."""
+        if how == "none" or not _is_layer(self):
+            return self.saved_bytes
+        return self.out_bytes if how == "full" else self.selective_bytes
 
 
 @dataclass(frozen=True)
@@ -251,8 +280,12 @@ class Workload:
         """Forward + backward FLOPs of one step (no recompute), from the captured graph."""
         return self.sequences * sum(p.forward_flops + p.backward_flops for p in self.parts[1])
 
-    def layer_forward_flops(self) -> float:
-        return self.sequences * sum(p.forward_flops for p in self.parts[1] if _is_layer(p))
+    def layer_forward_flops(self, how: str = "full") -> float:
+        """FLOPs of one step's forward work made again under recompute `how`."""
+        if how == "none":
+            return 0.0
+        return self.sequences * sum(p.forward_flops if how == "full" else p.selective_flops
+                                    for p in self.parts[1] if _is_layer(p))
 
 
 def _is_layer(p: PartCost) -> bool:
@@ -476,15 +509,18 @@ def _price(graph: TrainGraph, device: DeviceKind, t: int) -> list[PartCost]:
         block = _block_of(graph, n, blocks)
         a = acc[block]
         fwd = info.phase is Phase.FORWARD
-        if is_comm(n):
+        comm = is_comm(n)
+        if comm:
             if info.spec is not None and "all_reduce" in str(n.target):
                 a["comm"].append((info.phase.value, info.spec.nbytes))
-            continue
-        if n.name in seconds:
+        elif n.name in seconds:
             a["o"] += launch
             a["f" if fwd else "b"] += max(0.0, seconds[n.name] - launch)
-        a["ff" if fwd else "bf"] += op_cost(n).flops * t  # the whole group's work
-        if fwd and info.spec is not None and not is_view(n):  # a view holds no new storage
+        if not comm:
+            a["ff" if fwd else "bf"] += op_cost(n).flops * t  # the whole group's work
+        # what the block hands on: a view holds no new storage; a collective's output does
+        # (a tensor-parallel layer's output is its last all-reduce's)
+        if fwd and info.spec is not None and not is_view(n):
             users = [graph.info(u) for u in _readers(n) if u.op == "call_function"]
             if any(u.phase is Phase.FORWARD and owner(u.module, blocks) not in (block, None)
                    for u in users):
@@ -492,11 +528,72 @@ def _price(graph: TrainGraph, device: DeviceKind, t: int) -> list[PartCost]:
     params = _params(graph, blocks)
     total = sum(params.values()) or 1
     saved, peaks, rooms, update_bytes = _live(graph, pred, traits, blocks)
+    sel = _selective(graph, blocks, seconds, launch, t)
     return [PartCost(b, acc[b]["f"], acc[b]["b"], update * params[b] / total, params[b],
                      saved[b], acc[b]["out"], tuple(acc[b]["comm"]), acc[b]["ff"],
                      acc[b]["bf"], acc[b]["o"], peaks[b], rooms[b],
-                     update_bytes * params[b] // total)
+                     update_bytes * params[b] // total,
+                     round(saved[b] * sel[b]["share"]), sel[b]["s"], sel[b]["o"],
+                     sel[b]["flops"])
             for b in blocks]
+
+
+def _selective(graph: TrainGraph, blocks: list[str], seconds: dict[str, float],
+               launch: float, t: int) -> dict[str, dict[str, float]]:
+    """Per block, selective recomputation's rule on the captured program (as the recompute
+    pass applies it with `budget=selective`): from every forward value the backward reads,
+    a value `selective_keeps` is kept, as is what a block hands to the next (the residual
+    stream: made again it would live as long as kept), any other is made again from its
+    inputs (kept or made again in turn; parameters and batch are held anyway). Returns the
+    share of the block's saved bytes the rule keeps, and the recomputed ops' seconds (work
+    per sequence, dispatch per micro-batch) and FLOPs (the whole tp group's)."""
+    from glmc.analysis.opcost import selective_keeps, value_bytes
+
+    def storage(n: Any) -> Any:
+        while n.op == "call_function" and is_view(n) and n.args and \
+                isinstance(n.args[0], torch.fx.Node):
+            n = n.args[0]
+        return n
+
+    def forward(n: Any) -> bool:
+        info = n.meta.get("glmc")
+        return n.op == "call_function" and info is not None and info.phase is Phase.FORWARD
+
+    out = {b: {"saved": 0, "kept": 0, "s": 0.0, "o": 0.0, "flops": 0.0} for b in blocks}
+    seen: set = set()
+
+    def need(v: Any) -> None:
+        if v in seen or not forward(v):
+            return
+        seen.add(v)
+        block = _block_of(graph, v, blocks)
+        row = out[block]
+        if selective_keeps(v) or any(  # what the block hands to the next: a checkpoint
+                forward(u) and _block_of(graph, u, blocks) != block for u in _readers(v)):
+            row["kept"] += value_bytes(v.meta.get("val"))
+            return
+        if v.name in seconds:
+            row["s"] += max(0.0, seconds[v.name] - launch)
+            row["o"] += launch
+        row["flops"] += op_cost(v).flops * t
+        for a in v.all_input_nodes:
+            need(storage(a))
+
+    saved = set()
+    for n in graph.compute_nodes():
+        if graph.info(n).phase is not Phase.BACKWARD:
+            continue
+        for a in n.all_input_nodes:
+            base = storage(a)
+            if forward(base):
+                saved.add(base)
+    for v in saved:
+        out[_block_of(graph, v, blocks)]["saved"] += value_bytes(v.meta.get("val"))
+    for v in sorted(saved, key=lambda n: n.name):
+        need(v)
+    for row in out.values():
+        row["share"] = min(1.0, row["kept"] / row["saved"]) if row["saved"] else 1.0
+    return out
 
 
 def _readers(n: Any) -> list[Any]:
@@ -624,7 +721,10 @@ def _mean(parts: list[PartCost]) -> PartCost:
                     sum(p.overhead_s for p in parts) / k,
                     round(sum(p.peak_bytes for p in parts) / k),
                     round(sum(p.workspace_bytes for p in parts) / k),
-                    round(sum(p.update_bytes for p in parts) / k))
+                    round(sum(p.update_bytes for p in parts) / k),
+                    round(sum(p.selective_bytes for p in parts) / k),
+                    *(sum(getattr(p, f) for p in parts) / k for f in
+                      ("selective_s", "selective_overhead_s", "selective_flops")))
 
 
 def _merge(name: str, parts: list[PartCost]) -> PartCost:
@@ -635,7 +735,10 @@ def _merge(name: str, parts: list[PartCost]) -> PartCost:
                     sum(p.forward_flops for p in parts), sum(p.backward_flops for p in parts),
                     sum(p.overhead_s for p in parts), _merged_peak(parts),
                     max((p.workspace_bytes for p in parts), default=0),
-                    sum(p.update_bytes for p in parts))
+                    sum(p.update_bytes for p in parts),
+                    *(sum(getattr(p, f) for p in parts) for f in
+                      ("selective_bytes", "selective_s", "selective_overhead_s",
+                       "selective_flops")))
 
 
 def _merged_peak(parts: list[PartCost]) -> int:

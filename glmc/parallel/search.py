@@ -17,8 +17,8 @@ from typing import Any, Iterator
 from glmc.analysis.comm import choose_allreduce, collective_seconds
 from glmc.errors import ConfigError
 from glmc.parallel.cluster import Cluster, DeviceKind, dtype_name
-from glmc.parallel.planner import (_STATE, BUCKETS, MICROBATCHES, SEARCHED_COMPRESS, PartCost,
-                                   PlanPoint, Workload, _is_layer)
+from glmc.parallel.planner import (_STATE, BUCKETS, MICROBATCHES, RECOMPUTE, SEARCHED_COMPRESS,
+                                   PartCost, PlanPoint, Workload, _is_layer)
 from glmc.passes.partition import balanced_cut
 
 _MB = 2**20
@@ -131,7 +131,7 @@ def evaluate(p: PlanPoint, work: Workload, cluster: Cluster, overlap: bool = Tru
     _, step, _, _, p, breakdown, memory, fits = min(tried, key=lambda t: t[:4])
     tokens = work.sequences * work.tokens_per_sequence
     model = work.model_flops()
-    hardware = model + (work.layer_forward_flops() if p.recompute == "full" else 0.0)
+    hardware = model + work.layer_forward_flops(p.recompute)
     n = p.devices
     peak = sum(d.profile.peak(dtype_name(work.precision)) for d in devs) / len(devs)
     return PricedPlan(p, step, breakdown, memory, fits, tokens / step,
@@ -149,8 +149,8 @@ def _rank_costs(p: PlanPoint, chunk_list: list, last: tuple, dev: DeviceKind,
     pp_link = dev.intra if p.dp * p.tp * p.pp <= cluster.per_node else dev.inter
     comp = sum(b * (c.forward_s + c.backward_s) + c.overhead_s
                for ch in chunk_list for c in ch)
-    rec = sum(b * c.forward_s + c.overhead_s / 3 for ch in chunk_list for c in ch
-              if p.recompute == "full" and _is_layer(c))
+    rec = sum(b * per_seq + per_mb for ch in chunk_list for c in ch
+              for per_seq, per_mb in (c.recompute(p.recompute),))
     tp_link = _spanning(dev, p.tp, cluster.per_node)
     tp = sum(collective_seconds("all_reduce", nbytes * b, p.tp, tp_link)
              for ch in chunk_list for c in ch for phase, nbytes in c.tp_bytes
@@ -212,7 +212,7 @@ def _chunks(p: PlanPoint, work: Workload, devs: list[DeviceKind], cut: str | Non
     """The model's blocks cut into pp x virtual chunks, each priced on its stage's device."""
     if len({d.name for d in devs}) == 1:
         return _split(work.parts_on(devs[0].name, p.tp, p.pp > 1), p.pp * p.virtual,
-                      p.recompute == "full", p.microbatch)
+                      p.recompute, p.microbatch)
     if p.virtual > 1:
         raise ConfigError("plan: interleaved stages on a heterogeneous cluster are not "
                           "priced yet; use 1f1b, gpipe or zbh1")
@@ -222,7 +222,7 @@ def _chunks(p: PlanPoint, work: Workload, devs: list[DeviceKind], cut: str | Non
             list(balanced_cut([[1.0] * len(per_stage[0])] * p.pp, [0.0] * len(per_stage[0]),
                               p.pp))
     else:
-        times = [[_seconds(c, p.recompute == "full", p.microbatch) for c in parts]
+        times = [[_seconds(c, p.recompute, p.microbatch) for c in parts]
                  for parts in per_stage]
         bounds = list(balanced_cut(times, [0.0] * len(per_stage[0]), p.pp))
     edges = [0, *bounds, len(per_stage[0])]
@@ -239,11 +239,10 @@ def _equal_layers(parts: tuple[PartCost, ...], chunks: int) -> list[int]:
     return [layers[0] + k * per for k in range(1, chunks)]
 
 
-def _seconds(c: PartCost, recompute: bool, b: int) -> float:
-    """One micro-batch of `b` sequences through block `c`."""
-    rec = recompute and _is_layer(c)
-    return b * (c.forward_s * (2 if rec else 1) + c.backward_s) + \
-        c.overhead_s * (4 / 3 if rec else 1)
+def _seconds(c: PartCost, recompute: str, b: int) -> float:
+    """One micro-batch of `b` sequences through block `c` under recompute `recompute`."""
+    per_seq, per_mb = c.recompute(recompute)
+    return b * (c.forward_s + c.backward_s + per_seq) + c.overhead_s + per_mb
 
 
 def _slowest(cluster: Cluster) -> DeviceKind:
@@ -274,7 +273,7 @@ def _check_point(p: PlanPoint, work: Workload, cluster: Cluster) -> None:
 
 
 @functools.lru_cache(maxsize=512)
-def _split(parts: tuple[PartCost, ...], chunks: int, recompute: bool, b: int
+def _split(parts: tuple[PartCost, ...], chunks: int, recompute: str, b: int
            ) -> tuple[tuple[PartCost, ...], ...]:
     """Contiguous chunks: identical layers evenly (the glue before and after rides on the
     first and last chunk, as Megatron-LM places embedding and head) where that is within 5%
@@ -428,10 +427,9 @@ def _compression(p: PlanPoint, gb: int) -> tuple[float, float, bool]:
 
 
 def _backward_s(c: PartCost, p: PlanPoint) -> float:
-    """One micro-batch's backward through block `c` (its recomputed forward included)."""
-    rec = p.recompute == "full" and _is_layer(c)
-    return p.microbatch * (c.backward_s + (c.forward_s if rec else 0.0)) + \
-        c.overhead_s * (2 / 3 + (1 / 3 if rec else 0.0))
+    """One micro-batch's backward through block `c` (what it recomputes included)."""
+    per_seq, per_mb = c.recompute(p.recompute)
+    return p.microbatch * (c.backward_s + per_seq) + c.overhead_s * 2 / 3 + per_mb
 
 
 def _buckets(params: list[int], elem: int, cap: int) -> Iterator[tuple[int, int]]:
@@ -493,16 +491,16 @@ def _memory(p: PlanPoint, chunk_list: list, rank: int, last: tuple, work: Worklo
     state by precision and ZeRO stage, and the most of (a) the activations of the
     micro-batches in flight with one block at its own peak (`PartCost.peak_bytes`, forward
     or backward; under full recompute a layer keeps only its output and comes back whole in
-    its backward) and the gradients by then, or (b) the update's transient. The model's last
+    its backward, under selective what `PartCost.kept` says) and the gradients by then, or
+    (b) the update's transient. The model's last
     chunk (head and loss) starts its backward right after its forward: one micro-batch in
     flight."""
     pb, gb, ob = _STATE[work.precision]
     params = sum(c.params for ch in chunk_list for c in ch)
     flight = _in_flight(p, rank, m)
-    full = p.recompute == "full"
 
     def kept(c: PartCost) -> int:
-        return c.out_bytes if full and _is_layer(c) else c.saved_bytes
+        return c.kept(p.recompute)
     held = sum((1 if ch is last and p.schedule in ("1f1b", "interleaved") else flight) * kept(c)
                for ch in chunk_list for c in ch)
     grad_shard = p.dp if p.zero >= 2 else 1
@@ -585,7 +583,7 @@ def points(work: Workload, cluster: Cluster, fixed: dict[str, Any] | None = None
                         continue
                     for zero in ((0, 1) if pp > 1 else (0, 1, 2, 3)) if dp > 1 else (0,):
                         for rec, squeeze in itertools.product(
-                                ("none", "full"),
+                                RECOMPUTE,
                                 compress if dp > 1 and (pp == 1 or "compress" in fixed)
                                 else ("none",)):
                             pt = PlanPoint(dp, tp, pp, zero, b, schedule, virtual, rec,

@@ -63,14 +63,26 @@ class StageTensorParallel:
         """`capture_stage`'s hook: stage `index`'s joint graph as this rank runs it."""
         import time
 
+        from glmc.compiler.passmanager import PassContext
         from glmc.passes.tensor_parallel import TensorParallelPass
         p = TensorParallelPass(size=self.size, plan=self.plan, sequence=self.sequence,
                                choose=self.choose, link=self.link)
         t0, before = time.perf_counter(), len(joint.graph.nodes)
-        local, plan, stats = p.run_joint(joint, inputs, outputs, self.mesh, self.device_mesh)
+        ctx = PassContext(agree=self.agree) if self.choose == "time" else None
+        local, plan, stats = p.run_joint(joint, inputs, outputs, self.mesh, self.device_mesh,
+                                         ctx)
         self.plans[index], self.stats[index] = plan, stats
         self._timing[index] = (time.perf_counter() - t0, before, len(local.graph.nodes))
         return local
+
+    def agree(self, value: Any) -> Any:
+        """Rank 0's `value` on every rank (`PassContext.agree`): every rank captures every
+        stage (`build_program`), so each stage's choice is rank 0's for all of its tp ranks
+        and replicas alike."""
+        import torch.distributed as dist
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     def record(self, index: int) -> Any:
         """The pass's record on stage `index` (for the pipeline's pass history)."""

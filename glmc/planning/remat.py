@@ -44,6 +44,9 @@ class Unit:
     inputs: tuple[int, ...]  #: indices of the units it is computed from
     recomputable: bool = True
     source: str | None = None
+    #: recomputed under selective recomputation (`selective`): a recomputable value cheap to
+    #: make again for the bytes it holds (`glmc.analysis.opcost.selective_keeps`)
+    selective: bool = False
 
     @property
     def needed(self) -> bool:
@@ -215,6 +218,16 @@ def greedy(p: Problem, target: int | None, top_k: int = 6, deadline: float | Non
         _, r, peak, at = best
         tried_out.clear()
     return Plan(r, peak, at, plan_cost(p, r), "greedy", time.perf_counter() - start)
+
+
+def selective(p: Problem) -> Plan:
+    """Selective recomputation (Korthikanti et al. 2022): every unit marked `selective`
+    (pointwise ops, norms, softmax: cheap per byte) made again in the backward from the kept
+    outputs of matmuls, attention, collectives and random ops; no search, no budget."""
+    start = time.perf_counter()
+    r = closure(p, (i for i, u in enumerate(p.units) if u.selective))
+    peak, at = evaluate(p, r)
+    return Plan(r, peak, at, plan_cost(p, r), "selective", time.perf_counter() - start)
 
 
 # ---- MILP -------------------------------------------------------------------------------------
