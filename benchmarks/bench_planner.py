@@ -231,11 +231,12 @@ def repredict(path: Path, machine: str) -> list[dict]:
         # the runs used the runtime's default bucket (spellings before the bucket key omit it)
         plans = glmc.plan(w.model, w.example_inputs, cluster="local", optimizer=w.optimizer,
                           nproc=case["nproc"], fix="bucket=25")
-        by = {p.point.spelling().replace(",bucket=25", ""): (i + 1, p)
-              for i, p in enumerate(plans)}
+        def key(spelling: str) -> str:  # spellings from before the compress/bucket keys
+            return spelling.replace(",bucket=25", "").replace(",compress=none", "")
+        by = {key(p.point.spelling()): (i + 1, p) for i, p in enumerate(plans)}
         rows = []
         for row in case["rows"]:
-            rank, p = by[row["spelling"].replace(",bucket=25", "")]
+            rank, p = by[key(row["spelling"])]
             rows.append({**row, "glmc_rank": rank, "predicted_step_s": p.step_s,
                          "predicted_peak_bytes": p.peak_bytes,
                          "predicted_exposed_comm_s": sum(

@@ -353,8 +353,14 @@ def _sync_and_update(p: PlanPoint, ranks: list, link: Any, work: Workload, m: in
     worst: tuple[float, dict[str, float], float] = (-1.0, {}, 0.0)
     pb, gb, _ = _STATE[work.precision]
     wire, traffic, gathers = _compression(p, gb)
+    seen = set()  # ranks whose blocks cost alike (a pipeline's middle stages) give one answer
     for chunk_list in ranks:
         blocks = [c for ch in chunk_list for c in ch]
+        alike = tuple((_is_layer(c), c.forward_s, c.backward_s, c.overhead_s, c.update_s,
+                       c.params, c.selective_s, c.selective_overhead_s) for c in blocks)
+        if alike in seen:
+            continue
+        seen.add(alike)
         kinds: dict[str, float] = {}
         overlapped = squeeze = 0.0
         if p.dp > 1:
