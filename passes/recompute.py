@@ -58,12 +58,12 @@ from glmc.analysis.predict import graph_device
 from glmc.compiler.passmanager import (Effect, Need, Pass, PassContext, PassResult, StageForm,
                                        StageUnit, Verdict)
 from glmc.errors import BudgetError, ConfigError
+from glmc.ir.blocks import owner, step_blocks
 from glmc.ir.graph import RANDOM_OPS, REGATHER_S, Phase, TrainGraph, is_collective, is_comm, op_name
 from glmc.ir.target import BackendTraits, FusionModel
 from glmc.ir.writeback import lower_writeback
 from glmc.planning.remat import (Plan, Problem, Unit, evaluate, greedy, milp, plan_cost, selective,
                                  stored_bytes)
-from glmc.passes.partition import owner, step_blocks
 from glmc.planning.updates import (early_update_blocker, place_updates_early, split_fused_updates,
                                    split_overhead_s)
 from glmc.trace.step import joint_to_traingraph
@@ -566,11 +566,8 @@ def build_problem(lowered: fx.Graph, traits: BackendTraits, profile: Any,
     """Units (forward values owning storage; each output of a multi-output op is its own unit)
     of the lowered step, with sizes, recompute seconds, read times, and the baseline liveness
     timeline. Returns the problem and the unit names (`node` or `node#k`). `blocks` (the
-    step's, `passes.partition.step_blocks`): a value one block hands to another's forward
+    step's, `glmc.ir.blocks.step_blocks`): a value one block hands to another's forward
     (the residual stream) is a checkpoint selective recomputation keeps."""
-    def block(n: fx.Node) -> str | None:
-        info = n.meta.get("glmc")
-        return owner(getattr(info, "module", None), blocks) if blocks else None
     groups = traits.fusion(lowered) if traits.fusion is not None else None
     nodes = list(lowered.nodes)
     index = {n: i for i, n in enumerate(nodes)}
@@ -599,7 +596,6 @@ def build_problem(lowered: fx.Graph, traits: BackendTraits, profile: Any,
     fwd_last = {k: index[k[0]] for k in keys}
     bwd: dict[Key, list[int]] = {k: [] for k in keys}
     blocked: set[fx.Node] = set()
-    handed: set[fx.Node] = set()  # read by another block's forward
     for n in nodes:
         if _transparent(n, groups):
             continue
@@ -612,13 +608,12 @@ def build_problem(lowered: fx.Graph, traits: BackendTraits, profile: Any,
                 continue
             if ph is Phase.FORWARD:
                 fwd_last[key] = max(fwd_last[key], index[n])
-                if blocks and block(key[0]) not in (None, block(n)) and block(n) is not None:
-                    handed.add(key[0])
             else:
                 bwd[key].append(index[n])
                 if ph is not Phase.BACKWARD:
                     blocked.add(key[0])  # read by the optimizer update or the output
     overhead = profile.kernel_overhead_s if traits.fuses else profile.op_overhead_s
+    handed = _handed_on(nodes, deps, groups, blocks)
     units = []
     for key in keys:
         n, k = key
@@ -644,6 +639,23 @@ def build_problem(lowered: fx.Graph, traits: BackendTraits, profile: Any,
     mem = simulate(lowered, traits)
     base = [sum(v.values()) for _, v in mem.timeline]
     return Problem(units, base, mem.persistent_bytes, multiplicity), [u.name for u in units]
+
+
+def _handed_on(nodes: list[fx.Node], deps: dict, groups: Any, blocks: Sequence[str]
+               ) -> set[fx.Node]:
+    """The forward values a block hands to another block's forward (through transparent
+    nodes): the checkpoints selective recomputation keeps."""
+    def block(n: fx.Node) -> str | None:
+        return owner(getattr(n.meta.get("glmc"), "module", None), blocks)
+
+    out: set[fx.Node] = set()
+    for n in nodes if blocks else ():
+        if _transparent(n, groups) or _phase(n) is not Phase.FORWARD or block(n) is None:
+            continue
+        for a in n.all_input_nodes:
+            out.update(key[0] for key in deps.get(a, ()) if key[0] is not n
+                       and block(key[0]) not in (None, block(n)))
+    return out
 
 
 def _flops(lowered: fx.Graph, names: set[str]) -> float:
