@@ -280,7 +280,7 @@ class Workload:
         """Forward + backward FLOPs of one step (no recompute), from the captured graph."""
         return self.sequences * sum(p.forward_flops + p.backward_flops for p in self.parts[1])
 
-    def layer_forward_flops(self, how: str = "full") -> float:
+    def layer_forward_flops(self, how: str) -> float:
         """FLOPs of one step's forward work made again under recompute `how`."""
         if how == "none":
             return 0.0
@@ -548,12 +548,7 @@ def _selective(graph: TrainGraph, blocks: list[str], seconds: dict[str, float],
     share of the block's saved bytes the rule keeps, and the recomputed ops' seconds (work
     per sequence, dispatch per micro-batch) and FLOPs (the whole tp group's)."""
     from glmc.analysis.opcost import selective_keeps, value_bytes
-
-    def storage(n: Any) -> Any:
-        while n.op == "call_function" and is_view(n) and n.args and \
-                isinstance(n.args[0], torch.fx.Node):
-            n = n.args[0]
-        return n
+    from glmc.ir.writeback import alias_root
 
     def forward(n: Any) -> bool:
         info = n.meta.get("glmc")
@@ -577,14 +572,14 @@ def _selective(graph: TrainGraph, blocks: list[str], seconds: dict[str, float],
             row["o"] += launch
         row["flops"] += op_cost(v).flops * t
         for a in v.all_input_nodes:
-            need(storage(a))
+            need(alias_root(a))
 
     saved = set()
     for n in graph.compute_nodes():
         if graph.info(n).phase is not Phase.BACKWARD:
             continue
         for a in n.all_input_nodes:
-            base = storage(a)
+            base = alias_root(a)
             if forward(base):
                 saved.add(base)
     for v in saved:
