@@ -14,11 +14,14 @@ best.
 
 The space: dp/tp/pp splits x ZeRO 0/1 (0-3 without pipelining) x micro-batches (pipelines
 only: one process's gradient accumulation reports per-micro-batch times) x schedule (1F1B,
-ZB-H1) x recompute none / full (full runs as the recompute pass at budget `min`).
+ZB-H1) x recompute none / selective / full (full runs as the recompute pass at budget `min`,
+selective at `selective`), and two plans outside the search at a recompute budget (a share
+of the activations: the pass chooses what to make again).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -47,10 +50,16 @@ optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 CASES = {"glm": ("GlmConfig", "GlmForCausalLM"), "llama": ("LlamaConfig", "LlamaForCausalLM")}
 
 
+def _runnable(p: object) -> bool:
+    """Fits, the runtime runs it, and without pipelining no gradient accumulation (one
+    process's accumulation reports per-micro-batch times)."""
+    return p.fits and not p.point.runtime_gaps() and \
+        (p.point.pp > 1 or p.point.microbatch * p.point.dp == 8)
+
+
 def _space(plans: list, limit: int) -> list:
     """Runnable plans that fit, at most `limit`, spread over the dp/tp/pp splits first."""
-    ok = [p for p in plans if p.fits and not p.point.runtime_gaps()
-          and (p.point.pp > 1 or p.point.microbatch * p.point.dp == 8)]  # no accumulation
+    ok = [p for p in plans if _runnable(p)]
     by_split: dict = {}
     for p in ok:
         by_split.setdefault((p.point.dp, p.point.tp, p.point.pp), []).append(p)
@@ -59,6 +68,28 @@ def _space(plans: list, limit: int) -> list:
         for key in list(by_split):
             if by_split[key] and len(out) < limit:
                 out.append(by_split[key].pop(0 if len(out) % 2 else -1))
+    return out
+
+
+def _budget_plans(plans: list, work: object, cluster: object) -> list:
+    """The fastest runnable data-parallel and pipelined plans without recompute, priced again
+    at a recompute budget (`recompute=<share>`): the share of the activations above the
+    state that puts the busiest rank's peak halfway between full recompute's and none's, so
+    the recompute pass has to choose what to make again."""
+    from glmc.parallel.search import evaluate
+    out = []
+    for want in (lambda q: q.pp == q.tp == 1, lambda q: q.pp > 1 and q.tp == 1):
+        base = next((p for p in plans if _runnable(p) and want(p.point)
+                     and p.point.recompute == "none"), None)
+        if base is None:
+            continue
+        full = evaluate(dataclasses.replace(base.point, recompute="full"), work, cluster)
+        state = base.memory["parameters"] + base.memory["optimizer"]
+        if full.peak_bytes >= base.peak_bytes:  # recompute frees nothing there
+            continue
+        share = ((base.peak_bytes + full.peak_bytes) / 2 - state) / (base.peak_bytes - state)
+        point = dataclasses.replace(base.point, recompute=f"{share:.2f}")
+        out.append(evaluate(point, work, cluster))
     return out
 
 
@@ -88,18 +119,19 @@ def _spearman(a: list[float], b: list[float]) -> float:
 
 
 def run_case(name: str, nproc: int, rounds: int, steps: int, limit: int) -> dict:
-    import glmc
+    from glmc.frontend.planning import _plan
     from glmc.frontend.workload import load_workload
     work_dir = Path(tempfile.mkdtemp(prefix=f"glmc-planner-{name}-"))
     file = work_dir / f"{name}.py"
     cfg, cls = CASES[name]
     file.write_text(MODEL.format(cfg=cfg, cls=cls))
     w = load_workload(str(file))
-    plans = glmc.plan(w.model, w.example_inputs, cluster="local", optimizer=w.optimizer,
-                      nproc=nproc)
+    plans, work, cluster = _plan(w.model, w.example_inputs, "local", None, w.optimizer, None,
+                                 None, nproc, True, None, None)
     chosen = _space(plans, limit)
-    print(f"{name} on {nproc} processes: {len(plans)} plans priced, {len(chosen)} run",
-          flush=True)
+    chosen += _budget_plans(plans, work, cluster)
+    print(f"{name} on {nproc} processes: {len(plans)} plans priced, {len(chosen)} run "
+          "(the last at a recompute budget, outside the search)", flush=True)
     measured: dict[str, list[dict]] = {p.point.spelling(): [] for p in chosen}
     for r in range(rounds):
         order = chosen if r % 2 == 0 else chosen[::-1]
@@ -116,10 +148,10 @@ def run_case(name: str, nproc: int, rounds: int, steps: int, limit: int) -> dict
         runs = measured[p.point.spelling()]
         if not runs:
             continue
-        rows.append({"spelling": p.point.spelling(), "glmc_rank": plans.index(p) + 1,
+        rows.append({"spelling": p.point.spelling(),
+                     "glmc_rank": plans.index(p) + 1 if p in plans else None,
                      "predicted_step_s": p.step_s, "predicted_peak_bytes": p.peak_bytes,
-                     "predicted_exposed_comm_s": sum(v for k, v in p.breakdown.items()
-                                                     if k.startswith("dp_")),
+                     "predicted_exposed_comm_s": _exposed(p),
                      "measured_step_s": statistics.median(x["step_s"] for x in runs),
                      "measured_peak_bytes": statistics.median(x["peak_bytes"] for x in runs),
                      "measured_exposed_comm_s": statistics.median(
@@ -127,6 +159,12 @@ def run_case(name: str, nproc: int, rounds: int, steps: int, limit: int) -> dict
                      if all(x["exposed_comm_s"] is not None for x in runs) else None,
                      "runs": runs})  # each round's figures: the spread between rounds
     return _summary(name, nproc, rows, len(plans))
+
+
+def _exposed(p: object) -> float:
+    """The communication plan `p` waits for: its data-parallel collectives' exposed part and
+    its tensor-parallel all-reduces (what the run's profiler counts as waits)."""
+    return sum(v for k, v in p.breakdown.items() if k.startswith("dp_") or k == "tp_comm")
 
 
 def _data_parallel_only(spelling: str) -> bool:
@@ -144,7 +182,7 @@ def _summary(name: str, nproc: int, rows: list[dict], priced: int) -> dict:
     comm = [(r["predicted_exposed_comm_s"], r["measured_exposed_comm_s"]) for r in rows
             if r.get("measured_exposed_comm_s") and _data_parallel_only(r["spelling"])]
     best = min(rows, key=lambda r: r["measured_step_s"])
-    pick = min(rows, key=lambda r: r["glmc_rank"])
+    pick = min((r for r in rows if r["glmc_rank"]), key=lambda r: r["glmc_rank"])
     return {"case": name, "nproc": nproc, "priced": priced, "rows": rows,
             "spearman_step": _spearman(ps, ms), "spearman_peak": _spearman(pp, mp),
             "median_abs_step_error": statistics.median(abs(p / m - 1) for p, m in zip(ps, ms)),
@@ -160,7 +198,8 @@ def _markdown(results: list[dict], meta: dict) -> str:
            f"This run: {meta['machine']}; `python benchmarks/bench_planner.py {meta['argv']}` "
            "(each case's date and CPU in its row); eager "
            "backend; median over rounds of each run's median step; peak: c10 allocator, the "
-           "busiest rank.", "",
+           "busiest rank; exposed communication: the waits rank 0's profiler counts, scored "
+           "over the data-parallel runs (tensor-parallel rows: their all-reduces, shown).", "",
            "| case | plans run | Spearman step | Spearman peak | median step error | "
            "median peak error | median exposed-comm error (runs) | glmc's pick / measured best |",
            "|---|---|---|---|---|---|---|---|"]
@@ -178,7 +217,7 @@ def _markdown(results: list[dict], meta: dict) -> str:
                 "| plan | glmc rank | predicted ms | measured ms | predicted MiB | measured MiB "
                 "| exposed comm ms, predicted / measured |", "|---|---|---|---|---|---|---|"]
         for row in sorted(r["rows"], key=lambda x: x["measured_step_s"]):
-            out.append(f"| `{row['spelling']}` | {row['glmc_rank']} | "
+            out.append(f"| `{row['spelling']}` | {row['glmc_rank'] or 'fixed'} | "
                        f"{row['predicted_step_s'] * 1e3:.1f} | {row['measured_step_s'] * 1e3:.1f} "
                        f"| {row['predicted_peak_bytes'] / 2**20:.1f} | "
                        f"{row['measured_peak_bytes'] / 2**20:.1f} | "
@@ -215,8 +254,10 @@ def repredict(path: Path, machine: str) -> list[dict]:
     the runs do not depend on the planner, so a model change is checked without rerunning.
     Only the cases run on this `machine` (the predictions use its calibration and links);
     the others are kept as they are."""
-    import glmc
+    from glmc.frontend.planning import _plan
     from glmc.frontend.workload import load_workload
+    from glmc.parallel.planner import PlanPoint, parse_spelling
+    from glmc.parallel.search import evaluate
     results = []
     data = json.loads(path.read_text())
     for case in data["cases"]:
@@ -229,18 +270,18 @@ def repredict(path: Path, machine: str) -> list[dict]:
         file.write_text(MODEL.format(cfg=cfg, cls=cls))
         w = load_workload(str(file))
         # the runs used the runtime's default bucket (spellings before the bucket key omit it)
-        plans = glmc.plan(w.model, w.example_inputs, cluster="local", optimizer=w.optimizer,
-                          nproc=case["nproc"], fix="bucket=25")
+        plans, work, cluster = _plan(w.model, w.example_inputs, "local", None, w.optimizer,
+                                     "bucket=25", None, case["nproc"], True, None, None)
         def key(spelling: str) -> str:  # spellings from before the compress/bucket keys
             return spelling.replace(",bucket=25", "").replace(",compress=none", "")
         by = {key(p.point.spelling()): (i + 1, p) for i, p in enumerate(plans)}
         rows = []
         for row in case["rows"]:
-            rank, p = by[key(row["spelling"])]
+            rank, p = by.get(key(row["spelling"])) or (None, evaluate(  # a budget: fixed
+                PlanPoint(**parse_spelling(row["spelling"])), work, cluster))
             rows.append({**row, "glmc_rank": rank, "predicted_step_s": p.step_s,
                          "predicted_peak_bytes": p.peak_bytes,
-                         "predicted_exposed_comm_s": sum(
-                             v for k, v in p.breakdown.items() if k.startswith("dp_"))})
+                         "predicted_exposed_comm_s": _exposed(p)})
         results.append({**_summary(case["case"], case["nproc"], rows, len(plans)),
                         **{k: case[k] for k in ("date", "argv", "machine") if k in case}})
     return results

@@ -3,6 +3,7 @@ models on small clusters, the spelling, typed errors, and Megatron-LM's publishe
 (Narayanan et al., SC'21, Table 1) predicted from models built on the meta device."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import statistics
@@ -135,6 +136,64 @@ def test_memory_follows_zero_and_recompute(tiny: tuple) -> None:
     gpipe = evaluate(PlanPoint(1, 1, 4, 0, 1, "gpipe", 1, "none", "bf16"), work, cluster)
     f1b1 = evaluate(PlanPoint(1, 1, 4, 0, 1, "1f1b", 1, "none", "bf16"), work, cluster)
     assert gpipe.memory["activations"] > f1b1.memory["activations"]
+
+
+def test_a_memory_budget_is_priced_as_the_cheapest_mix_of_recompute_modes(tiny: tuple
+                                                                          ) -> None:
+    """`recompute=<budget>` (the recompute pass's spelling): on each rank the mix of none,
+    selective and full on the lower hull of their (peak, recompute time) points that meets
+    the budget — none above none's peak, full below full's, in between both between."""
+    work, cluster = tiny
+    base = PlanPoint(1, 1, 4, 0, 1, "1f1b", 1, "none", "bf16")  # activations set the peak
+    at = {k: evaluate(dataclasses.replace(base, recompute=k), work, cluster)
+          for k in ("none", "selective", "full")}
+
+    def priced(budget: str, point: PlanPoint = base) -> object:
+        spelling = point.spelling().replace("recompute=none", f"recompute={budget}")
+        [p] = search(work, cluster, parse_spelling(spelling))
+        assert PlanPoint(**parse_spelling(p.point.spelling())) == p.point
+        assert p.point.recompute == budget
+        return p
+    lo, hi = at["full"].peak_bytes, at["none"].peak_bytes
+    assert lo < hi
+    assert priced(str(2 * hi)).breakdown["recompute"] == 0
+    assert priced(str(2 * hi)).peak_bytes == hi and priced(str(2 * hi)).fits
+    assert priced("1").peak_bytes == hi  # a share of 1: every activation kept
+    low = priced(str(lo // 2))  # below full's peak: priced as full, and it does not fit
+    assert low.breakdown["recompute"] == at["full"].breakdown["recompute"] and not low.fits
+    assert "below the least peak recompute reaches" in low.describe()
+    mid = priced(str((lo + hi) // 2))
+    assert lo < mid.peak_bytes < hi
+    assert mid.peak_bytes == pytest.approx((lo + hi) / 2, rel=0.02)
+    # the first stage recomputes (it holds the most micro-batches); the step waits on the
+    # last one (the head), which does not
+    assert mid.breakdown["recompute"] <= at["full"].breakdown["recompute"]
+    assert at["none"].step_s <= mid.step_s <= at["full"].step_s
+    assert at["none"].hardware_tflops * at["none"].step_s < mid.hardware_tflops * mid.step_s \
+        < at["full"].hardware_tflops * at["full"].step_s
+    state = at["none"].memory["parameters"] + at["none"].memory["optimizer"]
+    share = priced("0.8")  # 80% of what the busiest rank holds above its state
+    assert lo < share.peak_bytes == pytest.approx(state + 0.8 * (hi - state), rel=0.03)
+    assert (priced("0.3").peak_bytes, priced("0.3").fits) == (lo, False)
+    above = int(0.5 * (lo + hi)) - state
+    assert priced(f"+{above}B").peak_bytes == pytest.approx((lo + hi) / 2, rel=0.03)
+    # data-parallel replicas whose update sets the peak: recompute frees nothing, none is
+    # priced whatever the budget
+    replicas = PlanPoint(4, 1, 1, 0, 2, "1f1b", 1, "none", "bf16")
+    assert priced("0.1", replicas).breakdown["recompute"] == 0
+    for bad in ("lots", "min", "-3"):
+        with pytest.raises(ConfigError, match="memory budget"):
+            parse_spelling(f"recompute={bad}")
+
+
+def test_the_hull_of_recompute_modes_skips_a_mode_above_the_chord() -> None:
+    from glmc.parallel.search import _hull_mix
+    costly = [(100, 0.0, "none"), (90, 5.0, "selective"), (50, 6.0, "full")]
+    assert _hull_mix(costly, 75) == (("none", 0.5), ("full", 0.5))
+    cheap = [(100, 0.0, "none"), (60, 1.0, "selective"), (50, 6.0, "full")]
+    assert _hull_mix(cheap, 80) == (("none", 0.5), ("selective", 0.5))
+    assert _hull_mix(cheap, 55) == (("selective", 0.5), ("full", 0.5))
+    assert (_hull_mix(cheap, 120), _hull_mix(cheap, 10)) == ("none", "full")
 
 
 def test_fix_prices_plans_outside_the_search_and_rejects_impossible_ones(tiny: tuple) -> None:
@@ -470,6 +529,8 @@ def test_a_plan_spelling_becomes_the_flags_it_stands_for(monkeypatch: pytest.Mon
         (2, 2, 4, "zbh1", "min")
     a = flags("--plan", "dp=2,microbatch=2,recompute=selective")
     assert (a.nproc, a.memory_budget) == (2, "selective")
+    a = flags("--plan", "dp=2,microbatch=2,recompute=0.5")
+    assert (a.nproc, a.memory_budget) == (2, "0.5")
     a = flags("--plan", "dp=2,zero=1,microbatch=1,precision=bf16")
     assert (a.nproc, a.zero, a.accumulate, a.precision) == (2, 1, 2, "bf16")
     a = flags("--plan", "dp=2,tp=2,zero=1,microbatch=1")

@@ -58,7 +58,12 @@ Recompute: `full` makes every layer's forward again in its backward and keeps th
 output (the recompute pass at `min` runs it); `selective` keeps the outputs of matmuls,
 attention and collectives and makes the cheap ops between them again (Korthikanti et al.
 2022; `PartCost.selective_*`, priced as the rule: the recompute pass at `selective` runs the
-rule's peak at no more recompute time). Not priced: dropout (the planning copy sets it to 0;
+rule's peak at no more recompute time); a budget (`recompute=0.5`, `recompute=40GiB`,
+`recompute=+8GiB`, the recompute pass's spelling: a share of the activations, a peak per
+device, bytes above the state) is priced per rank on the lower hull of the three modes'
+(memory, recompute time) points — the cheapest mix of them that meets the rank's target
+(`glmc.parallel.search`; the pass's MILP picks values one by one and can do better). Not
+priced: dropout (the planning copy sets it to 0;
 random ops are not sharded yet). Heterogeneous clusters: each pipeline stage is
 priced on its own device kind (`glmc.parallel.search`).
 """
@@ -92,6 +97,10 @@ from glmc.trace.optim import resolve_optimizer
 
 SCHEDULES = ("1f1b", "interleaved", "gpipe", "zbh1")
 RECOMPUTE = ("none", "selective", "full")
+#: recompute modes and each one's share of every layer on a rank: how a memory budget is priced
+#: (the mix of the two modes either side of the budget on the rank's hull); a mode alone is
+#: ((mode, 1.0),)
+Mix = tuple[tuple[str, float], ...]
 PRECISIONS = ("fp32", "bf16", "fp16")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: bytes per parameter: (parameter, gradient, optimizer state incl. an fp32 master copy)
@@ -177,6 +186,9 @@ def parse_spelling(text: str) -> dict[str, Any]:
             raise ConfigError(f"plan: cannot read {part!r} in {text!r}; spell a plan as "
                               f"KEY=VALUE,... with keys {', '.join(KEYS)}")
         value = value.strip()
+        if key == "recompute" and value not in RECOMPUTE:
+            out[key] = recompute_budget(value)
+            continue
         if key in ("schedule", "recompute", "precision", "compress"):
             allowed = {"schedule": SCHEDULES, "recompute": RECOMPUTE,
                        "precision": PRECISIONS, "compress": COMPRESS}[key]
@@ -192,6 +204,28 @@ def parse_spelling(text: str) -> dict[str, Any]:
             raise ConfigError(f"plan: {key}={value} is out of range"
                               + (" (ZeRO stages are 0-3)" if key == "zero" else ""))
     return out
+
+
+def recompute_budget(text: str) -> str:
+    """`text`, a recompute budget of the plan (the recompute pass's spelling: a share of the
+    activations kept, a peak per device, or +bytes above the state), lower-cased; a
+    ConfigError where it is none of them."""
+    from glmc.passes.recompute import Budget
+    why = (f"plan: recompute={text!r}; use none, selective, full or a memory budget: a share "
+           "of the activations kept (0.5), a peak per device (40GiB) or bytes above the "
+           "parameters and optimizer state (+8GiB)")
+    try:
+        kind = Budget.parse(text).kind
+    except ConfigError:
+        raise ConfigError(why) from None
+    if kind not in ("fraction", "bytes", "above"):  # "min": full's spelling in a plan
+        raise ConfigError(why)
+    return text.replace(" ", "")
+
+
+def as_mix(how: str | Mix) -> Mix:
+    """A recompute mode, or a mix of them, as a mix."""
+    return ((how, 1.0),) if isinstance(how, str) else how
 
 
 # ---- pricing the captured step -----------------------------------------------------------------
@@ -232,18 +266,23 @@ class PartCost:
     selective_overhead_s: float = 0.0
     selective_flops: float = 0.0
 
-    def recompute(self, how: str) -> tuple[float, float]:
+    def recompute(self, how: str | Mix) -> tuple[float, float]:
         """(seconds per sequence, seconds per micro-batch) this block's backward spends
         making forward values again under recompute `how` (only the repeated layers are
         recomputed, as Megatron-LM does)."""
+        if not isinstance(how, str):
+            per = [(w, self.recompute(mode)) for mode, w in how]
+            return sum(w * s for w, (s, _) in per), sum(w * o for w, (_, o) in per)
         if how == "none" or not _is_layer(self):
             return 0.0, 0.0
         if how == "full":
             return self.forward_s, self.overhead_s / 3
         return self.selective_s, self.selective_overhead_s
 
-    def kept(self, how: str) -> int:
+    def kept(self, how: str | Mix) -> int:
         """Bytes per sequence this block holds for its backward under recompute `how`."""
+        if not isinstance(how, str):
+            return round(sum(w * self.kept(mode) for mode, w in how))
         if how == "none" or not _is_layer(self):
             return self.saved_bytes
         return self.out_bytes if how == "full" else self.selective_bytes
@@ -280,12 +319,12 @@ class Workload:
         """Forward + backward FLOPs of one step (no recompute), from the captured graph."""
         return self.sequences * sum(p.forward_flops + p.backward_flops for p in self.parts[1])
 
-    def layer_forward_flops(self, how: str) -> float:
+    def layer_forward_flops(self, how: str | Mix) -> float:
         """FLOPs of one step's forward work made again under recompute `how`."""
-        if how == "none":
-            return 0.0
-        return self.sequences * sum(p.forward_flops if how == "full" else p.selective_flops
-                                    for p in self.parts[1] if _is_layer(p))
+        flops = {"none": 0.0, "full": sum(p.forward_flops for p in self.parts[1]
+                                          if _is_layer(p)),
+                 "selective": sum(p.selective_flops for p in self.parts[1] if _is_layer(p))}
+        return self.sequences * sum(w * flops[mode] for mode, w in as_mix(how))
 
 
 def _is_layer(p: PartCost) -> bool:

@@ -18,7 +18,7 @@ from glmc.analysis.comm import choose_allreduce, collective_seconds
 from glmc.errors import ConfigError
 from glmc.parallel.cluster import Cluster, DeviceKind, dtype_name
 from glmc.parallel.planner import (_STATE, BUCKETS, MICROBATCHES, RECOMPUTE, SEARCHED_COMPRESS,
-                                   PartCost, PlanPoint, Workload, _is_layer)
+                                   Mix, PartCost, PlanPoint, Workload, _is_layer, as_mix)
 from glmc.passes.partition import balanced_cut
 
 _MB = 2**20
@@ -37,6 +37,7 @@ class PricedPlan:
     mfu: float
     stage_parts: tuple[int, ...]  #: blocks per stage (first and last glue included)
     stage_devices: tuple[str, ...] = ()  #: each pipeline stage's device kind
+    notes: tuple[str, ...] = ()  #: why it does not fit beyond device memory
 
     @property
     def peak_bytes(self) -> int:
@@ -55,7 +56,8 @@ class PricedPlan:
         t = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.breakdown.items() if v)
         m = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in self.memory.items() if v)
         return (f"step {self.step_s * 1e3:.1f} ms ({t}); device busy {self.utilisation:.1%}\n"
-                f"  memory per device {self.peak_bytes / 2**30:.2f} GiB ({m})")
+                f"  memory per device {self.peak_bytes / 2**30:.2f} GiB ({m})"
+                + "".join(f"\n  {note}" for note in self.notes))
 
     def to_dict(self) -> dict[str, Any]:
         return {"spelling": self.point.spelling(), "step_seconds": self.step_s,
@@ -67,7 +69,7 @@ class PricedPlan:
                 "breakdown_seconds": dict(self.breakdown), "memory_bytes": dict(self.memory),
                 "stage_blocks": list(self.stage_parts),
                 "stage_devices": list(self.stage_devices),
-                "runtime_gaps": self.point.runtime_gaps()}
+                "runtime_gaps": self.point.runtime_gaps(), "notes": list(self.notes)}
 
 
 # ---- one plan ----------------------------------------------------------------------------------
@@ -86,8 +88,9 @@ def evaluate(p: PlanPoint, work: Workload, cluster: Cluster, overlap: bool = Tru
     m = work.sequences // (p.dp * p.microbatch)
     chunks = _chunks(p, work, devs, cut)
     ranks = [[c for i, c in enumerate(chunks) if i % p.pp == r] for r in range(p.pp)]
-    per_rank = [_rank_costs(p, chunk_list, chunks[-1], devs[r], cluster)
-                for r, chunk_list in enumerate(ranks)]
+    hows, unmet = _recompute_mixes(p, ranks, chunks[-1], work, m)
+    per_rank = [_rank_costs(p, chunk_list, chunks[-1], devs[r], cluster, how)
+                for r, (chunk_list, how) in enumerate(zip(ranks, hows))]
     per_mb = [sum(costs) for costs in per_rank]
     slow = max(range(p.pp), key=lambda r: per_mb[r])
     dev = devs[0]
@@ -117,45 +120,52 @@ def evaluate(p: PlanPoint, work: Workload, cluster: Cluster, overlap: bool = Tru
     tried = []
     for bucket in _bucket_choices(p, buckets, overlap, ranks, work):
         q = dataclasses.replace(p, bucket=bucket)
-        sync, update = _sync_and_update(q, ranks, dp_link, work, m, per_rank, overlap,
-                                        cluster, dev, stretch)
+        sync, update = _sync_and_update(q, ranks, hows, dp_link, work, m, overlap, cluster,
+                                        dev, stretch)
         breakdown = {"compute": comp, "recompute": rec, "tp_comm": tp, "p2p": p2p,
                      "bubble": bubble, "contention": contention, **sync, "update": update}
-        memories = [_memory(q, chunk_list, r, chunks[-1], work, m)
-                    for r, chunk_list in enumerate(ranks)]
-        fits = all(sum(mem.values()) <= devs[r].memory_bytes
-                   for r, mem in enumerate(memories))
+        memories = [_memory(q, chunk_list, r, chunks[-1], work, m, how)
+                    for r, (chunk_list, how) in enumerate(zip(ranks, hows))]
+        fits = not unmet and all(sum(mem.values()) <= devs[r].memory_bytes
+                                 for r, mem in enumerate(memories))
         memory = max(memories, key=lambda mem: sum(mem.values()))
         tried.append((not fits, sum(breakdown.values()), sum(memory.values()), bucket, q,
                       breakdown, memory, fits))
     _, step, _, _, p, breakdown, memory, fits = min(tried, key=lambda t: t[:4])
     tokens = work.sequences * work.tokens_per_sequence
     model = work.model_flops()
-    hardware = model + work.layer_forward_flops(p.recompute)
+    layers = [sum(_is_layer(c) for ch in chunk_list for c in ch) for chunk_list in ranks]
+    hardware = model + sum(n * work.layer_forward_flops(how)  # each rank's share of layers
+                           for n, how in zip(layers, hows)) / max(1, sum(layers))
     n = p.devices
     peak = sum(d.profile.peak(dtype_name(work.precision)) for d in devs) / len(devs)
     return PricedPlan(p, step, breakdown, memory, fits, tokens / step,
                       model / step / n / 1e12, hardware / step / n / 1e12,
                       model / step / n / peak, tuple(sum(len(ch) for ch in r) for r in ranks),
-                      tuple(d.name for d in devs))
+                      tuple(d.name for d in devs), tuple(
+                          f"does not fit: recompute={p.recompute} allows rank {r} "
+                          f"{target / 2**20:,.2f} MiB, below the least peak recompute reaches "
+                          f"there, {least / 2**20:,.2f} MiB (the recompute pass refuses it)"
+                          for r, target, least in unmet))
 
 
 def _rank_costs(p: PlanPoint, chunk_list: list, last: tuple, dev: DeviceKind,
-                cluster: Cluster) -> tuple[float, float, float, float]:
-    """One micro-batch on one pipeline rank: compute, recompute (both at the device's full
-    speed: `evaluate` adds what sharing a host's cores costs), tensor-parallel all-reduces
-    (not overlapped) and sends/receives to the neighbouring stages."""
+                cluster: Cluster, how: str | Mix) -> tuple[float, float, float, float]:
+    """One micro-batch on one pipeline rank under recompute `how`: compute, recompute (both
+    at the device's full speed: `evaluate` adds what sharing a host's cores costs), tensor-
+    parallel all-reduces (not overlapped; a fully recomputed layer's forward ones twice) and
+    sends/receives to the neighbouring stages."""
     b = p.microbatch
     pp_link = dev.intra if p.dp * p.tp * p.pp <= cluster.per_node else dev.inter
     comp = sum(b * (c.forward_s + c.backward_s) + c.overhead_s
                for ch in chunk_list for c in ch)
     rec = sum(b * per_seq + per_mb for ch in chunk_list for c in ch
-              for per_seq, per_mb in (c.recompute(p.recompute),))
+              for per_seq, per_mb in (c.recompute(how),))
     tp_link = _spanning(dev, p.tp, cluster.per_node)
+    again = dict(as_mix(how)).get("full", 0.0)
     tp = sum(collective_seconds("all_reduce", nbytes * b, p.tp, tp_link)
-             for ch in chunk_list for c in ch for phase, nbytes in c.tp_bytes
-             for _ in range(1 + (p.recompute == "full" and _is_layer(c)
-                                 and phase == "forward")))
+             * (1 + again * (_is_layer(c) and phase == "forward"))
+             for ch in chunk_list for c in ch for phase, nbytes in c.tp_bytes)
     p2p = 0.0
     for ch in chunk_list:  # each chunk but the model's last sends its output forward and
         if ch is not last:  # receives its gradient back, per micro-batch
@@ -212,7 +222,7 @@ def _chunks(p: PlanPoint, work: Workload, devs: list[DeviceKind], cut: str | Non
     """The model's blocks cut into pp x virtual chunks, each priced on its stage's device."""
     if len({d.name for d in devs}) == 1:
         return _split(work.parts_on(devs[0].name, p.tp, p.pp > 1), p.pp * p.virtual,
-                      p.recompute, p.microbatch)
+                      _cut_mode(p), p.microbatch)
     if p.virtual > 1:
         raise ConfigError("plan: interleaved stages on a heterogeneous cluster are not "
                           "priced yet; use 1f1b, gpipe or zbh1")
@@ -222,7 +232,7 @@ def _chunks(p: PlanPoint, work: Workload, devs: list[DeviceKind], cut: str | Non
             list(balanced_cut([[1.0] * len(per_stage[0])] * p.pp, [0.0] * len(per_stage[0]),
                               p.pp))
     else:
-        times = [[_seconds(c, p.recompute, p.microbatch) for c in parts]
+        times = [[_seconds(c, _cut_mode(p), p.microbatch) for c in parts]
                  for parts in per_stage]
         bounds = list(balanced_cut(times, [0.0] * len(per_stage[0]), p.pp))
     edges = [0, *bounds, len(per_stage[0])]
@@ -243,6 +253,70 @@ def _seconds(c: PartCost, recompute: str, b: int) -> float:
     """One micro-batch of `b` sequences through block `c` under recompute `recompute`."""
     per_seq, per_mb = c.recompute(recompute)
     return b * (c.forward_s + c.backward_s + per_seq) + c.overhead_s + per_mb
+
+
+def _cut_mode(p: PlanPoint) -> str:
+    """The recompute mode the stages are cut for: the plan's, or under a memory budget
+    (resolved per rank after the cut) none."""
+    return p.recompute if p.recompute in RECOMPUTE else "none"
+
+
+def _recompute_mixes(p: PlanPoint, ranks: list, last: tuple, work: Workload, m: int
+                     ) -> tuple[list[str | Mix], list[tuple[int, float, int]]]:
+    """Each pipeline rank's recompute: the plan's mode, or under a memory budget (the
+    recompute pass's spelling, `Budget`) the cheapest mix of none, selective and full that
+    meets the budget's peak on that rank — on the lower hull of the three modes' (peak,
+    recompute seconds) points. A share of the activations and +bytes count from the rank's
+    parameters and optimizer state (what the pass counts as persistent). Also returns
+    (rank, target, least peak) where the budget is below the least peak recompute reaches
+    (priced at that least; the pass refuses such a budget, so the plan does not fit)."""
+    if p.recompute in RECOMPUTE:
+        return [p.recompute] * len(ranks), []
+    from glmc.passes.recompute import Budget
+    budget = Budget.parse(p.recompute)
+    out: list[str | Mix] = []
+    unmet: list[tuple[int, float, int]] = []
+    for r, chunk_list in enumerate(ranks):
+        points = []
+        for mode in RECOMPUTE:
+            mem = _memory(p, chunk_list, r, last, work, m, mode)
+            seconds = m * sum(p.microbatch * per_seq + per_mb for ch in chunk_list
+                              for c in ch for per_seq, per_mb in (c.recompute(mode),))
+            points.append((sum(mem.values()), seconds, mode, mem))
+        none = points[0][3]
+        state = none["parameters"] + none["optimizer"] + none.get("compression", 0)
+        target = budget.target(sum(none.values()), state)
+        out.append(_hull_mix([pt[:3] for pt in points], target))
+        least = min(pt[0] for pt in points)
+        if target < least:
+            unmet.append((r, target, least))
+    return out, unmet
+
+
+def _hull_mix(points: list[tuple[int, float, str]], target: float) -> str | Mix:
+    """The mix of recompute modes at peak `target` on the lower convex hull of the modes'
+    (peak bytes, recompute seconds) `points`: the two hull points either side of it in
+    proportion, the one with the most memory where it is under target, the least where
+    none reaches it."""
+    hull: list[tuple[int, float, str]] = []
+    for pt in sorted(points, key=lambda x: (-x[0], x[1])):  # most memory first
+        if hull and pt[0] == hull[-1][0]:  # as much memory, no less time
+            continue
+        while hull and pt[1] <= hull[-1][1]:  # as cheap with less memory: it dominates
+            hull.pop()
+        while len(hull) >= 2:  # the last hull point lies on or above the chord: not convex
+            (ma, ta, _), (mb, tb, _) = hull[-2], hull[-1]
+            if tb < ta + (pt[1] - ta) * (ma - mb) / (ma - pt[0]):
+                break
+            hull.pop()
+        hull.append(pt)
+    if target >= hull[0][0]:
+        return hull[0][2]
+    for (ma, _, a), (mb, _, b) in zip(hull, hull[1:]):
+        if mb <= target:
+            w = (ma - target) / (ma - mb)
+            return ((a, 1.0 - w), (b, w))
+    return hull[-1][2]
 
 
 def _slowest(cluster: Cluster) -> DeviceKind:
@@ -342,8 +416,8 @@ def _all_reduce(nbytes: int, p: PlanPoint, link: Any, cluster: Cluster) -> float
     return min(flat, c.hierarchical_seconds)
 
 
-def _sync_and_update(p: PlanPoint, ranks: list, link: Any, work: Workload, m: int,
-                     per_rank: list, overlap: bool, cluster: Cluster, dev: DeviceKind,
+def _sync_and_update(p: PlanPoint, ranks: list, hows: list, link: Any, work: Workload, m: int,
+                     overlap: bool, cluster: Cluster, dev: DeviceKind,
                      stretch: float = 1.0) -> tuple[dict[str, float], float]:
     """Exposed data-parallel synchronisation (by collective kind: what the rank waits for),
     the compute its overlapped collectives slow (`comm_contention`, where they share the
@@ -354,10 +428,10 @@ def _sync_and_update(p: PlanPoint, ranks: list, link: Any, work: Workload, m: in
     pb, gb, _ = _STATE[work.precision]
     wire, traffic, gathers = _compression(p, gb)
     seen = set()  # ranks whose blocks cost alike (a pipeline's middle stages) give one answer
-    for chunk_list in ranks:
+    for chunk_list, how in zip(ranks, hows):
         blocks = [c for ch in chunk_list for c in ch]
-        alike = tuple((_is_layer(c), c.forward_s, c.backward_s, c.overhead_s, c.update_s,
-                       c.params, c.selective_s, c.selective_overhead_s) for c in blocks)
+        alike = (how, *((_is_layer(c), c.forward_s, c.backward_s, c.overhead_s, c.update_s,
+                         c.params, c.selective_s, c.selective_overhead_s) for c in blocks))
         if alike in seen:
             continue
         seen.add(alike)
@@ -383,7 +457,7 @@ def _sync_and_update(p: PlanPoint, ranks: list, link: Any, work: Workload, m: in
             # the last micro-batch's backward produces the buckets, in reverse block order,
             # each compressed (where asked) before its collective; without overlap, one
             # collective on all gradients after it (Megatron-LM's contiguous buffer of 2021)
-            times = [stretch * _backward_s(c, p) for c in reversed(blocks)]
+            times = [stretch * _backward_s(c, p, how) for c in reversed(blocks)]
             done = list(itertools.accumulate(times))  # backward seconds when block i is done
             jobs = []
             for i, nbytes in (_buckets([c.params for c in reversed(blocks)], gb,
@@ -432,9 +506,10 @@ def _compression(p: PlanPoint, gb: int) -> tuple[float, float, bool]:
                       "not carry); price none, bf16, fp16 or sign")
 
 
-def _backward_s(c: PartCost, p: PlanPoint) -> float:
-    """One micro-batch's backward through block `c` (what it recomputes included)."""
-    per_seq, per_mb = c.recompute(p.recompute)
+def _backward_s(c: PartCost, p: PlanPoint, how: str | Mix) -> float:
+    """One micro-batch's backward through block `c` (what it recomputes under `how`
+    included)."""
+    per_seq, per_mb = c.recompute(how)
     return p.microbatch * (c.backward_s + per_seq) + c.overhead_s * 2 / 3 + per_mb
 
 
@@ -491,8 +566,8 @@ def _prefetched(order: list[PartCost], p: PlanPoint, link: Any, phase: str,
     return exposed
 
 
-def _memory(p: PlanPoint, chunk_list: list, rank: int, last: tuple, work: Workload, m: int
-            ) -> dict[str, int]:
+def _memory(p: PlanPoint, chunk_list: list, rank: int, last: tuple, work: Workload, m: int,
+            how: str | Mix) -> dict[str, int]:
     """Bytes on a device of pipeline rank `rank` at its busiest moment, by category: the
     state by precision and ZeRO stage, and the most of (a) the activations of the
     micro-batches in flight with one block at its own peak (`PartCost.peak_bytes`, forward
@@ -506,7 +581,7 @@ def _memory(p: PlanPoint, chunk_list: list, rank: int, last: tuple, work: Worklo
     flight = _in_flight(p, rank, m)
 
     def kept(c: PartCost) -> int:
-        return c.kept(p.recompute)
+        return c.kept(how)
     held = sum((1 if ch is last and p.schedule in ("1f1b", "interleaved") else flight) * kept(c)
                for ch in chunk_list for c in ch)
     grad_shard = p.dp if p.zero >= 2 else 1
@@ -589,7 +664,7 @@ def points(work: Workload, cluster: Cluster, fixed: dict[str, Any] | None = None
                         continue
                     for zero in ((0, 1) if pp > 1 else (0, 1, 2, 3)) if dp > 1 else (0,):
                         for rec, squeeze in itertools.product(
-                                RECOMPUTE,
+                                (fixed["recompute"],) if "recompute" in fixed else RECOMPUTE,
                                 compress if dp > 1 and (pp == 1 or "compress" in fixed)
                                 else ("none",)):
                             pt = PlanPoint(dp, tp, pp, zero, b, schedule, virtual, rec,
