@@ -84,11 +84,11 @@ def _budget_plans(plans: list, work: object, cluster: object) -> list:
         if base is None:
             continue
         full = evaluate(dataclasses.replace(base.point, recompute="full"), work, cluster)
-        state = base.memory["parameters"] + base.memory["optimizer"]
+        state = sum(base.memory.get(k, 0) for k in ("parameters", "optimizer", "compression"))
         if full.peak_bytes >= base.peak_bytes:  # recompute frees nothing there
             continue
         share = ((base.peak_bytes + full.peak_bytes) / 2 - state) / (base.peak_bytes - state)
-        point = dataclasses.replace(base.point, recompute=f"{share:.2f}")
+        point = dataclasses.replace(base.point, recompute=f"{max(0.01, share):.2f}")
         out.append(evaluate(point, work, cluster))
     return out
 

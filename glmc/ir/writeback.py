@@ -48,7 +48,7 @@ def lower_writeback(graph: TrainGraph, early: bool = True,
             continue
         at = len(order) - 1
         if early:
-            at = max(position[value], *(position[r] for r in _alias_readers(dest)))
+            at = max(position[value], *(position[r] for r in alias_readers(dest)))
         copies.append((at, dest, value))
     for at, dest, value in sorted(copies, key=lambda c: -c[0]):
         with new.inserting_after(env[order[at]]):
@@ -121,8 +121,9 @@ def storage_key(n: fx.Node) -> tuple[fx.Node, Any]:
     return n, None
 
 
-def _alias_readers(n: fx.Node) -> list[fx.Node]:
-    """Every node that reads `n`'s storage: its users, and the users of its views."""
+def alias_readers(n: fx.Node) -> list[fx.Node]:
+    """Every node that reads `n`'s storage: its users, and the users of its views (the
+    graph's output left out); `[n]` itself where nothing reads it."""
     out, stack = [], [n]
     while stack:
         for u in stack.pop().users:

@@ -88,6 +88,7 @@ from glmc.analysis.predict import predict
 from glmc.compiler.passmanager import PassContext
 from glmc.errors import ConfigError, GlmcError
 from glmc.ir.graph import MeshSpec, Phase, Role, TrainGraph, is_comm, is_view
+from glmc.ir.writeback import alias_readers, alias_root
 from glmc.parallel.cluster import DeviceKind
 from glmc.passes.partition import block_names, owner, step_blocks
 from glmc.passes.shard import ShardPass
@@ -208,7 +209,7 @@ def parse_spelling(text: str) -> dict[str, Any]:
 
 def recompute_budget(text: str) -> str:
     """`text`, a recompute budget of the plan (the recompute pass's spelling: a share of the
-    activations kept, a peak per device, or +bytes above the state), lower-cased; a
+    activations kept, a peak per device, or +bytes above the state), without spaces; a
     ConfigError where it is none of them."""
     from glmc.passes.recompute import Budget
     why = (f"plan: recompute={text!r}; use none, selective, full or a memory budget: a share "
@@ -560,7 +561,7 @@ def _price(graph: TrainGraph, device: DeviceKind, t: int) -> list[PartCost]:
         # what the block hands on: a view holds no new storage; a collective's output does
         # (a tensor-parallel layer's output is its last all-reduce's)
         if fwd and info.spec is not None and not is_view(n):
-            users = [graph.info(u) for u in _readers(n) if u.op == "call_function"]
+            users = [graph.info(u) for u in alias_readers(n) if u.op == "call_function"]
             if any(u.phase is Phase.FORWARD and owner(u.module, blocks) not in (block, None)
                    for u in users):
                 a["out"] += info.spec.nbytes
@@ -587,7 +588,6 @@ def _selective(graph: TrainGraph, blocks: list[str], seconds: dict[str, float],
     share of the block's saved bytes the rule keeps, and the recomputed ops' seconds (work
     per sequence, dispatch per micro-batch) and FLOPs (the whole tp group's)."""
     from glmc.analysis.opcost import selective_keeps, value_bytes
-    from glmc.ir.writeback import alias_root
 
     def forward(n: Any) -> bool:
         info = n.meta.get("glmc")
@@ -603,7 +603,7 @@ def _selective(graph: TrainGraph, blocks: list[str], seconds: dict[str, float],
         block = _block_of(graph, v, blocks)
         row = out[block]
         if selective_keeps(v) or any(  # what the block hands to the next: a checkpoint
-                forward(u) and _block_of(graph, u, blocks) != block for u in _readers(v)):
+                forward(u) and _block_of(graph, u, blocks) != block for u in alias_readers(v)):
             row["kept"] += value_bytes(v.meta.get("val"))
             return
         if v.name in seconds:
@@ -627,21 +627,6 @@ def _selective(graph: TrainGraph, blocks: list[str], seconds: dict[str, float],
         need(v)
     for row in out.values():
         row["share"] = min(1.0, row["kept"] / row["saved"]) if row["saved"] else 1.0
-    return out
-
-
-def _readers(n: Any) -> list[Any]:
-    """The nodes that read `n`'s storage: its users, and through views theirs (a layer's
-    output reshaped on its way out is still what it hands on)."""
-    out, todo, seen = [], list(n.users), set()
-    while todo:
-        u = todo.pop()
-        if u in seen:
-            continue
-        seen.add(u)
-        out.append(u)
-        if u.op == "call_function" and is_view(u):
-            todo.extend(u.users)
     return out
 
 

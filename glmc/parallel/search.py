@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -88,7 +89,7 @@ def evaluate(p: PlanPoint, work: Workload, cluster: Cluster, overlap: bool = Tru
     m = work.sequences // (p.dp * p.microbatch)
     chunks = _chunks(p, work, devs, cut)
     ranks = [[c for i, c in enumerate(chunks) if i % p.pp == r] for r in range(p.pp)]
-    hows, unmet = _recompute_mixes(p, ranks, chunks[-1], work, m)
+    hows, targets, unmet = _recompute_mixes(p, ranks, chunks[-1], work, m, devs, cluster)
     per_rank = [_rank_costs(p, chunk_list, chunks[-1], devs[r], cluster, how)
                 for r, (chunk_list, how) in enumerate(zip(ranks, hows))]
     per_mb = [sum(costs) for costs in per_rank]
@@ -126,8 +127,9 @@ def evaluate(p: PlanPoint, work: Workload, cluster: Cluster, overlap: bool = Tru
                      "bubble": bubble, "contention": contention, **sync, "update": update}
         memories = [_memory(q, chunk_list, r, chunks[-1], work, m, how)
                     for r, (chunk_list, how) in enumerate(zip(ranks, hows))]
-        fits = not unmet and all(sum(mem.values()) <= devs[r].memory_bytes
-                                 for r, mem in enumerate(memories))
+        fits = not unmet and all(  # a budget's mix met at p.bucket: this bucket may not
+            sum(mem.values()) <= min(devs[r].memory_bytes, 1.001 * targets[r])
+            for r, mem in enumerate(memories))
         memory = max(memories, key=lambda mem: sum(mem.values()))
         tried.append((not fits, sum(breakdown.values()), sum(memory.values()), bucket, q,
                       breakdown, memory, fits))
@@ -261,36 +263,42 @@ def _cut_mode(p: PlanPoint) -> str:
     return p.recompute if p.recompute in RECOMPUTE else "none"
 
 
-def _recompute_mixes(p: PlanPoint, ranks: list, last: tuple, work: Workload, m: int
-                     ) -> tuple[list[str | Mix], list[tuple[int, float, int]]]:
+def _recompute_mixes(p: PlanPoint, ranks: list, last: tuple, work: Workload, m: int,
+                     devs: list[DeviceKind], cluster: Cluster
+                     ) -> tuple[list[str | Mix], list[float], list[tuple[int, float, int]]]:
     """Each pipeline rank's recompute: the plan's mode, or under a memory budget (the
     recompute pass's spelling, `Budget`) the cheapest mix of none, selective and full that
     meets the budget's peak on that rank — on the lower hull of the three modes' (peak,
-    recompute seconds) points. A share of the activations and +bytes count from the rank's
-    parameters and optimizer state (what the pass counts as persistent). Also returns
-    (rank, target, least peak) where the budget is below the least peak recompute reaches
-    (priced at that least; the pass refuses such a budget, so the plan does not fit)."""
+    recompute seconds) points (a fully recomputed layer's forward all-reduces counted twice).
+    A share of the activations and +bytes count from the rank's parameters and optimizer
+    state, what the pass counts as persistent (a pipeline stage's +bytes also from its
+    gradients, as `glmc.parallel.pipeline.stage_budgets` does). Also returns each rank's
+    target (bytes; inf without a budget) and (rank, target, least peak) where the budget is
+    below the least peak recompute reaches (priced at that least; the pass refuses such a
+    budget, so the plan does not fit)."""
     if p.recompute in RECOMPUTE:
-        return [p.recompute] * len(ranks), []
+        return [p.recompute] * len(ranks), [math.inf] * len(ranks), []
     from glmc.passes.recompute import Budget
     budget = Budget.parse(p.recompute)
     out: list[str | Mix] = []
+    targets: list[float] = []
     unmet: list[tuple[int, float, int]] = []
     for r, chunk_list in enumerate(ranks):
         points = []
         for mode in RECOMPUTE:
             mem = _memory(p, chunk_list, r, last, work, m, mode)
-            seconds = m * sum(p.microbatch * per_seq + per_mb for ch in chunk_list
-                              for c in ch for per_seq, per_mb in (c.recompute(mode),))
-            points.append((sum(mem.values()), seconds, mode, mem))
+            _, rec, tp, _ = _rank_costs(p, chunk_list, last, devs[r], cluster, mode)
+            points.append((sum(mem.values()), m * (rec + tp), mode, mem))
         none = points[0][3]
         state = none["parameters"] + none["optimizer"] + none.get("compression", 0)
-        target = budget.target(sum(none.values()), state)
+        target = budget.target(sum(none.values()), state + (
+            none["gradients"] if budget.kind == "above" and p.pp > 1 else 0))
         out.append(_hull_mix([pt[:3] for pt in points], target))
+        targets.append(target)
         least = min(pt[0] for pt in points)
         if target < least:
             unmet.append((r, target, least))
-    return out, unmet
+    return out, targets, unmet
 
 
 def _hull_mix(points: list[tuple[int, float, str]], target: float) -> str | Mix:
@@ -313,7 +321,9 @@ def _hull_mix(points: list[tuple[int, float, str]], target: float) -> str | Mix:
     if target >= hull[0][0]:
         return hull[0][2]
     for (ma, _, a), (mb, _, b) in zip(hull, hull[1:]):
-        if mb <= target:
+        if mb == target:
+            return b
+        if mb < target:
             w = (ma - target) / (ma - mb)
             return ((a, 1.0 - w), (b, w))
     return hull[-1][2]
@@ -572,8 +582,9 @@ def _memory(p: PlanPoint, chunk_list: list, rank: int, last: tuple, work: Worklo
     state by precision and ZeRO stage, and the most of (a) the activations of the
     micro-batches in flight with one block at its own peak (`PartCost.peak_bytes`, forward
     or backward; under full recompute a layer keeps only its output and comes back whole in
-    its backward, under selective what `PartCost.kept` says) and the gradients by then, or
-    (b) the update's transient. The model's last
+    its backward, under selective what `PartCost.kept` says) and the gradients by then,
+    (b) the update's transient, or (c) with gradient compression, a bucket's compression
+    beside the gradients. The model's last
     chunk (head and loss) starts its backward right after its forward: one micro-batch in
     flight."""
     pb, gb, ob = _STATE[work.precision]
@@ -610,6 +621,12 @@ def _memory(p: PlanPoint, chunk_list: list, rank: int, last: tuple, work: Worklo
     grads = params * gb // grad_shard
     if update + grads > best[0]:
         best = (update + grads, 0, update, grads)
+    if p.compress != "none" and p.dp > 1:  # compressing a bucket (passes.compress): e = g + r,
+        # what was sent, and the new residual, fp32 each, beside the old residual and the
+        # gradients (measured for bf16; the other methods' transients priced alike)
+        squeeze = 3 * 4 * min(bucket, params * gb) // gb
+        if grads + squeeze > best[0]:
+            best = (grads + squeeze, 0, squeeze, grads)
     out = {"parameters": params * pb // (p.dp if p.zero == 3 else 1),
            "gradients": best[3],
            "optimizer": params * ob // (p.dp if p.zero >= 1 else 1),
