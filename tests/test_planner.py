@@ -186,6 +186,23 @@ def test_a_memory_budget_is_priced_as_the_cheapest_mix_of_recompute_modes(tiny: 
             parse_spelling(f"recompute={bad}")
 
 
+def test_an_interleaved_rank_meets_a_share_on_each_of_its_stages(tiny: tuple) -> None:
+    """The runtime takes a fraction of every pipeline stage's own activations: a stage of
+    the head alone recomputes nothing, so any share below 1 is out of its reach (the pass
+    refuses it), whatever the rank's other stage could free."""
+    from glmc.passes.recompute import Budget
+    from glmc.parallel.search import _stage_shares
+    work, _ = tiny
+    parts = work.parts[1]
+    head = (parts[-1],)
+    assert not head[0].name.startswith("layer")
+    layers = tuple(c for c in parts if c.name.startswith("layer "))[:2]
+    point = PlanPoint(1, 1, 2, 0, 1, "interleaved", 2, "0.8", "bf16")
+    unmet = _stage_shares(point, [layers, head], 1, head, work, 8, Budget.parse("0.8"))
+    assert len(unmet) == 1 and unmet[0][0] == 1 and unmet[0][1] < unmet[0][2]
+    assert _stage_shares(point, [layers, head], 1, head, work, 8, Budget.parse("1")) == []
+
+
 def test_the_hull_of_recompute_modes_skips_a_mode_above_the_chord() -> None:
     from glmc.parallel.search import _hull_mix
     costly = [(100, 0.0, "none"), (90, 5.0, "selective"), (50, 6.0, "full")]

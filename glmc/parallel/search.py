@@ -298,7 +298,25 @@ def _recompute_mixes(p: PlanPoint, ranks: list, last: tuple, work: Workload, m: 
         least = min(pt[0] for pt in points)
         if target < least:
             unmet.append((r, target, least))
+        elif budget.kind == "fraction" and len(chunk_list) > 1:  # the pass takes its share
+            unmet += _stage_shares(p, chunk_list, r, last, work, m, budget)  # stage by stage
     return out, targets, unmet
+
+
+def _stage_shares(p: PlanPoint, chunk_list: list, rank: int, last: tuple, work: Workload,
+                  m: int, budget: Any) -> list[tuple[int, float, int]]:
+    """(rank, target, least peak) for each of an interleaved rank's stages whose own share
+    of its activations recompute cannot reach (a stage of the head alone recomputes
+    nothing): the runtime applies a fraction to every stage (`stage_budgets`)."""
+    out = []
+    for ch in chunk_list:
+        mems = [_memory(p, [ch], rank, last, work, m, mode) for mode in RECOMPUTE]
+        target = budget.target(sum(mems[0].values()),
+                               mems[0]["parameters"] + mems[0]["optimizer"])
+        least = min(sum(mem.values()) for mem in mems)
+        if target < least:
+            out.append((rank, target, least))
+    return out
 
 
 def _hull_mix(points: list[tuple[int, float, str]], target: float) -> str | Mix:
