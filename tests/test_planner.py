@@ -667,6 +667,29 @@ def test_processes_that_outnumber_the_cores_share_them(tiny: tuple,
         pytest.approx(evaluate(sequential, work, cluster).step_s)
 
 
+def test_each_blocking_collective_waits_for_a_core_where_processes_outnumber_them(
+        tiny: tuple) -> None:
+    """`wake_s` (measured with the link where the processes outnumber the cores): every
+    tensor-parallel all-reduce, pipeline send/receive and data-parallel collective the step
+    waits for costs it once more; a host with a core per process pays nothing."""
+    work, cluster = tiny
+    woken = _with_device(cluster, wake_s=0.004)
+    for point, key in ((PlanPoint(1, 2, 2, 0, 2, "1f1b", 1, "none", "bf16"), "tp_comm"),
+                       (PlanPoint(1, 1, 4, 0, 2, "1f1b", 1, "none", "bf16"), "p2p"),
+                       (PlanPoint(4, 1, 1, 3, 2, "1f1b", 1, "none", "bf16"), "dp_wake")):
+        a, b = evaluate(point, work, cluster), evaluate(point, work, woken)
+        extra = b.breakdown[key] - a.breakdown.get(key, 0.0)
+        waits = extra / 0.004  # a whole number of waits (the slowest rank's)
+        assert waits >= 1 and waits == pytest.approx(round(waits), abs=0.05), (key, waits)
+        assert b.step_s > a.step_s
+    tp = PlanPoint(1, 2, 2, 0, 2, "1f1b", 1, "none", "bf16")
+    m = work.sequences // tp.microbatch
+    allreduces = sum(len(c.tp_bytes) for c in work.parts[2] if c.name.startswith("layer "))
+    extra = evaluate(tp, work, woken).breakdown["tp_comm"] - \
+        evaluate(tp, work, cluster).breakdown["tp_comm"]
+    assert extra <= m * allreduces * 0.004 + 1e-9  # the slowest stage's share of them
+
+
 def test_processes_computing_at_once_slow_each_other(tiny: tuple) -> None:
     """A host whose processes slow each other when they compute at once (`corun`, measured
     with the link: shared caches and memory bandwidth, a virtual machine's cores): replicas

@@ -67,6 +67,10 @@ class LinkProfile:
     #: once, one core each (their shared caches, memory bandwidth, a virtual machine's cores):
     #: 1 for devices of their own (GPUs)
     corun: float = 1.0
+    #: where the ranks outnumber the host's cores: what each blocking collective costs beyond
+    #: its own time while the ranks compute between them (a waiting process wakes to find
+    #: the cores taken and waits for a time slice); 0 otherwise
+    wake_s: float = 0.0
 
     def timed(self, kind: str, nbytes: int, ranks: int) -> float | None:
         """The time of `kind` on `nbytes` read off the timed points (None: not timed at
@@ -100,7 +104,7 @@ class LinkProfile:
                           for k, a, b in self.kinds},
                 "timed_ms": {k: {str(b): t * 1e3 for b, t in pts} for k, pts in self.points},
                 "ranks": self.ranks, "contention": self.contention,
-                "progress": self.progress, "corun": self.corun}
+                "progress": self.progress, "corun": self.corun, "wake_s": self.wake_s}
 
 
 #: per-direction figures from the vendors' datasheets (bus bandwidth a ring can use)
@@ -366,12 +370,13 @@ def measure_link(group: Any = None, device: str = "cpu", reps: int = 5,
              for kind in _KINDS}
     contention, progress = _contention(timed["all_reduce"][-1], group, device)
     corun = _corun(group, device)
+    wake = _wake(group, device)
     backend = dist.get_backend(group)
     kinds = tuple((kind, *_fit(kind, n, list(_SIZES), timed[kind])) for kind in _KINDS)
     link = [LinkProfile(f"measured-{backend}", kinds[0][1], kinds[0][2],
                         f"timed {', '.join(_KINDS)} of {', '.join(map(str, _SIZES))} B on {n} "
                         f"ranks ({backend}), median of {reps}", kinds=kinds,
-                        contention=contention, progress=progress, corun=corun,
+                        contention=contention, progress=progress, corun=corun, wake_s=wake,
                         points=tuple((k, tuple(zip(_SIZES, timed[k]))) for k in _KINDS),
                         ranks=n)]
     dist.broadcast_object_list(link, src=src, group=group)
@@ -518,9 +523,47 @@ def _corun(group: Any, device: str) -> float:
     return max(1.0, statistics.median(together) / statistics.median(alone))
 
 
+def _wake(group: Any, device: str) -> float:
+    """Where the ranks outnumber the host's cores (CPU ranks only): what a blocking
+    collective costs beyond its own time while every rank computes between collectives —
+    the median loop of (matmuls, a 4-byte all-reduce) minus the same matmuls alone minus
+    the all-reduce timed idle, per collective, with ~5 ms of compute (alone) between
+    collectives; 0 where every rank has a core (4 processes on 2 cores: 6-11 ms per
+    collective with 2-20 ms between them, against 0.4 ms idle)."""
+    import os
+
+    import torch.distributed as dist
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        (os.cpu_count() or 1)
+    if device != "cpu" or dist.get_world_size(group) <= cores:
+        return 0.0
+    a = torch.full((256, 256), 0.5, device=device)  # no draw from the user's generator
+    x = torch.zeros(1, device=device)
+    reps = 8
+
+    def loop(matmuls: int, comm: bool) -> float:
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            for _ in range(matmuls):
+                a @ a
+            if comm:
+                dist.all_reduce(x, group=group)
+        return (time.perf_counter() - t0) / reps
+    t0 = time.perf_counter()
+    for _ in range(8):
+        a @ a
+    k = max(1, int(0.005 / max((time.perf_counter() - t0) / 8, 1e-7)))  # ~5 ms between
+    idle = statistics.median(loop(0, True) for _ in range(3))
+    alone = statistics.median(loop(k, False) for _ in range(3))
+    busy = statistics.median(loop(k, True) for _ in range(3))
+    return max(0.0, busy - alone - idle)  # rank 0's is the link's (broadcast with it)
+
+
 #: how links are timed; a cache written another way is measured again (2: functional
-#: collectives allocating their output, as the step runs them; 3: with `corun`)
-_LINK_METHOD = 3
+#: collectives allocating their output, as the step runs them; 3: with `corun`; 4: with
+#: `wake_s`)
+_LINK_METHOD = 4
 
 
 def _link_path(backend: str, ranks: int) -> Any:
@@ -540,7 +583,7 @@ def _save_link(link: LinkProfile, backend: str, ranks: int) -> None:
                                     "call_s": link.call_s, "kinds": link.kinds,
                                     "contention": link.contention,
                                     "progress": link.progress, "points": link.points,
-                                    "corun": link.corun,
+                                    "corun": link.corun, "wake_s": link.wake_s,
                                     "ranks": link.ranks,
                                     "date": time.strftime("%Y-%m-%d")}))
     except OSError:
@@ -558,7 +601,8 @@ def cached_link(backend: str, ranks: int) -> LinkProfile | None:
                            points=tuple((k, tuple((int(b), float(t)) for b, t in pts))
                                         for k, pts in d.get("points", ())),
                            ranks=int(d.get("ranks", 0)), contention=d.get("contention", 0.0),
-                           progress=d.get("progress", 1.0), corun=d.get("corun", 1.0))
+                           progress=d.get("progress", 1.0), corun=d.get("corun", 1.0),
+                           wake_s=d.get("wake_s", 0.0))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

@@ -52,6 +52,9 @@ class DeviceKind:
     #: how much longer its compute takes while the other processes of its host compute too
     #: (`LinkProfile.corun`, measured with the link); 1: a device of its own
     corun: float = 1.0
+    #: what each blocking collective or send/receive costs beyond its own time where the
+    #: processes outnumber the cores (`LinkProfile.wake_s`, measured with the link)
+    wake_s: float = 0.0
 
     @property
     def searched(self) -> tuple[str, ...]:
@@ -130,8 +133,11 @@ def _host(per_node: int) -> DeviceKind:
                          "glmc compile --nproc N once to measure it)")
                       + (f"; {per_node} processes share {cores} cores" if share < 1 else "")
                       + (f"; computing together slows each {measured.corun:.2f}x"
-                         if measured and measured.corun > 1 else ""),
-                      share, corun=measured.corun if measured else 1.0)
+                         if measured and measured.corun > 1 else "")
+                      + (f"; each blocking collective waits {measured.wake_s * 1e3:.1f} ms for "
+                         "a core" if measured and measured.wake_s and share < 1 else ""),
+                      share, corun=measured.corun if measured else 1.0,
+                      wake_s=measured.wake_s if measured and share < 1 else 0.0)
 
 
 @dataclass(frozen=True)

@@ -156,7 +156,8 @@ def _rank_costs(p: PlanPoint, chunk_list: list, last: tuple, dev: DeviceKind,
     """One micro-batch on one pipeline rank under recompute `how`: compute, recompute (both
     at the device's full speed: `evaluate` adds what sharing a host's cores costs), tensor-
     parallel all-reduces (not overlapped; a fully recomputed layer's forward ones twice) and
-    sends/receives to the neighbouring stages."""
+    sends/receives to the neighbouring stages; where the processes outnumber the cores each
+    blocking one also waits `dev.wake_s` for a core."""
     b = p.microbatch
     pp_link = dev.intra if p.dp * p.tp * p.pp <= cluster.per_node else dev.inter
     comp = sum(b * (c.forward_s + c.backward_s) + c.overhead_s
@@ -165,14 +166,14 @@ def _rank_costs(p: PlanPoint, chunk_list: list, last: tuple, dev: DeviceKind,
               for per_seq, per_mb in (c.recompute(how),))
     tp_link = _spanning(dev, p.tp, cluster.per_node)
     again = dict(as_mix(how)).get("full", 0.0)
-    tp = sum(collective_seconds("all_reduce", nbytes * b, p.tp, tp_link)
+    tp = sum((collective_seconds("all_reduce", nbytes * b, p.tp, tp_link) + dev.wake_s)
              * (1 + again * (_is_layer(c) and phase == "forward"))
              for ch in chunk_list for c in ch for phase, nbytes in c.tp_bytes)
     p2p = 0.0
     for ch in chunk_list:  # each chunk but the model's last sends its output forward and
         if ch is not last:  # receives its gradient back, per micro-batch
             nbytes = ch[-1].out_bytes * b
-            p2p += 2 * (pp_link.latency_s + nbytes / pp_link.bandwidth)
+            p2p += 2 * (pp_link.latency_s + dev.wake_s + nbytes / pp_link.bandwidth)
     return comp, rec, tp, p2p
 
 
@@ -504,6 +505,11 @@ def _sync_and_update(p: PlanPoint, ranks: list, hows: list, link: Any, work: Wor
                                             sum(c.params for c in blocks) * pb, p.dp, link)
             if gather:
                 kinds["all_gather"] = gather
+            if dev.wake_s:  # each collective waited for, once more for a core
+                waits = len(jobs) + (2 * m * sum(1 for _ in _buckets(
+                    [c.params for c in blocks], pb, int(p.bucket * _MB))) if p.zero == 3
+                    else int(p.zero > 0))
+                kinds["wake"] = dev.wake_s * waits
         kinds = {f"dp_{k}": v for k, v in kinds.items()}
         if link.contention and overlapped:
             kinds["comm_contention"] = link.contention * overlapped
