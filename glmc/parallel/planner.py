@@ -39,7 +39,8 @@ How a plan is priced (the figures are glmc's own programs, not a formula per mod
    (`--cluster local`, 4 processes on 2 cores) share them fairly: the computing part of the
    step lasts at least as long as every rank's busy time takes under processor sharing (a
    pipeline's bubble frees cores for the busy stages, so one micro-batch through 4 stages
-   loses nothing; 4 data-parallel ranks take twice as long); the excess is `contention`.
+   loses nothing; 4 data-parallel ranks take twice as long); the excess is `contention`;
+   each collective or send/receive a rank blocks on then also waits for a core (`wake_s`).
    Memory per device, from the liveness of the program glmc compiles
    (`glmc.analysis.memory.simulate` on the one-sequence step: a whole step after the default
    passes, fusion and cleanup; a pipeline stage as captured, the way stages run): per block
