@@ -76,7 +76,7 @@ def _budget_plans(plans: list, work: object, cluster: object) -> list:
     at a recompute budget (`recompute=<share>`): the share of the activations above the
     state that puts the busiest rank's peak halfway between full recompute's and none's, so
     the recompute pass has to choose what to make again."""
-    from glmc.parallel.search import evaluate
+    from glmc.parallel.search import evaluate, persistent_bytes
     out = []
     for want in (lambda q: q.pp == q.tp == 1, lambda q: q.pp > 1 and q.tp == 1):
         base = next((p for p in plans if _runnable(p) and want(p.point)
@@ -84,7 +84,7 @@ def _budget_plans(plans: list, work: object, cluster: object) -> list:
         if base is None:
             continue
         full = evaluate(dataclasses.replace(base.point, recompute="full"), work, cluster)
-        state = sum(base.memory.get(k, 0) for k in ("parameters", "optimizer", "compression"))
+        state = persistent_bytes(base.memory)
         if full.peak_bytes >= base.peak_bytes:  # recompute frees nothing there
             continue
         share = ((base.peak_bytes + full.peak_bytes) / 2 - state) / (base.peak_bytes - state)

@@ -135,9 +135,9 @@ def _host(per_node: int) -> DeviceKind:
                       + (f"; computing together slows each {measured.corun:.2f}x"
                          if measured and measured.corun > 1 else "")
                       + (f"; each blocking collective waits {measured.wake_s * 1e3:.1f} ms for "
-                         "a core" if measured and measured.wake_s and share < 1 else ""),
+                         "a core" if measured and measured.wake_s else ""),
                       share, corun=measured.corun if measured else 1.0,
-                      wake_s=measured.wake_s if measured and share < 1 else 0.0)
+                      wake_s=measured.wake_s if measured else 0.0)
 
 
 @dataclass(frozen=True)

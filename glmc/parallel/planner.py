@@ -88,10 +88,10 @@ from glmc.analysis.opcost import op_cost
 from glmc.analysis.predict import predict
 from glmc.compiler.passmanager import PassContext
 from glmc.errors import ConfigError, GlmcError
+from glmc.ir.blocks import block_names, owner, step_blocks
 from glmc.ir.graph import MeshSpec, Phase, Role, TrainGraph, is_comm, is_view
 from glmc.ir.writeback import alias_readers, alias_root
 from glmc.parallel.cluster import DeviceKind
-from glmc.passes.partition import block_names, owner, step_blocks
 from glmc.passes.shard import ShardPass
 from glmc.passes.tensor_parallel import TensorParallelPass
 from glmc.trace.capture import capture, split_batch

@@ -136,9 +136,7 @@ def evaluate(p: PlanPoint, work: Workload, cluster: Cluster, overlap: bool = Tru
     _, step, _, _, p, breakdown, memory, fits = min(tried, key=lambda t: t[:4])
     tokens = work.sequences * work.tokens_per_sequence
     model = work.model_flops()
-    layers = [sum(_is_layer(c) for ch in chunk_list for c in ch) for chunk_list in ranks]
-    hardware = model + sum(n * work.layer_forward_flops(how)  # each rank's share of layers
-                           for n, how in zip(layers, hows)) / max(1, sum(layers))
+    hardware = model + work.layer_forward_flops(_mean_mix(ranks, hows))
     n = p.devices
     peak = sum(d.profile.peak(dtype_name(work.precision)) for d in devs) / len(devs)
     return PricedPlan(p, step, breakdown, memory, fits, tokens / step,
@@ -258,6 +256,25 @@ def _seconds(c: PartCost, recompute: str, b: int) -> float:
     return b * (c.forward_s + c.backward_s + per_seq) + c.overhead_s + per_mb
 
 
+def _mean_mix(ranks: list, hows: list[str | Mix]) -> str | Mix:
+    """The ranks' recompute over all layers: one mode where every rank has it, else each
+    mode's share weighted by the layers each rank holds."""
+    if len(set(hows)) == 1:
+        return hows[0]
+    layers = [sum(_is_layer(c) for ch in chunk_list for c in ch) for chunk_list in ranks]
+    shares: dict[str, float] = {}
+    for n, how in zip(layers, hows):
+        for mode, w in as_mix(how):
+            shares[mode] = shares.get(mode, 0.0) + w * n / max(1, sum(layers))
+    return tuple(shares.items())
+
+
+def persistent_bytes(memory: dict[str, int]) -> int:
+    """What a plan's device holds all step (`_memory`'s categories): parameters, optimizer
+    state and compression residuals — what the recompute pass counts as persistent."""
+    return memory["parameters"] + memory["optimizer"] + memory.get("compression", 0)
+
+
 def _cut_mode(p: PlanPoint) -> str:
     """The recompute mode the stages are cut for: the plan's, or under a memory budget
     (resolved per rank after the cut) none."""
@@ -291,8 +308,7 @@ def _recompute_mixes(p: PlanPoint, ranks: list, last: tuple, work: Workload, m: 
             _, rec, tp, _ = _rank_costs(p, chunk_list, last, devs[r], cluster, mode)
             points.append((sum(mem.values()), m * (rec + tp), mode, mem))
         none = points[0][3]
-        state = none["parameters"] + none["optimizer"] + none.get("compression", 0)
-        target = budget.target(sum(none.values()), state + (
+        target = budget.target(sum(none.values()), persistent_bytes(none) + (
             none["gradients"] if budget.kind == "above" and p.pp > 1 else 0))
         out.append(_hull_mix([pt[:3] for pt in points], target))
         targets.append(target)
@@ -312,8 +328,7 @@ def _stage_shares(p: PlanPoint, chunk_list: list, rank: int, last: tuple, work: 
     out = []
     for ch in chunk_list:
         mems = [_memory(p, [ch], rank, last, work, m, mode) for mode in RECOMPUTE]
-        target = budget.target(sum(mems[0].values()),
-                               mems[0]["parameters"] + mems[0]["optimizer"])
+        target = budget.target(sum(mems[0].values()), persistent_bytes(mems[0]))
         least = min(sum(mem.values()) for mem in mems)
         if target < least:
             out.append((rank, target, least))
