@@ -249,11 +249,12 @@ def _plot(results: list[dict], path: Path) -> None:
     fig.savefig(path)
 
 
-def repredict(path: Path, machine: str) -> list[dict]:
+def repredict(path: Path, machine: str, peaks_only: bool = False) -> list[dict]:
     """The measured rows of `path` (a planner.json) with the current model's predictions:
     the runs do not depend on the planner, so a model change is checked without rerunning.
     Only the cases run on this `machine` (the predictions use its calibration and links);
-    the others are kept as they are."""
+    the others are kept as they are. `peaks_only`: every case, only the predicted peaks
+    (memory depends on no host's speed; the step figures stay those of the run's host)."""
     from glmc.frontend.planning import _plan
     from glmc.frontend.workload import load_workload
     from glmc.parallel.planner import PlanPoint, parse_spelling
@@ -262,7 +263,7 @@ def repredict(path: Path, machine: str) -> list[dict]:
     data = json.loads(path.read_text())
     for case in data["cases"]:
         case.setdefault("date", data["date"])  # files before per-case dates: the run's
-        if case.get("machine", data.get("machine")) != machine:
+        if case.get("machine", data.get("machine")) != machine and not peaks_only:
             results.append(case)
             continue
         file = Path(tempfile.mkdtemp(prefix="glmc-planner-")) / f"{case['case']}.py"
@@ -279,10 +280,12 @@ def repredict(path: Path, machine: str) -> list[dict]:
         for row in case["rows"]:
             rank, p = by.get(key(row["spelling"])) or (None, evaluate(  # a budget: fixed
                 PlanPoint(**parse_spelling(row["spelling"])), work, cluster))
-            rows.append({**row, "glmc_rank": rank, "predicted_step_s": p.step_s,
+            rows.append({**row, "predicted_peak_bytes": p.peak_bytes} if peaks_only else
+                        {**row, "glmc_rank": rank, "predicted_step_s": p.step_s,
                          "predicted_peak_bytes": p.peak_bytes,
                          "predicted_exposed_comm_s": _exposed(p)})
-        results.append({**_summary(case["case"], case["nproc"], rows, len(plans)),
+        results.append({**_summary(case["case"], case["nproc"], rows,
+                                   case["priced"] if peaks_only else len(plans)),
                         **{k: case[k] for k in ("date", "argv", "machine") if k in case}})
     return results
 
@@ -291,6 +294,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repredict", action="store_true",
                     help="keep results/planner.json's measurements, predict them again")
+    ap.add_argument("--peaks-only", action="store_true",
+                    help="with --repredict: only the peaks, for every case (memory does not "
+                         "depend on the host's speed)")
     ap.add_argument("--cases", default="glm:2,llama:2,glm:4,llama:4")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8)
@@ -303,7 +309,7 @@ def main() -> None:
     results = []
     if a.repredict:
         old = json.loads((RESULTS / "planner.json").read_text())
-        results = repredict(RESULTS / "planner.json", machine)
+        results = repredict(RESULTS / "planner.json", machine, a.peaks_only)
     else:
         for case in a.cases.split(","):
             name, n = case.split(":")
@@ -317,7 +323,8 @@ def main() -> None:
         kept = [{"date": old_data.get("date"), "machine": old_data.get("machine"), **c}
                 for c in old_data["cases"]]
         results = [c for c in kept if (c["case"], c["nproc"]) not in done] + results
-    argv = old["argv"].split(" (predictions")[0] + " (predictions: --repredict)" \
+    again = "peaks: --repredict --peaks-only" if a.peaks_only else "predictions: --repredict"
+    argv = old["argv"].split(" (predictions")[0].split(" (peaks")[0] + f" ({again})" \
         if a.repredict else " ".join(sys.argv[1:])
     meta = {"date": datetime.date.today().isoformat(), "argv": argv, "machine": machine}
     RESULTS.mkdir(exist_ok=True)

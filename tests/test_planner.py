@@ -101,11 +101,12 @@ def test_memory_follows_zero_and_recompute(tiny: tuple) -> None:
     mem = {z: evaluate(PlanPoint(**{**base.__dict__, "zero": z}), work, cluster).memory
            for z in range(4)}
     assert mem[1]["optimizer"] * 4 == pytest.approx(mem[0]["optimizer"], rel=0.01)
-    # ZeRO-2 reduce-scatters bucket by bucket: a model within one bucket holds its whole
-    # gradients once beside its shard (as measured: bench_planner's ZeRO-2 peaks are not
-    # below ZeRO-1's)
+    # ZeRO-2 reduce-scatters bucket by bucket as the backward makes them: at the busiest
+    # block it holds what the backward made so far whole up to a bucket, the rest as shards
+    # (bench_planner, GLM dp=2: ZeRO-2 120.2 MiB measured, 120.2 by the whole-step
+    # simulation, ZeRO-0 138.3: the same in-step peak, the optimizer state halved)
     params = sum(c.params for c in work.parts[1])
-    assert mem[2]["gradients"] > params * 4
+    assert 0 < mem[2]["gradients"] <= mem[1]["gradients"] <= params * 4
     small = evaluate(PlanPoint(**{**base.__dict__, "zero": 2, "bucket": params * 4 / 16 / 2**20}),
                      work, cluster).memory  # 16 buckets
     assert small["gradients"] < mem[1]["gradients"]
@@ -706,3 +707,51 @@ def test_processes_computing_at_once_slow_each_other(tiny: tuple) -> None:
     sequential = PlanPoint(1, 1, 4, 0, work.sequences, "1f1b", 1, "none", "bf16")
     a, b = evaluate(sequential, work, cluster), evaluate(sequential, work, slowed)
     assert 0 < b.step_s / a.step_s - 1 < 0.1  # a quarter of the step computing together
+
+
+@pytest.mark.parametrize("sequences", [1, 4])
+def test_a_plans_peak_follows_the_whole_step_simulation(sequences: int) -> None:
+    """One process, no pipeline: the planner's peak (one sequence's liveness, scaled to the
+    micro-batch) within 3% of glmc's liveness simulation of the whole step compiled at that
+    batch (which the c10 allocator confirms: test_cost_memory). The fused LM head's weight
+    gradient (made in its forward) is the same for any micro-batch, and its logits chunk
+    grows with the rows only up to a chunk (6% over at one sequence when both were scaled)."""
+    from glmc.parallel.cluster import device_kind
+    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=4,
+                                   vocab_size=4096, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 4096, (sequences, 256), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    trainer = glmc.optimize(model, batch, backend="eager", measure=False)
+    simulated = trainer.report.compiles[-1].predicted["memory"]["peak_bytes"]
+    cluster = Cluster.parse("1x1:host")
+    work = price_workload(model, batch, device=device_kind("host"), tps=(1,))
+    last = work.whole[1][-1]
+    assert last.saved_fixed == 4096 * 128 * 4  # the head's fp32 weight gradient
+    plan = evaluate(PlanPoint(1, 1, 1, 0, sequences, "1f1b", 1, "none", "fp32"), work, cluster)
+    assert plan.peak_bytes == pytest.approx(simulated, rel=0.03)
+
+
+def test_a_blocks_peak_scales_per_sequence_and_caps_a_chunked_workspace() -> None:
+    from glmc.parallel.planner import PartCost, _frontier
+    points = _frontier([(10, 0, -1), (9, 0, -1), (5, 8, 16), (5, 4, 16), (4, 8, 16)])
+    assert points == ((10, 0, -1), (5, 8, 16))  # the others are beaten at every size
+    c = PartCost("last", 0.0, 0.0, 0.0, 0, 3, 0, (), 0.0, 0.0, peaks=points, saved_fixed=7)
+    assert [c.peak(b) for b in (1, 2, 4)] == [13, 26, 40]  # 5b + min(8b, 16) vs 10b
+    assert c.held("none", 4) == 4 * 3 + 7
+
+
+def test_zero3_on_gloo_holds_a_staged_copy_of_the_gather_in_flight(tiny: tuple) -> None:
+    """gloo (CPU) stages an all-gather's output (glmc.analysis.opcost._comm_staging): a CPU
+    rank's ZeRO-3 working set holds one more bucket of gathered parameters than a GPU's."""
+    from glmc.parallel.search import _memory
+    work, _ = tiny
+    parts = work.parts_on(work.device, 1, False)
+    p = PlanPoint(4, 1, 1, 3, 2, "1f1b", 1, "none", "bf16", bucket=0.25)
+    gpu, cpu = (_memory(p, [parts], 0, parts, work, 1, "none", staged) for staged in (0, 1))
+    params = sum(c.params for c in parts) * 2  # bf16
+    assert cpu["working"] - gpu["working"] == min(int(0.25 * 2**20), params) > 0
+    assert {k: v for k, v in cpu.items() if k != "working"} == \
+        {k: v for k, v in gpu.items() if k != "working"}

@@ -156,7 +156,9 @@ class OpCost:
     kernel already launched. `calls`: ATen calls its Python body makes (`python_op`: a Python
     custom op, which pays the profile's custom-op dispatch instead of a launch). `parts`: the
     inner kernels of a composite op as (cost, how many); its time is theirs, not a roofline of
-    the totals. `workspace`: bytes it allocates and frees inside (its peak above its outputs).
+    the totals. `workspace`: bytes it allocates and frees inside (its peak above its outputs);
+    `workspace_cap`: the most that reaches for any number of rows (a chunked kernel holds one
+    chunk), None where it grows with the rows.
     """
 
     kind: str
@@ -170,6 +172,7 @@ class OpCost:
     python_op: bool = False
     parts: tuple[tuple["OpCost", int], ...] = ()
     workspace: int = 0
+    workspace_cap: int | None = None
     reused: int = 0  #: bytes of passes over data the op just touched (cache speed if it fits)
     working_set: int = 0  #: bytes those passes keep touching (picks the cache level)
 
@@ -276,7 +279,7 @@ def _attention(node: fx.Node, backward: bool) -> OpCost:
 
 
 def _python_op(node: fx.Node, flops: float, moved: float, calls: int, workspace: float,
-               parts: tuple[tuple[OpCost, int], ...] = ()) -> OpCost:
+               parts: tuple[tuple[OpCost, int], ...] = (), cap: float | None = None) -> OpCost:
     """A glmc kernel: a Python custom op whose body makes `calls` ATen calls moving `moved`
     bytes in all. Its inputs and outputs move once from memory; the rest are passes over
     data the body just touched (`reused`, at cache speed while it fits)."""
@@ -284,7 +287,8 @@ def _python_op(node: fx.Node, flops: float, moved: float, calls: int, workspace:
     out = _val_dtype(node.meta.get("val")) or torch.float32
     return OpCost("known", float(flops), read, written, str(out).replace("torch.", ""),
                   op_name(node), calls=calls, python_op=True, parts=parts,
-                  workspace=int(workspace), reused=max(0, int(moved) - read - written),
+                  workspace=int(workspace), workspace_cap=None if cap is None else int(cap),
+                  reused=max(0, int(moved) - read - written),
                   working_set=read + written + int(workspace))
 
 
@@ -338,7 +342,8 @@ def _cross_entropy(node: fx.Node) -> OpCost:
     rows, chunks = _chunks(n, v, CHUNK_ELEMENTS)
     part = _chunk(11 * rows * v, rows * v * size, rows * v * 16, rows * v * 8)
     return _python_op(node, 11 * n * v, chunks * (part.bytes + part.reused), 8 + 12 * chunks,
-                      rows * v * 8, ((part, chunks),))
+                      rows * v * 8, ((part, chunks),),
+                      _chunks(1 << 62, v, CHUNK_ELEMENTS)[0] * v * 8)
 
 
 def _cross_entropy_backward(node: fx.Node) -> OpCost:
@@ -349,7 +354,8 @@ def _cross_entropy_backward(node: fx.Node) -> OpCost:
     rows, chunks = _chunks(n, v, CHUNK_ELEMENTS)
     part = _chunk(11 * rows * v, 2 * rows * v * size, rows * v * 28, rows * v * 4)
     return _python_op(node, 11 * n * v, chunks * (part.bytes + part.reused), 4 + 21 * chunks,
-                      rows * v * 4, ((part, chunks),))
+                      rows * v * 4, ((part, chunks),),
+                      _chunks(1 << 62, v, CHUNK_ELEMENTS)[0] * v * 4)
 
 
 def _linear_cross_entropy(node: fx.Node) -> OpCost:
@@ -362,6 +368,7 @@ def _linear_cross_entropy(node: fx.Node) -> OpCost:
     (n, d), v = x.shape, w.shape[0]
     asked = int(_arg(node, 6, "rows", 0))
     rows = head_rows(n, v) if asked <= 0 else min(n, asked)
+    most = head_rows(1 << 62, v) if asked <= 0 else asked  # rows of a chunk at any size
     chunks = -(-n // rows)
     fp32 = _arg(node, 5, "fp32", True)
     dtype = "float32" if fp32 else str(x.dtype).replace("torch.", "")
@@ -372,8 +379,9 @@ def _linear_cross_entropy(node: fx.Node) -> OpCost:
         parts += ((_chunk(v * d, 3 * v * d * 4, 0, 0), chunks),)
     flops = sum(p.flops * k for p, k in parts)
     moved = sum((p.bytes + p.reused) * k for p, k in parts)
-    return _python_op(node, flops, moved, 10 + 27 * chunks,
-                      rows * v * 8 + (0 if fp32 else v * d * 4), parts)
+    extra = 0 if fp32 else v * d * 4
+    return _python_op(node, flops, moved, 10 + 27 * chunks, rows * v * 8 + extra, parts,
+                      most * v * 8 + extra)
 
 
 def _gated_mlp(node: fx.Node, backward: bool) -> OpCost:
@@ -384,7 +392,9 @@ def _gated_mlp(node: fx.Node, backward: bool) -> OpCost:
     first = 1 if backward else 0
     x, wd = _val(node.args[first]), _val(node.args[first + 3])
     (n, d), inter, size = x.shape, wd.shape[1], x.element_size()
-    rows = mlp_rows(n, inter, int(_arg(node, first + 5, "rows", 0)))
+    asked = int(_arg(node, first + 5, "rows", 0))
+    rows = mlp_rows(n, inter, asked)
+    most = mlp_rows(1 << 62, inter, asked)  # rows of a chunk at any size
     chunks = -(-n // rows)
     dtype = str(x.dtype).replace("torch.", "")
     mm = OpCost("matmul", 2.0 * rows * d * inter, (rows * d + inter * d + rows * inter) * size,
@@ -399,7 +409,8 @@ def _gated_mlp(node: fx.Node, backward: bool) -> OpCost:
         calls, workspace = 12 + k, rows * inter * (6 * size + 12)
     flops = sum(p.flops * c for p, c in parts)
     moved = sum((p.bytes + p.reused) * c for p, c in parts)
-    return _python_op(node, flops, moved, 2 + calls * chunks, workspace, parts)
+    return _python_op(node, flops, moved, 2 + calls * chunks, workspace, parts,
+                      workspace * most // rows)
 
 
 #: qualified op name -> (kind, rule giving its OpCost); consulted before every other rule

@@ -193,6 +193,11 @@ def _lce_backward(ctx, grad_loss, grad_gx, grad_gw):  # noqa: ANN001
 
 linear_cross_entropy.register_autograd(_lce_backward, setup_context=_lce_setup)
 
+#: outputs (by index) of glmc ops that do not grow with the batch: a weight's gradient made in
+#: the forward is the weight's size for any number of rows (what a planner pricing one
+#: sequence must not scale by the micro-batch)
+BATCH_FIXED_OUTPUTS: dict[str, tuple[int, ...]] = {"glmc::linear_cross_entropy": (2,)}
+
 
 def cross_entropy_reference(logits: Tensor, target: Tensor, ignore_index: int,
                             reduction: int) -> tuple[Tensor, Tensor]:

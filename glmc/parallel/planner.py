@@ -44,16 +44,18 @@ How a plan is priced (the figures are glmc's own programs, not a formula per mod
    Memory per device, from the liveness of the program glmc compiles
    (`glmc.analysis.memory.simulate` on the one-sequence step: a whole step after the default
    passes, fusion and cleanup; a pipeline stage as captured, the way stages run): per block
-   the values its backward reads, the most it holds at once above what the blocks before it
-   saved, and its fused ops' workspace (chunked, so the same for any micro-batch); the
-   update's own transient. A rank's peak is the larger of its busiest block (the activations
+   the values its backward reads (per sequence, and apart what is the same for any micro-
+   batch: the fused LM head's weight gradient, made in its forward), and at each node what
+   it holds above what the blocks before it saved, with its fused op's workspace apart (it
+   grows with the rows up to a chunk: a chunked kernel's cap); the update's own transient. A rank's peak is the larger of its busiest block (the activations
    of the micro-batches in flight — 1F1B: `pp - stage`; GPipe: all `m`; interleaved: `pp`
    plus the extra virtual chunks — with that block's peak, and the gradients live by then:
    all of them once micro-batches accumulate) and its update, on top of parameters and
    optimizer state by precision and ZeRO stage; ZeRO's buckets (`passes.shard`, the plan's
-   `bucket`) add stage 3's gathered parameters (a bucket and the prefetched next), stages
-   2-3's whole gradients of a bucket before its reduce-scatter, and stages 1-2's
-   all-gathered new parameters after the update.
+   `bucket`) add stage 3's gathered parameters (a bucket and the prefetched next; on CPUs
+   gloo's staged copy of the one in flight), stages 2-3's gradients the backward made so
+   far whole up to a bucket (the rest reduce-scattered), and stages 1-2's all-gathered new
+   parameters after the update.
 
 Recompute: `full` makes every layer's forward again in its backward and keeps the layer's
 output (the recompute pass at `min` runs it); `selective` keeps the outputs of matmuls,
@@ -74,11 +76,13 @@ import copy
 from collections import defaultdict
 import dataclasses
 import math
+import operator
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
+import torch.fx as fx
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -248,13 +252,16 @@ class PartCost:
     forward_flops: float  #: of the whole block (all tp ranks together)
     backward_flops: float
     overhead_s: float = 0.0  #: kernel launches / op dispatch, forward + backward, per micro-batch
-    #: the most this block has live at once (forward or backward) beyond what the blocks
-    #: before it saved for the backward: its own saved values, temporaries, the gradients
-    #: flowing through it (liveness over the step's program, `glmc.analysis.memory.simulate`)
-    peak_bytes: int = 0
-    #: the most its fused ops allocate inside at once (a chunk of logits or of the MLP's
-    #: hidden rows): the same for any micro-batch larger than a chunk
-    workspace_bytes: int = 0
+    #: what this block has live at once (forward or backward) beyond what the blocks before
+    #: it saved for the backward, at each of its candidate peaks: (bytes per sequence,
+    #: workspace per sequence, workspace cap). Per sequence: its own saved values,
+    #: temporaries, the gradients flowing through it (liveness over the step's program,
+    #: `glmc.analysis.memory.simulate`; weights' gradients left out, the fused LM head's
+    #: made in its forward too: the plan counts them by ZeRO stage); and what the fused op
+    #: running then allocates inside (a chunk of logits or of the MLP's hidden rows: it
+    #: grows with the rows up to a chunk, the cap; -1: no cap). Only the points no other
+    #: beats at every micro-batch size are kept; `peak(b)` is their most.
+    peaks: tuple[tuple[int, int, int], ...] = ()
     #: what the update allocates beyond the gradients (new parameters and optimizer state
     #: before the old ones are freed, temporaries), this block's share (batch-independent)
     update_bytes: int = 0
@@ -267,6 +274,15 @@ class PartCost:
     selective_s: float = 0.0
     selective_overhead_s: float = 0.0
     selective_flops: float = 0.0
+    #: forward values the backward reads that are the same for any micro-batch (the fused LM
+    #: head's weight gradient, `glmc.ir.kernels.BATCH_FIXED_OUTPUTS`), per micro-batch
+    saved_fixed: int = 0
+
+    def peak(self, sequences: int) -> int:
+        """The most this block has live at once beyond what the blocks before it saved, for
+        a micro-batch of `sequences`."""
+        return max((sequences * live + _room(sequences, room, cap)
+                    for live, room, cap in self.peaks), default=0)
 
     def recompute(self, how: str | Mix) -> tuple[float, float]:
         """(seconds per sequence, seconds per micro-batch) this block's backward spends
@@ -280,6 +296,11 @@ class PartCost:
         if how == "full":
             return self.forward_s, self.overhead_s / 3
         return self.selective_s, self.selective_overhead_s
+
+    def held(self, how: str | Mix, sequences: int) -> int:
+        """Bytes a micro-batch of `sequences` leaves in this block for its backward under
+        recompute `how`."""
+        return sequences * self.kept(how) + self.saved_fixed
 
     def kept(self, how: str | Mix) -> int:
         """Bytes per sequence this block holds for its backward under recompute `how`."""
@@ -568,14 +589,14 @@ def _price(graph: TrainGraph, device: DeviceKind, t: int) -> list[PartCost]:
                 a["out"] += info.spec.nbytes
     params = _params(graph, blocks)
     total = sum(params.values()) or 1
-    saved, peaks, rooms, update_bytes = _live(graph, pred, traits, blocks)
+    saved, saved_fixed, peaks, update_bytes = _live(graph, pred, traits, blocks)
     sel = _selective(graph, blocks, seconds, launch, t)
     return [PartCost(b, acc[b]["f"], acc[b]["b"], update * params[b] / total, params[b],
                      saved[b], acc[b]["out"], tuple(acc[b]["comm"]), acc[b]["ff"],
-                     acc[b]["bf"], acc[b]["o"], peaks[b], rooms[b],
+                     acc[b]["bf"], acc[b]["o"], peaks[b],
                      update_bytes * params[b] // total,
                      round(saved[b] * sel[b]["share"]), sel[b]["s"], sel[b]["o"],
-                     sel[b]["flops"])
+                     sel[b]["flops"], saved_fixed[b])
             for b in blocks]
 
 
@@ -632,19 +653,22 @@ def _selective(graph: TrainGraph, blocks: list[str], seconds: dict[str, float],
 
 
 def _live(graph: TrainGraph, pred: Any, traits: Any, blocks: list[str]
-          ) -> tuple[dict[str, int], dict[str, int], dict[str, int], int]:
+          ) -> tuple[dict[str, int], dict[str, int], dict[str, tuple[tuple[int, int], ...]], int]:
     """From the liveness of the step's program on one sequence (`pred.memory`, over the
     program the backend runs): per block, the forward values its backward reads (the
-    activations its forward nodes allocate: views and aliases followed) and the most it has
-    live at once beyond what the blocks before it saved (weights' gradients left out: the
-    plan counts them by ZeRO stage) with its fused ops' workspace apart (chunked: it does not
-    grow with the micro-batch); and what the update holds beyond the gradients (all blocks
-    together)."""
+    activations its forward nodes allocate: views and aliases followed), per sequence and
+    apart those the same for any micro-batch (`BATCH_FIXED_OUTPUTS`: the fused LM head's
+    weight gradient); its candidate peaks (`PartCost.peaks`): at each node, what is live
+    per sequence beyond what the blocks before it saved (weights' gradients left out, fixed
+    outputs too: the plan counts them by ZeRO stage) and, apart, the fused op's workspace
+    (chunked: it grows with the micro-batch up to a chunk); and what the update holds beyond
+    the gradients (all blocks together)."""
     nodes = list(pred.program.nodes)
     fusion = traits.fusion(pred.program) if traits.fusion is not None else None
     inside = workspaces(nodes, fusion)
-    timeline = []  # forward and backward nodes: (block, live bytes less workspace, workspace)
-    saved = dict.fromkeys(blocks, 0)
+    fixed = _fixed_outputs(nodes)
+    timeline = []  # forward and backward nodes: (block, per sequence, room, cap)
+    saved, saved_fixed = dict.fromkeys(blocks, 0), dict.fromkeys(blocks, 0)
     grads = sum(graph.info(ph).spec.nbytes for spec, ph in
                 zip(graph.inputs, graph.placeholders())
                 if spec.role is Role.PARAMETER and graph.info(ph).spec is not None)
@@ -659,19 +683,63 @@ def _live(graph: TrainGraph, pred: Any, traits: Any, blocks: list[str]
                          + live["gradients"] - grads)
         elif info.phase in (Phase.FORWARD, Phase.BACKWARD):
             b = _block_of(graph, n, blocks)
+            flat = sum(nbytes for first, last, nbytes in fixed if first <= i <= last)
+            acts = live["activations"] - flat  # the fixed outputs are forward values
             if info.phase is Phase.FORWARD:
-                saved[b] += max(0, live["activations"] - held)
-            held = live["activations"]
+                saved[b] += max(0, acts - held)
+                saved_fixed[b] += sum(nbytes for first, _, nbytes in fixed if first == i)
+            held = acts
             room = inside.get(n, 0)
-            timeline.append((b, live["activations"] + live["temporaries"] - room, room))
+            cap = op_cost(n).workspace_cap if room else None
+            timeline.append((b, acts + live["temporaries"] - room, room,
+                             -1 if cap is None else cap))
     before, run = {}, 0
     for b in blocks:  # forward order
         before[b], run = run, run + saved[b]
-    peaks, rooms = dict.fromkeys(blocks, 0), dict.fromkeys(blocks, 0)
-    for b, live_bytes, room in timeline:
-        peaks[b] = max(peaks[b], live_bytes - before[b])
-        rooms[b] = max(rooms[b], room)
-    return saved, peaks, rooms, update
+    points: dict[str, list[tuple[int, int, int]]] = {b: [] for b in blocks}
+    for b, per_sequence, room, cap in timeline:
+        points[b].append((max(0, per_sequence - before[b]), room, cap))
+    return saved, saved_fixed, {b: _frontier(points[b]) for b in blocks}, update
+
+
+def _room(sequences: int, room: int, cap: int) -> int:
+    """A fused op's workspace for `sequences` from its one-sequence `room`: it grows with
+    the rows up to `cap` (-1: no cap)."""
+    return sequences * room if cap < 0 else min(sequences * room, max(room, cap))
+
+
+def _fixed_outputs(nodes: list[Any]) -> list[tuple[int, int, int]]:
+    """(first node index, last reader's index, bytes) of each output that does not grow with
+    the batch (`glmc.ir.kernels.BATCH_FIXED_OUTPUTS`)."""
+    from glmc.analysis.opcost import value_bytes
+    from glmc.ir.kernels import BATCH_FIXED_OUTPUTS
+    index = {n: i for i, n in enumerate(nodes)}
+    out = []
+    for n in nodes:
+        if n.target is not operator.getitem or not isinstance(n.args[0], fx.Node):
+            continue
+        op = n.args[0].target
+        name = op._schema.name if isinstance(op, torch._ops.OpOverload) else ""
+        if n.args[1] in BATCH_FIXED_OUTPUTS.get(name, ()):
+            last = max((index[u] for u in alias_readers(n) if u in index), default=index[n])
+            out.append((index[n.args[0]], last, value_bytes(n.meta.get("val"))))
+    return out
+
+
+def _frontier(points: Iterable[tuple[int, int, int]]) -> tuple[tuple[int, int, int], ...]:
+    """The candidate peaks (`PartCost.peaks`) no other matches or beats at every micro-batch
+    size: per workspace cap, those no other beats in both bytes per sequence and workspace."""
+    by_cap: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for live, room, cap in points:
+        by_cap[cap].append((live, room))
+    out = []
+    for cap, group in sorted(by_cap.items()):
+        best = -1
+        for live, room in sorted(set(group), key=lambda q: (-q[0], -q[1])):
+            if room > best:
+                out.append((live, room, cap))
+                best = room
+    return tuple(out)
 
 
 def _block_of(graph: TrainGraph, n: Any, blocks: list[str]) -> str:
@@ -739,12 +807,12 @@ def _mean(parts: list[PartCost]) -> PartCost:
                     sum(p.forward_flops for p in parts) / k,
                     sum(p.backward_flops for p in parts) / k,
                     sum(p.overhead_s for p in parts) / k,
-                    round(sum(p.peak_bytes for p in parts) / k),
-                    round(sum(p.workspace_bytes for p in parts) / k),
+                    _frontier(q for p in parts for q in p.peaks),
                     round(sum(p.update_bytes for p in parts) / k),
                     round(sum(p.selective_bytes for p in parts) / k),
                     *(sum(getattr(p, f) for p in parts) / k for f in
-                      ("selective_s", "selective_overhead_s", "selective_flops")))
+                      ("selective_s", "selective_overhead_s", "selective_flops")),
+                    round(sum(p.saved_fixed for p in parts) / k))
 
 
 def _merge(name: str, parts: list[PartCost]) -> PartCost:
@@ -753,18 +821,18 @@ def _merge(name: str, parts: list[PartCost]) -> PartCost:
                     sum(p.saved_bytes for p in parts), sum(p.out_bytes for p in parts),
                     tuple(c for p in parts for c in p.tp_bytes),
                     sum(p.forward_flops for p in parts), sum(p.backward_flops for p in parts),
-                    sum(p.overhead_s for p in parts), _merged_peak(parts),
-                    max((p.workspace_bytes for p in parts), default=0),
+                    sum(p.overhead_s for p in parts), _merged_peaks(parts),
                     sum(p.update_bytes for p in parts),
                     *(sum(getattr(p, f) for p in parts) for f in
                       ("selective_bytes", "selective_s", "selective_overhead_s",
-                       "selective_flops")))
+                       "selective_flops", "saved_fixed")))
 
 
-def _merged_peak(parts: list[PartCost]) -> int:
-    """The peak of consecutive blocks as one: each block's peak on top of what the blocks
-    before it in the group saved."""
-    out, run = 0, 0
+def _merged_peaks(parts: list[PartCost]) -> tuple[tuple[int, int], ...]:
+    """The peaks of consecutive blocks as one: each block's on top of what the blocks before
+    it in the group saved."""
+    out, run = [], 0
     for p in parts:
-        out, run = max(out, run + p.peak_bytes), run + p.saved_bytes
-    return out
+        out += [(run + live, room, cap) for live, room, cap in p.peaks]
+        run += p.saved_bytes
+    return _frontier(out)

@@ -125,7 +125,7 @@ def evaluate(p: PlanPoint, work: Workload, cluster: Cluster, overlap: bool = Tru
                                         dev, stretch)
         breakdown = {"compute": comp, "recompute": rec, "tp_comm": tp, "p2p": p2p,
                      "bubble": bubble, "contention": contention, **sync, "update": update}
-        memories = [_memory(q, chunk_list, r, chunks[-1], work, m, how)
+        memories = [_memory(q, chunk_list, r, chunks[-1], work, m, how, _stages(devs[r]))
                     for r, (chunk_list, how) in enumerate(zip(ranks, hows))]
         fits = not unmet and all(  # a budget's mix met at p.bucket: this bucket may not
             sum(mem.values()) <= min(devs[r].memory_bytes, 1.001 * targets[r])
@@ -304,7 +304,7 @@ def _recompute_mixes(p: PlanPoint, ranks: list, last: tuple, work: Workload, m: 
     for r, chunk_list in enumerate(ranks):
         points = []
         for mode in RECOMPUTE:
-            mem = _memory(p, chunk_list, r, last, work, m, mode)
+            mem = _memory(p, chunk_list, r, last, work, m, mode, _stages(devs[r]))
             _, rec, tp, _ = _rank_costs(p, chunk_list, last, devs[r], cluster, mode)
             points.append((sum(mem.values()), m * (rec + tp), mode, mem))
         none = points[0][3]
@@ -316,18 +316,19 @@ def _recompute_mixes(p: PlanPoint, ranks: list, last: tuple, work: Workload, m: 
         if target < least:
             unmet.append((r, target, least))
         elif budget.kind == "fraction" and len(chunk_list) > 1:  # the pass takes its share
-            unmet += _stage_shares(p, chunk_list, r, last, work, m, budget)  # stage by stage
+            unmet += _stage_shares(p, chunk_list, r, last, work, m, budget,  # stage by stage
+                                   _stages(devs[r]))
     return out, targets, unmet
 
 
 def _stage_shares(p: PlanPoint, chunk_list: list, rank: int, last: tuple, work: Workload,
-                  m: int, budget: Any) -> list[tuple[int, float, int]]:
+                  m: int, budget: Any, staged: bool = False) -> list[tuple[int, float, int]]:
     """(rank, target, least peak) for each of an interleaved rank's stages whose own share
     of its activations recompute cannot reach (a stage of the head alone recomputes
     nothing): the runtime applies a fraction to every stage (`stage_budgets`)."""
     out = []
     for ch in chunk_list:
-        mems = [_memory(p, [ch], rank, last, work, m, mode) for mode in RECOMPUTE]
+        mems = [_memory(p, [ch], rank, last, work, m, mode, staged) for mode in RECOMPUTE]
         target = budget.target(sum(mems[0].values()), persistent_bytes(mems[0]))
         least = min(sum(mem.values()) for mem in mems)
         if target < least:
@@ -615,23 +616,30 @@ def _prefetched(order: list[PartCost], p: PlanPoint, link: Any, phase: str,
     return exposed
 
 
+def _stages(dev: DeviceKind) -> bool:
+    """Whether its collectives stage their buffers: gloo (CPU) copies a reduce-scatter's
+    input and an all-gather's output (`glmc.analysis.opcost._comm_staging`); NCCL does not."""
+    return dev.profile.kind == "cpu"
+
+
 def _memory(p: PlanPoint, chunk_list: list, rank: int, last: tuple, work: Workload, m: int,
-            how: str | Mix) -> dict[str, int]:
+            how: str | Mix, staged: bool = False) -> dict[str, int]:
     """Bytes on a device of pipeline rank `rank` at its busiest moment, by category: the
     state by precision and ZeRO stage, and the most of (a) the activations of the
-    micro-batches in flight with one block at its own peak (`PartCost.peak_bytes`, forward
+    micro-batches in flight with one block at its own peak (`PartCost.peak`, forward
     or backward; under full recompute a layer keeps only its output and comes back whole in
     its backward, under selective what `PartCost.kept` says) and the gradients by then,
     (b) the update's transient, or (c) with gradient compression, a bucket's compression
-    beside the gradients. The model's last
+    beside the gradients. `staged`: an all-gather in flight holds a copy of its output
+    (gloo). The model's last
     chunk (head and loss) starts its backward right after its forward: one micro-batch in
     flight."""
     pb, gb, ob = _STATE[work.precision]
     params = sum(c.params for ch in chunk_list for c in ch)
     flight = _in_flight(p, rank, m)
 
-    def kept(c: PartCost) -> int:
-        return c.kept(how)
+    def kept(c: PartCost) -> int:  # one micro-batch's
+        return c.held(how, p.microbatch)
     held = sum((1 if ch is last and p.schedule in ("1f1b", "interleaved") else flight) * kept(c)
                for ch in chunk_list for c in ch)
     grad_shard = p.dp if p.zero >= 2 else 1
@@ -640,7 +648,8 @@ def _memory(p: PlanPoint, chunk_list: list, rank: int, last: tuple, work: Worklo
     # prefetches the next; stages 2-3 reduce-scatter each bucket of whole gradients; after a
     # stage 1-2 update the new parameters are all-gathered whole
     bucket = int(p.bucket * _MB) if p.dp > 1 else 0
-    gathered = min(2 * bucket, params * pb) if p.zero == 3 else 0
+    gathered = min(2 * bucket, params * pb) + staged * min(bucket, params * pb) \
+        if p.zero == 3 else 0
     unsharded = min(bucket, params * gb) if p.zero >= 2 else 0
     best = (-1, 0, 0, 0)  # (total, activations, working, gradients)
     for ch in chunk_list:
@@ -648,9 +657,13 @@ def _memory(p: PlanPoint, chunk_list: list, rank: int, last: tuple, work: Worklo
         grads_after = 0
         for c in reversed(ch):
             grads_after += c.params * gb
-            acts = p.microbatch * (held - after - kept(c))
-            work_set = p.microbatch * c.peak_bytes + c.workspace_bytes + gathered
-            grads = (params * gb if accumulating else grads_after) // grad_shard + unsharded
+            acts = held - after - kept(c)
+            work_set = c.peak(p.microbatch) + gathered
+            if accumulating:
+                grads = params * gb // grad_shard + unsharded
+            else:  # the backward so far: buckets reduce-scattered but the one filling
+                whole = min(unsharded, grads_after)
+                grads = (grads_after - whole) // grad_shard + whole
             if acts + work_set + grads > best[0]:
                 best = (acts + work_set + grads, acts, work_set, grads)
             after += kept(c)
