@@ -755,3 +755,42 @@ def test_zero3_on_gloo_holds_a_staged_copy_of_the_gather_in_flight(tiny: tuple) 
     assert cpu["working"] - gpu["working"] == min(int(0.25 * 2**20), params) > 0
     assert {k: v for k, v in cpu.items() if k != "working"} == \
         {k: v for k, v in gpu.items() if k != "working"}
+
+
+@pytest.mark.parametrize("pp,m", [(2, 2), (2, 8), (4, 2), (4, 8), (8, 16)])
+def test_zbh1_memory_follows_torchs_order(pp: int, m: int) -> None:
+    """The micro-batches a ZB-H1 rank holds (from its F to its W) and those waiting between
+    their I and their W, as the planner counts them, against the runtime's schedule (torch's
+    generator): both at most at the same moment."""
+    from glmc.planning.schedule import ActionKind, from_torch
+    from glmc.parallel.search import _in_flight, _waiting_w
+    sched = from_torch("zbh1", pp, m)
+    point = PlanPoint(1, 1, pp, 0, 1, "zbh1", 1, "none", "fp32")
+    for rank in range(pp):
+        held, waiting, seen = set(), set(), []
+        for a in sched.rank_actions(rank):
+            if a.kind is ActionKind.F:
+                held.add(a.microbatch)
+            elif a.kind is ActionKind.I:
+                waiting.add(a.microbatch)
+            elif a.kind is ActionKind.W:
+                held.discard(a.microbatch)
+                waiting.discard(a.microbatch)
+            seen.append((len(held), len(waiting)))
+        assert max(seen) == (_in_flight(point, rank, m), _waiting_w(point, rank, m))
+
+
+def test_a_zero_bubble_stage_keeps_what_its_w_reads(tiny: tuple) -> None:
+    """A micro-batch past its I keeps what its W reads (its matmuls' inputs and output
+    gradients, `stash_bytes`) instead of everything its backward reads: priced on the
+    ZB-H1 ranks only."""
+    work, cluster = tiny
+    layer = next(c for c in work.parts[1] if c.name.startswith("layer "))
+    assert 0 < layer.stash_bytes < layer.saved_bytes + layer.peak(1)
+    more = dataclasses.replace(work, parts={t: tuple(
+        dataclasses.replace(c, stash_bytes=c.stash_bytes + 2**20) for c in parts)
+        for t, parts in work.parts.items()})
+    for schedule, grows in (("zbh1", True), ("1f1b", False)):
+        point = PlanPoint(1, 1, 4, 0, 1, schedule, 1, "none", "bf16")
+        before, after = (evaluate(point, w, cluster).peak_bytes for w in (work, more))
+        assert (after > before) is grows, schedule

@@ -47,9 +47,11 @@ How a plan is priced (the figures are glmc's own programs, not a formula per mod
    the values its backward reads (per sequence, and apart what is the same for any micro-
    batch: the fused LM head's weight gradient, made in its forward), and at each node what
    it holds above what the blocks before it saved, with its fused op's workspace apart (it
-   grows with the rows up to a chunk: a chunked kernel's cap); the update's own transient. A rank's peak is the larger of its busiest block (the activations
-   of the micro-batches in flight — 1F1B: `pp - stage`; GPipe: all `m`; interleaved: `pp`
-   plus the extra virtual chunks — with that block's peak, and the gradients live by then:
+   grows with the rows up to a chunk: a chunked kernel's cap); the update's own transient.
+   A rank's peak is the larger of its busiest block (the activations of the micro-batches
+   in flight — 1F1B: `pp - stage`; GPipe: all `m`; interleaved: `pp` plus the extra virtual
+   chunks; ZB-H1: `pp`, up to `stage + 1` of them past their I keeping only what their W
+   reads, `PartCost.stash_bytes` — with that block's peak, and the gradients live by then:
    all of them once micro-batches accumulate) and its update, on top of parameters and
    optimizer state by precision and ZeRO stage; ZeRO's buckets (`passes.shard`, the plan's
    `bucket`) add stage 3's gathered parameters (a bucket and the prefetched next; on CPUs
@@ -277,6 +279,11 @@ class PartCost:
     #: forward values the backward reads that are the same for any micro-batch (the fused LM
     #: head's weight gradient, `glmc.ir.kernels.BATCH_FIXED_OUTPUTS`), per micro-batch
     saved_fixed: int = 0
+    #: per sequence, what a zero-bubble schedule keeps between a micro-batch's I and its W:
+    #: the forward values the weight gradients read (the matmuls' inputs) and the values of
+    #: the input-gradient backward they read (the matmuls' output gradients;
+    #: `glmc.ir.split.split_backward`'s stash)
+    stash_bytes: int = 0
 
     def peak(self, sequences: int) -> int:
         """The most this block has live at once beyond what the blocks before it saved, for
@@ -591,13 +598,41 @@ def _price(graph: TrainGraph, device: DeviceKind, t: int) -> list[PartCost]:
     total = sum(params.values()) or 1
     saved, saved_fixed, peaks, update_bytes = _live(graph, pred, traits, blocks)
     sel = _selective(graph, blocks, seconds, launch, t)
+    stash = _stash(graph, blocks)
     return [PartCost(b, acc[b]["f"], acc[b]["b"], update * params[b] / total, params[b],
                      saved[b], acc[b]["out"], tuple(acc[b]["comm"]), acc[b]["ff"],
                      acc[b]["bf"], acc[b]["o"], peaks[b],
                      update_bytes * params[b] // total,
                      round(saved[b] * sel[b]["share"]), sel[b]["s"], sel[b]["o"],
-                     sel[b]["flops"], saved_fixed[b])
+                     sel[b]["flops"], saved_fixed[b], stash[b])
             for b in blocks]
+
+
+def _stash(graph: TrainGraph, blocks: list[str]) -> dict[str, int]:
+    """Per block, the bytes (one sequence) ZB-H1 keeps from a micro-batch's I to its W, as
+    `split_backward` cuts a stage's backward: I is what the gradients handed to an earlier
+    block need, W the rest; W reads forward values and I values (the stash)."""
+    from glmc.analysis.opcost import value_bytes
+    back = [n for n in graph.compute_nodes() if graph.info(n).phase is Phase.BACKWARD]
+    inside = set(back)
+    block = {n: _block_of(graph, n, blocks) for n in back}
+    need = [n for n in back if any(u in inside and block[u] != block[n] for u in n.users)]
+    in_i: set = set()
+    while need:  # everything the handed-on gradients need, within the backward
+        n = need.pop()
+        if n not in in_i:
+            in_i.add(n)
+            need += [a for a in n.all_input_nodes if a in inside]
+    out = dict.fromkeys(blocks, 0)
+    kept = {n for n in in_i if any(u in inside and u not in in_i for u in n.users)}
+    kept |= {alias_root(a) for w in inside - in_i for a in w.all_input_nodes
+             if graph.info(alias_root(a)) is not None
+             and graph.info(alias_root(a)).phase is Phase.FORWARD}
+    for n in kept:
+        val = n.meta.get("val")
+        if not isinstance(val, (tuple, list)):
+            out[_block_of(graph, n, blocks)] += value_bytes(val)
+    return out
 
 
 def _selective(graph: TrainGraph, blocks: list[str], seconds: dict[str, float],
@@ -812,7 +847,8 @@ def _mean(parts: list[PartCost]) -> PartCost:
                     round(sum(p.selective_bytes for p in parts) / k),
                     *(sum(getattr(p, f) for p in parts) / k for f in
                       ("selective_s", "selective_overhead_s", "selective_flops")),
-                    round(sum(p.saved_fixed for p in parts) / k))
+                    round(sum(p.saved_fixed for p in parts) / k),
+                    round(sum(p.stash_bytes for p in parts) / k))
 
 
 def _merge(name: str, parts: list[PartCost]) -> PartCost:
@@ -825,7 +861,7 @@ def _merge(name: str, parts: list[PartCost]) -> PartCost:
                     sum(p.update_bytes for p in parts),
                     *(sum(getattr(p, f) for p in parts) for f in
                       ("selective_bytes", "selective_s", "selective_overhead_s",
-                       "selective_flops", "saved_fixed")))
+                       "selective_flops", "saved_fixed", "stash_bytes")))
 
 
 def _merged_peaks(parts: list[PartCost]) -> tuple[tuple[int, int], ...]:

@@ -631,7 +631,8 @@ def _memory(p: PlanPoint, chunk_list: list, rank: int, last: tuple, work: Worklo
     its backward, under selective what `PartCost.kept` says) and the gradients by then,
     (b) the update's transient, or (c) with gradient compression, a bucket's compression
     beside the gradients. `staged`: an all-gather in flight holds a copy of its output
-    (gloo). The model's last
+    (gloo). ZB-H1 also keeps what a micro-batch's W reads from its I (`PartCost.stash_bytes`)
+    for the micro-batches waiting for their W. The model's last
     chunk (head and loss) starts its backward right after its forward: one micro-batch in
     flight."""
     pb, gb, ob = _STATE[work.precision]
@@ -642,6 +643,8 @@ def _memory(p: PlanPoint, chunk_list: list, rank: int, last: tuple, work: Worklo
         return c.held(how, p.microbatch)
     held = sum((1 if ch is last and p.schedule in ("1f1b", "interleaved") else flight) * kept(c)
                for ch in chunk_list for c in ch)
+    waiting = _waiting_w(p, rank, m)  # each keeps what its W reads instead of its saved
+    swap = sum(p.microbatch * c.stash_bytes - kept(c) for ch in chunk_list for c in ch)
     grad_shard = p.dp if p.zero >= 2 else 1
     accumulating = m > 1  # earlier micro-batches' gradients are held
     # glmc's ZeRO buckets (passes.shard): stage 3 holds a bucket of whole parameters and
@@ -657,7 +660,7 @@ def _memory(p: PlanPoint, chunk_list: list, rank: int, last: tuple, work: Worklo
         grads_after = 0
         for c in reversed(ch):
             grads_after += c.params * gb
-            acts = held - after - kept(c)
+            acts = held - after - kept(c) + max(0, waiting - 1) * swap
             work_set = c.peak(p.microbatch) + gathered
             if accumulating:
                 grads = params * gb // grad_shard + unsharded
@@ -667,6 +670,10 @@ def _memory(p: PlanPoint, chunk_list: list, rank: int, last: tuple, work: Worklo
             if acts + work_set + grads > best[0]:
                 best = (acts + work_set + grads, acts, work_set, grads)
             after += kept(c)
+    if waiting:  # between actions: every micro-batch held, `waiting` of them past their I
+        quiet = held + waiting * swap
+        if quiet + params * gb > best[0]:
+            best = (quiet + params * gb, quiet, 0, params * gb)
     update = sum(c.update_bytes for ch in chunk_list for c in ch) // (p.dp if p.zero else 1)
     if p.zero in (1, 2) and p.dp > 1:
         update += params * pb
@@ -687,6 +694,13 @@ def _memory(p: PlanPoint, chunk_list: list, rank: int, last: tuple, work: Worklo
     if p.compress != "none" and p.dp > 1:  # error feedback: each bucket's fp32 residual
         out["compression"] = params * 4
     return out
+
+
+def _waiting_w(p: PlanPoint, rank: int, m: int) -> int:
+    """Micro-batches rank `rank` holds between their I and their W at most: torch's ZB-H1
+    order (the runtime's) defers up to rank + 1 of them, at its busiest moment (0 for the
+    schedules without a split backward)."""
+    return min(m, rank + 1) if p.schedule == "zbh1" and p.pp > 1 else 0
 
 
 def _in_flight(p: PlanPoint, rank: int, m: int) -> float:
