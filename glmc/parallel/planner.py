@@ -688,7 +688,8 @@ def _selective(graph: TrainGraph, blocks: list[str], seconds: dict[str, float],
 
 
 def _live(graph: TrainGraph, pred: Any, traits: Any, blocks: list[str]
-          ) -> tuple[dict[str, int], dict[str, int], dict[str, tuple[tuple[int, int], ...]], int]:
+          ) -> tuple[dict[str, int], dict[str, int], dict[str, tuple[tuple[int, int, int], ...]],
+                     int]:
     """From the liveness of the step's program on one sequence (`pred.memory`, over the
     program the backend runs): per block, the forward values its backward reads (the
     activations its forward nodes allocate: views and aliases followed), per sequence and

@@ -125,7 +125,7 @@ def evaluate(p: PlanPoint, work: Workload, cluster: Cluster, overlap: bool = Tru
                                         dev, stretch)
         breakdown = {"compute": comp, "recompute": rec, "tp_comm": tp, "p2p": p2p,
                      "bubble": bubble, "contention": contention, **sync, "update": update}
-        memories = [_memory(q, chunk_list, r, chunks[-1], work, m, how, _stages(devs[r]))
+        memories = [_memory(q, chunk_list, r, chunks[-1], work, m, how, _staging(devs[r]))
                     for r, (chunk_list, how) in enumerate(zip(ranks, hows))]
         fits = not unmet and all(  # a budget's mix met at p.bucket: this bucket may not
             sum(mem.values()) <= min(devs[r].memory_bytes, 1.001 * targets[r])
@@ -304,7 +304,7 @@ def _recompute_mixes(p: PlanPoint, ranks: list, last: tuple, work: Workload, m: 
     for r, chunk_list in enumerate(ranks):
         points = []
         for mode in RECOMPUTE:
-            mem = _memory(p, chunk_list, r, last, work, m, mode, _stages(devs[r]))
+            mem = _memory(p, chunk_list, r, last, work, m, mode, _staging(devs[r]))
             _, rec, tp, _ = _rank_costs(p, chunk_list, last, devs[r], cluster, mode)
             points.append((sum(mem.values()), m * (rec + tp), mode, mem))
         none = points[0][3]
@@ -317,7 +317,7 @@ def _recompute_mixes(p: PlanPoint, ranks: list, last: tuple, work: Workload, m: 
             unmet.append((r, target, least))
         elif budget.kind == "fraction" and len(chunk_list) > 1:  # the pass takes its share
             unmet += _stage_shares(p, chunk_list, r, last, work, m, budget,  # stage by stage
-                                   _stages(devs[r]))
+                                   _staging(devs[r]))
     return out, targets, unmet
 
 
@@ -616,7 +616,7 @@ def _prefetched(order: list[PartCost], p: PlanPoint, link: Any, phase: str,
     return exposed
 
 
-def _stages(dev: DeviceKind) -> bool:
+def _staging(dev: DeviceKind) -> bool:
     """Whether its collectives stage their buffers: gloo (CPU) copies a reduce-scatter's
     input and an all-gather's output (`glmc.analysis.opcost._comm_staging`); NCCL does not."""
     return dev.profile.kind == "cpu"
