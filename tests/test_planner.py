@@ -199,9 +199,9 @@ def test_an_interleaved_rank_meets_a_share_on_each_of_its_stages(tiny: tuple) ->
     assert not head[0].name.startswith("layer")
     layers = tuple(c for c in parts if c.name.startswith("layer "))[:2]
     point = PlanPoint(1, 1, 2, 0, 1, "interleaved", 2, "0.8", "bf16")
-    unmet = _stage_shares(point, [layers, head], 1, head, work, 8, Budget.parse("0.8"))
+    unmet = _stage_shares(point, [layers, head], 1, head, work, 8, Budget.parse("0.8"), False)
     assert len(unmet) == 1 and unmet[0][0] == 1 and unmet[0][1] < unmet[0][2]
-    assert _stage_shares(point, [layers, head], 1, head, work, 8, Budget.parse("1")) == []
+    assert _stage_shares(point, [layers, head], 1, head, work, 8, Budget.parse("1"), False) == []
 
 
 def test_the_hull_of_recompute_modes_skips_a_mode_above_the_chord() -> None:

@@ -322,7 +322,7 @@ def _recompute_mixes(p: PlanPoint, ranks: list, last: tuple, work: Workload, m: 
 
 
 def _stage_shares(p: PlanPoint, chunk_list: list, rank: int, last: tuple, work: Workload,
-                  m: int, budget: Any, staged: bool = False) -> list[tuple[int, float, int]]:
+                  m: int, budget: Any, staged: bool) -> list[tuple[int, float, int]]:
     """(rank, target, least peak) for each of an interleaved rank's stages whose own share
     of its activations recompute cannot reach (a stage of the head alone recomputes
     nothing): the runtime applies a fraction to every stage (`stage_budgets`)."""
@@ -654,6 +654,7 @@ def _memory(p: PlanPoint, chunk_list: list, rank: int, last: tuple, work: Worklo
     gathered = min(2 * bucket, params * pb) + staged * min(bucket, params * pb) \
         if p.zero == 3 else 0
     unsharded = min(bucket, params * gb) if p.zero >= 2 else 0
+    all_grads = params * gb // grad_shard + unsharded  # every gradient made, one bucket whole
     best = (-1, 0, 0, 0)  # (total, activations, working, gradients)
     for ch in chunk_list:
         after = 0  # this micro-batch's values the chunk's later blocks saved
@@ -663,7 +664,7 @@ def _memory(p: PlanPoint, chunk_list: list, rank: int, last: tuple, work: Worklo
             acts = held - after - kept(c) + max(0, waiting - 1) * swap
             work_set = c.peak(p.microbatch) + gathered
             if accumulating:
-                grads = params * gb // grad_shard + unsharded
+                grads = all_grads
             else:  # the backward so far: buckets reduce-scattered but the one filling
                 whole = min(unsharded, grads_after)
                 grads = (grads_after - whole) // grad_shard + whole
@@ -672,8 +673,8 @@ def _memory(p: PlanPoint, chunk_list: list, rank: int, last: tuple, work: Worklo
             after += kept(c)
     if waiting:  # between actions: every micro-batch held, `waiting` of them past their I
         quiet = held + waiting * swap
-        if quiet + params * gb > best[0]:
-            best = (quiet + params * gb, quiet, 0, params * gb)
+        if quiet + all_grads > best[0]:
+            best = (quiet + all_grads, quiet, 0, all_grads)
     update = sum(c.update_bytes for ch in chunk_list for c in ch) // (p.dp if p.zero else 1)
     if p.zero in (1, 2) and p.dp > 1:
         update += params * pb
