@@ -26,6 +26,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -110,6 +111,7 @@ def _run(file: Path, spelling: str, nproc: int, steps: int, out: Path) -> dict |
                 "exposed_comm_s": c["measured"].get("exposed_comm_seconds")}
     return {"step_s": rep["step_seconds"]["measured_steady"],  # pipelined: the busiest rank
             "peak_bytes": max(r["measured_peak_bytes"] for r in rep["ranks"]),
+            "rank_peak_bytes": [r["measured_peak_bytes"] for r in rep["ranks"]],
             "exposed_comm_s": None}
 
 
@@ -151,6 +153,7 @@ def run_case(name: str, nproc: int, rounds: int, steps: int, limit: int) -> dict
         rows.append({"spelling": p.point.spelling(),
                      "glmc_rank": plans.index(p) + 1 if p in plans else None,
                      "predicted_step_s": p.step_s, "predicted_peak_bytes": p.peak_bytes,
+                     "predicted_rank_peak_bytes": list(p.rank_peaks),
                      "predicted_exposed_comm_s": _exposed(p),
                      "measured_step_s": statistics.median(x["step_s"] for x in runs),
                      "measured_peak_bytes": statistics.median(x["peak_bytes"] for x in runs),
@@ -273,8 +276,9 @@ def repredict(path: Path, machine: str, peaks_only: bool = False) -> list[dict]:
         # the runs used the runtime's default bucket (spellings before the bucket key omit it)
         plans, work, cluster = _plan(w.model, w.example_inputs, "local", None, w.optimizer,
                                      "bucket=25", None, case["nproc"], True, None, None)
-        def key(spelling: str) -> str:  # spellings from before the compress/bucket keys
-            return spelling.replace(",bucket=25", "").replace(",compress=none", "")
+        def key(spelling: str) -> str:  # spellings from before the compress/bucket/cut keys
+            return re.sub(r",cut=[\d/]+", "", spelling.replace(",bucket=25", "")
+                          .replace(",compress=none", ""))
         by = {key(p.point.spelling()): (i + 1, p) for i, p in enumerate(plans)}
         rows = []
         for row in case["rows"]:

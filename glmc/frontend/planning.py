@@ -3,6 +3,7 @@ and `glmc.plan(...)`, the same from Python (glmc.parallel.planner, glmc.parallel
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -109,7 +110,8 @@ def run_plan(args: argparse.Namespace) -> int:
         return 1
     if cl.heterogeneous and plans[0].point.pp > 1:
         from glmc.parallel.search import evaluate
-        even = evaluate(plans[0].point, work, cl, not args.no_overlap, cut="equal")
+        even = evaluate(dataclasses.replace(plans[0].point, cut=()), work, cl,
+                        not args.no_overlap, cut="equal")
         print(f"  stages on {', '.join(plans[0].stage_devices)}: blocks per stage "
               f"{list(plans[0].stage_parts)} ({plans[0].step_s * 1e3:.1f} ms); an even split "
               f"{list(even.stage_parts)} would take {even.step_s * 1e3:.1f} ms")
@@ -137,7 +139,7 @@ def format_table(plans: list[PricedPlan]) -> str:
 # ---- running a plan: glmc compile FILE --plan SPELLING|auto ------------------------------------
 
 _PLAN_FLAGS = ("tp", "pp", "zero", "microbatches", "schedule", "accumulate", "bucket_mb",
-               "compress")
+               "compress", "cut")
 
 
 def apply_plan(args: argparse.Namespace, argv: list[str]) -> list[str]:
@@ -176,7 +178,12 @@ def apply_plan(args: argparse.Namespace, argv: list[str]) -> list[str]:
         point = PlanPoint(dp, tp, pp, fixed.get("zero", 0), fixed.get("microbatch", rows // dp),
                           schedule, fixed.get("virtual", 2 if schedule == "interleaved" else 1),
                           fixed.get("recompute", "none"), fixed.get("precision", "fp32"),
-                          fixed.get("bucket", PlanPoint.bucket), fixed.get("compress", "none"))
+                          fixed.get("bucket", PlanPoint.bucket), fixed.get("compress", "none"),
+                          fixed.get("cut", ()))
+        if point.cut and len(point.cut) != point.pp * point.virtual - 1:
+            raise ConfigError(f"the plan {point.spelling()} cuts {len(point.cut) + 1} stages; "
+                              f"pp={point.pp} x virtual={point.virtual} needs "
+                              f"{point.pp * point.virtual - 1} starts in cut=")
         if world is not None and point.devices != world:
             raise ConfigError(f"the plan {point.spelling()} runs on dp x tp x pp = "
                               f"{point.devices} processes, but --nproc is {world}")
@@ -246,6 +253,7 @@ def _set_flags(args: argparse.Namespace, point: Any, rows: int, launched: bool) 
     args.zero = point.zero if point.devices > 1 else None
     if point.pp > 1:
         args.microbatches, args.schedule = m, point.schedule
+        args.cut = "/".join(map(str, point.cut)) or None
     elif m > 1:
         args.accumulate = m
     if point.dp > 1 and point.pp == 1:  # the pipeline runtime all-reduces whole stages

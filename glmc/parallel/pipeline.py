@@ -28,6 +28,7 @@ import torch.nn as nn
 
 from glmc.compiler.passmanager import PassContext, PassManager, StageForm, StageUnit
 from glmc.errors import ConfigError, InputError
+from glmc.ir.blocks import step_blocks
 from glmc.ir.program import StagedProgram, link
 from glmc.ir.split import split_backward
 from glmc.parallel.executor import run_rank
@@ -736,7 +737,7 @@ def plan_trainer(plan: ParallelPlan, model: nn.Module, optimizer: torch.optim.Op
     return pipeline_trainer(model, optimizer, loss_fn, example_inputs,
                             (plan.microbatches or dims["pp"]) * plan.accumulate, plan.schedule,
                             2 if plan.schedule == "interleaved" else 1,
-                            timeout_s=plan.timeout_s, dp=dims["dp"],
+                            timeout_s=plan.timeout_s, dp=dims["dp"], cut=plan.cut,
                             memory_budget=memory_budget, zero=plan.zero or 0, backend=backend,
                             precision=precision, fusion=fusion, tp=plan.tp,
                             tp_plan=plan.tp_plan or "", sequence=bool(plan.sequence_parallel),
@@ -757,6 +758,8 @@ def plan_stages(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any
     one = like(example_inputs, microbatch_leaves(example_inputs, microbatches)[0])
     graph = capture(model, one, loss_fn, optimizer)
     traits = stage_backend(backend).traits()
+    if isinstance(cut, str) and cut != "equal":
+        cut = layer_cut(model, step_blocks(graph), cut, stages)
     if cut is not None:
         from glmc.passes.partition import plan_partition
         return plan_partition(graph, stages, microbatches, schedule, [profile] * stages,
@@ -801,6 +804,29 @@ def stage_budgets(plan: Any, budget: Any, ranks: int) -> list[StageBudget | None
         for i, a in zip(own, acts):
             share = a / sum(acts) if sum(acts) else 1 / len(own)
             out[i] = StageBudget(None, plan.stages[i].in_flight, int(rest * share))
+    return out
+
+
+def layer_cut(model: nn.Module, blocks: Sequence[str], text: str, stages: int
+              ) -> tuple[int, ...]:
+    """A cut spelled in layers (`glmc plan`'s `cut=1/2/4`: the layer of the model's list of
+    identical layers each stage after the first starts at; the layer count: the blocks
+    after the layers) as the indices of `blocks` (the step's, in order) the stages start
+    at; a model without such a list counts blocks. A ConfigError where it does not cut the
+    blocks into `stages` non-empty stages."""
+    from glmc.parallel.planner import cut_bounds, layer_list
+    bounds = cut_bounds(text)
+    found = layer_list(model)
+    listed = found is not None and f"{found[0]}.0" in blocks
+    first = blocks.index(f"{found[0]}.0") if listed else 0
+    layers = len(found[1]) if listed else len(blocks)
+    out = tuple(first + b for b in bounds)
+    if len(out) != stages - 1 or not all(0 < b < len(blocks) for b in out) or \
+            max(bounds) > layers:
+        raise ConfigError(f"pipeline: cut={text} does not cut the {len(blocks)} blocks "
+                          f"({layers} layers from block {first}) into {stages} non-empty "
+                          f"stages: give {stages - 1} increasing layer numbers "
+                          f"up to {layers}")
     return out
 
 

@@ -86,6 +86,11 @@ class ParallelPlan:
     schedule: str = field(default="1f1b", metadata=_cli(
         "with --pp: pipeline schedule (interleaved: 2 virtual stages per rank; default 1f1b)",
         None, str, SCHEDULES))
+    cut: str | None = field(default=None, metadata=_cli(
+        "with --pp: where each stage after the first starts, in layers of the model's list "
+        "of identical layers (0: the blocks before them are the first stage; the layer "
+        "count: the blocks after them are the last), '/'-separated, e.g. 1/2/4 (glmc plan's "
+        "spelling); default: the partition pass cuts by predicted cost", "CUT", str))
     accumulate: int = field(default=1, metadata=_cli(
         "micro-batches per step (gradient accumulation): one process, running sums and one "
         "update; data parallel, one collective per bucket per step; with --pp, K times the "
@@ -304,8 +309,8 @@ class ParallelPlan:
     def _pipeline_problems(self, step: StepOptions) -> list[str]:
         out = []
         if self.pp is None:
-            if self.microbatches is not None or self.schedule != "1f1b":
-                out.append("--microbatches / --schedule need --pp")
+            if self.microbatches is not None or self.schedule != "1f1b" or self.cut:
+                out.append("--microbatches / --schedule / --cut need --pp")
             return out
         if (self.zero or 0) > 1:
             out.append(f"--pp {self.pp} --zero {self.zero}: a pipeline stage sums its "

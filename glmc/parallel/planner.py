@@ -50,8 +50,9 @@ How a plan is priced (the figures are glmc's own programs, not a formula per mod
    grows with the rows up to a chunk: a chunked kernel's cap); the update's own transient.
    A rank's peak is the larger of its busiest block (the activations of the micro-batches
    in flight — 1F1B: `pp - stage`; GPipe: all `m`; interleaved: `pp` plus the extra virtual
-   chunks; ZB-H1: `pp`, up to `stage + 1` of them past their I keeping only what their W
-   reads, `PartCost.stash_bytes` — with that block's peak, and the gradients live by then:
+   chunks; ZB-H1: `pp`, up to `stage + 1` of them past their I keeping, beside what they saved
+   (or, recomputed, the forward values their W reads), I's values their W reads,
+   `PartCost.stash_bytes` — with that block's peak, and the gradients live by then:
    all of them once micro-batches accumulate) and its update, on top of parameters and
    optimizer state by precision and ZeRO stage; ZeRO's buckets (`passes.shard`, the plan's
    `bucket`) add stage 3's gathered parameters (a bucket and the prefetched next; on CPUs
@@ -117,7 +118,7 @@ _STATE = {"fp32": (4, 4, 8), "bf16": (2, 4, 12), "fp16": (2, 4, 12)}
 MICROBATCHES = (1, 2, 4, 8, 16)
 #: the keys of a plan's spelling, in order
 KEYS = ("dp", "tp", "pp", "zero", "microbatch", "schedule", "virtual", "recompute",
-        "precision", "compress", "bucket")
+        "precision", "compress", "bucket", "cut")
 #: data-parallel gradient compression (`passes.compress`'s methods); "none": dense
 COMPRESS = ("none", "bf16", "fp16", "sign", "topk", "powersgd")
 #: the ones the search tries: rounding the gradients to 16 bits for the wire changes them no
@@ -154,11 +155,20 @@ class PlanPoint:
     #: the data-parallel gradients' compression (`COMPRESS`); spelled where there are
     #: data-parallel replicas
     compress: str = "none"
+    #: pipelines: where each stage after the first starts, in layers of the model's list of
+    #: identical layers (0: the glue before them ends the first stage; the layer count: the
+    #: glue after them is a stage), or in blocks where the model has no such list; spelled
+    #: `cut=2/4/7`. Empty: the planner's (`evaluate` fills it in), the runtime runs it as is
+    cut: tuple[int, ...] = ()
 
     def spelling(self) -> str:
-        return ",".join(f"{k}={getattr(self, k)}" for k in KEYS
+        return ",".join(f"{k}={self._spelt(k)}" for k in KEYS
                         if (k != "bucket" or (self.dp > 1 and self.pp == 1))
-                        and (k != "compress" or self.dp > 1))
+                        and (k != "compress" or self.dp > 1)
+                        and (k != "cut" or (self.pp > 1 and self.cut)))
+
+    def _spelt(self, key: str) -> str:
+        return "/".join(map(str, self.cut)) if key == "cut" else str(getattr(self, key))
 
     @property
     def devices(self) -> int:
@@ -197,6 +207,9 @@ def parse_spelling(text: str) -> dict[str, Any]:
         if key == "recompute" and value not in RECOMPUTE:
             out[key] = recompute_budget(value)
             continue
+        if key == "cut":
+            out[key] = cut_bounds(value)
+            continue
         if key in ("schedule", "recompute", "precision", "compress"):
             allowed = {"schedule": SCHEDULES, "recompute": RECOMPUTE,
                        "precision": PRECISIONS, "compress": COMPRESS}[key]
@@ -212,6 +225,19 @@ def parse_spelling(text: str) -> dict[str, Any]:
             raise ConfigError(f"plan: {key}={value} is out of range"
                               + (" (ZeRO stages are 0-3)" if key == "zero" else ""))
     return out
+
+
+def cut_bounds(text: str) -> tuple[int, ...]:
+    """A stage cut's spelling (`2/4/7`: the layer each stage after the first starts at) as
+    increasing whole numbers, or a ConfigError."""
+    try:
+        bounds = tuple(int(v) for v in text.split("/"))
+    except ValueError:
+        bounds = ()
+    if not bounds or any(b < 0 for b in bounds) or list(bounds) != sorted(set(bounds)):
+        raise ConfigError(f"plan: cut={text!r}; spell a stage cut as the layer each stage "
+                          "after the first starts at, increasing, '/'-separated (cut=2/4/7)")
+    return bounds
 
 
 def recompute_budget(text: str) -> str:
@@ -279,11 +305,14 @@ class PartCost:
     #: forward values the backward reads that are the same for any micro-batch (the fused LM
     #: head's weight gradient, `glmc.ir.kernels.BATCH_FIXED_OUTPUTS`), per micro-batch
     saved_fixed: int = 0
-    #: per sequence, what a zero-bubble schedule keeps between a micro-batch's I and its W:
-    #: the forward values the weight gradients read (the matmuls' inputs) and the values of
-    #: the input-gradient backward they read (the matmuls' output gradients;
+    #: per sequence, what a zero-bubble schedule's I leaves for the micro-batch's W beside
+    #: the saved forward values (which stay to the W): the values of the input-gradient
+    #: backward the weight gradients read (the matmuls' output gradients;
     #: `glmc.ir.split.split_backward`'s stash)
     stash_bytes: int = 0
+    #: per sequence, the forward values the weight gradients read (the matmuls' inputs):
+    #: under recompute, I makes them again and they stay to the W
+    stash_forward: int = 0
 
     def peak(self, sequences: int) -> int:
         """The most this block has live at once beyond what the blocks before it saved, for
@@ -361,7 +390,7 @@ def _is_layer(p: PartCost) -> bool:
     return p.name.startswith("layer")
 
 
-def _layer_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
+def layer_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
     """The longest list of identical layers (same class, same parameter names and shapes)."""
     best = None
     for name, mod in model.named_modules():
@@ -414,7 +443,7 @@ def price_workload(model: nn.Module, example_inputs: Any, loss_fn: Any = None,
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     memo: dict[int, Any] = {}
     work = _fake_copy(model, fake, _DTYPES[precision], memo)
-    found = _layer_list(work)
+    found = layer_list(work)
     layers, list_name, notes = 0, "", []
     if found is not None and not any(b.startswith(found[0] + ".") for b in set(
             block_names(n for n, _ in work.named_parameters()).values())):
@@ -604,14 +633,14 @@ def _price(graph: TrainGraph, device: DeviceKind, t: int) -> list[PartCost]:
                      acc[b]["bf"], acc[b]["o"], peaks[b],
                      update_bytes * params[b] // total,
                      round(saved[b] * sel[b]["share"]), sel[b]["s"], sel[b]["o"],
-                     sel[b]["flops"], saved_fixed[b], stash[b])
+                     sel[b]["flops"], saved_fixed[b], *stash[b])
             for b in blocks]
 
 
-def _stash(graph: TrainGraph, blocks: list[str]) -> dict[str, int]:
-    """Per block, the bytes (one sequence) ZB-H1 keeps from a micro-batch's I to its W, as
-    `split_backward` cuts a stage's backward: I is what the gradients handed to an earlier
-    block need, W the rest; W reads forward values and I values (the stash)."""
+def _stash(graph: TrainGraph, blocks: list[str]) -> dict[str, tuple[int, int]]:
+    """Per block, the bytes (one sequence) of the I values and of the forward values a
+    micro-batch's W reads, as `split_backward` cuts a stage's backward: I is what the
+    gradients handed to an earlier block need, W the rest."""
     from glmc.analysis.opcost import value_bytes
     back = [n for n in graph.compute_nodes() if graph.info(n).phase is Phase.BACKWARD]
     inside = set(back)
@@ -623,16 +652,17 @@ def _stash(graph: TrainGraph, blocks: list[str]) -> dict[str, int]:
         if n not in in_i:
             in_i.add(n)
             need += [a for a in n.all_input_nodes if a in inside]
-    out = dict.fromkeys(blocks, 0)
-    kept = {n for n in in_i if any(u in inside and u not in in_i for u in n.users)}
-    kept |= {alias_root(a) for w in inside - in_i for a in w.all_input_nodes
-             if graph.info(alias_root(a)) is not None
-             and graph.info(alias_root(a)).phase is Phase.FORWARD}
-    for n in kept:
-        val = n.meta.get("val")
-        if not isinstance(val, (tuple, list)):
-            out[_block_of(graph, n, blocks)] += value_bytes(val)
-    return out
+    out = {b: [0, 0] for b in blocks}
+    i_values = {n for n in in_i if any(u in inside and u not in in_i for u in n.users)}
+    forward = {alias_root(a) for w in inside - in_i for a in w.all_input_nodes
+               if graph.info(alias_root(a)) is not None
+               and graph.info(alias_root(a)).phase is Phase.FORWARD}
+    for k, values in enumerate((i_values, forward)):
+        for n in values:
+            val = n.meta.get("val")
+            if not isinstance(val, (tuple, list)):
+                out[_block_of(graph, n, blocks)][k] += value_bytes(val)
+    return {b: (i, f) for b, (i, f) in out.items()}
 
 
 def _selective(graph: TrainGraph, blocks: list[str], seconds: dict[str, float],
@@ -848,8 +878,8 @@ def _mean(parts: list[PartCost]) -> PartCost:
                     round(sum(p.selective_bytes for p in parts) / k),
                     *(sum(getattr(p, f) for p in parts) / k for f in
                       ("selective_s", "selective_overhead_s", "selective_flops")),
-                    round(sum(p.saved_fixed for p in parts) / k),
-                    round(sum(p.stash_bytes for p in parts) / k))
+                    *(round(sum(getattr(p, f) for p in parts) / k)
+                      for f in ("saved_fixed", "stash_bytes", "stash_forward")))
 
 
 def _merge(name: str, parts: list[PartCost]) -> PartCost:
@@ -862,7 +892,8 @@ def _merge(name: str, parts: list[PartCost]) -> PartCost:
                     sum(p.update_bytes for p in parts),
                     *(sum(getattr(p, f) for p in parts) for f in
                       ("selective_bytes", "selective_s", "selective_overhead_s",
-                       "selective_flops", "saved_fixed", "stash_bytes")))
+                       "selective_flops", "saved_fixed", "stash_bytes",
+                       "stash_forward")))
 
 
 def _merged_peaks(parts: list[PartCost]) -> tuple[tuple[int, int], ...]:

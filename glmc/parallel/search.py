@@ -39,6 +39,7 @@ class PricedPlan:
     stage_parts: tuple[int, ...]  #: blocks per stage (first and last glue included)
     stage_devices: tuple[str, ...] = ()  #: each pipeline stage's device kind
     notes: tuple[str, ...] = ()  #: why it does not fit beyond device memory
+    rank_peaks: tuple[int, ...] = ()  #: each pipeline rank's predicted peak bytes
 
     @property
     def peak_bytes(self) -> int:
@@ -70,6 +71,7 @@ class PricedPlan:
                 "breakdown_seconds": dict(self.breakdown), "memory_bytes": dict(self.memory),
                 "stage_blocks": list(self.stage_parts),
                 "stage_devices": list(self.stage_devices),
+                "rank_peak_bytes": list(self.rank_peaks),
                 "runtime_gaps": self.point.runtime_gaps(), "notes": list(self.notes)}
 
 
@@ -87,7 +89,9 @@ def evaluate(p: PlanPoint, work: Workload, cluster: Cluster, overlap: bool = Tru
     _check_point(p, work, cluster)
     devs = _stage_devices(p, cluster)
     m = work.sequences // (p.dp * p.microbatch)
-    chunks = _chunks(p, work, devs, cut)
+    chunks, bounds = _chunks(p, work, devs, cut)
+    if p.pp > 1:
+        p = dataclasses.replace(p, cut=bounds)
     ranks = [[c for i, c in enumerate(chunks) if i % p.pp == r] for r in range(p.pp)]
     hows, targets, unmet = _recompute_mixes(p, ranks, chunks[-1], work, m, devs, cluster)
     per_rank = [_rank_costs(p, chunk_list, chunks[-1], devs[r], cluster, how)
@@ -132,8 +136,8 @@ def evaluate(p: PlanPoint, work: Workload, cluster: Cluster, overlap: bool = Tru
             for r, mem in enumerate(memories))
         memory = max(memories, key=lambda mem: sum(mem.values()))
         tried.append((not fits, sum(breakdown.values()), sum(memory.values()), bucket, q,
-                      breakdown, memory, fits))
-    _, step, _, _, p, breakdown, memory, fits = min(tried, key=lambda t: t[:4])
+                      breakdown, memory, fits, tuple(sum(mem.values()) for mem in memories)))
+    _, step, _, _, p, breakdown, memory, fits, rank_peaks = min(tried, key=lambda t: t[:4])
     tokens = work.sequences * work.tokens_per_sequence
     model = work.model_flops()
     hardware = model + work.layer_forward_flops(_mean_mix(ranks, hows))
@@ -146,7 +150,7 @@ def evaluate(p: PlanPoint, work: Workload, cluster: Cluster, overlap: bool = Tru
                           f"does not fit: recompute={p.recompute} allows rank {r} "
                           f"{target / 2**20:,.2f} MiB, below the least peak recompute reaches "
                           f"there, {least / 2**20:,.2f} MiB (the recompute pass refuses it)"
-                          for r, target, least in unmet))
+                          for r, target, least in unmet), rank_peaks)
 
 
 def _rank_costs(p: PlanPoint, chunk_list: list, last: tuple, dev: DeviceKind,
@@ -219,25 +223,37 @@ def _stage_devices(p: PlanPoint, cluster: Cluster) -> list[DeviceKind]:
 
 
 def _chunks(p: PlanPoint, work: Workload, devs: list[DeviceKind], cut: str | None
-            ) -> tuple[tuple[PartCost, ...], ...]:
-    """The model's blocks cut into pp x virtual chunks, each priced on its stage's device."""
+            ) -> tuple[tuple[tuple[PartCost, ...], ...], tuple[int, ...]]:
+    """The model's blocks cut into pp x virtual chunks, each priced on its stage's device,
+    and the cut in the plan's spelling (`PlanPoint.cut`; the point's own where it has one)."""
+    chunks = p.pp * p.virtual
     if len({d.name for d in devs}) == 1:
-        return _split(work.parts_on(devs[0].name, p.tp, p.pp > 1), p.pp * p.virtual,
-                      _cut_mode(p), p.microbatch)
-    if p.virtual > 1:
+        per_stage = [work.parts_on(devs[0].name, p.tp, p.pp > 1)] * chunks
+    elif p.virtual > 1:
         raise ConfigError("plan: interleaved stages on a heterogeneous cluster are not "
                           "priced yet; use 1f1b, gpipe or zbh1")
-    per_stage = [work.parts_on(d.name, p.tp) for d in devs]
-    if cut == "equal":
-        bounds = _equal_layers(per_stage[0], p.pp) or \
-            list(balanced_cut([[1.0] * len(per_stage[0])] * p.pp, [0.0] * len(per_stage[0]),
-                              p.pp))
     else:
-        times = [[_seconds(c, _cut_mode(p), p.microbatch) for c in parts]
-                 for parts in per_stage]
-        bounds = list(balanced_cut(times, [0.0] * len(per_stage[0]), p.pp))
-    edges = [0, *bounds, len(per_stage[0])]
-    return tuple(per_stage[s][i:j] for s, (i, j) in enumerate(zip(edges, edges[1:])))
+        per_stage = [work.parts_on(d.name, p.tp) for d in devs]
+    parts = per_stage[0]
+    glue = int(bool(parts) and parts[0].name == "first")  # the spelling counts layers
+    if p.cut:
+        bounds = [b + glue for b in p.cut]
+        if len(bounds) != chunks - 1 or not all(0 < b < len(parts) for b in bounds):
+            raise ConfigError(
+                f"plan: cut={'/'.join(map(str, p.cut))} does not cut {len(parts) - glue - 1} "
+                f"layers and the glue around them into {chunks} non-empty stages: give "
+                f"{chunks - 1} increasing starts from {1 - glue} to {len(parts) - glue - 1}")
+    elif len(per_stage) == chunks and per_stage.count(parts) == chunks:
+        bounds = _split(parts, chunks, _cut_mode(p), p.microbatch)
+    elif cut == "equal":
+        bounds = _equal_layers(parts, p.pp) or \
+            list(balanced_cut([[1.0] * len(parts)] * p.pp, [0.0] * len(parts), p.pp))
+    else:
+        times = [[_seconds(c, _cut_mode(p), p.microbatch) for c in ps] for ps in per_stage]
+        bounds = list(balanced_cut(times, [0.0] * len(parts), p.pp))
+    edges = [0, *bounds, len(parts)]
+    return (tuple(tuple(per_stage[s][i:j]) for s, (i, j) in enumerate(zip(edges, edges[1:]))),
+            tuple(b - glue for b in bounds))
 
 
 def _equal_layers(parts: tuple[PartCost, ...], chunks: int) -> list[int]:
@@ -392,12 +408,11 @@ def _check_point(p: PlanPoint, work: Workload, cluster: Cluster) -> None:
 
 
 @functools.lru_cache(maxsize=512)
-def _split(parts: tuple[PartCost, ...], chunks: int, recompute: str, b: int
-           ) -> tuple[tuple[PartCost, ...], ...]:
-    """Contiguous chunks: identical layers evenly (the glue before and after rides on the
-    first and last chunk, as Megatron-LM places embedding and head) where that is within 5%
-    of balanced; otherwise the cut `passes.partition.balanced_cut` finds for the predicted
-    times (e.g. fewer layers beside a large LM head)."""
+def _split(parts: tuple[PartCost, ...], chunks: int, recompute: str, b: int) -> list[int]:
+    """The bounds of contiguous chunks: identical layers evenly (the glue before and after
+    rides on the first and last chunk, as Megatron-LM places embedding and head) where that
+    is within 5% of balanced; otherwise the cut `passes.partition.balanced_cut` finds for
+    the predicted times (e.g. fewer layers beside a large LM head)."""
     def seconds(c: PartCost) -> float:
         return _seconds(c, recompute, b)
     bounds = _equal_layers(parts, chunks)
@@ -409,8 +424,7 @@ def _split(parts: tuple[PartCost, ...], chunks: int, recompute: str, b: int
     if chunks > 1 and not bounds:
         times = [[seconds(c) for c in parts]] * chunks
         bounds = list(balanced_cut(times, [0.0] * len(parts), chunks))
-    edges = [0, *bounds, len(parts)]
-    return tuple(tuple(parts[i:j]) for i, j in zip(edges, edges[1:]))
+    return bounds
 
 
 def _bucket_choices(p: PlanPoint, buckets: tuple[int, ...], overlap: bool, ranks: list,
@@ -631,8 +645,8 @@ def _memory(p: PlanPoint, chunk_list: list, rank: int, last: tuple, work: Worklo
     its backward, under selective what `PartCost.kept` says) and the gradients by then,
     (b) the update's transient, or (c) with gradient compression, a bucket's compression
     beside the gradients. `staged`: an all-gather in flight holds a copy of its output
-    (gloo). ZB-H1 also keeps what a micro-batch's W reads from its I (`PartCost.stash_bytes`)
-    for the micro-batches waiting for their W. The model's last
+    (gloo). ZB-H1 also keeps what a micro-batch's W reads from its I (`PartCost.stash_bytes`;
+    recomputed, the forward values too) for the micro-batches waiting for their W. The model's last
     chunk (head and loss) starts its backward right after its forward: one micro-batch in
     flight."""
     pb, gb, ob = _STATE[work.precision]
@@ -644,7 +658,11 @@ def _memory(p: PlanPoint, chunk_list: list, rank: int, last: tuple, work: Worklo
     held = sum((1 if ch is last and p.schedule in ("1f1b", "interleaved") else flight) * kept(c)
                for ch in chunk_list for c in ch)
     waiting = _waiting_w(p, rank, m)  # each keeps what its W reads instead of its saved
-    swap = sum(p.microbatch * c.stash_bytes - kept(c) for ch in chunk_list for c in ch)
+    # past its I: what it saved (recomputed: at least the forward values W reads) and I's
+    # values W reads, to the W (the runtime's I frees none of the saved values); the first
+    # stage hands no gradient on: its backward is all W
+    swap = sum(p.microbatch * c.stash_bytes + max(0, p.microbatch * c.stash_forward - kept(c))
+               for ch in chunk_list for c in ch) if rank else 0
     grad_shard = p.dp if p.zero >= 2 else 1
     accumulating = m > 1  # earlier micro-batches' gradients are held
     # glmc's ZeRO buckets (passes.shard): stage 3 holds a bucket of whole parameters and
@@ -753,7 +771,8 @@ def points(work: Workload, cluster: Cluster, fixed: dict[str, Any] | None = None
                                 else ("none",)):
                             pt = PlanPoint(dp, tp, pp, zero, b, schedule, virtual, rec,
                                            work.precision,
-                                           fixed.get("bucket", PlanPoint.bucket), squeeze)
+                                           fixed.get("bucket", PlanPoint.bucket), squeeze,
+                                           fixed.get("cut", ()) if pp > 1 else ())
                             if all(getattr(pt, k) == v for k, v in fixed.items()):
                                 yield pt
 
