@@ -127,6 +127,7 @@ def run_case(name: str, nproc: int, rounds: int, steps: int, limit: int) -> dict
     file = work_dir / f"{name}.py"
     cfg, cls = CASES[name]
     file.write_text(MODEL.format(cfg=cfg, cls=cls))
+    calibrated = _calibrate(work_dir, file, nproc)
     w = load_workload(str(file))
     plans, work, cluster = _plan(w.model, w.example_inputs, "local", None, w.optimizer, None,
                                  None, nproc, True, None, None)
@@ -161,7 +162,30 @@ def run_case(name: str, nproc: int, rounds: int, steps: int, limit: int) -> dict
                          x["exposed_comm_s"] for x in runs)
                      if all(x["exposed_comm_s"] is not None for x in runs) else None,
                      "runs": runs})  # each round's figures: the spread between rounds
-    return _summary(name, nproc, rows, len(plans))
+    return {**_summary(name, nproc, rows, len(plans)), "calibrated": calibrated}
+
+
+def _calibrate(work_dir: Path, file: Path, nproc: int) -> str:
+    """Calibrate this host right before the case's runs, in a cache of the case's own
+    (`GLMC_CACHE_DIR`; the runs it launches read it too): the compute profile at one thread
+    per process (as torchrun runs them) on the quiet host, then the gloo link of `nproc`
+    processes, measured by a short data-parallel run. The host's speed drifts (7-15% within
+    an hour on the shared VMs this ran on), so a calibration from another hour mis-prices
+    every plan alike. Returns when."""
+    import torch
+
+    from glmc.analysis.calibration import calibrate
+    os.environ["GLMC_CACHE_DIR"] = str(work_dir / "cache")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        calibrate(force=True)
+    finally:
+        torch.set_num_threads(threads)
+    if nproc > 1 and not _run(file, f"dp={nproc},microbatch={8 // nproc}", nproc, 2,
+                              work_dir / "link"):
+        raise SystemExit("bench_planner: the run that measures the link failed")
+    return datetime.datetime.now().isoformat(timespec="seconds")
 
 
 def _exposed(p: object) -> float:
@@ -199,7 +223,8 @@ def _summary(name: str, nproc: int, rows: list[dict], priced: int) -> dict:
 def _markdown(results: list[dict], meta: dict) -> str:
     out = [f"# Planner: predicted vs measured ({meta['date']})", "",
            f"This run: {meta['machine']}; `python benchmarks/bench_planner.py {meta['argv']}` "
-           "(each case's date and CPU in its row); eager "
+           "(each case's date and CPU in its row; compute and link calibrated right before "
+           "each case's runs, in a cache of its own); eager "
            "backend; median over rounds of each run's median step; peak: c10 allocator, the "
            "busiest rank; exposed communication: the waits rank 0's profiler counts, scored "
            "over the data-parallel runs (tensor-parallel rows: their all-reduces, shown).", "",
@@ -290,7 +315,8 @@ def repredict(path: Path, machine: str, peaks_only: bool = False) -> list[dict]:
                          "predicted_exposed_comm_s": _exposed(p)})
         results.append({**_summary(case["case"], case["nproc"], rows,
                                    case["priced"] if peaks_only else len(plans)),
-                        **{k: case[k] for k in ("date", "argv", "machine") if k in case}})
+                        **{k: case[k] for k in ("date", "argv", "machine", "calibrated")
+                           if k in case}})
     return results
 
 
