@@ -182,9 +182,15 @@ def _calibrate(work_dir: Path, file: Path, nproc: int) -> str:
         calibrate(force=True)
     finally:
         torch.set_num_threads(threads)
-    if nproc > 1 and not _run(file, f"dp={nproc},microbatch={8 // nproc}", nproc, 2,
-                              work_dir / "link"):
-        raise SystemExit("bench_planner: the run that measures the link failed")
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "glmc", "compile", str(file), "--plan",
+               f"dp={nproc},microbatch={8 // nproc}", "--nproc", str(nproc), "--backend",
+               "eager", "--steps", "2", "--report-dir", str(work_dir / "link")]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
+                              env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        if proc.returncode:
+            raise SystemExit(f"bench_planner: the run that measures the link failed\n"
+                             f"{proc.stderr[-2000:]}")
     return datetime.datetime.now().isoformat(timespec="seconds")
 
 
