@@ -621,7 +621,8 @@ def build_problem(lowered: fx.Graph, traits: BackendTraits, profile: Any,
         size = value_bytes(val if k is None else val[k])
         t = n.target
         recomputable = (isinstance(t, torch._ops.OpOverload) and not t._schema.is_mutable
-                        and op_name(n) not in RANDOM_OPS and n not in blocked)
+                        and op_name(n) not in RANDOM_OPS and n not in blocked
+                        and (not is_collective(n) or REGATHER_S in n.meta))  # unpriced
         inputs: set = set()
         for a in n.all_input_nodes:
             inputs |= deps.get(a, frozenset())

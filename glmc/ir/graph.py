@@ -242,9 +242,11 @@ EARLY_UPDATE = "glmc_early_update"
 #: another carries it over (`replace_uses`). Sharding finds each gradient by it.
 GRAD_OF = "glmc_grad_of"
 
-#: node meta of a ZeRO-3 forward all-gather whose gathered parameters the backward reads
-#: (shard reshard=budget): the predicted seconds of gathering them again, which the recompute
-#: pass weighs against keeping them, as it weighs recomputing an activation
+#: node meta of a forward collective the recompute pass may issue again in the backward: the
+#: predicted seconds of doing so, which it weighs against keeping the value, as it weighs
+#: recomputing an activation (a ZeRO-3 all-gather whose gathered parameters the backward
+#: reads, shard reshard=budget; a tensor-parallel all-reduce); a collective without it is
+#: never made again
 REGATHER_S = "glmc_regather_s"
 
 #: TrainGraph.meta key of the gradient outputs the graph makes and owns

@@ -408,7 +408,8 @@ def _check_point(p: PlanPoint, work: Workload, cluster: Cluster) -> None:
 
 
 @functools.lru_cache(maxsize=512)
-def _split(parts: tuple[PartCost, ...], chunks: int, recompute: str, b: int) -> list[int]:
+def _split(parts: tuple[PartCost, ...], chunks: int, recompute: str, b: int
+           ) -> tuple[int, ...]:
     """The bounds of contiguous chunks: identical layers evenly (the glue before and after
     rides on the first and last chunk, as Megatron-LM places embedding and head) where that
     is within 5% of balanced; otherwise the cut `passes.partition.balanced_cut` finds for
@@ -424,7 +425,7 @@ def _split(parts: tuple[PartCost, ...], chunks: int, recompute: str, b: int) -> 
     if chunks > 1 and not bounds:
         times = [[seconds(c) for c in parts]] * chunks
         bounds = list(balanced_cut(times, [0.0] * len(parts), chunks))
-    return bounds
+    return tuple(bounds)
 
 
 def _bucket_choices(p: PlanPoint, buckets: tuple[int, ...], overlap: bool, ranks: list,
@@ -646,9 +647,9 @@ def _memory(p: PlanPoint, chunk_list: list, rank: int, last: tuple, work: Worklo
     (b) the update's transient, or (c) with gradient compression, a bucket's compression
     beside the gradients. `staged`: an all-gather in flight holds a copy of its output
     (gloo). ZB-H1 also keeps what a micro-batch's W reads from its I (`PartCost.stash_bytes`;
-    recomputed, the forward values too) for the micro-batches waiting for their W. The model's last
-    chunk (head and loss) starts its backward right after its forward: one micro-batch in
-    flight."""
+    recomputed, the forward values too) for the micro-batches waiting for their W. The
+    model's last chunk (head and loss) starts its backward right after its forward: one
+    micro-batch in flight."""
     pb, gb, ob = _STATE[work.precision]
     params = sum(c.params for ch in chunk_list for c in ch)
     flight = _in_flight(p, rank, m)
@@ -657,7 +658,7 @@ def _memory(p: PlanPoint, chunk_list: list, rank: int, last: tuple, work: Worklo
         return c.held(how, p.microbatch)
     held = sum((1 if ch is last and p.schedule in ("1f1b", "interleaved") else flight) * kept(c)
                for ch in chunk_list for c in ch)
-    waiting = _waiting_w(p, rank, m)  # each keeps what its W reads instead of its saved
+    waiting = _waiting_w(p, rank, m)  # past their I, waiting for their W
     # past its I: what it saved (recomputed: at least the forward values W reads) and I's
     # values W reads, to the W (the runtime's I frees none of the saved values); the first
     # stage hands no gradient on: its backward is all W
