@@ -123,7 +123,10 @@ def test_memory_follows_zero_and_recompute(tiny: tuple) -> None:
     assert evaluate(PlanPoint(**{**staged.__dict__, "recompute": "full"}), work, cluster
                     ).memory["activations"] < evaluate(staged, work, cluster
                                                        ).memory["activations"]
-    assert full.breakdown["recompute"] > 0 == none.breakdown["recompute"]
+    # data parallel, ZeRO-0: the update sets the peak, so full recompute (the pass at its
+    # least peak) makes nothing again — the peak would not fall
+    assert full.peak_bytes == none.peak_bytes
+    assert full.breakdown["recompute"] == 0 == none.breakdown["recompute"]
     # selective: between the two in memory and in recompute time (the layers' matmul
     # outputs kept, their pointwise ops, norms and softmax made again)
     sel = {k: evaluate(PlanPoint(**{**staged.__dict__, "recompute": k}), work, cluster)
@@ -779,6 +782,26 @@ def test_a_pipelines_rank_peaks_follow_the_runtimes_stage_graphs(pp: int, schedu
     assert len(plan.rank_peaks) == pp
     for r, (ours, theirs) in enumerate(zip(plan.rank_peaks, runtime)):
         assert ours == pytest.approx(theirs, rel=0.12), (r, plan.rank_peaks, runtime)
+
+
+def test_recompute_stops_once_the_peak_is_not_the_activations() -> None:
+    """Where a rank's peak at full recompute is something else (the update, the head's
+    logits), the recompute pass at `min` (what `recompute=full` runs) stops making values
+    again once that floor is reached; the planner prices the least share of the costlier
+    mode whose true peak meets the target, not the proportion along the hull's segment."""
+    from glmc.parallel.planner import as_mix
+    from glmc.parallel.search import _hull_mix
+    points = [(100, 0.0, "none"), (70, 30.0, "full")]  # full's 70: the update's floor
+
+    def peak(how: object) -> int:  # the activations fall with the share made again
+        return max(70, 100 - 60 * dict(as_mix(how)).get("full", 0.0))
+    assert _hull_mix(points, 70) == "full"
+    (a, wa), (b, wb) = _hull_mix(points, 70, peak)
+    assert (a, b) == ("none", "full") and wb == pytest.approx(0.5, abs=1e-3)
+    assert peak(((a, wa), (b, wb))) <= 70
+    assert _hull_mix(points, 85) == (("none", 0.5), ("full", 0.5))  # the proportion
+    assert _hull_mix(points, 85, peak)[1][1] == pytest.approx(0.25, abs=1e-3)  # the least
+    assert _hull_mix(points, 100, peak) == "none"
 
 
 def test_a_cut_spelt_in_layers_becomes_the_runtimes_block_indices() -> None:

@@ -13,7 +13,7 @@ import functools
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from glmc.analysis.comm import choose_allreduce, collective_seconds
 from glmc.errors import ConfigError
@@ -300,20 +300,22 @@ def _cut_mode(p: PlanPoint) -> str:
 def _recompute_mixes(p: PlanPoint, ranks: list, last: tuple, work: Workload, m: int,
                      devs: list[DeviceKind], cluster: Cluster
                      ) -> tuple[list[str | Mix], list[float], list[tuple[int, float, int]]]:
-    """Each pipeline rank's recompute: the plan's mode, or under a memory budget (the
-    recompute pass's spelling, `Budget`) the cheapest mix of none, selective and full that
-    meets the budget's peak on that rank — on the lower hull of the three modes' (peak,
-    recompute seconds) points (a fully recomputed layer's forward all-reduces counted twice).
+    """Each pipeline rank's recompute: the plan's mode; under `full` what the pass does at
+    budget `min` (the least peak, at the least recompute that reaches it); or under a
+    memory budget (the recompute pass's spelling, `Budget`) the cheapest mix of none,
+    selective and full that meets the budget's peak on that rank — on the lower hull of the
+    three modes' (peak, recompute seconds) points (a fully recomputed layer's forward
+    all-reduces counted twice).
     A share of the activations and +bytes count from the rank's parameters and optimizer
     state, what the pass counts as persistent (a pipeline stage's +bytes also from its
     gradients, as `glmc.parallel.pipeline.stage_budgets` does). Also returns each rank's
     target (bytes; inf without a budget) and (rank, target, least peak) where the budget is
     below the least peak recompute reaches (priced at that least; the pass refuses such a
     budget, so the plan does not fit)."""
-    if p.recompute in RECOMPUTE:
+    if p.recompute in ("none", "selective"):
         return [p.recompute] * len(ranks), [math.inf] * len(ranks), []
     from glmc.passes.recompute import Budget
-    budget = Budget.parse(p.recompute)
+    budget = Budget.parse("min" if p.recompute == "full" else p.recompute)
     out: list[str | Mix] = []
     targets: list[float] = []
     unmet: list[tuple[int, float, int]] = []
@@ -323,12 +325,20 @@ def _recompute_mixes(p: PlanPoint, ranks: list, last: tuple, work: Workload, m: 
             mem = _memory(p, chunk_list, r, last, work, m, mode, _staging(devs[r]))
             _, rec, tp, _ = _rank_costs(p, chunk_list, last, devs[r], cluster, mode)
             points.append((sum(mem.values()), m * (rec + tp), mode, mem))
+
+        def peak(how: str | Mix, r: int = r, chunk_list: list = chunk_list) -> int:
+            return sum(_memory(p, chunk_list, r, last, work, m, how,
+                               _staging(devs[r])).values())
+        least = min(pt[0] for pt in points)
+        if budget.kind == "min":  # full: the least peak, at the least recompute reaching it
+            out.append(_hull_mix([pt[:3] for pt in points], least, peak))
+            targets.append(math.inf)
+            continue
         none = points[0][3]
         target = budget.target(sum(none.values()), persistent_bytes(none) + (
             none["gradients"] if budget.kind == "above" and p.pp > 1 else 0))
-        out.append(_hull_mix([pt[:3] for pt in points], target))
+        out.append(_hull_mix([pt[:3] for pt in points], max(target, least), peak))
         targets.append(target)
-        least = min(pt[0] for pt in points)
         if target < least:
             unmet.append((r, target, least))
         elif budget.kind == "fraction" and len(chunk_list) > 1:  # the pass takes its share
@@ -352,11 +362,15 @@ def _stage_shares(p: PlanPoint, chunk_list: list, rank: int, last: tuple, work: 
     return out
 
 
-def _hull_mix(points: list[tuple[int, float, str]], target: float) -> str | Mix:
+def _hull_mix(points: list[tuple[int, float, str]], target: float,
+              peak: Callable[[str | Mix], int] | None = None) -> str | Mix:
     """The mix of recompute modes at peak `target` on the lower convex hull of the modes'
     (peak bytes, recompute seconds) `points`: the two hull points either side of it in
     proportion, the one with the most memory where it is under target, the least where
-    none reaches it."""
+    none reaches it. `peak`: a mix's true peak — where the rank's peak is not its
+    activations alone (the update, the head's logits) the peak falls faster than the
+    proportion along the segment, so the least share of the costlier mode that meets
+    `target` is searched (the recompute pass stops making values again there too)."""
     hull: list[tuple[int, float, str]] = []
     for pt in sorted(points, key=lambda x: (-x[0], x[1])):  # most memory first
         if hull and pt[0] == hull[-1][0]:  # as much memory, no less time
@@ -372,12 +386,28 @@ def _hull_mix(points: list[tuple[int, float, str]], target: float) -> str | Mix:
     if target >= hull[0][0]:
         return hull[0][2]
     for (ma, _, a), (mb, _, b) in zip(hull, hull[1:]):
-        if mb == target:
-            return b
-        if mb < target:
+        if mb <= target:
             w = (ma - target) / (ma - mb)
-            return ((a, 1.0 - w), (b, w))
+            if peak is not None:
+                w = _least_share(a, b, w, target, peak)
+            return b if w >= 1.0 else ((a, 1.0 - w), (b, w))
     return hull[-1][2]
+
+
+def _least_share(a: str, b: str, w: float, target: float,
+                 peak: Callable[[str | Mix], int]) -> float:
+    """The least share of mode `b` (mixed with `a`, at most `w`) whose peak meets `target`
+    (the peak falls as the share grows), to 0.1%."""
+    if w <= 1e-3 or peak(((a, 1e-3 - w + 1.0), (b, w - 1e-3))) > target:
+        return w  # the proportion is as good as it gets
+    lo, hi = 0.0, w
+    for _ in range(10):
+        mid = (lo + hi) / 2
+        if peak(((a, 1.0 - mid), (b, mid))) <= target:
+            hi = mid
+        else:
+            lo = mid
+    return hi
 
 
 def _slowest(cluster: Cluster) -> DeviceKind:
