@@ -206,6 +206,21 @@ def _data_parallel_only(spelling: str) -> bool:
     return p["tp"] == p["pp"] == 1 < p["dp"]
 
 
+def _rank_peaks(rows: list[dict]) -> list[tuple[float, float]]:
+    """(predicted, measured) peak of every rank of every run plan: a pipeline's ranks each
+    (the median over rounds), a data- or tensor-parallel plan's rank 0 (its ranks are
+    alike)."""
+    out = []
+    for r in rows:
+        runs = [x["rank_peak_bytes"] for x in r["runs"] if x.get("rank_peak_bytes")]
+        pred = r.get("predicted_rank_peak_bytes") or []
+        if runs and len(pred) == len(runs[0]):
+            out += [(p, statistics.median(x[i] for x in runs)) for i, p in enumerate(pred)]
+        else:
+            out.append((r["predicted_peak_bytes"], r["measured_peak_bytes"]))
+    return out
+
+
 def _summary(name: str, nproc: int, rows: list[dict], priced: int) -> dict:
     ps = [r["predicted_step_s"] for r in rows]
     ms = [r["measured_step_s"] for r in rows]
@@ -214,10 +229,13 @@ def _summary(name: str, nproc: int, rows: list[dict], priced: int) -> dict:
     # exposed data-parallel communication: runs without pipelining whose report measured it
     comm = [(r["predicted_exposed_comm_s"], r["measured_exposed_comm_s"]) for r in rows
             if r.get("measured_exposed_comm_s") and _data_parallel_only(r["spelling"])]
+    rank_pairs = _rank_peaks(rows)
     best = min(rows, key=lambda r: r["measured_step_s"])
     pick = min((r for r in rows if r["glmc_rank"]), key=lambda r: r["glmc_rank"])
     return {"case": name, "nproc": nproc, "priced": priced, "rows": rows,
             "spearman_step": _spearman(ps, ms), "spearman_peak": _spearman(pp, mp),
+            "spearman_rank_peak": _spearman(*zip(*rank_pairs)) if rank_pairs else None,
+            "rank_peak_pairs": len(rank_pairs),
             "median_abs_step_error": statistics.median(abs(p / m - 1) for p, m in zip(ps, ms)),
             "median_abs_peak_error": statistics.median(abs(p / m - 1) for p, m in zip(pp, mp)),
             "median_abs_comm_error": statistics.median(abs(p / m - 1) for p, m in comm)
@@ -234,14 +252,17 @@ def _markdown(results: list[dict], meta: dict) -> str:
            "backend; median over rounds of each run's median step; peak: c10 allocator, the "
            "busiest rank; exposed communication: the waits rank 0's profiler counts, scored "
            "over the data-parallel runs (tensor-parallel rows: their all-reduces, shown).", "",
-           "| case | plans run | Spearman step | Spearman peak | median step error | "
+           "| case | plans run | Spearman step | Spearman peak, busiest rank / every rank "
+           "(ranks) | median step error | "
            "median peak error | median exposed-comm error (runs) | glmc's pick / measured best |",
            "|---|---|---|---|---|---|---|---|"]
     for r in results:
         out.append(f"| {r['case']} x{r['nproc']} (run {r.get('date', meta['date'])}, "
                    f"{r.get('machine', 'AMD EPYC').split(',')[0]}) | "
                    f"{len(r['rows'])} of {r['priced']} | "
-                   f"{r['spearman_step']:.2f} | {r['spearman_peak']:.2f} | "
+                   f"{r['spearman_step']:.2f} | {r['spearman_peak']:.2f} / "
+                   + (f"{r['spearman_rank_peak']:.2f} ({r['rank_peak_pairs']})"
+                      if r.get("spearman_rank_peak") is not None else "-") + " | "
                    f"{r['median_abs_step_error']:.1%} | {r['median_abs_peak_error']:.1%} | "
                    + (f"{r['median_abs_comm_error']:.0%} ({r['comm_rows']})"
                       if r.get("median_abs_comm_error") is not None else "-")
@@ -313,11 +334,13 @@ def repredict(path: Path, machine: str, peaks_only: bool = False) -> list[dict]:
         by = {key(p.point.spelling()): (i + 1, p) for i, p in enumerate(plans)}
         rows = []
         for row in case["rows"]:
-            rank, p = by.get(key(row["spelling"])) or (None, evaluate(  # a budget: fixed
-                PlanPoint(**parse_spelling(row["spelling"])), work, cluster))
-            rows.append({**row, "predicted_peak_bytes": p.peak_bytes} if peaks_only else
-                        {**row, "glmc_rank": rank, "predicted_step_s": p.step_s,
-                         "predicted_peak_bytes": p.peak_bytes,
+            rank, p = by.get(key(row["spelling"])) or (None, None)  # None: a budget, fixed
+            if p is None or ",cut=" in row["spelling"] and p.point.spelling() != row["spelling"]:
+                p = evaluate(PlanPoint(**parse_spelling(row["spelling"])), work, cluster)
+            peaks = {"predicted_peak_bytes": p.peak_bytes,  # the cut the run ran
+                     "predicted_rank_peak_bytes": list(p.rank_peaks)}
+            rows.append({**row, **peaks} if peaks_only else
+                        {**row, **peaks, "glmc_rank": rank, "predicted_step_s": p.step_s,
                          "predicted_exposed_comm_s": _exposed(p)})
         results.append({**_summary(case["case"], case["nproc"], rows,
                                    case["priced"] if peaks_only else len(plans)),
