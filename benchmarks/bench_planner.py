@@ -59,12 +59,13 @@ def _runnable(p: object) -> bool:
 
 
 def _space(plans: list, limit: int) -> list:
-    """Runnable plans that fit, at most `limit`, spread over the dp/tp/pp splits first."""
+    """Runnable plans that fit, at most `limit`: glmc's pick (the best-ranked runnable plan)
+    first, the rest spread over the dp/tp/pp splits."""
     ok = [p for p in plans if _runnable(p)]
     by_split: dict = {}
-    for p in ok:
+    for p in ok[1:]:
         by_split.setdefault((p.point.dp, p.point.tp, p.point.pp), []).append(p)
-    out = []
+    out = ok[:1]
     while len(out) < limit and any(by_split.values()):
         for key in list(by_split):
             if by_split[key] and len(out) < limit:
@@ -209,13 +210,16 @@ def _data_parallel_only(spelling: str) -> bool:
 def _rank_peaks(rows: list[dict]) -> list[tuple[float, float]]:
     """(predicted, measured) peak of every rank of every run plan: a pipeline's ranks each
     (the median over rounds), a data- or tensor-parallel plan's rank 0 (its ranks are
-    alike)."""
+    alike). Empty where a pipeline's runs did not record their ranks (runs before 12-07)."""
+    from glmc.parallel.planner import parse_spelling
     out = []
     for r in rows:
         runs = [x["rank_peak_bytes"] for x in r["runs"] if x.get("rank_peak_bytes")]
         pred = r.get("predicted_rank_peak_bytes") or []
         if runs and len(pred) == len(runs[0]):
             out += [(p, statistics.median(x[i] for x in runs)) for i, p in enumerate(pred)]
+        elif parse_spelling(r["spelling"])["pp"] > 1:
+            return []
         else:
             out.append((r["predicted_peak_bytes"], r["measured_peak_bytes"]))
     return out
