@@ -398,7 +398,8 @@ def _least_share(a: str, b: str, w: float, target: float,
                  peak: Callable[[str | Mix], int]) -> float:
     """The least share of mode `b` (mixed with `a`, at most `w`) whose peak meets `target`
     (the peak falls as the share grows), to 0.1%."""
-    if w <= 1e-3 or peak(((a, 1e-3 - w + 1.0), (b, w - 1e-3))) > target:
+    less = w - 1e-3
+    if less <= 0 or peak(((a, 1.0 - less), (b, less))) > target:
         return w  # the proportion is as good as it gets
     lo, hi = 0.0, w
     for _ in range(10):
