@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import numpy as np
+
 from glmc.analysis.cost import get_profile
 from glmc.analysis.predict import predict
 from glmc.compiler.passmanager import Need, Pass, PassContext, PassResult
@@ -118,24 +120,35 @@ def balanced_cut(times: Sequence[Sequence[float]], cut_cost: Sequence[float], st
     for s in range(stages):
         for b in range(n):
             pre[s][b + 1] = pre[s][b] + times[s][b]
-    inf = (float("inf"), float("inf"))
-    # best[s][j]: (bottleneck, total cut cost) placing blocks [0, j) on stages [0, s]
-    best = [[inf] * (n + 1) for _ in range(stages)]
-    arg = [[0] * (n + 1) for _ in range(stages)]
-    for j in range(1, n + 1):
-        best[0][j] = (pre[0][j] + (cut_cost[j - 1] if j < n else 0.0), 0.0)
+    pre_np = np.array(pre)
+    cost = np.array([*cut_cost, 0.0])  # cost[i - 1]: cutting before block i
+    # best[s, j]: (bottleneck, total cut cost) placing blocks [0, j) on stages [0, s]; each
+    # row's candidates compared as the tuples they are (the first of equals kept)
+    top = np.full((stages, n + 1), np.inf)
+    cuts = np.full((stages, n + 1), np.inf)
+    arg = np.zeros((stages, n + 1), dtype=np.int64)
+    top[0, 1:] = pre_np[0, 1:] + np.append(cost[:n - 1], 0.0)
+    cuts[0, 1:] = 0.0
+    ends = np.arange(n + 1)
+    send = np.append(cost[:n - 1], 0.0)  # what stage s sends on when it ends before block j
+    send = np.append(0.0, send)
+    # every (first block i, end j) of stage s at once: a column per j, a row per i
+    starts = ends[:, None]
     for s in range(1, stages):
-        for j in range(s + 1, n + 1):
-            for i in range(s, j):  # stage s holds blocks [i, j)
-                send = cut_cost[j - 1] if j < n else 0.0
-                prev = best[s - 1][i]
-                cand = (max(prev[0], pre[s][j] - pre[s][i] + send),
-                        prev[1] + cut_cost[i - 1])
-                if cand < best[s][j]:
-                    best[s][j], arg[s][j] = cand, i
+        mine = pre_np[s][None, :] - pre_np[s][:, None] + send[None, :]
+        neck = np.maximum(top[s - 1][:, None], mine)
+        neck[(starts < s) | (starts >= ends[None, :])] = np.inf
+        spent = np.broadcast_to((cuts[s - 1] + np.append(np.inf, cost[:n]))[:, None],
+                                neck.shape)
+        low = neck.min(axis=0)
+        k = np.argmin(np.where(neck == low[None, :], spent, np.inf), axis=0)
+        cols = ends[s + 1:]
+        top[s, cols] = low[cols]
+        cuts[s, cols] = spent[k[cols], cols]
+        arg[s, cols] = k[cols]
     cut, j = [], n
     for s in range(stages - 1, 0, -1):
-        j = arg[s][j]
+        j = int(arg[s, j])
         cut.append(j)
     return tuple(reversed(cut))
 

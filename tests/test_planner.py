@@ -616,13 +616,20 @@ def test_gradient_buckets_overlap_the_backward_that_produces_them(tiny: tuple) -
     collective starts once the backward has produced it, one at a time, at the link's
     `progress` beside compute; only what is left when the backward ends is exposed. A model
     within one bucket (the bench's 19 MB of gradients in 25 MB) hides nothing."""
-    from glmc.parallel.search import _buckets, _drain
+    from glmc.parallel.search import _bucket_runs, _buckets, _drain
     assert list(_buckets([10, 10, 10], 4, 80)) == [(1, 80), (2, 40)]
     assert list(_buckets([50], 4, 80)) == [(0, 80), (0, 80), (0, 40)]  # a block over a bucket
-    assert _drain([(0.0, 1.0)], 2.0, 1.0) == (0.0, 1.0)  # hidden
-    assert _drain([(2.0, 1.0)], 2.0, 1.0) == (1.0, 0.0)  # produced last: all exposed
-    assert _drain([(0.0, 1.0)], 1.0, 0.5) == (0.5, 1.0)  # half speed beside the compute
-    assert _drain([(0.0, 1.0), (0.0, 1.0)], 1.0, 1.0) == (1.0, 1.0)  # one at a time
+    assert list(_bucket_runs([50, 10], 4, 80)) == [(0, 80, 2), (1, 80, 1)]
+    assert _drain([(0.0, 1.0, 1, 0.0)], 2.0, 1.0) == (0.0, 1.0)  # hidden
+    assert _drain([(2.0, 1.0, 1, 0.0)], 2.0, 1.0) == (1.0, 0.0)  # produced last: all exposed
+    assert _drain([(0.0, 1.0, 1, 0.0)], 1.0, 0.5) == (0.5, 1.0)  # half speed beside compute
+    assert _drain([(0.0, 1.0, 1, 0.0)] * 2, 1.0, 1.0) == (1.0, 1.0)  # one at a time
+    # a run of alike collectives is the same as each on its own: back to back where each is
+    # ready before the one ahead is done, else each when it is ready
+    for gap, progress in ((0.25, 0.5), (0.5, 1.0), (2.0, 0.5), (0.75, 0.5)):
+        run = _drain([(0.5, 0.5, 6, gap)], 2.0, progress)
+        alone = _drain([(0.5 + k * gap, 0.5, 1, 0.0) for k in range(6)], 2.0, progress)
+        assert run == pytest.approx(alone), (gap, progress)
     import dataclasses
     work, _ = tiny
     # the tiny model's backward on an H100 is shorter than a collective's latency: give

@@ -366,8 +366,14 @@ def measure_link(group: Any = None, device: str = "cpu", reps: int = 5,
         return dataclasses.replace(cached[0], source=cached[0].source.split("; cached")[0]
                                    + "; reused from this host's last run")
     # nothing fresh: every rank times the collectives together, rank 0's figures are kept
-    timed = {kind: [_timed(kind, nbytes, n, group, device, reps) for nbytes in _SIZES]
-             for kind in _KINDS}
+    # `reps` rounds of every kind at every size: a burst of another guest's work on a shared
+    # host lands on one round of several sizes, not on every rep of one size
+    samples: dict[tuple[str, int], list[float]] = {(k, b): [] for k in _KINDS for b in _SIZES}
+    for r in range(reps):
+        for kind, nbytes in samples:
+            samples[kind, nbytes] += timed_collective(kind, nbytes, n, group, device, 1,
+                                                      warm=r == 0)
+    timed = {kind: [statistics.median(samples[kind, b]) for b in _SIZES] for kind in _KINDS}
     contention, progress = _contention(timed["all_reduce"][-1], group, device)
     corun = _corun(group, device)
     wake = _wake(group, device)
@@ -375,7 +381,7 @@ def measure_link(group: Any = None, device: str = "cpu", reps: int = 5,
     kinds = tuple((kind, *_fit(kind, n, list(_SIZES), timed[kind])) for kind in _KINDS)
     link = [LinkProfile(f"measured-{backend}", kinds[0][1], kinds[0][2],
                         f"timed {', '.join(_KINDS)} of {', '.join(map(str, _SIZES))} B on {n} "
-                        f"ranks ({backend}), median of {reps}", kinds=kinds,
+                        f"ranks ({backend}), median of {reps} rounds", kinds=kinds,
                         contention=contention, progress=progress, corun=corun, wake_s=wake,
                         points=tuple((k, tuple(zip(_SIZES, timed[k]))) for k in _KINDS),
                         ranks=n)]
@@ -406,9 +412,9 @@ def _timed(kind: str, nbytes: int, n: int, group: Any, device: str, reps: int) -
 
 
 def timed_collective(kind: str, nbytes: int, n: int, group: Any, device: str,
-                     reps: int) -> list[float]:
+                     reps: int, warm: bool = True) -> list[float]:
     """Seconds of each of `reps` `kind` collectives on an `nbytes` full buffer (after one
-    warm-up), each started together on every rank (a barrier before it). Timed as the
+    warm-up where `warm`), each started together on every rank (a barrier before it). Timed as the
     compiled step runs them: torch's functional collectives, each allocating its output
     (on gloo a fresh 32 MB output costs 1.5-2x the in-place collective: its pages are
     touched anew) and averaging where they reduce."""
@@ -425,7 +431,8 @@ def timed_collective(kind: str, nbytes: int, n: int, group: Any, device: str,
 
     def call() -> None:
         fc.wait_tensor(collective())
-    call()  # warm-up: connections, buffers
+    if warm:  # connections, buffers
+        call()
     times = []
     for _ in range(reps):
         dist.barrier(group=group)

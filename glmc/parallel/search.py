@@ -551,11 +551,12 @@ def _sync_and_update(p: PlanPoint, ranks: list, hows: list, link: Any, work: Wor
             times = [stretch * _backward_s(c, p, how) for c in reversed(blocks)]
             done = list(itertools.accumulate(times))  # backward seconds when block i is done
             jobs = []
-            for i, nbytes in (_buckets([c.params for c in reversed(blocks)], gb,
-                                       int(p.bucket * _MB)) if overlap else
-                              [(len(blocks) - 1, sum(c.params for c in blocks) * gb)]):
-                squeeze += packing(nbytes)
-                jobs.append((done[i] + squeeze, seconds(nbytes)))
+            for i, nbytes, count in (
+                    _bucket_runs([c.params for c in reversed(blocks)], gb, int(p.bucket * _MB))
+                    if overlap else [(len(blocks) - 1, sum(c.params for c in blocks) * gb, 1)]):
+                pack = packing(nbytes)
+                jobs.append((done[i] + squeeze + pack, seconds(nbytes), count, pack))
+                squeeze += count * pack
             kinds[kind], overlapped = _drain(jobs, sum(times) + squeeze, link.progress)
             gather = 0.0
             if p.zero == 3:  # each bucket's parameters gathered before its forward and its
@@ -568,8 +569,9 @@ def _sync_and_update(p: PlanPoint, ranks: list, hows: list, link: Any, work: Wor
             if gather:
                 kinds["all_gather"] = gather
             if dev.wake_s:  # each collective waited for, once more for a core
-                waits = len(jobs) + (2 * m * sum(1 for _ in _buckets(
-                    [c.params for c in blocks], pb, int(p.bucket * _MB))) if p.zero == 3
+                waits = sum(job[2] for job in jobs) + (2 * m * sum(
+                    run[2] for run in _bucket_runs([c.params for c in blocks], pb,
+                                                   int(p.bucket * _MB))) if p.zero == 3
                     else int(p.zero > 0))
                 kinds["wake"] = dev.wake_s * waits
         kinds = {f"dp_{k}": v for k, v in kinds.items()}
@@ -613,35 +615,47 @@ def _buckets(params: list[int], elem: int, cap: int) -> Iterator[tuple[int, int]
     """(index of the block that closes it, bytes) of each ZeRO bucket (`cap` bytes at most,
     at least one block; a block larger than a bucket fills several) over blocks of `params`
     elements of `elem` bytes, in the order they are reduced or gathered."""
+    for i, nbytes, count in _bucket_runs(params, elem, cap):
+        yield from itertools.repeat((i, nbytes), count)
+
+
+def _bucket_runs(params: list[int], elem: int, cap: int) -> Iterator[tuple[int, int, int]]:
+    """`_buckets` as runs: (block index, bytes, how many such buckets in a row) — a block
+    larger than a bucket (a 175B model's layer in 25 MB buckets: ~120) is one run."""
     held = 0
-    params = [n * elem for n in params]
     for i, n in enumerate(params):
+        n *= elem
         if held and held + n > cap:
-            yield i - 1, held
+            yield i - 1, held, 1
             held = 0
-        while n > cap:
-            yield i, cap
-            n -= cap
+        if n > cap:  # whole buckets while more than one is left
+            yield i, cap, (n - 1) // cap
+            n -= cap * ((n - 1) // cap)
         held += n
     if held:
-        yield len(params) - 1, held
+        yield len(params) - 1, held, 1
 
 
-def _drain(jobs: list[tuple[float, float]], window: float, progress: float
+def _drain(jobs: list[tuple[float, float, int, float]], window: float, progress: float
            ) -> tuple[float, float]:
-    """Collectives `jobs` ((ready at, seconds alone), in issue order) on one link while
-    `window` seconds of compute run: one at a time, each at `progress` of its own speed
-    beside the compute (the cores it shares) and at full speed after it. Returns (seconds the
-    rank waits past the window, seconds a collective ran beside the compute)."""
+    """Collectives `jobs` on one link while `window` seconds of compute run: runs of `count`
+    alike collectives ((the first ready at, seconds alone, count, seconds between their
+    readiness), in issue order), one at a time, each at `progress` of its own speed beside the
+    compute (the cores it shares) and at full speed after it. Returns (seconds the rank waits
+    past the window, seconds a collective ran beside the compute)."""
     t = beside = 0.0
-    for ready, alone in jobs:
-        t = max(t, ready)
-        if t < window:
-            during = min(window - t, alone / progress)
-            beside += during
-            t += during + (alone - during * progress)
-        else:
-            t += alone
+    for first, alone, count, gap in jobs:
+        # each of a run ready no later than the one ahead of it is done: back to back, one job
+        runs = [(first, alone * count)] if gap <= alone else \
+            [(first + k * gap, alone) for k in range(count)]
+        for ready, seconds in runs:
+            t = max(t, ready)
+            if t < window:
+                during = min(window - t, seconds / progress)
+                beside += during
+                t += during + (seconds - during * progress)
+            else:
+                t += seconds
     return max(0.0, t - window), beside
 
 
@@ -652,12 +666,12 @@ def _prefetched(order: list[PartCost], p: PlanPoint, link: Any, phase: str,
     exposed, prev = 0.0, None
     gather = functools.lru_cache(maxsize=None)(
         lambda nbytes: collective_seconds("all_gather_into_tensor", nbytes, p.dp, link))
-    for i, nbytes in _buckets([c.params for c in order], elem, int(p.bucket * _MB)):
+    for i, nbytes, count in _bucket_runs([c.params for c in order], elem, int(p.bucket * _MB)):
         g = gather(nbytes)
         hidden = 0.0 if prev is None else link.progress * stretch * sum(
             p.microbatch * (c.forward_s if phase == "forward" else c.backward_s)
             for c in order[prev + 1:i + 1])
-        exposed += max(0.0, g - hidden)
+        exposed += max(0.0, g - hidden) + (count - 1) * g  # a run's later ones: nothing between
         prev = i
     return exposed
 
@@ -685,8 +699,10 @@ def _memory(p: PlanPoint, chunk_list: list, rank: int, last: tuple, work: Worklo
     params = sum(c.params for ch in chunk_list for c in ch)
     flight = _in_flight(p, rank, m)
 
+    held_by = {id(c): c.held(how, p.microbatch) for ch in chunk_list for c in ch}
+
     def kept(c: PartCost) -> int:  # one micro-batch's
-        return c.held(how, p.microbatch)
+        return held_by[id(c)]
     held = sum((1 if ch is last and p.schedule in ("1f1b", "interleaved") else flight) * kept(c)
                for ch in chunk_list for c in ch)
     waiting = _waiting_w(p, rank, m)  # past their I, waiting for their W
