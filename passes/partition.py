@@ -116,36 +116,28 @@ def balanced_cut(times: Sequence[Sequence[float]], cut_cost: Sequence[float], st
     if not 1 <= stages <= n:
         raise ConfigError(f"partition: {stages} stages need at least as many blocks; the step "
                           f"has {n}")
-    pre = [[0.0] * (n + 1) for _ in range(stages)]
-    for s in range(stages):
-        for b in range(n):
-            pre[s][b + 1] = pre[s][b] + times[s][b]
-    pre_np = np.array(pre)
-    cost = np.array([*cut_cost, 0.0])  # cost[i - 1]: cutting before block i
-    # best[s, j]: (bottleneck, total cut cost) placing blocks [0, j) on stages [0, s]; each
-    # row's candidates compared as the tuples they are (the first of equals kept)
+    pre = np.zeros((stages, n + 1))  # pre[s, j]: blocks [0, j) on stage s's device
+    pre[:, 1:] = np.cumsum(np.asarray(times, dtype=float), axis=1)
+    cost = np.asarray(cut_cost, dtype=float)
+    send = np.concatenate(([0.0], cost[:n - 1], [0.0]))  # a stage ending before block j sends
+    before = np.concatenate(([np.inf], cost))  # cutting before block i
+    # top, spent [s, j]: (bottleneck, total cut cost) placing blocks [0, j) on stages [0, s],
+    # compared as the tuples they are (the first of equals kept); a column per end j, a row
+    # per first block i of stage s
     top = np.full((stages, n + 1), np.inf)
-    cuts = np.full((stages, n + 1), np.inf)
+    spent = np.full((stages, n + 1), np.inf)
     arg = np.zeros((stages, n + 1), dtype=np.int64)
-    top[0, 1:] = pre_np[0, 1:] + np.append(cost[:n - 1], 0.0)
-    cuts[0, 1:] = 0.0
+    top[0, 1:] = pre[0, 1:] + send[1:]
+    spent[0, 1:] = 0.0
     ends = np.arange(n + 1)
-    send = np.append(cost[:n - 1], 0.0)  # what stage s sends on when it ends before block j
-    send = np.append(0.0, send)
-    # every (first block i, end j) of stage s at once: a column per j, a row per i
-    starts = ends[:, None]
     for s in range(1, stages):
-        mine = pre_np[s][None, :] - pre_np[s][:, None] + send[None, :]
-        neck = np.maximum(top[s - 1][:, None], mine)
-        neck[(starts < s) | (starts >= ends[None, :])] = np.inf
-        spent = np.broadcast_to((cuts[s - 1] + np.append(np.inf, cost[:n]))[:, None],
-                                neck.shape)
+        neck = np.maximum(top[s - 1][:, None], pre[s][None, :] - pre[s][:, None] + send)
+        neck[(ends[:, None] < s) | (ends[:, None] >= ends[None, :])] = np.inf
+        paid = spent[s - 1] + before
         low = neck.min(axis=0)
-        k = np.argmin(np.where(neck == low[None, :], spent, np.inf), axis=0)
+        k = np.argmin(np.where(neck == low, paid[:, None], np.inf), axis=0)
         cols = ends[s + 1:]
-        top[s, cols] = low[cols]
-        cuts[s, cols] = spent[k[cols], cols]
-        arg[s, cols] = k[cols]
+        top[s, cols], spent[s, cols], arg[s, cols] = low[cols], paid[k[cols]], k[cols]
     cut, j = [], n
     for s in range(stages - 1, 0, -1):
         j = int(arg[s, j])
