@@ -14,6 +14,9 @@ optimizer; the program the backend runs) staying within the budget.
                    values made from them — pointwise ops, norms, softmax — recomputed), at
                    the least recompute time the solvers find for that peak (the rule's own
                    plan where they find none cheaper)
+    budget=full    full recomputation (Megatron-LM's): each of the model's layers keeps only
+                   its input; its backward makes everything else it made again (random ops
+                   and collectives kept); no search, the peak it gives
 
 With `multiplicity=k` (a pipeline stage's joint graph, `RecomputePass.run_stage`) the peak counts the
 values k - 1 other in-flight microbatches keep for their backward (`glmc.planning.remat`).
@@ -46,7 +49,7 @@ import operator
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -62,21 +65,24 @@ from glmc.ir.blocks import owner, step_blocks
 from glmc.ir.graph import RANDOM_OPS, REGATHER_S, Phase, TrainGraph, is_collective, is_comm, op_name
 from glmc.ir.target import BackendTraits, FusionModel
 from glmc.ir.writeback import lower_writeback
-from glmc.planning.remat import (Plan, Problem, Unit, evaluate, greedy, milp, plan_cost, selective,
-                                 stored_bytes)
+from glmc.planning.remat import (Plan, Problem, Unit, evaluate, full, greedy, milp, plan_cost,
+                                 selective, stored_bytes)
 from glmc.planning.updates import (early_update_blocker, place_updates_early, split_fused_updates,
                                    split_overhead_s)
 from glmc.trace.step import joint_to_traingraph
 
 BUDGET_TOLERANCE = 0.01  #: measured peak may exceed a memory budget by this fraction
 
+#: the budgets that are rules (which values to make again), not a peak to meet
+RULES = ("selective", "full")
 _UNITS = {"k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 1 << 10, "mi": 1 << 20,
           "gi": 1 << 30, "ti": 1 << 40}
 
 
 @dataclass(frozen=True)
 class Budget:
-    kind: str  #: "fraction" | "bytes" | "min" | "above" (persistent + value bytes) | "selective"
+    #: "fraction" | "bytes" | "min" | "above" (persistent + value bytes) | "selective" | "full"
+    kind: str
     value: float = 0.0
 
     @staticmethod
@@ -86,7 +92,7 @@ class Budget:
         if isinstance(spec, (int, float)) and not isinstance(spec, bool):
             return Budget("fraction", float(spec)) if spec <= 1 else Budget("bytes", float(spec))
         text = str(spec).strip().lower()
-        if text in ("min", "selective"):
+        if text in ("min", "selective", "full"):
             return Budget(text)
         if text.startswith("+"):
             above = Budget.parse(text[1:])
@@ -97,7 +103,7 @@ class Budget:
         m = re.fullmatch(r"([0-9.]+(?:e[0-9]+)?)\s*([kmgt]i?)?b?", text)
         if not m:
             raise ConfigError(f"recompute: budget {spec!r} is not a fraction (0.5), a size "
-                              "(2GiB, 500MB, 1e9), 'min' or 'selective'")
+                              "(2GiB, 500MB, 1e9), 'min', 'selective' or 'full'")
         number = float(m.group(1))
         if m.group(2) is None and number <= 1 and not text.endswith("b"):  # "1B": a byte
             if number <= 0:
@@ -106,7 +112,7 @@ class Budget:
         return Budget("bytes", number * _UNITS.get(m.group(2) or "", 1))
 
     def target(self, baseline_peak: int, persistent: int) -> int | None:
-        if self.kind in ("min", "selective"):
+        if self.kind in RULES or self.kind == "min":
             return None
         if self.kind == "fraction":
             return int(persistent + self.value * (baseline_peak - persistent))
@@ -345,8 +351,8 @@ class RecomputePass(Pass):
         placements = self._placements(graph, backend, profile, problem, units)
         chosen = self._choose(placements, target)
         plan = chosen[1]
-        selective_rule = Budget.parse(self.budget).kind == "selective"
-        if plan is None or (target is None and not selective_rule) or \
+        rule = Budget.parse(self.budget).kind in RULES
+        if plan is None or (target is None and not rule) or \
                 (target is not None and plan.peak > target):
             # smaller fused-head chunks hold less while the logits of a chunk exist
             narrow = self._narrow_heads(graph, backend, profile, chosen[0], plan, target)
@@ -436,7 +442,10 @@ class RecomputePass(Pass):
         return min(fits, key=lambda s: s[1].cost + s[0].overhead)
 
     def _solve(self, problem: Problem, target: int | None) -> tuple[Plan | None, Plan | None]:
-        if Budget.parse(self.budget).kind == "selective":  # the rule's peak, at the least
+        kind = Budget.parse(self.budget).kind
+        if kind == "full":  # the rule as it is: what the planner prices, Megatron-LM runs
+            return full(problem), None
+        if kind == "selective":  # the rule's peak, at the least
             rule = selective(problem)  # recompute time the solvers find for it (never more
             solved, heuristic = self._search(problem, rule.peak)  # than the rule's own)
             cheaper = solved is not None and solved.peak <= rule.peak and \
@@ -613,7 +622,9 @@ def build_problem(lowered: fx.Graph, traits: BackendTraits, profile: Any,
                 if ph is not Phase.BACKWARD:
                     blocked.add(key[0])  # read by the optimizer update or the output
     overhead = profile.kernel_overhead_s if traits.fuses else profile.op_overhead_s
-    handed = _handed_on(nodes, deps, groups, blocks)
+    def block(n: fx.Node) -> str | None:
+        return owner(getattr(n.meta.get("glmc"), "module", None), blocks)
+    handed = _handed_on(nodes, deps, groups, block)
     units = []
     for key in keys:
         n, k = key
@@ -636,27 +647,32 @@ def build_problem(lowered: fx.Graph, traits: BackendTraits, profile: Any,
             inputs=tuple(sorted(kidx[u] for u in inputs if u[0] is not n)),
             recomputable=recomputable, source=getattr(info, "source", None),
             selective=recomputable and REGATHER_S not in n.meta and n not in handed
-            and not selective_keeps(n)))
+            and not selective_keeps(n),
+            full=recomputable and not is_collective(n) and n not in handed
+            and _layer(block(n))))
     mem = simulate(lowered, traits)
     base = [sum(v.values()) for _, v in mem.timeline]
     return Problem(units, base, mem.persistent_bytes, multiplicity), [u.name for u in units]
 
 
-def _handed_on(nodes: list[fx.Node], deps: dict, groups: Any, blocks: Sequence[str]
-               ) -> set[fx.Node]:
-    """The forward values a block hands to another block's forward (through transparent
-    nodes): the checkpoints selective recomputation keeps."""
-    def block(n: fx.Node) -> str | None:
-        return owner(getattr(n.meta.get("glmc"), "module", None), blocks)
-
+def _handed_on(nodes: list[fx.Node], deps: dict, groups: Any,
+               block: Callable[[fx.Node], str | None]) -> set[fx.Node]:
+    """The forward values a block (`block`: a node's) hands to another block's forward
+    (through transparent nodes): the checkpoints selective and full recomputation keep."""
     out: set[fx.Node] = set()
-    for n in nodes if blocks else ():
+    for n in nodes:
         if _transparent(n, groups) or _phase(n) is not Phase.FORWARD or block(n) is None:
             continue
         for a in n.all_input_nodes:
             out.update(key[0] for key in deps.get(a, ()) if key[0] is not n
                        and block(key[0]) not in (None, block(n)))
     return out
+
+
+def _layer(block: str | None) -> bool:
+    """Whether `block` (`glmc.ir.blocks.block_names`) is an item of the model's list of
+    layers (`model.layers.3`), which full recomputation makes again whole."""
+    return block is not None and block.rsplit(".", 1)[-1].isdigit()
 
 
 def _flops(lowered: fx.Graph, names: set[str]) -> float:

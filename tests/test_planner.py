@@ -123,10 +123,14 @@ def test_memory_follows_zero_and_recompute(tiny: tuple) -> None:
     assert evaluate(PlanPoint(**{**staged.__dict__, "recompute": "full"}), work, cluster
                     ).memory["activations"] < evaluate(staged, work, cluster
                                                        ).memory["activations"]
-    # data parallel, ZeRO-0: the update sets the peak, so full recompute (the pass at its
-    # least peak) makes nothing again — the peak would not fall
-    assert full.peak_bytes == none.peak_bytes
-    assert full.breakdown["recompute"] == 0 == none.breakdown["recompute"]
+    # data parallel, ZeRO-0: the update sets the peak, so full recompute (the pass's rule:
+    # every layer made again) costs its forward once more and lowers no peak
+    assert full.peak_bytes == none.peak_bytes and none.breakdown["recompute"] == 0
+    m = work.sequences // (base.dp * base.microbatch)
+    again = sum(base.microbatch * c.forward_s + c.overhead_s / 3  # the step as compiled
+                for c in work.parts_on(work.device, 1, staged=False)
+                if c.name.startswith("layer"))
+    assert full.breakdown["recompute"] == pytest.approx(m * again, rel=1e-6) and again > 0
     # selective: between the two in memory and in recompute time (the layers' matmul
     # outputs kept, their pointwise ops, norms and softmax made again)
     sel = {k: evaluate(PlanPoint(**{**staged.__dict__, "recompute": k}), work, cluster)
@@ -167,8 +171,11 @@ def test_a_memory_budget_is_priced_as_the_cheapest_mix_of_recompute_modes(tiny: 
     assert priced(str(2 * hi)).breakdown["recompute"] == 0
     assert priced(str(2 * hi)).peak_bytes == hi and priced(str(2 * hi)).fits
     assert priced("1").peak_bytes == hi  # a share of 1: every activation kept
-    low = priced(str(lo // 2))  # below full's peak: priced as full, and it does not fit
-    assert low.breakdown["recompute"] == at["full"].breakdown["recompute"] and not low.fits
+    low = priced(str(lo // 2))  # below full's peak: priced at the least peak (full's, at no
+    # more recompute than full: a rank whose peak is not its activations stops sooner), and
+    # it does not fit
+    assert low.peak_bytes == lo and not low.fits
+    assert 0 < low.breakdown["recompute"] <= at["full"].breakdown["recompute"]
     assert "below the least peak recompute reaches" in low.describe()
     mid = priced(str((lo + hi) // 2))
     assert lo < mid.peak_bytes < hi
@@ -551,7 +558,7 @@ def test_a_plan_spelling_becomes_the_flags_it_stands_for(monkeypatch: pytest.Mon
     assert (a.nproc, a.tp, a.pp, a.zero, a.accumulate) == (2, 2, None, 0, None)
     a = flags("--plan", "dp=1,tp=1,pp=2,microbatch=1,schedule=zbh1,recompute=full")
     assert (a.nproc, a.pp, a.microbatches, a.schedule, a.memory_budget) == \
-        (2, 2, 4, "zbh1", "min")
+        (2, 2, 4, "zbh1", "full")
     a = flags("--plan", "dp=1,tp=1,pp=2,microbatch=1,schedule=zbh1,cut=1")
     assert (a.pp, a.schedule, a.cut) == (2, "zbh1", "1")  # the runtime cuts there
     a = flags("--plan", "dp=2,microbatch=2,recompute=selective")
@@ -793,7 +800,7 @@ def test_a_pipelines_rank_peaks_follow_the_runtimes_stage_graphs(pp: int, schedu
 
 def test_recompute_stops_once_the_peak_is_not_the_activations() -> None:
     """Where a rank's peak at full recompute is something else (the update, the head's
-    logits), the recompute pass at `min` (what `recompute=full` runs) stops making values
+    logits), the recompute pass under a budget (`recompute=0.5`) stops making values
     again once that floor is reached; the planner prices the least share of the costlier
     mode whose true peak meets the target, not the proportion along the hull's segment."""
     from glmc.parallel.planner import as_mix

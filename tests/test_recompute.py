@@ -83,6 +83,35 @@ def test_selective_recomputes_the_cheap_values_and_keeps_the_matmuls() -> None:
     assert low_stats.predicted_peak <= stats.predicted_peak
 
 
+def test_full_makes_each_layer_again_from_its_input() -> None:
+    """`budget=full` (Megatron-LM's full recomputation, what a plan's `recompute=full` runs):
+    everything a layer makes but what it hands to the next — its matmuls, attention and
+    softmax included — is made again in its backward, with no search; the residual stream,
+    the embedding and the head's values are kept. Losses and state as eager PyTorch; more
+    values made again and a peak no higher than selective's."""
+    (m, x, loss_fn, opt), (m2, _, _, opt2) = twin(CASES["glm"].make)
+    trainer = glmc.optimize(m, x, loss_fn=loss_fn, optimizer=opt, backend="eager",
+                            memory_budget="full", fusion=False)
+    got = glmc_losses(trainer, x, 3)
+    want = eager_losses(m2, x, loss_fn, opt2, 3)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=ATOL)
+    assert_state_close(m, m2, opt, opt2)
+    stats, _ = _recompute_stats(trainer)
+    assert stats.solver == "full" and stats.budget_bytes is None
+    made = {name for name, _, _ in stats.recomputed_values}
+    kept = {name for name, _, _ in stats.kept_values}
+    assert {"bmm", "_softmax", "addmm"} <= made and "_softmax" not in kept
+    assert "embedding" in kept and "_log_softmax" in kept  # outside the layers
+    m3, x3, loss3, opt3 = CASES["glm"].make()
+    sel = glmc.optimize(m3, x3, loss_fn=loss3, optimizer=opt3, backend="eager",
+                        memory_budget="selective", fusion=False)
+    glmc_losses(sel, x3, 1)
+    sel_stats, _ = _recompute_stats(sel)
+    assert stats.recomputed > sel_stats.recomputed
+    assert stats.extra_seconds > sel_stats.extra_seconds
+    assert stats.predicted_peak <= sel_stats.predicted_peak < stats.baseline_peak
+
+
 def _glm_1024_tokens():
     """The GLM example's tiny layers over 1024 tokens: two row chunks of its MLP. SGD with
     momentum, not AdamW: the chunked MLP sums in another order, and Adam's normalisation turns

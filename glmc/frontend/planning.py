@@ -261,7 +261,7 @@ def _set_flags(args: argparse.Namespace, point: Any, rows: int, launched: bool) 
     if point.compress != "none":
         args.compress = point.compress
     if point.recompute != "none" and getattr(args, "memory_budget", None) is None:
-        args.memory_budget = {"full": "min"}.get(point.recompute, point.recompute)
+        args.memory_budget = point.recompute  # none, selective, full: the pass's rules
     if args.precision not in (None, point.precision) and not launched:
         raise ConfigError(f"the plan trains in {point.precision} but --precision is "
                           f"{args.precision}")

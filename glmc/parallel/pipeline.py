@@ -79,7 +79,7 @@ class Pipeline:
 @dataclass(frozen=True)
 class StageBudget:
     """A stage's memory budget for glmc's recompute pass on its joint graph (`stage_budgets`):
-    `spec` a fraction, "min" or "selective" in the pass's spelling, or None with
+    `spec` a fraction, "min", "selective" or "full" in the pass's spelling, or None with
     `activation_bytes`, the
     bytes its in-flight microbatches' activations may take on its rank; `multiplicity`: the
     microbatches the schedule keeps in flight on it."""
@@ -97,7 +97,7 @@ class StageBudget:
         return self.spec if self.spec is not None else f"+{int(self.activation_bytes)}B"
 
     def describe(self) -> str:
-        if self.spec in ("min", "selective"):
+        if self.spec in ("min", "selective", "full"):
             return self.spec
         if self.spec is not None:
             return f"{float(self.spec):.0%}"
@@ -777,15 +777,15 @@ def stage_budgets(plan: Any, budget: Any, ranks: int) -> list[StageBudget | None
     pass's Budget spelling) with the microbatches the schedule keeps in flight on it: a size is
     the peak allowed per *rank* — its stages' state first, the rest shared by their in-flight
     activations in proportion to what each would keep (`+size`: that rest itself); a fraction
-    or "min" applies to every stage. None: no budget. A size below a rank's state is a
-    BudgetError naming it."""
+    or a rule ("min", "selective", "full") applies to every stage. None: no budget. A size
+    below a rank's state is a BudgetError naming it."""
     from glmc.errors import BudgetError
     from glmc.passes.recompute import Budget
 
     if budget is None:
         return [None] * len(plan.stages)
     b = Budget.parse(budget)
-    if b.kind in ("min", "selective", "fraction"):
+    if b.kind in ("min", "selective", "full", "fraction"):
         spec = b.kind if b.kind != "fraction" else str(b.value)
         return [StageBudget(spec, s.in_flight) for s in plan.stages]
     out: list[StageBudget | None] = [None] * len(plan.stages)

@@ -252,7 +252,7 @@ def recompute_budget(text: str) -> str:
         kind = Budget.parse(text).kind
     except ConfigError:
         raise ConfigError(why) from None
-    if kind not in ("fraction", "bytes", "above"):  # "min": full's spelling in a plan
+    if kind not in ("fraction", "bytes", "above"):  # the rules are spelt as modes
         raise ConfigError(why)
     return text.replace(" ", "")
 

@@ -300,10 +300,9 @@ def _cut_mode(p: PlanPoint) -> str:
 def _recompute_mixes(p: PlanPoint, ranks: list, last: tuple, work: Workload, m: int,
                      devs: list[DeviceKind], cluster: Cluster
                      ) -> tuple[list[str | Mix], list[float], list[tuple[int, float, int]]]:
-    """Each pipeline rank's recompute: the plan's mode; under `full` what the pass does at
-    budget `min` (the least peak, at the least recompute that reaches it); or under a
-    memory budget (the recompute pass's spelling, `Budget`) the cheapest mix of none,
-    selective and full that meets the budget's peak on that rank — on the lower hull of the
+    """Each pipeline rank's recompute: the plan's mode (none, selective, full: the recompute
+    pass's rules, which it runs as they are); or under a memory budget (the recompute pass's
+    spelling, `Budget`) the cheapest mix of none, selective and full that meets the budget's peak on that rank — on the lower hull of the
     three modes' (peak, recompute seconds) points (a fully recomputed layer's forward
     all-reduces counted twice).
     A share of the activations and +bytes count from the rank's parameters and optimizer
@@ -312,10 +311,10 @@ def _recompute_mixes(p: PlanPoint, ranks: list, last: tuple, work: Workload, m: 
     target (bytes; inf without a budget) and (rank, target, least peak) where the budget is
     below the least peak recompute reaches (priced at that least; the pass refuses such a
     budget, so the plan does not fit)."""
-    if p.recompute in ("none", "selective"):
+    if p.recompute in RECOMPUTE:
         return [p.recompute] * len(ranks), [math.inf] * len(ranks), []
     from glmc.passes.recompute import Budget
-    budget = Budget.parse("min" if p.recompute == "full" else p.recompute)
+    budget = Budget.parse(p.recompute)
     out: list[str | Mix] = []
     targets: list[float] = []
     unmet: list[tuple[int, float, int]] = []
@@ -330,10 +329,6 @@ def _recompute_mixes(p: PlanPoint, ranks: list, last: tuple, work: Workload, m: 
             return sum(_memory(p, chunk_list, r, last, work, m, how,
                                _staging(devs[r])).values())
         least = min(pt[0] for pt in points)
-        if budget.kind == "min":  # full: the least peak, at the least recompute reaching it
-            out.append(_hull_mix([pt[:3] for pt in points], least, peak))
-            targets.append(math.inf)
-            continue
         none = points[0][3]
         target = budget.target(sum(none.values()), persistent_bytes(none) + (
             none["gradients"] if budget.kind == "above" and p.pp > 1 else 0))

@@ -47,6 +47,10 @@ class Unit:
     #: recomputed under selective recomputation (`selective`): a recomputable value cheap to
     #: make again for the bytes it holds (`glmc.analysis.opcost.selective_keeps`)
     selective: bool = False
+    #: recomputed under full recomputation (`full`): a recomputable value made inside one of
+    #: the model's layers that the layer does not hand on (Megatron-LM's full activation
+    #: recomputation: each layer keeps its input, its backward runs its forward again)
+    full: bool = False
 
     @property
     def needed(self) -> bool:
@@ -224,10 +228,21 @@ def selective(p: Problem) -> Plan:
     """Selective recomputation (Korthikanti et al. 2022): every unit marked `selective`
     (pointwise ops, norms, softmax: cheap per byte) made again in the backward from the kept
     outputs of matmuls, attention, collectives and random ops; no search, no budget."""
+    return _rule(p, "selective")
+
+
+def full(p: Problem) -> Plan:
+    """Full recomputation (Megatron-LM's): every unit marked `full` (all a layer makes but
+    what it hands on, random ops and collectives aside) made again in the layer's backward
+    from its input; no search, no budget."""
+    return _rule(p, "full")
+
+
+def _rule(p: Problem, flag: str) -> Plan:
     start = time.perf_counter()
-    r = closure(p, (i for i, u in enumerate(p.units) if u.selective))
+    r = closure(p, (i for i, u in enumerate(p.units) if getattr(u, flag)))
     peak, at = evaluate(p, r)
-    return Plan(r, peak, at, plan_cost(p, r), "selective", time.perf_counter() - start)
+    return Plan(r, peak, at, plan_cost(p, r), flag, time.perf_counter() - start)
 
 
 # ---- MILP -------------------------------------------------------------------------------------

@@ -124,12 +124,12 @@ class Trainer:
         self._traits = self._backend.traits()
         self.strategy = strategy_for(self.options.parallel, self._device)
         self.strategy.check_same(self.model, self.example, self.options)
-        # a size or fraction: stage-3 gathers planned with activations; "min" and
-        # "selective" keep the rule (every bucket gathered again), whose smallest peak the
-        # joint plan may miss
+        # a size or fraction: stage-3 gathers planned with activations; "min" and the
+        # rules ("selective", "full") keep the rule (every bucket gathered again), whose
+        # smallest peak the joint plan may miss
         budget = self.options.memory_budget
-        budgeted = budget is not None and str(budget).strip().lower() not in ("min",
-                                                                            "selective")
+        budgeted = budget is not None and str(budget).strip().lower() not in (
+            "min", "selective", "full")
         for p in self.strategy.passes(budgeted):
             self._pipeline = with_pass(self._pipeline, p)
         self._pipeline = self.strategy.pipeline(self._pipeline)
