@@ -45,6 +45,7 @@ keeps the cheaper valid plan; the report says which produced it and the MILP's g
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 import re
 import time
@@ -255,7 +256,7 @@ class RecomputePass(Pass):
         profile = get_profile(ctx.profile, graph_device(graph))
         lowered = lower_writeback(graph, backend.early_writeback, backend.inplace).graph
         problem, units = build_problem(lowered, backend, profile, self.multiplicity,
-                                       step_blocks(graph))
+                                       _blocks(graph))
         baseline_peak = evaluate(problem, ())[0]
         budget_bytes = target = budget.target(baseline_peak, problem.persistent)
         if target is not None and self.margin:
@@ -383,7 +384,7 @@ class RecomputePass(Pass):
             return [end]
         lowered = lower_writeback(early, backend.early_writeback, backend.inplace).graph
         e_problem, e_units = build_problem(lowered, backend, profile, self.multiplicity,
-                                           step_blocks(graph))
+                                           _blocks(graph))
         placed = _Placement("early", e_problem, e_units,
                             split_overhead_s(early, profile.op_overhead_s))
         return [placed] if self.update == "early" else [end, placed]
@@ -410,7 +411,7 @@ class RecomputePass(Pass):
             narrowed.apply(form)
             lowered = lower_writeback(form, backend.early_writeback, backend.inplace).graph
             problem, units = build_problem(lowered, backend, profile, self.multiplicity,
-                                           step_blocks(graph))
+                                           _blocks(graph))
             extra = sum(node_time(op_cost(n), profile, profile.op_overhead_s)
                         for n in _heads(form.graph)) - base_time
             narrowed = dataclasses.replace(narrowed, problem=problem, units=units,
@@ -622,18 +623,14 @@ def build_problem(lowered: fx.Graph, traits: BackendTraits, profile: Any,
                 if ph is not Phase.BACKWARD:
                     blocked.add(key[0])  # read by the optimizer update or the output
     overhead = profile.kernel_overhead_s if traits.fuses else profile.op_overhead_s
-    def block(n: fx.Node) -> str | None:
-        return owner(getattr(n.meta.get("glmc"), "module", None), blocks)
+    block = functools.partial(_block, blocks=blocks)
     handed = _handed_on(nodes, deps, groups, block)
     units = []
     for key in keys:
         n, k = key
         val = n.meta.get("val")
         size = value_bytes(val if k is None else val[k])
-        t = n.target
-        recomputable = (isinstance(t, torch._ops.OpOverload) and not t._schema.is_mutable
-                        and op_name(n) not in RANDOM_OPS and n not in blocked
-                        and (not is_collective(n) or REGATHER_S in n.meta))  # unpriced
+        recomputable = _recomputable(n, blocked)
         inputs: set = set()
         for a in n.all_input_nodes:
             inputs |= deps.get(a, frozenset())
@@ -655,6 +652,19 @@ def build_problem(lowered: fx.Graph, traits: BackendTraits, profile: Any,
     return Problem(units, base, mem.persistent_bytes, multiplicity), [u.name for u in units]
 
 
+def _recomputable(n: fx.Node, blocked: set[fx.Node]) -> bool:
+    """Whether `n`'s value may be made again: a pure op, not random, not read by the update
+    or the output, not a collective (but a ZeRO-3 gather, gathered again)."""
+    t = n.target
+    return (isinstance(t, torch._ops.OpOverload) and not t._schema.is_mutable
+            and op_name(n) not in RANDOM_OPS and n not in blocked
+            and (not is_collective(n) or REGATHER_S in n.meta))  # unpriced
+
+
+def _block(n: fx.Node, blocks: Sequence[str]) -> str | None:
+    return owner(getattr(n.meta.get("glmc"), "module", None), blocks)
+
+
 def _handed_on(nodes: list[fx.Node], deps: dict, groups: Any,
                block: Callable[[fx.Node], str | None]) -> set[fx.Node]:
     """The forward values a block (`block`: a node's) hands to another block's forward
@@ -667,6 +677,14 @@ def _handed_on(nodes: list[fx.Node], deps: dict, groups: Any,
             out.update(key[0] for key in deps.get(a, ()) if key[0] is not n
                        and block(key[0]) not in (None, block(n)))
     return out
+
+
+def _blocks(graph: TrainGraph) -> list[str]:
+    """The step's blocks (`glmc.ir.blocks.step_blocks`); a pipeline stage's joint graph
+    names no parameters: the blocks `joint_to_traingraph` placed its forward nodes in."""
+    return step_blocks(graph) or list(dict.fromkeys(
+        info.module for n in graph.compute_nodes()
+        if (info := graph.info(n)).module and info.phase is Phase.FORWARD))
 
 
 def _layer(block: str | None) -> bool:

@@ -979,6 +979,39 @@ def test_a_stage_under_a_budget_saves_less_and_trains_like_eager(glm_graph) -> N
     assert losses == pytest.approx(eager_losses(*CASES["glm"].make(), STEPS), rel=RTOL)
 
 
+def test_full_recompute_makes_a_stages_layers_again_from_their_inputs() -> None:
+    """`full` on a stage's joint graph (which names no modules: its nodes are placed in the
+    blocks of the parameters they are made from): each layer's values are made again in the
+    backward, what a layer hands to the next block is kept; the losses stay eager PyTorch's."""
+    from glmc.parallel.pipeline import StageBudget
+    from glmc.trace.step import joint_to_traingraph
+    from glmc.passes.recompute import _blocks
+    model, batch, loss_fn, opt = CASES["glm"].make()
+    seen = {}
+    real = joint_to_traingraph
+
+    def spy(gm):  # the blocks the recompute pass sees
+        graph = real(gm)
+        seen.setdefault("blocks", _blocks(graph))
+        return graph
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("glmc.passes.recompute.joint_to_traingraph", spy)
+        pipe = build_program(model, opt, loss_fn, batch, [["embed", "blocks.0", "blocks.1"]],
+                             2, "1f1b", budgets=[StageBudget("full", 2)])
+    assert seen["blocks"] == ["embed", "blocks.0", "blocks.1", "norm", "head"]
+    stats = pipe.recompute[0]
+    assert stats.solver == "full" and stats.recomputed > 0
+    made = {name for name, _, _ in stats.recomputed_values}
+    kept = {name for name, _, _ in stats.kept_values}
+    assert any(n.startswith(("mm", "addmm", "bmm")) for n in made)  # matmuls made again
+    assert any(n.startswith("embedding") for n in kept)  # outside the layers
+    losses = [float(torch.stack(run_rank(pipe.program, {0: pipe.stages[0].module},
+                                         {0: pipe.optimizers[0]},
+                                         microbatch_leaves(batch, 2))).mean())
+              for _ in range(STEPS)]
+    assert losses == pytest.approx(eager_losses(*CASES["glm"].make(), STEPS), rel=RTOL)
+
+
 def test_a_stage_saves_no_more_than_autograd() -> None:
     """Each stage's joint graph is cleaned up before it is split: the GLM's `Dropout(p=0)`
     copy of the attention weights was saved beside the weights themselves."""

@@ -122,6 +122,12 @@ class Trainer:
             check_cuda_graphs(self._device, self.options.parallel)
         self._backend = get_backend(self.options.backend)
         self._traits = self._backend.traits()
+        if self.options.retain_memory and self._device == "cpu":
+            # before the strategy times the link: its collectives' outputs then come from the
+            # heap as the step's do (gloo: a fresh 32 MiB output faulted in page by page took
+            # 2-4x a 16 MiB one; priced so, ZeRO-3's gathers were predicted ~2x their time)
+            from glmc.runtime.hostalloc import retain_freed_memory
+            retain_freed_memory()
         self.strategy = strategy_for(self.options.parallel, self._device)
         self.strategy.check_same(self.model, self.example, self.options)
         # a size or fraction: stage-3 gathers planned with activations; "min" and the

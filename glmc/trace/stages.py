@@ -14,7 +14,7 @@ from glmc.ir.graph import (InputSpec, NodeInfo, OutputKind, OutputSpec, Phase, R
                            TrainGraph)
 from glmc.ir.program import Stage
 from glmc.trace.optim import ensure_state, rule_for
-from glmc.trace.step import OptimizerSpec
+from glmc.trace.step import PARAM_META, OptimizerSpec
 
 
 
@@ -80,7 +80,7 @@ def capture_stage(index: int, module: nn.Module, optimizer: torch.optim.Optimize
         fw, bw, n_out = _sharded_graphs(fn, examples, ins, names, len(buffers), leaves, send,
                                         index, tp)
     else:
-        fw, bw, n_out = _aot_graphs(fn, examples, partition, index, send)
+        fw, bw, n_out = _aot_graphs(fn, examples, partition, index, send, names)
     if n_out != max(len(send), 1):
         raise ConfigError(f"capture_stage: stage {index} returns {n_out} values but send= "
                           f"names {len(send)} (a stage that writes a buffer returns more)")
@@ -146,9 +146,12 @@ def _rewritten(step: Callable, examples: list[torch.Tensor], inputs: list[InputS
 
 def _aot_graphs(fn: Callable, examples: list[torch.Tensor],
                 partition: Callable[[fx.GraphModule], Any] | None = None, index: int = 0,
-                send: Sequence[str] = ()) -> tuple[fx.GraphModule, fx.GraphModule, int]:
+                send: Sequence[str] = (), params: Sequence[str] = ()
+                ) -> tuple[fx.GraphModule, fx.GraphModule, int]:
     """AOTAutograd's forward and backward graphs of `fn` (run once on `examples`), split by
-    the default partition after `partition`'s rewrite of the joint graph (`capture_stage`)."""
+    the default partition after `partition`'s rewrite of the joint graph (`capture_stage`).
+    The joint graph's first placeholders (the stage's parameters) carry their names
+    `params` (`PARAM_META`): what `joint_to_traingraph` places its nodes in blocks by."""
     from functorch.compile import aot_function, make_boxed_func
     from torch._functorch.partitioners import default_partition
 
@@ -162,6 +165,9 @@ def _aot_graphs(fn: Callable, examples: list[torch.Tensor],
 
     def split(joint: fx.GraphModule, joint_inputs: Any, **kw: Any) -> Any:
         if partition is not None:
+            primals = (n for n in joint.graph.nodes if n.op == "placeholder")
+            for name, n in zip(params, primals):
+                n.meta[PARAM_META] = name
             partition(joint)
             joint.recompile()
         return default_partition(joint, joint_inputs, **kw)

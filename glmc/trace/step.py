@@ -21,6 +21,7 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from glmc.errors import CaptureError, ConfigError, Offense
+from glmc.ir.blocks import block_names
 from glmc.ir.graph import (GRAD_OF, RANDOM_OPS, InputSpec, NodeInfo, OutputKind, OutputSpec, Phase,
                            RngSite, Role, TensorSpec, TrainGraph, op_name)
 from glmc.trace import scaler as amp
@@ -465,10 +466,22 @@ def _module_path(stack: dict | None) -> str | None:
     return path
 
 
+#: a joint graph placeholder's meta key: the parameter it stands for (`capture_stage`)
+PARAM_META = "glmc_param"
+
+
 def joint_to_traingraph(gm: fx.GraphModule) -> TrainGraph:
-    """A TrainGraph view of an AOTAutograd joint graph (placeholders primals_*/tangents_*)."""
+    """A TrainGraph view of an AOTAutograd joint graph (placeholders primals_*/tangents_*).
+    Where its placeholders name their parameters (`PARAM_META`), each forward node's module
+    is the block (`glmc.ir.blocks.block_names`) of the parameters it is made from — the one
+    the forward reaches last: a layer's values are its layer's, the residual stream's up to
+    the next layer's first parameter its layer's too."""
     g = gm.graph
     inputs, backward = [], set()
+    names = {n: n.meta[PARAM_META] for n in g.nodes if PARAM_META in n.meta}
+    blocks = block_names(names.values())
+    where: dict[fx.Node, str] = {n: blocks[name] for n, name in names.items()}
+    first: dict[str, int] = {}  # block -> when the forward first reads it
     for n in g.nodes:
         if n.op == "placeholder":
             tangent = n.name.startswith("tangents")
@@ -484,8 +497,14 @@ def joint_to_traingraph(gm: fx.GraphModule) -> TrainGraph:
                 backward.add(n)
             phase = Phase.BACKWARD if is_bwd else Phase.FORWARD
             role = Role.GRADIENT if is_bwd else Role.ACTIVATION
+            made = [where[a] for a in n.all_input_nodes if a in where] if not is_bwd else []
+            for b in made:
+                first.setdefault(b, len(first))
+            if made:
+                where[n] = max(made, key=first.__getitem__)
             n.meta["glmc"] = NodeInfo(phase, role, TensorSpec.of(n.meta.get("val")),
-                                      source=source_line(n.meta.get("stack_trace")))
+                                      source=source_line(n.meta.get("stack_trace")),
+                                      module=where.get(n))
     out = next(n for n in reversed(g.nodes) if n.op == "output")
     outputs = [OutputSpec(OutputKind.GRADIENT if isinstance(v, fx.Node) and v in backward
                           else OutputKind.FORWARD, str(i))
