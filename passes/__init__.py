@@ -40,8 +40,11 @@ def default_pipeline(memory_budget: Any = None, precision: str | None = None,
         low_cpu = precision in ("bf16", "fp16", "auto") and device == "cpu"
         # the fused LM head + loss saves the logits' memory but is slower than Inductor's own
         # kernels: the fusion pass leaves it out on Inductor unless a memory budget is set;
-        # attention likewise is timed both ways there (auto) unless memory matters
-        budget = memory_budget is not None
+        # attention likewise is timed both ways there (auto) unless memory matters. The
+        # rules (selective, full recomputation) aim at no peak: they fuse as without one
+        # (under tensor parallelism the fused head stayed whole on every rank: Llama x2
+        # tp=2 selective 666 ms against 592 without recompute)
+        budget = memory_budget is not None and str(memory_budget) not in ("selective", "full")
         attention = False if low_cpu else (True if budget else None)
         # the smallest peak: the whole gated MLP chunked, its projections made again in the
         # backward (held-out GLM 2x256: the MLP backward's projections were that peak)

@@ -120,7 +120,8 @@ time.sleep(30)
 @pytest.mark.parametrize("command,args,messages", [
     ("compile", ["--memory-budget", "banana", "--precision", "fp8", "--backend", "nosuch",
                  "--profile", "nosuch", "--disable", "nosuch", "--export-onnx"],
-     ["budget 'banana' is not a fraction (0.5), a size (2GiB, 500MB, 1e9), 'min' or 'selective'",
+     ["budget 'banana' is not a fraction (0.5), a size (2GiB, 500MB, 1e9), 'min', 'selective' or "
+      "'full'",
       "unknown policy 'fp8'", "backend 'nosuch' is unknown", "unknown device profile 'nosuch'",
       "--disable: unknown pass(es) nosuch", "--export-onnx needs --export-dir"]),
     ("compile", ["--passes", "nosuchpass"], ["unknown pass 'nosuchpass'; known: accumulate, cleanup"]),

@@ -24,7 +24,8 @@ _BUDGET_HELP = ("adds the recompute pass with this budget for the step's peak me
                 "whole peak (2GiB, 500MB, 1e9 bytes), a size above the state (+64MiB), min "
                 "(the smallest reachable peak) or selective (the peak of keeping matmul, "
                 "attention and collective outputs and recomputing the cheap ops between "
-                "them); with --pp the peak per rank, each stage planned with the "
+                "them) or full (every layer made again from its input in its backward, as "
+                "Megatron-LM's full recomputation); with --pp the peak per rank, each stage planned with the "
                 "microbatches its schedule keeps in flight")
 
 

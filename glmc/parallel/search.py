@@ -302,9 +302,9 @@ def _recompute_mixes(p: PlanPoint, ranks: list, last: tuple, work: Workload, m: 
                      ) -> tuple[list[str | Mix], list[float], list[tuple[int, float, int]]]:
     """Each pipeline rank's recompute: the plan's mode (none, selective, full: the recompute
     pass's rules, which it runs as they are); or under a memory budget (the recompute pass's
-    spelling, `Budget`) the cheapest mix of none, selective and full that meets the budget's peak on that rank — on the lower hull of the
-    three modes' (peak, recompute seconds) points (a fully recomputed layer's forward
-    all-reduces counted twice).
+    spelling, `Budget`) the cheapest mix of none, selective and full that meets the budget's
+    peak on that rank — on the lower hull of the three modes' (peak, recompute seconds)
+    points (a fully recomputed layer's forward all-reduces counted twice).
     A share of the activations and +bytes count from the rank's parameters and optimizer
     state, what the pass counts as persistent (a pipeline stage's +bytes also from its
     gradients, as `glmc.parallel.pipeline.stage_budgets` does). Also returns each rank's
