@@ -150,12 +150,15 @@ def pipeline_trainer_for(model: nn.Module, example_inputs: Any, loss_fn: Any,
     from glmc.parallel.pipeline import plan_trainer
     from glmc.parallel.plan import StepOptions
     supported = {"parallel", "backend", "memory_budget", "precision", "fusion", "passes",
-                 "disable", "cuda_graphs"}
+                 "disable", "cuda_graphs", "retain_memory"}
     unsupported = sorted(k for k, v in options.items() if k not in supported and v)
     if unsupported:
         raise ConfigError(f"optimize: {', '.join(unsupported)} cannot apply to a pipeline plan "
                           "yet; drop them or train without pp")
     backend = options.get("backend", "inductor")
+    if options.get("retain_memory", True) and _on_cpu(model):  # as the Trainer does
+        from glmc.runtime.hostalloc import retain_freed_memory
+        retain_freed_memory()
     plan.validate(StepOptions(backend=backend, precision=options.get("precision"),
                               passes=options.get("passes"),
                               disable=tuple(options.get("disable") or ()),
@@ -163,3 +166,8 @@ def pipeline_trainer_for(model: nn.Module, example_inputs: Any, loss_fn: Any,
     return plan_trainer(plan, model, optimizer, loss_fn, example_inputs,
                         memory_budget=options.get("memory_budget"), backend=backend,
                         precision=options.get("precision"), fusion=bool(options.get("fusion")))
+
+
+def _on_cpu(model: nn.Module) -> bool:
+    p = next(iter(model.parameters()), None)
+    return p is None or p.device.type == "cpu"
