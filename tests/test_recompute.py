@@ -57,19 +57,25 @@ def test_recompute_keeps_parity_and_meets_budget(case: str, backend: str, budget
                                                        rec["warnings"])
 
 
+def _glm_rule_with_parity(budget: str):
+    """The GLM test model trained 3 steps under recompute `budget` (fusion off): losses and
+    state asserted equal to eager PyTorch's; the recompute pass's stats."""
+    (m, x, loss_fn, opt), (m2, _, _, opt2) = twin(CASES["glm"].make)
+    trainer = glmc.optimize(m, x, loss_fn=loss_fn, optimizer=opt, backend="eager",
+                            memory_budget=budget, fusion=False)
+    got = glmc_losses(trainer, x, 3)
+    want = eager_losses(m2, x, loss_fn, opt2, 3)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=ATOL)
+    assert_state_close(m, m2, opt, opt2)
+    return _recompute_stats(trainer)[0]
+
+
 def test_selective_recomputes_the_cheap_values_and_keeps_the_matmuls() -> None:
     """`budget=selective`: the peak of the rule that recomputes the values of pointwise ops,
     norms and softmax and keeps those of matmuls and attention, at no more recompute time
     than the rule's (the solvers' plan for that peak where cheaper). Losses and state as
     eager PyTorch; the peak between no recompute and `min`."""
-    (m, x, loss_fn, opt), (m2, _, _, opt2) = twin(CASES["glm"].make)
-    trainer = glmc.optimize(m, x, loss_fn=loss_fn, optimizer=opt, backend="eager",
-                            memory_budget="selective", fusion=False)
-    got = glmc_losses(trainer, x, 3)
-    want = eager_losses(m2, x, loss_fn, opt2, 3)
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=ATOL)
-    assert_state_close(m, m2, opt, opt2)
-    stats, _ = _recompute_stats(trainer)
+    stats = _glm_rule_with_parity("selective")
     assert stats.solver in ("selective", "milp", "greedy") and stats.budget_bytes is None
     assert stats.recomputed > 0 and stats.predicted_peak < stats.baseline_peak
     (rule,) = [n for n in stats.notes if n.startswith("selective rule")]
@@ -89,14 +95,7 @@ def test_full_makes_each_layer_again_from_its_input() -> None:
     softmax included — is made again in its backward, with no search; the residual stream,
     the embedding and the head's values are kept. Losses and state as eager PyTorch; more
     values made again and a peak no higher than selective's."""
-    (m, x, loss_fn, opt), (m2, _, _, opt2) = twin(CASES["glm"].make)
-    trainer = glmc.optimize(m, x, loss_fn=loss_fn, optimizer=opt, backend="eager",
-                            memory_budget="full", fusion=False)
-    got = glmc_losses(trainer, x, 3)
-    want = eager_losses(m2, x, loss_fn, opt2, 3)
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=ATOL)
-    assert_state_close(m, m2, opt, opt2)
-    stats, _ = _recompute_stats(trainer)
+    stats = _glm_rule_with_parity("full")
     assert stats.solver == "full" and stats.budget_bytes is None
     made = {name for name, _, _ in stats.recomputed_values}
     kept = {name for name, _, _ in stats.kept_values}
