@@ -459,26 +459,27 @@ def _worker(rank: int, port: int, out: str, slow: bool = False) -> None:
                                    ("default", _tp_part("eager", None)),
                                    ("hf_glm", _tp_part("eager", None, "hf_glm")),
                                    ("sequence", _tp_part("eager", None, sequence=True)),
-                                   ("hf_glm_sequence",
-                                    _tp_part("eager", None, "hf_glm", sequence=True)),
-                                   # one sequence, with SGD: under AdamW one weight in
-                                   # 10,000 (a rounding-noise gradient) moved 2e-6 apart
-                                   ("one", _tp_part("eager", None, rows=1, sgd=True)),
-                                   ("one_sequence", _tp_part("eager", None, sequence=True,
-                                                             rows=1, sgd=True)),
                                    ("bf16", _tp_part("eager", None, precision="bf16")),
                                    ("checkpoint", _checkpoint_part),
                                    ("dropout", _dropout_part),
                                    ("clip", _tp_part("eager", None, clip=0.5)),
                                    ("accumulate", _tp_part("eager", None, accumulate=2)),
                                    ("llama", _tp_part("eager", None, "llama", sgd=True)),
-                                   ("qwen2_tied", _tp_part("eager", None, "qwen2_tied",
-                                                           sgd=True)),
-                                   ("odd_vocab", functools.partial(_dropout_part, vocab=257)),
                                    ("whole_vocab", _tp_part(
                                        "eager", None,
                                        tp_plan="head.weight:replicate;embed.weight:replicate"))]
-              + ([("choose_time", _tp_part("eager", None, tp_choose="time"))] if slow else []))
+              + (_SLOW_PARTS if slow else []))
+
+
+#: parts only the slow tests read (run when one of them is selected: `-m slow`)
+_SLOW_PARTS = [("hf_glm_sequence", _tp_part("eager", None, "hf_glm", sequence=True)),
+               # one sequence, with SGD: under AdamW one weight in 10,000 (a rounding-noise
+               # gradient) moved 2e-6 apart
+               ("one", _tp_part("eager", None, rows=1, sgd=True)),
+               ("one_sequence", _tp_part("eager", None, sequence=True, rows=1, sgd=True)),
+               ("qwen2_tied", _tp_part("eager", None, "qwen2_tied", sgd=True)),
+               ("odd_vocab", functools.partial(_dropout_part, vocab=257)),
+               ("choose_time", _tp_part("eager", None, tp_choose="time"))]
 
 
 @pytest.fixture(scope="module")
@@ -514,7 +515,9 @@ def test_two_ranks_train_like_one_process(runs: Path, part: str) -> None:
         assert r["collectives"] == {"all_reduce": 13} and r["whole_ops"] == {}
 
 
-def test_glmc_compile_tp_trains_like_one_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("flags", [("--tp", "2"), pytest.param(
+    ("--tp", "2", "--sequence-parallel"), marks=pytest.mark.slow)])  # (the API's by default)
+def test_glmc_compile_tp_trains_like_one_process(tmp_path: Path, flags: tuple) -> None:
     """`glmc compile FILE --nproc 2 --tp 2 [--sequence-parallel]` prints the losses of one
     process."""
     import re
@@ -532,11 +535,9 @@ def test_glmc_compile_tp_trains_like_one_process(tmp_path: Path) -> None:
         return [float(v) for v in re.findall(r"^step +\d+ +loss ([0-9.]+)", out.stdout,
                                              re.MULTILINE)]
 
-    one, two = losses(), losses("--nproc", "2", "--tp", "2")  # (the pass's stats line)
+    one, two = losses(), losses("--nproc", "2", *flags)  # (the pass's stats line)
     assert len(one) == 3
     torch.testing.assert_close(two, one, rtol=1e-5, atol=0)
-    sequence = losses("--nproc", "2", "--tp", "2", "--sequence-parallel")
-    torch.testing.assert_close(sequence, one, rtol=1e-5, atol=0)
 
 
 def test_transformers_glm_trains_like_one_process(runs: Path) -> None:
@@ -560,9 +561,10 @@ def test_transformers_glm_trains_like_one_process(runs: Path) -> None:
             r["ref_params"]["model.layers.0.self_attn.o_proj.weight"].shape[1]
 
 
-@pytest.mark.parametrize("part,base", [("sequence", "default"),
-                                       ("hf_glm_sequence", "hf_glm"),
-                                       ("one_sequence", "one")])
+@pytest.mark.parametrize("part,base", [
+    ("sequence", "default"),  # the rest: parts run only for the slow set
+    pytest.param("hf_glm_sequence", "hf_glm", marks=pytest.mark.slow),
+    pytest.param("one_sequence", "one", marks=pytest.mark.slow)])
 def test_sequence_parallelism_trains_like_one_process(runs: Path, part: str, base: str) -> None:
     """`tp_sequence` (sequence parallelism) on the GLM example and transformers' GLM, and on
     a batch of one sequence (each rank a block of its positions, `Shard(1)` of [1, seq, ...]
@@ -715,7 +717,8 @@ def test_gradient_clipping_sums_the_blocks_norms_over_the_ranks(runs: Path) -> N
         assert r["collectives"] == {"all_reduce": 13}  # the pass's; clip adds one more
 
 
-@pytest.mark.parametrize("case", ["llama", "qwen2_tied"])
+@pytest.mark.parametrize("case", ["llama",  # qwen2_tied: a part run only for the slow set
+                                  pytest.param("qwen2_tied", marks=pytest.mark.slow)])
 def test_zoo_llama_and_a_tied_embedding_train_like_one_process(runs: Path, case: str) -> None:
     """transformers' Llama and Qwen2 with the LM head tied to the embedding (one table,
     vocab-parallel for both uses) from the zoo, on tp=2: the Megatron layout found from the
@@ -741,6 +744,7 @@ def test_gradient_accumulation_on_tensor_parallel_ranks(runs: Path) -> None:
 
 
 @_AMX_NOISE
+@pytest.mark.slow  # a part of its own in the fixture (~20 s); the even cut runs by default
 def test_a_vocabulary_that_does_not_divide_is_cut_unevenly(runs: Path) -> None:
     """A vocabulary of 257 on 2 ranks: the embedding and the LM head stay vocab-parallel in
     blocks of 129 and 128 rows (torch.chunk's and DTensor's cut; no padding), the loss-

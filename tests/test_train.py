@@ -391,7 +391,9 @@ def _dcp_tensors(path: Path, out: Path) -> dict:
     return torch.load(out, weights_only=False)
 
 
-@pytest.mark.parametrize("plan", [("--zero", "1"), ("--pp", "2"),
+@pytest.mark.parametrize("plan", [  # by default the pipeline (data parallel resumes in the
+    # torchrun restart below, ZeRO's DCP state in test_parallel's checkpoint tests)
+    pytest.param(("--zero", "1"), marks=pytest.mark.slow), ("--pp", "2"),
                                   pytest.param(("--tp", "2"), marks=pytest.mark.slow),
                                   pytest.param(("--pp", "2", "--tp", "2", "--nproc", "4"),
                                                marks=pytest.mark.slow)],

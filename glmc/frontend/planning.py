@@ -43,6 +43,10 @@ def add_plan_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--no-overlap", action="store_true",
                    help="price the data-parallel gradient synchronisation after the backward "
                         "instead of overlapped with it")
+    p.add_argument("--recompute-collectives", action="store_true",
+                   help="under full recompute, price a layer's forward tensor-parallel "
+                        "all-reduces issued again (Megatron-LM) instead of their outputs "
+                        "kept (glmc's recompute pass)")
     p.add_argument("--top", type=int, default=10, metavar="K", help="plans to print (10)")
     p.add_argument("--explain", action="store_true",
                    help="say why the top plan beats the next ones")
@@ -54,17 +58,21 @@ def add_plan_parser(sub: Any) -> argparse.ArgumentParser:
 def plan(model: Any, example_inputs: Any, cluster: str = "local", loss_fn: Any = None,
          optimizer: Any = None, fix: str | None = None, precision: str | None = None,
          nproc: int | None = None, overlap: bool = True, intra_link: Any = None,
-         inter_link: Any = None) -> list[PricedPlan]:
+         inter_link: Any = None, recompute_collectives: bool = False) -> list[PricedPlan]:
     """Every plan of the step on `cluster` priced and ranked (those that fit first, by
     predicted step time). `fix`: a partial spelling the plans must match. Each result's
-    `point.spelling()` names the plan; `to_dict()` has its predicted figures."""
+    `point.spelling()` names the plan; `to_dict()` has its predicted figures. `overlap`:
+    False prices the gradient synchronisation after the backward, `recompute_collectives`
+    a fully recomputed layer's tensor-parallel all-reduces issued again (both as Megatron-LM
+    of 2021 ran; glmc overlaps the one and keeps the others' outputs)."""
     return _plan(model, example_inputs, cluster, loss_fn, optimizer, fix, precision, nproc,
-                 overlap, intra_link, inter_link)[0]
+                 overlap, intra_link, inter_link, recompute_collectives)[0]
 
 
 def _plan(model: Any, example_inputs: Any, cluster: str, loss_fn: Any, optimizer: Any,
           fix: str | None, precision: str | None, nproc: int | None, overlap: bool,
-          intra_link: Any, inter_link: Any) -> tuple[list[PricedPlan], Any, Cluster]:
+          intra_link: Any, inter_link: Any, recompute_collectives: bool = False
+          ) -> tuple[list[PricedPlan], Any, Cluster]:
     fixed = parse_spelling(fix) if fix else {}
     cl = Cluster.parse(cluster, intra_link, inter_link, nproc)
     device = cl.groups[0].device
@@ -78,6 +86,8 @@ def _plan(model: Any, example_inputs: Any, cluster: str, loss_fn: Any, optimizer
         [device.dtype]
     works = price_precisions(model, example_inputs, loss_fn, optimizer, device,
                              [given] if given else choices, tps, others)
+    if recompute_collectives:
+        works = [w.recomputing_collectives() for w in works]
     return search(works, cl, fixed, overlap), works[0], cl
 
 
@@ -87,7 +97,7 @@ def run_plan(args: argparse.Namespace) -> int:
     w = load_workload(args.file)
     plans, work, cl = _plan(w.model, w.example_inputs, args.cluster, w.loss_fn, w.optimizer,
                            args.fix, args.precision, args.nproc, not args.no_overlap,
-                           args.intra_link, args.inter_link)
+                           args.intra_link, args.inter_link, args.recompute_collectives)
     took = time.perf_counter() - started
     print(f"glmc plan: {cl.spelling()} ({cl.devices} devices), global batch "
           f"{work.sequences} x {work.tokens_per_sequence} tokens, "

@@ -313,6 +313,10 @@ class PartCost:
     #: per sequence, the forward values the weight gradients read (the matmuls' inputs):
     #: under recompute, I makes them again and they stay to the W
     stash_forward: int = 0
+    #: under full recompute the layer keeps its forward tensor-parallel all-reduces'
+    #: outputs (glmc's full rule keeps every collective); False: it issues them again in
+    #: its backward (Megatron-LM's checkpointed layers, `Workload.recomputing_collectives`)
+    keeps_collectives: bool = True
 
     def peak(self, sequences: int) -> int:
         """The most this block has live at once beyond what the blocks before it saved, for
@@ -344,7 +348,15 @@ class PartCost:
             return round(sum(w * self.kept(mode) for mode, w in how))
         if how == "none" or not _is_layer(self):
             return self.saved_bytes
-        return self.out_bytes if how == "full" else self.selective_bytes
+        if how == "full":
+            return self.out_bytes + self.keeps_collectives * sum(
+                n for phase, n in self.tp_bytes if phase == "forward")
+        return self.selective_bytes
+
+    def collectives_again(self) -> int:
+        """How many times more each forward tensor-parallel all-reduce runs when the layer
+        is recomputed in full: 0 where their outputs are kept, 1 where issued again."""
+        return int(_is_layer(self) and not self.keeps_collectives)
 
 
 @dataclass(frozen=True)
@@ -373,6 +385,18 @@ class Workload:
         if not staged and device == self.device and tp in self.whole:
             return self.whole[tp]
         return self.by_device.get(device, self.parts)[tp]
+
+    def recomputing_collectives(self) -> Workload:
+        """The same step where a fully recomputed layer issues its forward tensor-parallel
+        all-reduces again instead of keeping their outputs, as Megatron-LM's checkpointed
+        layers do (the published runs the planner is checked against)."""
+        def again(parts: tuple[PartCost, ...]) -> tuple[PartCost, ...]:
+            return tuple(dataclasses.replace(c, keeps_collectives=False) for c in parts)
+        return dataclasses.replace(
+            self, parts={t: again(ps) for t, ps in self.parts.items()},
+            whole={t: again(ps) for t, ps in self.whole.items()},
+            by_device={d: {t: again(ps) for t, ps in per.items()}
+                       for d, per in self.by_device.items()})
 
     def model_flops(self) -> float:
         """Forward + backward FLOPs of one step (no recompute), from the captured graph."""

@@ -157,7 +157,8 @@ def _rank_costs(p: PlanPoint, chunk_list: list, last: tuple, dev: DeviceKind,
                 cluster: Cluster, how: str | Mix) -> tuple[float, float, float, float]:
     """One micro-batch on one pipeline rank under recompute `how`: compute, recompute (both
     at the device's full speed: `evaluate` adds what sharing a host's cores costs), tensor-
-    parallel all-reduces (not overlapped; a fully recomputed layer's forward ones twice) and
+    parallel all-reduces (not overlapped; a fully recomputed layer's forward ones twice
+    where it issues them again, `PartCost.keeps_collectives`) and
     sends/receives to the neighbouring stages; where the processes outnumber the cores each
     blocking one also waits `dev.wake_s` for a core."""
     b = p.microbatch
@@ -169,7 +170,7 @@ def _rank_costs(p: PlanPoint, chunk_list: list, last: tuple, dev: DeviceKind,
     tp_link = _spanning(dev, p.tp, cluster.per_node)
     again = dict(as_mix(how)).get("full", 0.0)
     tp = sum((collective_seconds("all_reduce", nbytes * b, p.tp, tp_link) + dev.wake_s)
-             * (1 + again * (_is_layer(c) and phase == "forward"))
+             * (1 + again * c.collectives_again() * (phase == "forward"))
              for ch in chunk_list for c in ch for phase, nbytes in c.tp_bytes)
     p2p = 0.0
     for ch in chunk_list:  # each chunk but the model's last sends its output forward and
@@ -304,7 +305,8 @@ def _recompute_mixes(p: PlanPoint, ranks: list, last: tuple, work: Workload, m: 
     pass's rules, which it runs as they are); or under a memory budget (the recompute pass's
     spelling, `Budget`) the cheapest mix of none, selective and full that meets the budget's
     peak on that rank — on the lower hull of the three modes' (peak, recompute seconds)
-    points (a fully recomputed layer's forward all-reduces counted twice).
+    points (a fully recomputed layer's forward all-reduces counted twice where it issues
+    them again).
     A share of the activations and +bytes count from the rank's parameters and optimizer
     state, what the pass counts as persistent (a pipeline stage's +bytes also from its
     gradients, as `glmc.parallel.pipeline.stage_budgets` does). Also returns each rank's
@@ -840,7 +842,8 @@ def _schedules(pp: int, m: int, layers: int) -> list[tuple[str, int]]:
 def search(work: Workload | list[Workload], cluster: Cluster,
            fixed: dict[str, Any] | None = None, overlap: bool = True) -> list[PricedPlan]:
     """Every allowed plan priced, those that fit first, each group by step time. `work`: the
-    step priced at one precision, or at each the search may choose (`price_precisions`)."""
+    step priced at one precision, or at each the search may choose (`price_precisions`;
+    `Workload.recomputing_collectives` for Megatron-LM's full recompute)."""
     fixed = dict(fixed or {})
     works = work if isinstance(work, list) else [work]
     priced_at = ", ".join(w.precision for w in works)
