@@ -482,20 +482,28 @@ def _contention(comm_s: float, group: Any, device: str) -> tuple[float, float]:
         if work is not None:
             work.wait()
         return t1 - t0, time.perf_counter() - t1
-    alone = statistics.median(run(False)[0] for _ in range(5))
-    both = [run(True) for _ in range(11)]  # the OS's scheduling makes single runs vary 3x
-    lost = statistics.median(max(0.0, c - alone) / max(c, 1e-9) for c, _ in both)
+    # interleaved pairs (alone, overlapped), each pair's loss its own: another guest's
+    # burst on a shared host lands on both halves of a pair, not on all of one kind (the
+    # OS's scheduling makes single runs vary 3x; one calibration measured no contention)
+    pairs = [(run(False)[0], run(True)) for _ in range(_PAIRS)]
+    lost = statistics.median(max(0.0, c - alone) / max(c, 1e-9) for alone, (c, _) in pairs)
     # a collective done inside the loop kept at least comm_s / (the loop's time)
-    progress = statistics.median((comm_s - w) / max(c, 1e-9) for c, w in both)
+    progress = statistics.median((comm_s - w) / max(c, 1e-9) for _, (c, w) in pairs)
     return min(1.0, lost), min(1.0, max(0.05, progress))  # lost 1: overlap hides nothing
+
+
+#: interleaved (alone, together) pairs each host-sharing probe times; the median pair's
+#: figure is kept
+_PAIRS = 11
 
 
 def _corun(group: Any, device: str) -> float:
     """How much longer rank 0's compute takes while other ranks compute at once (`corun`):
     a probe of matmuls and an elementwise pass over 4 MB, timed with rank 0 running it alone
     (the others wait in a barrier) and with as many ranks as the host has cores running it
-    together (more would measure their sharing of cores, which the planner models apart);
-    the ratio of the medians, at least 1. CPU ranks only."""
+    together (more would measure their sharing of cores, which the planner models apart),
+    in interleaved pairs; the median pair's ratio, at least 1 (the medians of 7 alone then
+    7 together had ranged 1.0-1.7 over a day's calibrations on one host). CPU ranks only."""
     import os
 
     import torch.distributed as dist
@@ -514,20 +522,17 @@ def _corun(group: Any, device: str) -> float:
             x.add_(1.0)
         return time.perf_counter() - t0
 
-    def rounds(runs: bool) -> list[float]:
-        out = []
-        for _ in range(7):
-            dist.barrier(group=group)
-            if runs:
-                out.append(probe())
-            dist.barrier(group=group)
-        return out
+    def once(runs: bool) -> float:
+        dist.barrier(group=group)
+        took = probe() if runs else 0.0
+        dist.barrier(group=group)
+        return took
     probe()  # warm-up
-    alone = rounds(rank == 0)
-    together = rounds(rank < min(n, cores))
+    ratios = [once(rank < min(n, cores)) / max(once(rank == 0), 1e-9)
+              for _ in range(_PAIRS)]
     if rank != 0:
         return 1.0  # rank 0's figure is the link's (broadcast with it)
-    return max(1.0, statistics.median(together) / statistics.median(alone))
+    return max(1.0, statistics.median(ratios))
 
 
 def _wake(group: Any, device: str) -> float:
@@ -561,16 +566,15 @@ def _wake(group: Any, device: str) -> float:
     for _ in range(8):
         a @ a
     k = max(1, int(0.005 / max((time.perf_counter() - t0) / 8, 1e-7)))  # ~5 ms between
-    idle = statistics.median(loop(0, True) for _ in range(3))
-    alone = statistics.median(loop(k, False) for _ in range(3))
-    busy = statistics.median(loop(k, True) for _ in range(3))
-    return max(0.0, busy - alone - idle)  # rank 0's is the link's (broadcast with it)
+    # interleaved triples, each its own estimate (a burst lands on one triple)
+    return max(0.0, statistics.median(  # rank 0's is the link's (broadcast with it)
+        loop(k, True) - loop(k, False) - loop(0, True) for _ in range(5)))
 
 
 #: how links are timed; a cache written another way is measured again (2: functional
 #: collectives allocating their output, as the step runs them; 3: with `corun`; 4: with
-#: `wake_s`)
-_LINK_METHOD = 4
+#: `wake_s`; 5: the host-sharing probes in interleaved pairs)
+_LINK_METHOD = 5
 
 
 def _link_path(backend: str, ranks: int) -> Any:
