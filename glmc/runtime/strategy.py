@@ -156,7 +156,7 @@ def pipeline_trainer_for(model: nn.Module, example_inputs: Any, loss_fn: Any,
         raise ConfigError(f"optimize: {', '.join(unsupported)} cannot apply to a pipeline plan "
                           "yet; drop them or train without pp")
     backend = options.get("backend", "inductor")
-    if options.get("retain_memory", True) and _on_cpu(model):  # as the Trainer does
+    if options.get("retain_memory", True) and model_device(model) == "cpu":  # as the Trainer
         from glmc.runtime.hostalloc import retain_freed_memory
         retain_freed_memory()
     plan.validate(StepOptions(backend=backend, precision=options.get("precision"),
@@ -168,6 +168,7 @@ def pipeline_trainer_for(model: nn.Module, example_inputs: Any, loss_fn: Any,
                         precision=options.get("precision"), fusion=bool(options.get("fusion")))
 
 
-def _on_cpu(model: nn.Module) -> bool:
+def model_device(model: nn.Module) -> str:
+    """The device type the model's parameters live on ("cpu" for a model without any)."""
     p = next(iter(model.parameters()), None)
-    return p is None or p.device.type == "cpu"
+    return p.device.type if p is not None else "cpu"

@@ -33,8 +33,8 @@ from glmc.passes import parse_pipeline, with_pass
 from glmc.report.summary import CompileRecord, Report
 from glmc.runtime.cudagraph import GraphedStep, check_cuda_graphs
 from glmc.runtime.pieces import PieceStep, fallback_warning
-from glmc.runtime.strategy import (SingleProcess, pipeline_plan, pipeline_trainer_for,
-                                   strategy_for)
+from glmc.runtime.strategy import (SingleProcess, model_device, pipeline_plan,
+                                   pipeline_trainer_for, strategy_for)
 from glmc.trace.capture import Batch, batch_leaves, capture_step, describe, split_batch
 from glmc.trace.optim import ensure_state, resolve_optimizer, rule_for
 from glmc.trace.valuestats import record_value_stats
@@ -276,8 +276,7 @@ class Trainer:
 
     @property
     def _device(self) -> str:
-        p = next(iter(self.model.parameters()), None)
-        return p.device.type if p is not None else "cpu"
+        return model_device(self.model)
 
     def _check_prediction(self, record: CompileRecord) -> None:
         """One warning per part of the memory model (whole peak, in-step, state) that misses
