@@ -705,6 +705,8 @@ def test_trainer_measures_its_pipeline_and_writes_a_report(distributed: Path,
     data = got[1]["data"]
     assert data["link"]["name"] == "measured-gloo"  # transfers priced on this host's link
     assert data["link"]["corun"] >= 1.0  # measured with it: ranks computing at once
+    assert len(data["link"]["corun_stream"]) == 5  # and by working set
+    assert all(f >= 1.0 for f in data["link"]["corun_stream"].values())
     pred = {e["action"]: e for e in data["predicted_timeline"]}
     assert pred["1RECV_F0"]["end_s"] > pred["1RECV_F0"]["start_s"]
     assert {e["action"] for e in data["measured_timeline"]} == set(pred)

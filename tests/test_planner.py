@@ -759,6 +759,34 @@ def test_processes_computing_at_once_slow_each_other(tiny: tuple) -> None:
     assert 0 < b.step_s / a.step_s - 1 < 0.1  # a quarter of the step computing together
 
 
+def test_co_running_slows_each_op_by_its_working_set() -> None:
+    """A host whose memory traffic slows with the working set while its processes compute
+    at once (`corun_stream`, measured with the link) but whose in-cache compute does not
+    (`corun` 1): the planner slows the step op by op, the head streaming the logits more
+    than a layer of small activations (a pipeline on 2 processes: the layers' stage ran at
+    its calibrated speed, the head's 1.24-1.33x slower), and replicas that compute at once
+    pay it as contention; a flat curve at 1 costs nothing."""
+    model, batch = _llama(hidden=64, seq=256)
+    cluster = _with_device(Cluster.parse("1x2:kunpeng920"), corun=1.0,
+                           corun_stream=((2**18, 1.0), (2**22, 1.5)))
+    dev = cluster.groups[0].device
+    work = price_workload(model, batch, device=dev, tps=(1,))
+    layer, last = work.parts[1][1], work.parts[1][-1]
+    assert layer.name == "layer 0" and last.name == "last"
+    for c in (layer, last):  # the op list is the block's priced work, op by op
+        assert sum(op[1] for op in c.work_ops if op[0] == "f") == pytest.approx(c.forward_s)
+        assert sum(op[1] for op in c.work_ops if op[0] == "b") == pytest.approx(c.backward_s)
+        assert all(0 <= op[2] <= op[1] for op in c.work_ops)
+
+    def slowed(c: object) -> float:
+        return c.corun_extra(dev, "fb", 8) / (8 * (c.forward_s + c.backward_s))
+    assert 0 <= slowed(layer) < slowed(last) <= 0.5
+    point = PlanPoint(2, 1, 1, 0, 4, "1f1b", 1, "none", "fp32")
+    flat = _with_device(cluster, corun_stream=((2**18, 1.0),))
+    assert evaluate(point, work, flat).breakdown["contention"] == 0
+    assert evaluate(point, work, cluster).breakdown["contention"] > 0
+
+
 @pytest.mark.parametrize("sequences", [1, pytest.param(4, marks=pytest.mark.slow)])
 def test_a_plans_peak_follows_the_whole_step_simulation(sequences: int) -> None:
     """One process, no pipeline: the planner's peak (one sequence's liveness, scaled to the

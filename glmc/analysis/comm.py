@@ -64,9 +64,12 @@ class LinkProfile:
     #: copy engines; gloo's threads on cores the processes' compute also wants get less)
     progress: float = 1.0
     #: how much longer a rank's compute takes while the other ranks of its host compute at
-    #: once, one core each (their shared caches, memory bandwidth, a virtual machine's cores):
-    #: 1 for devices of their own (GPUs)
+    #: once, one core each (a virtual machine's cores, shared caches): 1 for devices of their
+    #: own (GPUs). `corun` for compute in a core's cache (matmuls); `corun_stream`, by
+    #: working set (bytes, factor), for memory traffic (shared cache and memory bandwidth);
+    #: empty: `corun` for both
     corun: float = 1.0
+    corun_stream: tuple[tuple[int, float], ...] = ()
     #: where the ranks outnumber the host's cores: what each blocking collective costs beyond
     #: its own time while the ranks compute between them (a waiting process wakes to find
     #: the cores taken and waits for a time slice); 0 otherwise
@@ -104,7 +107,9 @@ class LinkProfile:
                           for k, a, b in self.kinds},
                 "timed_ms": {k: {str(b): t * 1e3 for b, t in pts} for k, pts in self.points},
                 "ranks": self.ranks, "contention": self.contention,
-                "progress": self.progress, "corun": self.corun, "wake_s": self.wake_s}
+                "progress": self.progress, "corun": self.corun,
+                "corun_stream": {str(b): f for b, f in self.corun_stream},
+                "wake_s": self.wake_s}
 
 
 #: per-direction figures from the vendors' datasheets (bus bandwidth a ring can use)
@@ -375,14 +380,15 @@ def measure_link(group: Any = None, device: str = "cpu", reps: int = 5,
                                                       warm=r == 0)
     timed = {kind: [statistics.median(samples[kind, b]) for b in _SIZES] for kind in _KINDS}
     contention, progress = _contention(timed["all_reduce"][-1], group, device)
-    corun = _corun(group, device)
+    corun, stream = _corun(group, device)
     wake = _wake(group, device)
     backend = dist.get_backend(group)
     kinds = tuple((kind, *_fit(kind, n, list(_SIZES), timed[kind])) for kind in _KINDS)
     link = [LinkProfile(f"measured-{backend}", kinds[0][1], kinds[0][2],
                         f"timed {', '.join(_KINDS)} of {', '.join(map(str, _SIZES))} B on {n} "
                         f"ranks ({backend}), median of {reps} rounds", kinds=kinds,
-                        contention=contention, progress=progress, corun=corun, wake_s=wake,
+                        contention=contention, progress=progress, corun=corun,
+                        corun_stream=stream, wake_s=wake,
                         points=tuple((k, tuple(zip(_SIZES, timed[k]))) for k in _KINDS),
                         ranks=n)]
     dist.broadcast_object_list(link, src=src, group=group)
@@ -497,42 +503,65 @@ def _contention(comm_s: float, group: Any, device: str) -> tuple[float, float]:
 _PAIRS = 11
 
 
-def _corun(group: Any, device: str) -> float:
-    """How much longer rank 0's compute takes while other ranks compute at once (`corun`):
-    a probe of matmuls and an elementwise pass over 4 MB, timed with rank 0 running it alone
-    (the others wait in a barrier) and with as many ranks as the host has cores running it
-    together (more would measure their sharing of cores, which the planner models apart),
-    in interleaved pairs; the median pair's ratio, at least 1 (the medians of 7 alone then
-    7 together had ranged 1.0-1.7 over a day's calibrations on one host). CPU ranks only."""
+#: working sets (bytes) the co-running probe streams over: a core's own caches to past a
+#: host's last-level cache
+_STREAM_SIZES = (2**18, 2**20, 2**22, 2**24, 2**26)
+
+
+def _corun(group: Any, device: str) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """How much longer rank 0's work takes while other ranks work at once: (for matmuls in
+    a core's cache, and by working set for a streaming elementwise pass over each of
+    `_STREAM_SIZES`). Each probe is timed with rank 0 running it alone (the others wait in a
+    barrier) and with as many ranks as the host has cores running it together (more would
+    measure their sharing of cores, which the planner models apart), in interleaved pairs;
+    the median pair's ratio, at least 1 (the medians of 7 alone then 7 together had ranged
+    1.0-1.7 over a day's calibrations on one host). A pipeline on 2 processes of one host
+    showed why one figure is not enough: the stage of small layers ran at its calibrated
+    speed beside the other, the stage streaming 4 MiB of logits per sequence 1.24-1.33x
+    slower. CPU ranks only."""
     import os
 
     import torch.distributed as dist
     if device != "cpu":
-        return 1.0
+        return 1.0, ()
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
         (os.cpu_count() or 1)
     a = torch.full((256, 256), 0.5, device=device)  # no draw from the user's generator
-    x = torch.zeros(2**20, device=device)
+    buffers = [(torch.zeros(size // 8, device=device), torch.empty(size // 8, device=device),
+                max(4, 2**26 // size)) for size in _STREAM_SIZES]
 
-    def probe() -> float:
-        t0 = time.perf_counter()
+    def matmuls() -> None:
         for _ in range(16):
             a @ a
-            x.add_(1.0)
-        return time.perf_counter() - t0
 
-    def once(runs: bool) -> float:
-        dist.barrier(group=group)
-        took = probe() if runs else 0.0
+    def streams(x: torch.Tensor, y: torch.Tensor, reps: int) -> Any:
+        def run() -> None:  # reads x, writes y: `size` bytes in all, `reps` times
+            for _ in range(reps):
+                torch.add(x, 1.0, out=y)
+        return run
+    probes = [matmuls, *(streams(*b) for b in buffers)]
+
+    def once(runs: bool) -> list[float]:
+        took = []
+        for probe in probes:
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            if runs:
+                probe()
+            took.append(time.perf_counter() - t0)
         dist.barrier(group=group)
         return took
-    probe()  # warm-up
-    ratios = [once(rank < min(n, cores)) / max(once(rank == 0), 1e-9)
-              for _ in range(_PAIRS)]
+    for probe in probes:  # warm-up
+        probe()
+    ratios = []
+    for _ in range(_PAIRS):
+        together, alone = once(rank < min(n, cores)), once(rank == 0)
+        ratios.append([t / max(a_, 1e-9) for t, a_ in zip(together, alone)])
     if rank != 0:
-        return 1.0  # rank 0's figure is the link's (broadcast with it)
-    return max(1.0, statistics.median(ratios))
+        return 1.0, ()  # rank 0's figures are the link's (broadcast with it)
+    factors = [max(1.0, statistics.median(r[i] for r in ratios)) for i in range(len(probes))]
+    return factors[0], tuple(zip(_STREAM_SIZES, factors[1:]))
 
 
 def _wake(group: Any, device: str) -> float:
@@ -573,8 +602,8 @@ def _wake(group: Any, device: str) -> float:
 
 #: how links are timed; a cache written another way is measured again (2: functional
 #: collectives allocating their output, as the step runs them; 3: with `corun`; 4: with
-#: `wake_s`; 5: the host-sharing probes in interleaved pairs)
-_LINK_METHOD = 5
+#: `wake_s`; 5: the host-sharing probes in interleaved pairs; 6: `corun_stream`)
+_LINK_METHOD = 6
 
 
 def _link_path(backend: str, ranks: int) -> Any:
@@ -595,6 +624,7 @@ def _save_link(link: LinkProfile, backend: str, ranks: int) -> None:
                                     "contention": link.contention,
                                     "progress": link.progress, "points": link.points,
                                     "corun": link.corun, "wake_s": link.wake_s,
+                                    "corun_stream": link.corun_stream,
                                     "ranks": link.ranks,
                                     "date": time.strftime("%Y-%m-%d")}))
     except OSError:
@@ -613,6 +643,8 @@ def cached_link(backend: str, ranks: int) -> LinkProfile | None:
                                         for k, pts in d.get("points", ())),
                            ranks=int(d.get("ranks", 0)), contention=d.get("contention", 0.0),
                            progress=d.get("progress", 1.0), corun=d.get("corun", 1.0),
+                           corun_stream=tuple((int(b), float(f))
+                                              for b, f in d.get("corun_stream", ())),
                            wake_s=d.get("wake_s", 0.0))
     except (OSError, ValueError, KeyError, TypeError):
         return None

@@ -49,7 +49,7 @@ from glmc.ir.target import EAGER, BackendTraits
 
 __all__ = ["BUILTIN", "DeviceProfile", "Provenance", "calibrate", "host_profile", "_interp",
            "get_profile", "estimate_time", "op_cost", "kind_of", "is_view", "node_time",
-           "OpCost", "value_bytes"]
+           "memory_time", "OpCost", "value_bytes"]
 
 # ---- choosing a device profile -----------------------------------------------------------------
 
@@ -126,7 +126,20 @@ def node_time(c: OpCost, prof: DeviceProfile, overhead: float) -> float:
     return body + own + c.calls * prof.call_overhead_s
 
 
+def memory_time(c: OpCost, prof: DeviceProfile) -> float:
+    """Of `roofline_time`, the seconds its memory traffic sets (all of a memory-bound op's,
+    the traffic's own time hidden under a compute-bound one's): what memory bandwidth
+    shared with other processes slows."""
+    parts = c.parts or ((c, 1),)
+    return sum(k * _bounds(p, prof)[1] for p, k in parts)
+
+
 def _roofline(c: OpCost, prof: DeviceProfile) -> float:
+    return max(_bounds(c, prof))
+
+
+def _bounds(c: OpCost, prof: DeviceProfile) -> tuple[float, float]:
+    """(compute, memory) seconds of one op's work."""
     if c.name in prof.kernel_flops:
         compute = c.flops / _interp(prof.kernel_flops[c.name], c.flops)
     elif c.kind == "matmul":
@@ -137,7 +150,7 @@ def _roofline(c: OpCost, prof: DeviceProfile) -> float:
     memory = c.bytes / (rate or prof.bandwidth_at(c.bytes)) if c.bytes else 0.0
     if c.reused:
         memory += c.reused / prof.reuse_bandwidth_at(c.working_set or c.reused)
-    return max(compute, memory)
+    return compute, memory
 
 
 def dispatch_overhead(prof: DeviceProfile, traits: BackendTraits) -> float:

@@ -21,7 +21,7 @@ from typing import Any
 
 from glmc.analysis.comm import LINKS, LinkProfile, cached_link, get_link
 from glmc.analysis.cost import get_profile
-from glmc.analysis.profiles import DeviceProfile
+from glmc.analysis.profiles import DeviceProfile, _interp
 from glmc.errors import ConfigError
 
 GiB = 1024 ** 3
@@ -50,11 +50,28 @@ class DeviceKind:
     #: precision rate; CPUs train in fp32 (bf16 is fast only on some)
     precisions: tuple[str, ...] = ()
     #: how much longer its compute takes while the other processes of its host compute too
-    #: (`LinkProfile.corun`, measured with the link); 1: a device of its own
+    #: (`LinkProfile.corun`, measured with the link); 1: a device of its own; and its memory
+    #: traffic, by working set (`LinkProfile.corun_stream`; empty: `corun`)
     corun: float = 1.0
+    corun_stream: tuple[tuple[int, float], ...] = ()
     #: what each blocking collective or send/receive costs beyond its own time where the
     #: processes outnumber the cores (`LinkProfile.wake_s`, measured with the link)
     wake_s: float = 0.0
+
+    def corun_extra(self, ops: Any, sequences: int) -> float:
+        """Seconds `ops` (`PartCost.work_ops`-style (seconds per sequence, of them memory-
+        bound, bytes per sequence, bytes fixed); `sequences` 0: per-step ops, taken once)
+        take longer while the host's other processes compute too: compute at `corun`, the
+        memory-bound seconds at the streaming slowdown of the op's working set."""
+        if self.corun <= 1 and not self.corun_stream:
+            return 0.0
+        b = max(1, sequences)
+        extra = 0.0
+        for seconds, memory, per_seq, fixed in ops:
+            stream = _interp(self.corun_stream, b * per_seq + fixed) if self.corun_stream \
+                else self.corun
+            extra += b * ((self.corun - 1) * (seconds - memory) + (stream - 1) * memory)
+        return extra
 
     @property
     def searched(self) -> tuple[str, ...]:
@@ -134,9 +151,13 @@ def _host(per_node: int) -> DeviceKind:
                       + (f"; {per_node} processes share {cores} cores" if share < 1 else "")
                       + (f"; computing together slows each {measured.corun:.2f}x"
                          if measured and measured.corun > 1 else "")
+                      + ("; memory traffic together " + ", ".join(
+                          f"{f:.2f}x at {b / 2**20:g} MiB" for b, f in measured.corun_stream)
+                         if measured and measured.corun_stream else "")
                       + (f"; each blocking collective waits {measured.wake_s * 1e3:.1f} ms for "
                          "a core" if measured and measured.wake_s else ""),
                       share, corun=measured.corun if measured else 1.0,
+                      corun_stream=measured.corun_stream if measured else (),
                       wake_s=measured.wake_s if measured else 0.0)
 
 

@@ -91,7 +91,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from glmc.analysis.cost import dispatch_overhead
 from glmc.analysis.memory import workspaces
-from glmc.analysis.opcost import op_cost
+from glmc.analysis.opcost import op_cost, value_bytes
 from glmc.analysis.predict import predict
 from glmc.compiler.passmanager import PassContext
 from glmc.errors import ConfigError, GlmcError
@@ -318,6 +318,23 @@ class PartCost:
     #: it issues them again in its backward (Megatron-LM's checkpointed layers,
     #: `Workload.recomputing_collectives`)
     keeps_collectives: bool = True
+    #: the block's work op by op, for what co-running processes of one host cost
+    #: (`DeviceKind.corun_extra`): (phase "f", "b" or "u", seconds, of them memory-bound,
+    #: bytes that scale with the micro-batch, bytes that do not (parameters)); "f"/"b" per
+    #: sequence, "u" (the update) per step with its bytes whole. Empty where the device has
+    #: no host to share (GPUs)
+    work_ops: tuple[tuple[str, float, float, int, int], ...] = ()
+
+    def corun_extra(self, device: DeviceKind, phases: str, sequences: int) -> float:
+        """Seconds this block's `phases` ops take longer on a micro-batch of `sequences`
+        (0: per step) while the host's other processes compute too; without `work_ops`
+        (priced for a device of its own) all of it at the device's `corun`."""
+        if not self.work_ops:
+            whole = {"f": sequences * self.forward_s, "b": sequences * self.backward_s,
+                     "u": self.update_s}
+            return (device.corun - 1) * sum(whole[ph] for ph in phases)
+        return device.corun_extra([op[1:] for op in self.work_ops if op[0] in phases],
+                                  sequences)
 
     def peak(self, sequences: int) -> int:
         """The most this block has live at once beyond what the blocks before it saved, for
@@ -624,10 +641,13 @@ def _price(graph: TrainGraph, device: DeviceKind, t: int) -> list[PartCost]:
     acc = {b: {"f": 0.0, "b": 0.0, "o": 0.0, "out": 0, "ff": 0.0, "bf": 0.0,
                "comm": []} for b in blocks}
     update = 0.0
+    work = _WorkOps(graph, device) if device.corun > 1 or device.corun_stream else None
     for n in graph.compute_nodes():
         info = graph.info(n)
         if info.phase is Phase.OPTIMIZER:
             update += seconds.get(n.name, 0.0)
+            if work is not None:
+                work.add(n, "u", seconds.get(n.name, 0.0), None)
             continue
         if info.phase not in (Phase.FORWARD, Phase.BACKWARD):
             continue
@@ -641,6 +661,8 @@ def _price(graph: TrainGraph, device: DeviceKind, t: int) -> list[PartCost]:
         elif n.name in seconds:
             a["o"] += launch
             a["f" if fwd else "b"] += max(0.0, seconds[n.name] - launch)
+            if work is not None:
+                work.add(n, "f" if fwd else "b", max(0.0, seconds[n.name] - launch), block)
         if not comm:
             a["ff" if fwd else "bf"] += op_cost(n).flops * t  # the whole group's work
         # what the block hands on: a view holds no new storage; a collective's output does
@@ -660,8 +682,46 @@ def _price(graph: TrainGraph, device: DeviceKind, t: int) -> list[PartCost]:
                      acc[b]["bf"], acc[b]["o"], peaks[b],
                      update_bytes * params[b] // total,
                      round(saved[b] * sel[b]["share"]), sel[b]["s"], sel[b]["o"],
-                     sel[b]["flops"], saved_fixed[b], *stash[b])
+                     sel[b]["flops"], saved_fixed[b], *stash[b],
+                     work_ops=work.of(b, params[b] / total) if work is not None else ())
             for b in blocks]
+
+
+class _WorkOps:
+    """`PartCost.work_ops` of each block, gathered while `_price` walks the step: each op's
+    seconds, its memory-bound part (`memory_time`) and its bytes, apart those of the
+    parameters (the same for any micro-batch). The update's ops stream the whole optimizer
+    state once a step (none of it is in a cache when the next op reads it): their working
+    set is all of their bytes together."""
+
+    def __init__(self, graph: TrainGraph, device: DeviceKind) -> None:
+        from glmc.analysis.cost import memory_time
+        self.memory_time, self.profile = memory_time, device.profile
+        self.params = {ph for spec, ph in zip(graph.inputs, graph.placeholders())
+                       if spec.role is Role.PARAMETER}
+        self.ops: dict[str | None, dict[tuple[str, int, int], list[float]]] = \
+            defaultdict(dict)
+        self.update_bytes = 0
+
+    def add(self, n: fx.Node, phase: str, seconds: float, block: str | None) -> None:
+        c = op_cost(n)
+        fixed = 0 if phase == "u" else sum(
+            value_bytes(a.meta.get("val")) for a in n.all_input_nodes
+            if alias_root(a) in self.params)
+        memory = min(seconds, self.memory_time(c, self.profile))
+        key = (phase, max(0, c.bytes - fixed), fixed) if phase != "u" else ("u", 0, 0)
+        if phase == "u":
+            self.update_bytes += c.bytes
+        acc = self.ops[block].setdefault(key, [0.0, 0.0])
+        acc[0] += seconds
+        acc[1] += memory
+
+    def of(self, block: str, share: float) -> tuple[tuple[str, float, float, int, int], ...]:
+        """The block's ops, and its `share` of the update's (by parameters)."""
+        own = [(ph, s, m, b, f) for (ph, b, f), (s, m) in self.ops[block].items()]
+        update = [("u", s * share, m * share, self.update_bytes, 0)
+                  for s, m in self.ops[None].values()] if share else []
+        return tuple(own + update)
 
 
 def _stash(graph: TrainGraph, blocks: list[str]) -> dict[str, tuple[int, int]]:
@@ -906,7 +966,8 @@ def _mean(parts: list[PartCost]) -> PartCost:
                     *(sum(getattr(p, f) for p in parts) / k for f in
                       ("selective_s", "selective_overhead_s", "selective_flops")),
                     *(round(sum(getattr(p, f) for p in parts) / k)
-                      for f in ("saved_fixed", "stash_bytes", "stash_forward")))
+                      for f in ("saved_fixed", "stash_bytes", "stash_forward")),
+                    work_ops=_work_ops(parts, 1 / k))
 
 
 def _merge(name: str, parts: list[PartCost]) -> PartCost:
@@ -920,7 +981,19 @@ def _merge(name: str, parts: list[PartCost]) -> PartCost:
                     *(sum(getattr(p, f) for p in parts) for f in
                       ("selective_bytes", "selective_s", "selective_overhead_s",
                        "selective_flops", "saved_fixed", "stash_bytes",
-                       "stash_forward")))
+                       "stash_forward")), work_ops=_work_ops(parts, 1.0))
+
+
+def _work_ops(parts: list[PartCost], scale: float) -> tuple[tuple[str, float, float, int, int],
+                                                            ...]:
+    """The `work_ops` of `parts` together, seconds times `scale` (1/k: their mean)."""
+    acc: dict[tuple[str, int, int], list[float]] = {}
+    for p in parts:
+        for phase, seconds, memory, per_seq, fixed in p.work_ops:
+            a = acc.setdefault((phase, per_seq, fixed), [0.0, 0.0])
+            a[0] += seconds * scale
+            a[1] += memory * scale
+    return tuple((ph, s, m, b, f) for (ph, b, f), (s, m) in acc.items())
 
 
 def _merged_peaks(parts: list[PartCost]) -> tuple[tuple[int, int], ...]:

@@ -96,31 +96,14 @@ def evaluate(p: PlanPoint, work: Workload, cluster: Cluster, overlap: bool = Tru
     hows, targets, unmet = _recompute_mixes(p, ranks, chunks[-1], work, m, devs, cluster)
     per_rank = [_rank_costs(p, chunk_list, chunks[-1], devs[r], cluster, how)
                 for r, (chunk_list, how) in enumerate(zip(ranks, hows))]
-    per_mb = [sum(costs) for costs in per_rank]
-    slow = max(range(p.pp), key=lambda r: per_mb[r])
+    bubble = _bubble(p, [sum(costs) for costs in per_rank])
+    updates = [sum(c.update_s for ch in chunk_list for c in ch) / (p.dp if p.zero else 1)
+               for chunk_list in ranks]
+    slow, contention = _host_sharing(p, per_rank, updates, bubble, devs, ranks, m)
     dev = devs[0]
     dp_link = _ring_link(dev, p, cluster)
     comp, rec, tp, p2p = (m * x for x in per_rank[slow])
-    bubble = _bubble(p, per_mb)
-    updates = [sum(c.update_s for ch in chunk_list for c in ch) / (p.dp if p.zero else 1)
-               for chunk_list in ranks]
-    # processes that outnumber the cores (`share` < 1) wait for one: the computing part of
-    # the step lasts at least as long as the host takes for every rank's busy time under fair
-    # sharing, though the schedule alone may leave cores idle (a pipeline's bubble frees them
-    # for the busy stages); a tensor-parallel group's all-reduces stop all of its ranks at
-    # once, so they absorb nothing
-    share = min(d.share for d in devs)
     window = comp + rec + p2p + bubble + updates[slow]
-    contention = 0.0
-    busy = [m * (c + r) + u for (c, r, _, _), u in zip(per_rank, updates)]
-    if share < 1:
-        contention = max(0.0, _shared(busy * (p.dp * p.tp), p.devices * share) - window)
-    corun = max(d.corun for d in devs)
-    if corun > 1 and p.devices > 1:  # a host's processes computing at once slow each other
-        # (caches, memory bandwidth): the slowest rank's compute, for the share of the step
-        # the ranks compute (replicas all of it, a pipeline's stages less its bubble)
-        together = min(1.0, sum(busy) / len(busy) / window) if window else 0.0
-        contention += (corun - 1) * together * (comp + rec + updates[slow] + contention)
     stretch = (window + contention) / window if window else 1.0
     tried = []
     for bucket in _bucket_choices(p, buckets, overlap, ranks, work):
@@ -178,6 +161,59 @@ def _rank_costs(p: PlanPoint, chunk_list: list, last: tuple, dev: DeviceKind,
             nbytes = ch[-1].out_bytes * b
             p2p += 2 * (pp_link.latency_s + dev.wake_s + nbytes / pp_link.bandwidth)
     return comp, rec, tp, p2p
+
+
+def _host_sharing(p: PlanPoint, per_rank: list, updates: list[float], bubble: float,
+                  devs: list[DeviceKind], ranks: list, m: int) -> tuple[int, float]:
+    """The pipeline rank whose work sets the step (the longest per micro-batch, with what
+    co-running costs it) and the seconds sharing a host adds to it (`contention`).
+    Processes that outnumber the cores (`share` < 1) wait for one: the computing part of
+    the step lasts at least as long as the host takes for every rank's busy time under fair
+    sharing, though the schedule alone may leave cores idle (a pipeline's bubble frees them
+    for the busy stages); a tensor-parallel group's all-reduces stop all of its ranks at
+    once, so they absorb nothing. Processes computing at once slow each other (a VM's
+    cores, caches, memory bandwidth: `DeviceKind.corun_extra`, op by op, so a stage
+    streaming logits slows more than one of small layers) for the share of the step the
+    ranks compute together (replicas all of it, a pipeline's stages less its bubble)."""
+    busy = [m * (c + r) + u for (c, r, _, _), u in zip(per_rank, updates)]
+
+    def window(r: int) -> float:
+        comp, rec, _, p2p = per_rank[r]
+        return m * (comp + rec + p2p) + bubble + updates[r]
+
+    def together(r: int) -> float:
+        return min(1.0, sum(busy) / len(busy) / window(r)) if window(r) else 0.0
+    slow = max(range(p.pp), key=lambda r: sum(per_rank[r]))
+    extra = [(0.0, 0.0)] * p.pp
+    if p.devices > 1 and any(d.corun > 1 or d.corun_stream for d in devs):
+        extra = [_corun_extras(p, chunk_list, devs[r], per_rank[r][1])
+                 for r, chunk_list in enumerate(ranks)]
+        t = together(slow)
+        slow = max(range(p.pp), key=lambda r: sum(per_rank[r]) + t * extra[r][0])
+    contention = 0.0
+    share = min(d.share for d in devs)
+    if share < 1:
+        contention = max(0.0, _shared(busy * (p.dp * p.tp), p.devices * share) - window(slow))
+    slower = m * extra[slow][0] + extra[slow][1]
+    if slower:  # the cores' sharing is the rank's work too, slowed alike
+        contention += together(slow) * slower * (1 + contention / busy[slow])
+    return slow, contention
+
+
+def _corun_extras(p: PlanPoint, chunk_list: list, dev: DeviceKind, rec_mb: float
+                  ) -> tuple[float, float]:
+    """(per micro-batch, per step) seconds one pipeline rank's work takes longer while the
+    host's other processes compute too: its blocks' ops (`PartCost.corun_extra`), the
+    recomputed forward as its forward slows, dispatch at the compute figure, the update."""
+    blocks = [c for ch in chunk_list for c in ch]
+    b = p.microbatch
+    forward = sum(c.corun_extra(dev, "f", b) for c in blocks)
+    forward_s = sum(b * c.forward_s for c in blocks)
+    per_mb = (forward + sum(c.corun_extra(dev, "b", b) for c in blocks)
+              + (rec_mb * forward / forward_s if forward_s else 0.0)
+              + (dev.corun - 1) * sum(c.overhead_s for c in blocks))
+    update = sum(c.corun_extra(dev, "u", 0) for c in blocks) / (p.dp if p.zero else 1)
+    return per_mb, update
 
 
 def _shared(busy: list[float], cores: float) -> float:
