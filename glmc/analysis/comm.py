@@ -74,6 +74,10 @@ class LinkProfile:
     #: its own time while the ranks compute between them (a waiting process wakes to find
     #: the cores taken and waits for a time slice); 0 otherwise
     wake_s: float = 0.0
+    #: where each rank has a core: how far apart ranks doing the same work arrive at a
+    #: blocking collective, as a share of the compute before it (a shared host's cores
+    #: run them at uneven speeds; the collective waits for the last); 0 for GPUs
+    skew: float = 0.0
 
     def timed(self, kind: str, nbytes: int, ranks: int) -> float | None:
         """The time of `kind` on `nbytes` read off the timed points (None: not timed at
@@ -109,7 +113,7 @@ class LinkProfile:
                 "ranks": self.ranks, "contention": self.contention,
                 "progress": self.progress, "corun": self.corun,
                 "corun_stream": {str(b): f for b, f in self.corun_stream},
-                "wake_s": self.wake_s}
+                "wake_s": self.wake_s, "skew": self.skew}
 
 
 #: per-direction figures from the vendors' datasheets (bus bandwidth a ring can use)
@@ -381,14 +385,14 @@ def measure_link(group: Any = None, device: str = "cpu", reps: int = 5,
     timed = {kind: [statistics.median(samples[kind, b]) for b in _SIZES] for kind in _KINDS}
     contention, progress = _contention(timed["all_reduce"][-1], group, device)
     corun, stream = _corun(group, device)
-    wake = _wake(group, device)
+    wake, skew = _wake(group, device)
     backend = dist.get_backend(group)
     kinds = tuple((kind, *_fit(kind, n, list(_SIZES), timed[kind])) for kind in _KINDS)
     link = [LinkProfile(f"measured-{backend}", kinds[0][1], kinds[0][2],
                         f"timed {', '.join(_KINDS)} of {', '.join(map(str, _SIZES))} B on {n} "
                         f"ranks ({backend}), median of {reps} rounds", kinds=kinds,
                         contention=contention, progress=progress, corun=corun,
-                        corun_stream=stream, wake_s=wake,
+                        corun_stream=stream, wake_s=wake, skew=skew,
                         points=tuple((k, tuple(zip(_SIZES, timed[k]))) for k in _KINDS),
                         ranks=n)]
     dist.broadcast_object_list(link, src=src, group=group)
@@ -564,20 +568,22 @@ def _corun(group: Any, device: str) -> tuple[float, tuple[tuple[int, float], ...
     return factors[0], tuple(zip(_STREAM_SIZES, factors[1:]))
 
 
-def _wake(group: Any, device: str) -> float:
-    """Where the ranks outnumber the host's cores (CPU ranks only): what a blocking
-    collective costs beyond its own time while every rank computes between collectives —
-    the median loop of (matmuls, a 4-byte all-reduce) minus the same matmuls alone minus
-    the all-reduce timed idle, per collective, with ~5 ms of compute (alone) between
-    collectives; 0 where every rank has a core (4 processes on 2 cores: 6-11 ms per
-    collective with 2-20 ms between them, against 0.4 ms idle)."""
+def _wake(group: Any, device: str) -> tuple[float, float]:
+    """What a blocking collective costs beyond its own time while every rank computes the
+    same work between collectives: the median over interleaved triples of (matmuls, a
+    4-byte all-reduce) minus the same matmuls alone minus the all-reduce timed idle, with
+    ~5 ms of compute (alone) between collectives. Where the ranks outnumber the host's cores
+    it is `wake_s`, per collective (4 processes on 2 cores: 6-11 ms with 2-20 ms between
+    them, against 0.4 ms idle); where each has a core, the ranks' arrival skew as a share of
+    the compute between collectives (`skew`: Llama x2's `tp=2` runs waited 116-126 ms at
+    their all-reduces where their idle times came to 83). CPU ranks only; (wake_s, skew)."""
     import os
 
     import torch.distributed as dist
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
         (os.cpu_count() or 1)
-    if device != "cpu" or dist.get_world_size(group) <= cores:
-        return 0.0
+    if device != "cpu" or dist.get_world_size(group) < 2:
+        return 0.0, 0.0
     a = torch.full((256, 256), 0.5, device=device)  # no draw from the user's generator
     x = torch.zeros(1, device=device)
     reps = 8
@@ -596,14 +602,17 @@ def _wake(group: Any, device: str) -> float:
         a @ a
     k = max(1, int(0.005 / max((time.perf_counter() - t0) / 8, 1e-7)))  # ~5 ms between
     # interleaved triples, each its own estimate (a burst lands on one triple)
-    return max(0.0, statistics.median(  # rank 0's is the link's (broadcast with it)
-        loop(k, True) - loop(k, False) - loop(0, True) for _ in range(5)))
+    triples = [(loop(k, True), loop(k, False), loop(0, True)) for _ in range(_PAIRS)]
+    extra = max(0.0, statistics.median(t - alone - idle for t, alone, idle in triples))
+    if dist.get_world_size(group) > cores:  # rank 0's figures are the link's (broadcast)
+        return extra, 0.0
+    return 0.0, extra / statistics.median(alone for _, alone, _ in triples)
 
 
 #: how links are timed; a cache written another way is measured again (2: functional
 #: collectives allocating their output, as the step runs them; 3: with `corun`; 4: with
-#: `wake_s`; 5: the host-sharing probes in interleaved pairs; 6: `corun_stream`)
-_LINK_METHOD = 6
+#: `wake_s`; 5: the host-sharing probes in interleaved pairs; 6: `corun_stream`; 7: `skew`)
+_LINK_METHOD = 7
 
 
 def _link_path(backend: str, ranks: int) -> Any:
@@ -624,6 +633,7 @@ def _save_link(link: LinkProfile, backend: str, ranks: int) -> None:
                                     "contention": link.contention,
                                     "progress": link.progress, "points": link.points,
                                     "corun": link.corun, "wake_s": link.wake_s,
+                                    "skew": link.skew,
                                     "corun_stream": link.corun_stream,
                                     "ranks": link.ranks,
                                     "date": time.strftime("%Y-%m-%d")}))
@@ -645,7 +655,7 @@ def cached_link(backend: str, ranks: int) -> LinkProfile | None:
                            progress=d.get("progress", 1.0), corun=d.get("corun", 1.0),
                            corun_stream=tuple((int(b), float(f))
                                               for b, f in d.get("corun_stream", ())),
-                           wake_s=d.get("wake_s", 0.0))
+                           wake_s=d.get("wake_s", 0.0), skew=d.get("skew", 0.0))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
