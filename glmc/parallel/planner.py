@@ -647,7 +647,7 @@ def _price(graph: TrainGraph, device: DeviceKind, t: int) -> list[PartCost]:
         if info.phase is Phase.OPTIMIZER:
             update += seconds.get(n.name, 0.0)
             if work is not None:
-                work.add(n, "u", seconds.get(n.name, 0.0), None)
+                work.add(n, "u", seconds.get(n.name, 0.0), None, op_cost(n))
             continue
         if info.phase not in (Phase.FORWARD, Phase.BACKWARD):
             continue
@@ -655,6 +655,7 @@ def _price(graph: TrainGraph, device: DeviceKind, t: int) -> list[PartCost]:
         a = acc[block]
         fwd = info.phase is Phase.FORWARD
         comm = is_comm(n)
+        cost = op_cost(n) if not comm else None
         if comm:
             if info.spec is not None and "all_reduce" in str(n.target):
                 a["comm"].append((info.phase.value, info.spec.nbytes))
@@ -662,9 +663,10 @@ def _price(graph: TrainGraph, device: DeviceKind, t: int) -> list[PartCost]:
             a["o"] += launch
             a["f" if fwd else "b"] += max(0.0, seconds[n.name] - launch)
             if work is not None:
-                work.add(n, "f" if fwd else "b", max(0.0, seconds[n.name] - launch), block)
+                work.add(n, "f" if fwd else "b", max(0.0, seconds[n.name] - launch), block,
+                         cost)
         if not comm:
-            a["ff" if fwd else "bf"] += op_cost(n).flops * t  # the whole group's work
+            a["ff" if fwd else "bf"] += cost.flops * t  # the whole group's work
         # what the block hands on: a view holds no new storage; a collective's output does
         # (a tensor-parallel layer's output is its last all-reduce's)
         if fwd and info.spec is not None and not is_view(n):
@@ -703,8 +705,8 @@ class _WorkOps:
             defaultdict(dict)
         self.update_bytes = 0
 
-    def add(self, n: fx.Node, phase: str, seconds: float, block: str | None) -> None:
-        c = op_cost(n)
+    def add(self, n: fx.Node, phase: str, seconds: float, block: str | None,
+            c: Any) -> None:
         fixed = 0 if phase == "u" else sum(
             value_bytes(a.meta.get("val")) for a in n.all_input_nodes
             if alias_root(a) in self.params)
