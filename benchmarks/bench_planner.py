@@ -11,6 +11,11 @@ best.
 
     python benchmarks/bench_planner.py                      # both models, 2 and 4 processes
     python benchmarks/bench_planner.py --cases glm:2 --rounds 1 --steps 6
+    python benchmarks/bench_planner.py --cases llama:4 --rounds 2 --extra 2   # contenders
+
+`--extra K`: after the rounds, glmc's pick and every plan measured within 10% of the best
+run K more interleaved rounds, so that the pick's comparison rests on more runs where the
+host's drift between runs (up to 1.5x here) is as large as the differences it compares.
 
 The space: dp/tp/pp splits x ZeRO 0/1 (0-3 without pipelining) x micro-batches (pipelines
 only: one process's gradient accumulation reports per-micro-batch times) x schedule (1F1B,
@@ -121,7 +126,12 @@ def _spearman(a: list[float], b: list[float]) -> float:
     return float(spearmanr(a, b).statistic) if len(a) > 2 else float("nan")
 
 
-def run_case(name: str, nproc: int, rounds: int, steps: int, limit: int) -> dict:
+#: a plan measured within this share of the measured best contends for it (`--extra`)
+NEAR = 0.10
+
+
+def run_case(name: str, nproc: int, rounds: int, steps: int, limit: int, extra: int = 0
+             ) -> dict:
     from glmc.frontend.planning import _plan
     from glmc.frontend.workload import load_workload
     work_dir = Path(tempfile.mkdtemp(prefix=f"glmc-planner-{name}-"))
@@ -137,16 +147,12 @@ def run_case(name: str, nproc: int, rounds: int, steps: int, limit: int) -> dict
     print(f"{name} on {nproc} processes: {len(plans)} plans priced, {len(chosen)} run "
           "(the last at a recompute budget, outside the search)", flush=True)
     measured: dict[str, list[dict]] = {p.point.spelling(): [] for p in chosen}
-    for r in range(rounds):
-        order = chosen if r % 2 == 0 else chosen[::-1]
-        for p in order:
-            s = p.point.spelling()
-            got = _run(file, s, nproc, steps, work_dir / f"r{r}-{len(measured[s])}-{hash(s)}")
-            if got:
-                measured[s].append(got)
-                print(f"  {s}: measured {got['step_s'] * 1e3:.1f} ms, predicted "
-                      f"{p.step_s * 1e3:.1f} ms; peak {got['peak_bytes'] / 2**20:.1f} / "
-                      f"{p.peak_bytes / 2**20:.1f} MiB", flush=True)
+    _rounds(file, chosen, range(rounds), measured, nproc, steps, work_dir)
+    if extra:  # the pick's comparison rests on more runs than the host's drift
+        near = _contenders(chosen, plans, measured)
+        print(f"  {len(near)} contenders (glmc's pick, plans within {NEAR:.0%} of the measured "
+              f"best): {extra} more rounds", flush=True)
+        _rounds(file, near, range(rounds, rounds + extra), measured, nproc, steps, work_dir)
     rows = []
     for rank, p in enumerate(chosen):
         runs = measured[p.point.spelling()]
@@ -163,7 +169,35 @@ def run_case(name: str, nproc: int, rounds: int, steps: int, limit: int) -> dict
                          x["exposed_comm_s"] for x in runs)
                      if all(x["exposed_comm_s"] is not None for x in runs) else None,
                      "runs": runs})  # each round's figures: the spread between rounds
-    return {**_summary(name, nproc, rows, len(plans)), "calibrated": calibrated}
+    return {**_summary(name, nproc, rows, len(plans)), "calibrated": calibrated,
+            "extra_rounds": extra}
+
+
+def _rounds(file: Path, plans: list, rounds: range, measured: dict[str, list[dict]],
+            nproc: int, steps: int, work_dir: Path) -> None:
+    """Run every plan once per round (the order reversed every other round: interleaved),
+    appending each run's figures to `measured`."""
+    for r in rounds:
+        order = plans if r % 2 == 0 else plans[::-1]
+        for p in order:
+            s = p.point.spelling()
+            got = _run(file, s, nproc, steps, work_dir / f"r{r}-{len(measured[s])}-{hash(s)}")
+            if got:
+                measured[s].append(got)
+                print(f"  {s}: measured {got['step_s'] * 1e3:.1f} ms, predicted "
+                      f"{p.step_s * 1e3:.1f} ms; peak {got['peak_bytes'] / 2**20:.1f} / "
+                      f"{p.peak_bytes / 2**20:.1f} MiB", flush=True)
+
+
+def _contenders(chosen: list, plans: list, measured: dict[str, list[dict]]) -> list:
+    """glmc's pick (its best-ranked plan run) and every plan whose median step so far is
+    within NEAR of the measured best: the plans the pick's comparison depends on."""
+    step = {s: statistics.median(x["step_s"] for x in runs)
+            for s, runs in measured.items() if runs}
+    best = min(step.values())
+    pick = min((p for p in chosen if p in plans), key=plans.index)
+    return [p for p in chosen if p is pick or step.get(p.point.spelling(), float("inf"))
+            <= best * (1 + NEAR)]
 
 
 def _calibrate(work_dir: Path, file: Path, nproc: int) -> str:
@@ -253,7 +287,9 @@ def _markdown(results: list[dict], meta: dict) -> str:
            f"This run: {meta['machine']}; `python benchmarks/bench_planner.py {meta['argv']}` "
            "(each case's date and CPU in its row; compute and link calibrated right before "
            "each case's runs, in a cache of its own); eager "
-           "backend; median over rounds of each run's median step; peak: c10 allocator, the "
+           "backend; median over rounds of each run's median step (`--extra K`: glmc's pick and "
+           "the plans within 10% of the measured best ran K more rounds); peak: c10 "
+           "allocator, the "
            "busiest rank; exposed communication: the waits rank 0's profiler counts, scored "
            "over the data-parallel runs (tensor-parallel rows: their all-reduces, shown).", "",
            "| case | plans run | Spearman step | Spearman peak, busiest rank / every rank "
@@ -364,6 +400,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--limit", type=int, default=12, help="plans run per case")
+    ap.add_argument("--extra", type=int, default=0,
+                    help="more rounds for glmc's pick and the plans measured within 10%% of "
+                         "the best after --rounds")
     a = ap.parse_args()
     from glmc.analysis.calibration import machine_info
     m = machine_info()
@@ -376,7 +415,7 @@ def main() -> None:
     else:
         for case in a.cases.split(","):
             name, n = case.split(":")
-            results.append({**run_case(name, int(n), a.rounds, a.steps, a.limit),
+            results.append({**run_case(name, int(n), a.rounds, a.steps, a.limit, a.extra),
                             "date": datetime.date.today().isoformat(),
                             "machine": machine, "argv": " ".join(sys.argv[1:])})
         # one result file: the cases not run now keep their last run (each with its date)
