@@ -121,6 +121,13 @@ def run_parts(rank: int, port: int, world: int, out: str,
         dist.destroy_process_group()
 
 
+def slow_readers(request: pytest.FixtureRequest, fixture: str) -> bool:
+    """Whether a selected slow test reads `fixture` (a module fixture's slow parts run only
+    then: `-m slow`)."""
+    return any(item.get_closest_marker("slow") and fixture in item.fixturenames
+               for item in request.session.items)
+
+
 def result(out: Path, part: str, rank: int) -> dict:
     found = torch.load(out / f"{part}{rank}.pt", weights_only=False)
     if "error" in found:

@@ -125,6 +125,7 @@ def _glm_1024_tokens():
                                                              momentum=0.9)
 
 
+@pytest.mark.slow  # ~40 s; `min` on the GLM example runs by default
 def test_min_fuses_the_whole_gated_mlp_with_parity_and_a_lower_peak() -> None:
     """Under `min` the default pipeline fuses each gated MLP whole (`fusion{mlp=chunked}`:
     glmc::gated_mlp, its backward making each row chunk's projections again, issue 36 item 2):

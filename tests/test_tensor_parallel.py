@@ -24,7 +24,7 @@ from glmc.ir.plans import Tile
 from glmc.ir.program import comm_nodes
 from glmc.parallel.plan import ParallelPlan
 from glmc.trace.capture import capture, split_batch
-from tests.distributed import result, run_parts, spawn
+from tests.distributed import result, run_parts, slow_readers, spawn
 from tests.models import BACKEND_CASES, CASES, eager_losses, example_module
 
 STEPS = 3
@@ -85,6 +85,7 @@ def test_the_megatron_layout_is_found_from_the_graph() -> None:
     assert local["embed.weight"] == local["exp_avg:embed.weight"] == (128, 64)
 
 
+@pytest.mark.slow  # a part of its own in the fixture; pins are unit-tested by default
 def test_mixed_layouts_train_like_one_process(runs: Path) -> None:
     """Units kept whole beside sharded ones: the LM head and the embedding pinned whole with
     the blocks sharded (cross-entropy on whole logits: no loss-parallel rules): the losses,
@@ -461,18 +462,17 @@ def _worker(rank: int, port: int, out: str, slow: bool = False) -> None:
                                    ("sequence", _tp_part("eager", None, sequence=True)),
                                    ("bf16", _tp_part("eager", None, precision="bf16")),
                                    ("checkpoint", _checkpoint_part),
-                                   ("dropout", _dropout_part),
-                                   ("clip", _tp_part("eager", None, clip=0.5)),
-                                   ("accumulate", _tp_part("eager", None, accumulate=2)),
-                                   ("llama", _tp_part("eager", None, "llama", sgd=True)),
-                                   ("whole_vocab", _tp_part(
-                                       "eager", None,
-                                       tp_plan="head.weight:replicate;embed.weight:replicate"))]
+                                   ("dropout", _dropout_part)]
               + (_SLOW_PARTS if slow else []))
 
 
 #: parts only the slow tests read (run when one of them is selected: `-m slow`)
-_SLOW_PARTS = [("hf_glm_sequence", _tp_part("eager", None, "hf_glm", sequence=True)),
+_SLOW_PARTS = [("clip", _tp_part("eager", None, clip=0.5)),
+               ("accumulate", _tp_part("eager", None, accumulate=2)),
+               ("llama", _tp_part("eager", None, "llama", sgd=True)),
+               ("whole_vocab", _tp_part(
+                   "eager", None, tp_plan="head.weight:replicate;embed.weight:replicate")),
+               ("hf_glm_sequence", _tp_part("eager", None, "hf_glm", sequence=True)),
                # one sequence, with SGD: under AdamW one weight in 10,000 (a rounding-noise
                # gradient) moved 2e-6 apart
                ("one", _tp_part("eager", None, rows=1, sgd=True)),
@@ -485,14 +485,8 @@ _SLOW_PARTS = [("hf_glm_sequence", _tp_part("eager", None, "hf_glm", sequence=Tr
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
     out = tmp_path_factory.mktemp("tp")
-    spawn(_worker, str(out), _slow_readers(request, "runs"))
+    spawn(_worker, str(out), slow_readers(request, "runs"))
     return out
-
-
-def _slow_readers(request: pytest.FixtureRequest, fixture: str) -> bool:
-    """Whether a selected slow test reads `fixture` (its slow parts run only then)."""
-    return any(item.get_closest_marker("slow") and fixture in item.fixturenames
-               for item in request.session.items)
 
 
 @pytest.mark.parametrize("part", ["eager", "default"])  # default: glmc's default passes too
@@ -515,8 +509,8 @@ def test_two_ranks_train_like_one_process(runs: Path, part: str) -> None:
         assert r["collectives"] == {"all_reduce": 13} and r["whole_ops"] == {}
 
 
-@pytest.mark.parametrize("flags", [("--tp", "2"), pytest.param(
-    ("--tp", "2", "--sequence-parallel"), marks=pytest.mark.slow)])  # (the API's by default)
+@pytest.mark.slow  # 2 processes through the CLI; the API's tp=2 and sequence runs by default
+@pytest.mark.parametrize("flags", [("--tp", "2"), ("--tp", "2", "--sequence-parallel")])
 def test_glmc_compile_tp_trains_like_one_process(tmp_path: Path, flags: tuple) -> None:
     """`glmc compile FILE --nproc 2 --tp 2 [--sequence-parallel]` prints the losses of one
     process."""
@@ -703,6 +697,7 @@ def test_dropout_on_sharded_values_draws_one_process_masks(runs: Path) -> None:
         assert "different generator states" in r["refused"]
 
 
+@pytest.mark.slow  # a part of its own in the fixture (data-parallel clipping runs by default)
 def test_gradient_clipping_sums_the_blocks_norms_over_the_ranks(runs: Path) -> None:
     """`clip_grad_norm=0.5` (active: the GLM example's gradient norm is larger) on tp=2 with
     SGD (whose step is the clipped gradient): the sharded gradients' squared norms
@@ -717,8 +712,8 @@ def test_gradient_clipping_sums_the_blocks_norms_over_the_ranks(runs: Path) -> N
         assert r["collectives"] == {"all_reduce": 13}  # the pass's; clip adds one more
 
 
-@pytest.mark.parametrize("case", ["llama",  # qwen2_tied: a part run only for the slow set
-                                  pytest.param("qwen2_tied", marks=pytest.mark.slow)])
+@pytest.mark.slow  # parts of their own in the fixture; transformers' GLM runs by default
+@pytest.mark.parametrize("case", ["llama", "qwen2_tied"])
 def test_zoo_llama_and_a_tied_embedding_train_like_one_process(runs: Path, case: str) -> None:
     """transformers' Llama and Qwen2 with the LM head tied to the embedding (one table,
     vocab-parallel for both uses) from the zoo, on tp=2: the Megatron layout found from the
@@ -733,6 +728,7 @@ def test_zoo_llama_and_a_tied_embedding_train_like_one_process(runs: Path, case:
         assert r["local"]["model.embed_tokens.weight"][0] * 2 == table
 
 
+@pytest.mark.slow  # a part of its own in the fixture
 def test_gradient_accumulation_on_tensor_parallel_ranks(runs: Path) -> None:
     """`accumulate=2` on tp=2: the batch in 2 micro-batches, each rank's gradient blocks
     summed (the accumulate pass after the tensor_parallel pass), one update: the losses,
@@ -959,7 +955,7 @@ def _pp_tp_worker(rank: int, port: int, out: str, slow: bool, only: str = "") ->
 def pp_tp_runs(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
                ) -> Path:
     out = tmp_path_factory.mktemp("pp_tp")
-    slow = _slow_readers(request, "pp_tp_runs")
+    slow = slow_readers(request, "pp_tp_runs")
     spawn(_pp_tp_worker, str(out), slow, nprocs=4)
     return out
 
