@@ -378,8 +378,8 @@ def megatron_picks(row: tuple) -> dict:
 
 @pytest.mark.parametrize("row", [0, pytest.param(4, marks=pytest.mark.slow)])
 def test_published_megatron_runs_are_predicted(row: int) -> None:
-    """Two rows in the default run (one data+tensor parallel, one pipelined); all under
-    -m slow."""
+    """Row 0 (data parallel on 32 GPUs) in the default run; row 4 (tp=8, pp=2, interleaved)
+    and every row (`test_every_published_megatron_row`) under -m slow."""
     predicted, plan = megatron_row(MEGATRON[row])
     assert predicted == pytest.approx(MEGATRON[row][-1], rel=0.15)
     assert plan.fits
