@@ -601,18 +601,25 @@ def _wake(group: Any, device: str) -> tuple[float, float]:
     for _ in range(8):
         a @ a
     k = max(1, int(0.005 / max((time.perf_counter() - t0) / 8, 1e-7)))  # ~5 ms between
-    # interleaved triples, each its own estimate (a burst lands on one triple)
-    triples = [(loop(k, True), loop(k, False), loop(0, True)) for _ in range(_PAIRS)]
-    extra = max(0.0, statistics.median(t - alone - idle for t, alone, idle in triples))
+    # interleaved triples, each its own estimate (a burst lands on one triple); three times
+    # the other probes' count: the skew is a fraction of a millisecond per collective
+    triples = [(loop(k, True), loop(k, False), loop(0, True)) for _ in range(3 * _PAIRS)]
+    extra = statistics.median(t - alone - idle for t, alone, idle in triples)
+    # each rank waits for the others: the skew is the ranks' mean view, not rank 0's alone
+    # (one slow rank makes its peers' extra large and its own small; the step pays the mean)
+    both = torch.tensor([extra, statistics.median(alone for _, alone, _ in triples)],
+                        dtype=torch.float64)
+    dist.all_reduce(both, group=group)  # every rank, whichever branch it takes below
     if dist.get_world_size(group) > cores:  # rank 0's figures are the link's (broadcast)
-        return extra, 0.0
-    return 0.0, extra / statistics.median(alone for _, alone, _ in triples)
+        return max(0.0, extra), 0.0
+    return 0.0, max(0.0, float(both[0])) / max(float(both[1]), 1e-9)
 
 
 #: how links are timed; a cache written another way is measured again (2: functional
 #: collectives allocating their output, as the step runs them; 3: with `corun`; 4: with
-#: `wake_s`; 5: the host-sharing probes in interleaved pairs; 6: `corun_stream`; 7: `skew`)
-_LINK_METHOD = 7
+#: `wake_s`; 5: the host-sharing probes in interleaved pairs; 6: `corun_stream`; 7: `skew`;
+#: 8: `skew` from 33 triples, the ranks' mean)
+_LINK_METHOD = 8
 
 
 def _link_path(backend: str, ranks: int) -> Any:
