@@ -707,7 +707,7 @@ def test_trainer_measures_its_pipeline_and_writes_a_report(distributed: Path,
     assert data["link"]["corun"] >= 1.0  # measured with it: ranks computing at once
     assert len(data["link"]["corun_stream"]) == 5  # and by working set
     assert all(f >= 1.0 for f in data["link"]["corun_stream"].values())
-    assert data["link"]["skew"] >= 0.0 and data["link"]["wake_s"] >= 0.0
+    assert data["link"]["wake_s"] >= 0.0
     pred = {e["action"]: e for e in data["predicted_timeline"]}
     assert pred["1RECV_F0"]["end_s"] > pred["1RECV_F0"]["start_s"]
     assert {e["action"] for e in data["measured_timeline"]} == set(pred)

@@ -742,20 +742,6 @@ def test_each_blocking_collective_waits_for_a_core_where_processes_outnumber_the
     assert extra <= m * allreduces * 0.004 + 1e-9  # the slowest stage's share of them
 
 
-def test_a_tensor_parallel_group_waits_for_its_last_rank(tiny: tuple) -> None:
-    """`skew` (measured with the link where each process has a core): ranks doing the same
-    work arrive at each all-reduce apart by a share of the compute before it, which the
-    group waits out; tensor-parallel plans pay it on all their compute, others nothing."""
-    work, cluster = tiny
-    skewed = _with_device(cluster, skew=0.05)
-    tp = PlanPoint(2, 2, 1, 0, 2, "1f1b", 1, "full", "bf16")
-    a, b = evaluate(tp, work, cluster), evaluate(tp, work, skewed)
-    busy = a.breakdown["compute"] + a.breakdown["recompute"]
-    assert b.breakdown["tp_comm"] - a.breakdown["tp_comm"] == pytest.approx(0.05 * busy)
-    dp = PlanPoint(4, 1, 1, 0, 2, "1f1b", 1, "none", "bf16")
-    assert evaluate(dp, work, skewed).step_s == evaluate(dp, work, cluster).step_s
-
-
 def test_processes_computing_at_once_slow_each_other(tiny: tuple) -> None:
     """A host whose processes slow each other when they compute at once (`corun`, measured
     with the link: shared caches and memory bandwidth, a virtual machine's cores): replicas

@@ -74,10 +74,6 @@ class LinkProfile:
     #: its own time while the ranks compute between them (a waiting process wakes to find
     #: the cores taken and waits for a time slice); 0 otherwise
     wake_s: float = 0.0
-    #: where each rank has a core: how far apart ranks doing the same work arrive at a
-    #: blocking collective, as a share of the compute before it (a shared host's cores
-    #: run them at uneven speeds; the collective waits for the last); 0 for GPUs
-    skew: float = 0.0
 
     def timed(self, kind: str, nbytes: int, ranks: int) -> float | None:
         """The time of `kind` on `nbytes` read off the timed points (None: not timed at
@@ -113,7 +109,7 @@ class LinkProfile:
                 "ranks": self.ranks, "contention": self.contention,
                 "progress": self.progress, "corun": self.corun,
                 "corun_stream": {str(b): f for b, f in self.corun_stream},
-                "wake_s": self.wake_s, "skew": self.skew}
+                "wake_s": self.wake_s}
 
 
 #: per-direction figures from the vendors' datasheets (bus bandwidth a ring can use)
@@ -385,14 +381,14 @@ def measure_link(group: Any = None, device: str = "cpu", reps: int = 5,
     timed = {kind: [statistics.median(samples[kind, b]) for b in _SIZES] for kind in _KINDS}
     contention, progress = _contention(timed["all_reduce"][-1], group, device)
     corun, stream = _corun(group, device)
-    wake, skew = _wake(group, device)
+    wake = _wake(group, device)
     backend = dist.get_backend(group)
     kinds = tuple((kind, *_fit(kind, n, list(_SIZES), timed[kind])) for kind in _KINDS)
     link = [LinkProfile(f"measured-{backend}", kinds[0][1], kinds[0][2],
                         f"timed {', '.join(_KINDS)} of {', '.join(map(str, _SIZES))} B on {n} "
                         f"ranks ({backend}), median of {reps} rounds", kinds=kinds,
                         contention=contention, progress=progress, corun=corun,
-                        corun_stream=stream, wake_s=wake, skew=skew,
+                        corun_stream=stream, wake_s=wake,
                         points=tuple((k, tuple(zip(_SIZES, timed[k]))) for k in _KINDS),
                         ranks=n)]
     dist.broadcast_object_list(link, src=src, group=group)
@@ -568,22 +564,24 @@ def _corun(group: Any, device: str) -> tuple[float, tuple[tuple[int, float], ...
     return factors[0], tuple(zip(_STREAM_SIZES, factors[1:]))
 
 
-def _wake(group: Any, device: str) -> tuple[float, float]:
-    """What a blocking collective costs beyond its own time while every rank computes the
-    same work between collectives: the median over interleaved triples of (matmuls, a
-    4-byte all-reduce) minus the same matmuls alone minus the all-reduce timed idle, with
-    ~5 ms of compute (alone) between collectives. Where the ranks outnumber the host's cores
-    it is `wake_s`, per collective (4 processes on 2 cores: 6-11 ms with 2-20 ms between
-    them, against 0.4 ms idle); where each has a core, the ranks' arrival skew as a share of
-    the compute between collectives (`skew`: Llama x2's `tp=2` runs waited 116-126 ms at
-    their all-reduces where their idle times came to 83). CPU ranks only; (wake_s, skew)."""
+def _wake(group: Any, device: str) -> float:
+    """Where the ranks outnumber the host's cores (CPU ranks only): what a blocking
+    collective costs beyond its own time while every rank computes the same work between
+    collectives — the median over interleaved triples of (matmuls, a 4-byte all-reduce)
+    minus the same matmuls alone minus the all-reduce timed idle, per collective, with ~5 ms
+    of compute (alone) between collectives (4 processes on 2 cores: 6-11 ms with 2-20 ms
+    between them, against 0.4 ms idle); 0 where every rank has a core. There the same probe
+    reads a share of the compute (the ranks' arrival spread: 1.6-21% within hours on an AMD
+    EPYC host, rank 0's view, the ranks' mean or the least-waiting rank's alike) that the
+    step's tensor-parallel plans did not pay: priced with it they came out 10-40% slow, as
+    the other plans' spread without it (docs/planner.md), so it is not measured."""
     import os
 
     import torch.distributed as dist
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
         (os.cpu_count() or 1)
-    if device != "cpu" or dist.get_world_size(group) < 2:
-        return 0.0, 0.0
+    if device != "cpu" or dist.get_world_size(group) <= cores:
+        return 0.0
     a = torch.full((256, 256), 0.5, device=device)  # no draw from the user's generator
     x = torch.zeros(1, device=device)
     reps = 8
@@ -601,24 +599,16 @@ def _wake(group: Any, device: str) -> tuple[float, float]:
     for _ in range(8):
         a @ a
     k = max(1, int(0.005 / max((time.perf_counter() - t0) / 8, 1e-7)))  # ~5 ms between
-    # interleaved triples, each its own estimate (a burst lands on one triple); three times
-    # the other probes' count: the skew is a fraction of a millisecond per collective
-    triples = [(loop(k, True), loop(k, False), loop(0, True)) for _ in range(3 * _PAIRS)]
-    extra = statistics.median(t - alone - idle for t, alone, idle in triples)
-    # each rank waits for the others: the skew is the ranks' mean view, not rank 0's alone
-    # (one slow rank makes its peers' extra large and its own small; the step pays the mean)
-    both = torch.tensor([extra, statistics.median(alone for _, alone, _ in triples)],
-                        dtype=torch.float64)
-    dist.all_reduce(both, group=group)  # every rank, whichever branch it takes below
-    if dist.get_world_size(group) > cores:  # rank 0's figures are the link's (broadcast)
-        return max(0.0, extra), 0.0
-    return 0.0, max(0.0, float(both[0])) / max(float(both[1]), 1e-9)
+    # interleaved triples, each its own estimate (a burst lands on one triple)
+    triples = [(loop(k, True), loop(k, False), loop(0, True)) for _ in range(_PAIRS)]
+    # rank 0's figure is the link's (broadcast with it)
+    return max(0.0, statistics.median(t - alone - idle for t, alone, idle in triples))
 
 
 #: how links are timed; a cache written another way is measured again (2: functional
 #: collectives allocating their output, as the step runs them; 3: with `corun`; 4: with
 #: `wake_s`; 5: the host-sharing probes in interleaved pairs; 6: `corun_stream`; 7: `skew`;
-#: 8: `skew` from 33 triples, the ranks' mean)
+#: 8: no `skew`)
 _LINK_METHOD = 8
 
 
@@ -640,7 +630,6 @@ def _save_link(link: LinkProfile, backend: str, ranks: int) -> None:
                                     "contention": link.contention,
                                     "progress": link.progress, "points": link.points,
                                     "corun": link.corun, "wake_s": link.wake_s,
-                                    "skew": link.skew,
                                     "corun_stream": link.corun_stream,
                                     "ranks": link.ranks,
                                     "date": time.strftime("%Y-%m-%d")}))
@@ -662,7 +651,7 @@ def cached_link(backend: str, ranks: int) -> LinkProfile | None:
                            progress=d.get("progress", 1.0), corun=d.get("corun", 1.0),
                            corun_stream=tuple((int(b), float(f))
                                               for b, f in d.get("corun_stream", ())),
-                           wake_s=d.get("wake_s", 0.0), skew=d.get("skew", 0.0))
+                           wake_s=d.get("wake_s", 0.0))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

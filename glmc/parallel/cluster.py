@@ -57,9 +57,6 @@ class DeviceKind:
     #: what each blocking collective or send/receive costs beyond its own time where the
     #: processes outnumber the cores (`LinkProfile.wake_s`, measured with the link)
     wake_s: float = 0.0
-    #: how far apart a tensor-parallel group's ranks arrive at each all-reduce, as a share
-    #: of the compute before it (`LinkProfile.skew`, measured with the link); 0: in step
-    skew: float = 0.0
 
     def corun_extra(self, ops: Any, sequences: int) -> float:
         """Seconds `ops` (`PartCost.work_ops`-style (seconds per sequence, of them memory-
@@ -158,13 +155,10 @@ def _host(per_node: int) -> DeviceKind:
                           f"{f:.2f}x at {b / 2**20:g} MiB" for b, f in measured.corun_stream)
                          if measured and measured.corun_stream else "")
                       + (f"; each blocking collective waits {measured.wake_s * 1e3:.1f} ms for "
-                         "a core" if measured and measured.wake_s else "")
-                      + (f"; ranks arrive at a collective {measured.skew:.1%} of the compute "
-                         "before it apart" if measured and measured.skew else ""),
+                         "a core" if measured and measured.wake_s else ""),
                       share, corun=measured.corun if measured else 1.0,
                       corun_stream=measured.corun_stream if measured else (),
-                      wake_s=measured.wake_s if measured else 0.0,
-                      skew=measured.skew if measured else 0.0)
+                      wake_s=measured.wake_s if measured else 0.0)
 
 
 @dataclass(frozen=True)

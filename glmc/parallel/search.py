@@ -143,8 +143,7 @@ def _rank_costs(p: PlanPoint, chunk_list: list, last: tuple, dev: DeviceKind,
     parallel all-reduces (not overlapped; a fully recomputed layer's forward ones twice
     where it issues them again, `PartCost.keeps_collectives`) and
     sends/receives to the neighbouring stages; where the processes outnumber the cores each
-    blocking one also waits `dev.wake_s` for a core; where they share a host each all-reduce
-    waits for the group's last rank, `dev.skew` of the compute before it behind."""
+    blocking one also waits `dev.wake_s` for a core."""
     b = p.microbatch
     pp_link = dev.intra if p.dp * p.tp * p.pp <= cluster.per_node else dev.inter
     comp = sum(b * (c.forward_s + c.backward_s) + c.overhead_s
@@ -156,8 +155,6 @@ def _rank_costs(p: PlanPoint, chunk_list: list, last: tuple, dev: DeviceKind,
     tp = sum((collective_seconds("all_reduce", nbytes * b, p.tp, tp_link) + dev.wake_s)
              * (1 + again * c.collectives_again() * (phase == "forward"))
              for ch in chunk_list for c in ch for phase, nbytes in c.tp_bytes)
-    if tp:  # the compute between all-reduces is all of the rank's, near enough
-        tp += dev.skew * (comp + rec)
     p2p = 0.0
     for ch in chunk_list:  # each chunk but the model's last sends its output forward and
         if ch is not last:  # receives its gradient back, per micro-batch
