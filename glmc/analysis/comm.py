@@ -573,14 +573,20 @@ def _wake(group: Any, device: str) -> float:
     between them, against 0.4 ms idle); 0 where every rank has a core. There the same probe
     reads a share of the compute (the ranks' arrival spread: 1.6-21% within hours on an AMD
     EPYC host, rank 0's view, the ranks' mean or the least-waiting rank's alike) that the
-    step's tensor-parallel plans did not pay: priced with it they came out 10-40% slow, as
-    the other plans' spread without it (docs/planner.md), so it is not measured."""
+    step's tensor-parallel plans did not pay: priced with it they came out 1.11-1.50x of
+    measured where the other plans were 0.90-1.17x (docs/planner.md), so it is not
+    measured."""
     import os
 
     import torch.distributed as dist
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
-        (os.cpu_count() or 1)
-    if device != "cpu" or dist.get_world_size(group) <= cores:
+    if device != "cpu":
+        return 0.0
+    cores = torch.tensor([len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                          else (os.cpu_count() or 1)])
+    # one decision for every rank (ranks bound to different cores count differently; a rank
+    # skipping the probe would leave the others in its barrier)
+    dist.all_reduce(cores, op=dist.ReduceOp.MIN, group=group)
+    if dist.get_world_size(group) <= int(cores):
         return 0.0
     a = torch.full((256, 256), 0.5, device=device)  # no draw from the user's generator
     x = torch.zeros(1, device=device)
@@ -608,7 +614,7 @@ def _wake(group: Any, device: str) -> float:
 #: how links are timed; a cache written another way is measured again (2: functional
 #: collectives allocating their output, as the step runs them; 3: with `corun`; 4: with
 #: `wake_s`; 5: the host-sharing probes in interleaved pairs; 6: `corun_stream`; 7: `skew`;
-#: 8: no `skew`)
+#: 8: `skew` over 33 triples for one run (80a3d2a), then no `skew`)
 _LINK_METHOD = 8
 
 
